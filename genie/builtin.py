@@ -1,0 +1,29 @@
+"""Built-in plugin: the core's own hook implementations (host metrics, the logging event sink).
+
+Built-in behaviour goes through the same hooks as third-party plugins, so a site
+can see it in ``genie plugins`` and a test can unregister it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from genie.hookspecs import hookimpl
+from genie.types import ClusterEvent
+
+event_log = logging.getLogger("genie.events")
+
+
+class LoggingEventSink:
+    """Logs every cluster event to the ``genie.events`` logger."""
+
+    name = "logging"
+
+    def handle(self, event: ClusterEvent) -> None:
+        event_log.info("%s from %s %s", event.type.value, event.source, event.data or "")
+
+
+@hookimpl
+def genie_event_sinks() -> list[Any]:
+    return [LoggingEventSink()]

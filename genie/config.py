@@ -1,0 +1,221 @@
+"""Cluster configuration: arguments and ``GENIE_*`` environment, validated, frozen.
+
+Every option can come from a keyword argument or from the environment variable
+``GENIE_<OPTION>`` (``GENIE_MASTER_PORT`` for ``master_port``); arguments win.
+A bad value raises :class:`~genie.errors.ConfigError` naming the option, the
+value, its source and what is allowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from genie.errors import ConfigError
+from genie.types import NodeRole
+
+_BACKEND_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@attrs.frozen
+class BackendSpec:
+    """A parsed ``backend`` option.
+
+    ``auto``: every available backend, best first. ``rdma``: only that one.
+    ``rdma,tcp``: those, in that order. ``^dpdk`` or ``^dpdk,rdma``: every
+    backend except those. ``explicit`` is True when the user named backends,
+    in which case genie never falls back to one they did not name.
+    """
+
+    text: str
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    @property
+    def explicit(self) -> bool:
+        return bool(self.include)
+
+    @classmethod
+    def parse(cls, text: str, *, source: str = "argument backend") -> BackendSpec:
+        raw = text.strip().lower()
+        allowed = "'auto', a backend name, an ordered list like 'rdma,tcp', or exclusions like '^dpdk'"
+        if raw in ("", "auto"):
+            return cls("auto")
+        negate = raw.startswith("^")
+        names = tuple(n.strip() for n in raw.lstrip("^").split(","))
+        for name in names:
+            if not _BACKEND_NAME.match(name) or name == "auto":
+                raise ConfigError("backend", text, source, allowed)
+        if len(set(names)) != len(names):
+            raise ConfigError("backend", text, source, allowed + " (each name once)")
+        return cls(raw, exclude=names) if negate else cls(raw, include=names)
+
+    def check_known(self, known: set[str], *, source: str = "argument backend") -> None:
+        """Raise ConfigError if the spec names a backend no installed plugin provides."""
+        for name in self.include + self.exclude:
+            if name not in known:
+                raise ConfigError(
+                    "backend", self.text, source, f"installed backends: {', '.join(sorted(known)) or 'none'}"
+                )
+
+
+def _positive(value: float) -> bool:
+    return value > 0
+
+
+# name -> (type, default, validator or None, allowed text)
+_OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
+    "master_addr": (str, "127.0.0.1", lambda v: bool(v.strip()), "a host name or IP address"),
+    "master_port": (int, 5555, lambda v: 1 <= v <= 65535, "an integer port from 1 to 65535"),
+    "node_id": (str, "", lambda v: re.fullmatch(r"[A-Za-z0-9_.:-]{0,128}", v) is not None,
+                "letters, digits, '_', '.', ':' or '-' (at most 128), or empty for a generated id"),
+    "node_role": (str, "client", lambda v: v in {r.value for r in NodeRole}, "client, server or worker"),
+    "backend": (str, "auto", None, "see BackendSpec"),
+    "bind_addr": (str, "127.0.0.1", lambda v: bool(v.strip()), "an address to listen on"),
+    "data_port": (int, 0, lambda v: 0 <= v <= 65535, "0 (any free port) or a port up to 65535"),
+    "devices": (str, "auto", lambda v: re.fullmatch(r"auto|(cpu|cuda(:\d+)?)(,(cpu|cuda(:\d+)?))*", v) is not None,
+                "'auto' or a list like 'cpu,cpu' or 'cuda:0,cuda:1'"),
+    "heartbeat_interval": (float, 10.0, _positive, "a positive number of seconds"),
+    "heartbeat_timeout": (float, 60.0, _positive, "a positive number of seconds, longer than heartbeat_interval"),
+    "gpu_poll_interval": (float, 5.0, _positive, "a positive number of seconds"),
+    "health_check_interval": (float, 30.0, _positive, "a positive number of seconds"),
+    "health_check_timeout": (float, 5.0, _positive, "a positive number of seconds"),
+    "timeout": (float, 30.0, _positive, "a positive number of seconds (the whole of init)"),
+    "connect_timeout": (float, 5.0, _positive, "a positive number of seconds"),
+    "probe_timeout": (float, 2.0, _positive, "a positive number of seconds"),
+    "op_timeout": (float, 60.0, _positive, "a positive number of seconds a sync point may wait"),
+    "enable_heartbeat": (bool, True, None, "true or false"),
+    "enable_gpu_monitoring": (bool, True, None, "true or false"),
+    "enable_health_checks": (bool, True, None, "true or false"),
+    "enable_telemetry": (bool, True, None, "true or false"),
+    "log_level": (str, "INFO", lambda v: v.upper() in _LOG_LEVELS, ", ".join(_LOG_LEVELS)),
+    "auth_token": (str, "", None, "any string; empty disables authentication"),
+    "max_session_bytes": (int, 0, lambda v: v >= 0, "0 (unbounded) or a byte count"),
+    "max_session_handles": (int, 1_000_000, lambda v: v > 0, "a positive count"),
+    "max_frame_bytes": (int, 8 << 30, lambda v: v >= 4096, "a byte count of at least 4096"),
+}
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _coerce(name: str, kind: type, value: Any, source: str, allowed: str) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ConfigError(name, value, source, allowed)
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(name, value, source, allowed)
+        return value
+    if isinstance(value, bool):
+        raise ConfigError(name, value, source, allowed)
+    try:
+        return kind(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        raise ConfigError(name, value, source, allowed) from None
+
+
+def env_name(option: str) -> str:
+    """The environment variable that sets ``option``."""
+    return "GENIE_" + option.upper()
+
+
+@attrs.frozen
+class ClusterConfig:
+    """Every option of a genie node or client, validated. Build with :meth:`from_sources`."""
+
+    master_addr: str
+    master_port: int
+    node_id: str
+    node_role: NodeRole
+    backend: BackendSpec
+    bind_addr: str
+    data_port: int
+    devices: str
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    gpu_poll_interval: float
+    health_check_interval: float
+    health_check_timeout: float
+    timeout: float
+    connect_timeout: float
+    probe_timeout: float
+    op_timeout: float
+    enable_heartbeat: bool
+    enable_gpu_monitoring: bool
+    enable_health_checks: bool
+    enable_telemetry: bool
+    log_level: str
+    auth_token: str = attrs.field(repr=False)
+    max_session_bytes: int
+    max_session_handles: int
+    max_frame_bytes: int
+    sources: Mapping[str, str] = attrs.field(factory=dict, repr=False, eq=False)
+
+    @classmethod
+    def from_sources(
+        cls, environ: Mapping[str, str] | None = None, /, **arguments: Any
+    ) -> ClusterConfig:
+        """Merge ``arguments`` over ``GENIE_*`` variables of ``environ`` (default ``os.environ``)."""
+        env = os.environ if environ is None else environ
+        unknown = set(arguments) - set(_OPTIONS)
+        if unknown:
+            name = sorted(unknown)[0]
+            raise ConfigError(name, arguments[name], f"argument {name}", "one of " + ", ".join(sorted(_OPTIONS)))
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for name, (kind, default, check, allowed) in _OPTIONS.items():
+            if name in arguments and arguments[name] is not None:
+                raw, source = arguments[name], f"argument {name}"
+            elif env_name(name) in env:
+                raw, source = env[env_name(name)], f"environment variable {env_name(name)}"
+            else:
+                raw, source = default, "default"
+            value = _coerce(name, kind, raw, source, allowed)
+            if check is not None and not check(value):
+                raise ConfigError(name, raw, source, allowed)
+            values[name], sources[name] = value, source
+        values["node_role"] = NodeRole(values["node_role"])
+        values["log_level"] = values["log_level"].upper()
+        values["backend"] = BackendSpec.parse(values["backend"], source=sources["backend"])
+        cls._check_relations(values, sources)
+        return cls(**values, sources=sources)
+
+    @staticmethod
+    def _check_relations(values: dict[str, Any], sources: dict[str, str]) -> None:
+        if values["heartbeat_timeout"] <= values["heartbeat_interval"]:
+            raise ConfigError(
+                "heartbeat_timeout", values["heartbeat_timeout"], sources["heartbeat_timeout"],
+                f"a timeout longer than heartbeat_interval ({values['heartbeat_interval']:g} s)",
+            )
+        if values["health_check_timeout"] > values["health_check_interval"]:
+            raise ConfigError(
+                "health_check_timeout", values["health_check_timeout"], sources["health_check_timeout"],
+                f"at most health_check_interval ({values['health_check_interval']:g} s)",
+            )
+
+    @property
+    def log_level_number(self) -> int:
+        return int(logging.getLevelName(self.log_level))
+
+    def replace(self, **changes: Any) -> ClusterConfig:
+        """A copy with some options changed, validated again as arguments."""
+        current = {name: getattr(self, name) for name in _OPTIONS}
+        current["node_role"] = self.node_role.value
+        current["backend"] = self.backend.text
+        current.update(changes)
+        return ClusterConfig.from_sources({}, **current)
+
+
+def option_names() -> tuple[str, ...]:
+    """Every option ClusterConfig knows, in declaration order."""
+    return tuple(_OPTIONS)

@@ -1,0 +1,97 @@
+"""Every hook a genie plugin can implement.
+
+A plugin is a module (or object) registered under the entry-point group
+``genie``; it implements any of these functions decorated with
+``@genie.hookimpl``. Hooks register *things*: asynchronous work lives in the
+methods of those things, never in an async hook implementation (pluggy cannot
+await, and a coroutine would be taken for a result). Core calls every hook with
+keyword arguments through :class:`genie.plugins.PluginManager`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from genie.config import ClusterConfig
+    from genie.types import NodeInfo, ProbeResult
+
+PROJECT_NAME = "genie"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def genie_transports() -> list[type]:
+    """Return the transport classes this plugin provides.
+
+    Called once, when the plugin manager first builds its transport table
+    (``genie.init()``, ``genie serve``, ``genie plugins``, ``genie discover``).
+
+    :return: a list of classes implementing :class:`genie.transport.Transport`:
+        each has a class attribute ``name`` (unique across plugins: two plugins
+        claiming one name is an error naming both), a class attribute
+        ``default_priority``, ``async probe(target) -> ProbeResult`` and the
+        blocking ``connect``/``listen`` methods. Native libraries must be
+        imported inside ``probe()``, so that a missing library is an
+        "unavailable" result with a reason, not an ImportError.
+    """
+
+
+@hookspec(firstresult=True)
+def genie_backend_priority(result: ProbeResult, config: ClusterConfig) -> int | None:
+    """Override the rank of an available backend.
+
+    Called once per available probe result while backends are ranked, on the
+    runtime thread.
+
+    :param result: the transport's probe result (its ``priority`` is the default rank).
+    :param config: the cluster configuration in force.
+    :return: an int that replaces ``result.priority`` (higher wins), or None to
+        keep it.
+
+    Stops at first non-None result, see :ref:`firstresult`.
+    """
+
+
+@hookspec
+def genie_node_metrics(node: NodeInfo) -> dict[str, Any] | None:
+    """Return a fragment of this node's metrics.
+
+    Called every ``gpu_poll_interval`` by the resource monitor, in a worker
+    thread (never on the event loop), so blocking libraries such as NVML are
+    fine here.
+
+    :param node: the local node being measured.
+    :return: a dict fragment merged into the node's metrics snapshot, such as
+        ``{"gpus": [ {...}, ... ]}`` or ``{"host": {"cpu_percent": ...}}``,
+        or None when the plugin has nothing to say.
+    """
+
+
+@hookspec
+def genie_health_checks() -> list[Any]:
+    """Return health check objects.
+
+    Called once when the health checker starts.
+
+    :return: a list of objects with a ``name`` attribute and a blocking
+        ``check() -> HealthResult`` method. The checker runs each in a worker
+        thread every ``health_check_interval`` with a timeout; a check that
+        hangs or raises is itself reported as failing, never blocks the others.
+    """
+
+
+@hookspec
+def genie_event_sinks() -> list[Any]:
+    """Return event sinks.
+
+    Called once when the event bus starts.
+
+    :return: a list of objects with a ``handle(event: ClusterEvent) -> None``
+        method. Each receives every event in order; a sink that raises is
+        logged and never stops the others.
+    """

@@ -1,0 +1,175 @@
+"""The plugin manager: entry points of group ``genie``, built-ins, typed hook calls.
+
+Plugins are found through the entry-point group ``genie`` (``[project.entry-points.genie]``
+``tcp = "genie_tcp"``). ``GENIE_PLUGINS=a,b`` loads only the named entry points,
+``GENIE_DISABLE_PLUGIN_AUTOLOAD=1`` loads none (built-ins still load), and
+``GENIE_TRACE_PLUGINS=1`` logs every hook call with its arguments and results
+to the ``genie.plugins.trace`` logger. A plugin whose import fails is never
+hidden: :class:`~genie.errors.PluginError` names it and chains its ImportError.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import importlib_metadata
+import pluggy
+
+from genie import hookspecs
+from genie.errors import DuplicateTransportError, PluginError
+
+if TYPE_CHECKING:
+    from genie.config import ClusterConfig
+    from genie.transport.base import Transport
+    from genie.types import NodeInfo, ProbeResult
+
+log = logging.getLogger("genie.plugins")
+trace_log = logging.getLogger("genie.plugins.trace")
+
+ENTRY_POINT_GROUP = "genie"
+
+#: Modules of the core registered as plugins: built-in behaviour is itself a plugin.
+BUILTIN_PLUGINS = ("genie.builtin",)
+
+
+@attrs.frozen
+class PluginRecord:
+    """What the manager knows of one registered plugin."""
+
+    name: str
+    distribution: str
+    version: str
+    path: str
+    builtin: bool
+
+
+class PluginManager:
+    """Owns a pluggy manager and offers one typed method per hook (keyword arguments only)."""
+
+    def __init__(self, *, autoload: bool | None = None, environ: Mapping[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self._pm.add_hookspecs(hookspecs)
+        self.records: dict[str, PluginRecord] = {}
+        self._transports: dict[str, type[Transport]] | None = None
+        if env.get("GENIE_TRACE_PLUGINS", "") not in ("", "0"):
+            self._pm.trace.root.setwriter(lambda msg: trace_log.debug(msg.rstrip()))
+            self._pm.enable_tracing()
+        for module_name in BUILTIN_PLUGINS:
+            module = __import__(module_name, fromlist=["_"])
+            self.register(module, name=module_name, builtin=True)
+        if autoload is None:
+            autoload = env.get("GENIE_DISABLE_PLUGIN_AUTOLOAD", "") in ("", "0")
+        if autoload:
+            only = env.get("GENIE_PLUGINS", "").strip()
+            self.load_entry_points(only={n.strip() for n in only.split(",") if n.strip()} or None)
+
+    # -- loading ---------------------------------------------------------------------------
+    def load_entry_points(self, only: set[str] | None = None) -> None:
+        """Import and register every entry point of group ``genie`` (or only those named)."""
+        found = importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
+        names = {ep.name for ep in found}
+        if only is not None:
+            missing = only - names
+            if missing:
+                log.warning("GENIE_PLUGINS names plugins that are not installed: %s", ", ".join(sorted(missing)))
+        for ep in sorted(found, key=lambda e: e.name):
+            if only is not None and ep.name not in only:
+                continue
+            if ep.name in self.records:
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                dist = ep.dist.name if ep.dist else "unknown distribution"
+                raise PluginError(
+                    f"plugin {ep.name!r} (entry point {ep.value!r} of {dist}) failed to import: "
+                    f"{type(exc).__name__}: {exc}; fix or uninstall {dist}, or leave it out with GENIE_PLUGINS"
+                ) from exc
+            self.register(plugin, name=ep.name, distribution=ep.dist)
+
+    def register(
+        self, plugin: object, *, name: str, builtin: bool = False, distribution: Any = None
+    ) -> None:
+        """Register ``plugin`` under ``name``; its hooks take effect at once."""
+        self._pm.register(plugin, name=name)
+        dist_name = distribution.name if distribution is not None else ("genie" if builtin else "")
+        version = distribution.version if distribution is not None else ""
+        if builtin:
+            version = _core_version()
+        path = getattr(plugin, "__file__", "") or ""
+        self.records[name] = PluginRecord(name, dist_name, version, path, builtin)
+        self._transports = None
+
+    def unregister(self, name: str) -> None:
+        """Remove the plugin registered under ``name``."""
+        self._pm.unregister(name=name)
+        self.records.pop(name, None)
+        self._transports = None
+
+    def hooks_of(self, name: str) -> list[str]:
+        """The hook names the plugin registered under ``name`` implements."""
+        plugin = self._pm.get_plugin(name)
+        callers = self._pm.get_hookcallers(plugin) or []
+        return sorted(c.name for c in callers)
+
+    # -- typed hook calls ---------------------------------------------------------------------
+    def transports(self) -> dict[str, type[Transport]]:
+        """Every transport class by name; two plugins claiming a name raise DuplicateTransportError."""
+        if self._transports is not None:
+            return self._transports
+        table: dict[str, type[Transport]] = {}
+        owners: dict[str, str] = {}
+        for impl in reversed(self._pm.hook.genie_transports.get_hookimpls()):
+            for cls in impl.function() or []:
+                name = getattr(cls, "name", None)
+                if not isinstance(name, str) or not name:
+                    raise PluginError(f"plugin {impl.plugin_name!r} offers a transport {cls!r} without a name")
+                if name in table:
+                    raise DuplicateTransportError(
+                        f"transport {name!r} is claimed by two plugins: {owners[name]!r} and "
+                        f"{impl.plugin_name!r}; uninstall one or limit loading with GENIE_PLUGINS"
+                    )
+                table[name], owners[name] = cls, impl.plugin_name
+        self._transports = table
+        self.transport_owners = owners
+        return table
+
+    def backend_priority(self, *, result: ProbeResult, config: ClusterConfig) -> int | None:
+        return self._pm.hook.genie_backend_priority(result=result, config=config)
+
+    def node_metrics(self, *, node: NodeInfo) -> list[dict[str, Any]]:
+        return [m for m in self._pm.hook.genie_node_metrics(node=node) if m]
+
+    def health_checks(self) -> list[Any]:
+        return [c for checks in self._pm.hook.genie_health_checks() for c in (checks or [])]
+
+    def event_sinks(self) -> list[Any]:
+        return [s for sinks in self._pm.hook.genie_event_sinks() for s in (sinks or [])]
+
+
+def _core_version() -> str:
+    from genie import __version__
+
+    return __version__
+
+
+_default: PluginManager | None = None
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process-wide plugin manager, built on first use from the environment."""
+    global _default
+    if _default is None:
+        _default = PluginManager()
+    return _default
+
+
+def reset_plugin_manager() -> None:
+    """Forget the process-wide manager, so the next use reloads plugins (for tests)."""
+    global _default
+    _default = None

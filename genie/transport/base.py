@@ -1,0 +1,95 @@
+"""The transport interface every backend plugin implements.
+
+A transport moves frames between two nodes. It has one asynchronous method,
+``probe``, run concurrently with the other transports' probes on the runtime
+thread during discovery, and two blocking ones, ``connect`` and ``listen``,
+which hand out :class:`Channel` objects: reliable, ordered byte streams with
+scatter/gather sends and receives straight into caller-owned memory.
+
+Channels are blocking on purpose: the data plane's fast path runs on the thread
+that needs the answer (the user's thread at a sync point, a session thread on the
+server), which saves two thread hand-offs per round trip. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import ClassVar, Protocol, runtime_checkable
+
+import attrs
+
+from genie.types import ProbeResult
+
+Buffer = bytes | bytearray | memoryview
+
+#: Default ranks (higher wins): dpdk_gpudev > rdma > dpdk > tcp.
+PRIORITY_DPDK_GPUDEV = 400
+PRIORITY_RDMA = 300
+PRIORITY_DPDK = 200
+PRIORITY_TCP = 100
+
+
+@attrs.frozen
+class ProbeTarget:
+    """Where a probe looks: the peer (usually the master) and how long it may take.
+
+    ``host`` may be empty when there is no peer yet (``genie plugins`` on its own):
+    a probe then reports only what the local host supports.
+    """
+
+    host: str = ""
+    port: int = 0
+    timeout: float = 2.0
+
+
+@runtime_checkable
+class Channel(Protocol):
+    """A connected, reliable, ordered byte stream between two nodes."""
+
+    peer: str
+
+    def sendv(self, buffers: Sequence[Buffer]) -> None:
+        """Send every byte of ``buffers`` in order, without joining them first."""
+
+    def recv_into(self, view: memoryview) -> None:
+        """Fill ``view`` exactly; raise ConnectionClosedError if the peer goes away first."""
+
+    def settimeout(self, seconds: float | None) -> None:
+        """Bound how long a send or receive may block (None: forever)."""
+
+    def close(self) -> None:
+        """Close the stream; further use raises ConnectionClosedError."""
+
+
+@runtime_checkable
+class Listener(Protocol):
+    """Accepts channels from peers."""
+
+    host: str
+    port: int
+
+    def accept(self, timeout: float | None = None) -> Channel:
+        """Wait for the next peer; raise TimeoutError when ``timeout`` passes first."""
+
+    def close(self) -> None:
+        """Stop listening."""
+
+
+class Transport(abc.ABC):
+    """A network backend. Subclasses set ``name`` and ``default_priority``."""
+
+    name: ClassVar[str]
+    default_priority: ClassVar[int] = 0
+
+    @abc.abstractmethod
+    async def probe(self, target: ProbeTarget) -> ProbeResult:
+        """Find whether this backend works between here and ``target``; never raise for "no"."""
+
+    @abc.abstractmethod
+    def connect(self, host: str, port: int, *, timeout: float) -> Channel:
+        """Open a channel to a listening peer."""
+
+    @abc.abstractmethod
+    def listen(self, host: str, port: int) -> Listener:
+        """Listen for channels on ``host:port`` (port 0: any free port)."""
