@@ -1,0 +1,54 @@
+"""The ``genie`` command.
+
+Each subcommand lives in its own module of this package and exposes
+``register(subparsers)``, which adds its parser and sets ``func`` to a function
+taking the parsed arguments and returning an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from genie.errors import GenieError
+
+#: Subcommand modules, in the order ``genie --help`` lists them.
+COMMANDS = ("plugins",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from genie.cli.versions import VersionAction
+
+    parser = argparse.ArgumentParser(prog="genie", description="Remote GPUs that feel local to PyTorch.")
+    parser.add_argument("--version", action=VersionAction, help="show genie and every plugin with versions and paths")
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default) or ERROR")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"genie.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=(args.log_level or "WARNING").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except GenieError as exc:
+        print(f"genie {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from genie.cli import main
+
+sys.exit(main())

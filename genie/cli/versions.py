@@ -1,0 +1,30 @@
+"""``genie --version``: the core and each plugin, with versions and paths."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from genie.plugins import PluginManager
+
+
+def version_lines(pm: PluginManager) -> list[str]:
+    import genie
+
+    lines = [f"genie {genie.__version__} at {genie.__file__.rsplit('/', 1)[0]}"]
+    for record in pm.records.values():
+        if record.builtin:
+            continue
+        lines.append(f"  plugin {record.name}: {record.distribution} {record.version} at {record.path}")
+    return lines
+
+
+class VersionAction(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        kwargs.setdefault("nargs", 0)
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print("\n".join(version_lines(PluginManager())))
+        sys.exit(0)

@@ -1,0 +1,1 @@
+"""genie-tcp: the TCP transport (placeholder until the transport lands)."""
