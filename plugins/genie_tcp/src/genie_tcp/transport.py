@@ -1,0 +1,263 @@
+"""The TCP transport: blocking channels over kernel sockets, probed with anyio.
+
+Every failure of the socket layer is translated here, at the boundary:
+
+- a connection that cannot be opened raises :class:`~genie.errors.ConnectError`;
+- a peer that goes away, an OS error mid-stream, a send or receive that runs past
+  the channel's timeout, or use after ``close()`` raises
+  :class:`~genie.errors.ConnectionClosedError` naming the peer. A timed-out
+  channel is closed at once: a frame may be half sent or half read, so the
+  stream can no longer be trusted to be in step (the original
+  ``TimeoutError`` is the exception's ``__cause__``);
+- :meth:`TcpListener.accept` raises the built-in ``TimeoutError`` when its
+  timeout passes (the :class:`~genie.transport.base.Listener` contract), and
+  ConnectionClosedError once the listener is closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+
+import anyio
+
+from genie.errors import ConnectError, ConnectionClosedError
+from genie.transport.base import PRIORITY_TCP, Buffer, ProbeTarget, Transport
+from genie.types import Figure, ProbeResult
+
+log = logging.getLogger("genie.transport.tcp")
+
+#: sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call; stay well below.
+_MAX_IOV = 512
+#: Connect samples the probe takes to measure the round trip.
+_PROBE_SAMPLES = 3
+
+
+def _describe(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _tune(sock: socket.socket) -> None:
+    # Frames are small header+body writes followed by payloads: Nagle would hold
+    # the header back waiting for an ACK. Keepalive notices peers that vanish.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+
+class TcpChannel:
+    """A connected TCP stream; see :class:`genie.transport.base.Channel`.
+
+    One thread sends and one thread receives at a time; :meth:`close` may be
+    called from any thread and wakes a thread blocked in a receive.
+    """
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self._sock = sock
+        self.peer = peer
+        self._closed = False
+        self._timeout: float | None = None
+        self._close_lock = threading.Lock()
+        sock.settimeout(None)
+        _tune(sock)
+
+    def __repr__(self) -> str:
+        return f"<TcpChannel peer={self.peer} {'closed' if self._closed else 'open'}>"
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran or the stream failed."""
+        return self._closed
+
+    def settimeout(self, seconds: float | None) -> None:
+        """Bound each blocking send or receive (None: block forever)."""
+        self._timeout = seconds
+        if not self._closed:
+            self._sock.settimeout(seconds)
+
+    def sendv(self, buffers: Sequence[Buffer]) -> None:
+        """Send every byte of ``buffers`` in order with scatter/gather ``sendmsg``, never joining them."""
+        self._check_open("send to")
+        views = [memoryview(b).cast("B") for b in buffers]
+        views = [v for v in views if v.nbytes]
+        try:
+            while views:
+                sent = self._sock.sendmsg(views[:_MAX_IOV])
+                # Drop what went out; keep the unsent tail of a partly sent buffer.
+                while sent and views:
+                    head = views[0].nbytes
+                    if sent >= head:
+                        sent -= head
+                        views.pop(0)
+                    else:
+                        views[0] = views[0][sent:]
+                        sent = 0
+        except TimeoutError as exc:
+            raise self._failed(f"send to {self.peer} timed out after {self._timeout:g} s") from exc
+        except OSError as exc:
+            raise self._failed(f"connection to {self.peer} failed while sending: {exc}") from exc
+
+    def recv_into(self, view: memoryview) -> None:
+        """Fill ``view`` exactly; ConnectionClosedError if the peer goes away first."""
+        self._check_open("receive from")
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        got, want = 0, view.nbytes
+        try:
+            while got < want:
+                n = self._sock.recv_into(view[got:], want - got)
+                if n == 0:
+                    raise self._failed(
+                        f"{self.peer} closed the connection"
+                        + (f" after {got} of {want} bytes" if got else "")
+                    )
+                got += n
+        except TimeoutError as exc:
+            raise self._failed(f"receive from {self.peer} timed out after {self._timeout:g} s") from exc
+        except ConnectionClosedError:
+            raise
+        except OSError as exc:
+            if self._closed:
+                raise ConnectionClosedError(f"connection to {self.peer} was closed on this side") from exc
+            raise self._failed(f"connection to {self.peer} failed while receiving: {exc}") from exc
+
+    def close(self) -> None:
+        """Close the stream (idempotent); a thread blocked receiving wakes with ConnectionClosedError."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ConnectionClosedError(f"cannot {what} {self.peer}: the channel is closed")
+
+    def _failed(self, message: str) -> ConnectionClosedError:
+        self.close()
+        return ConnectionClosedError(message)
+
+
+class TcpListener:
+    """A listening TCP socket; see :class:`genie.transport.base.Listener`."""
+
+    def __init__(self, host: str, port: int) -> None:
+        try:
+            infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            family, kind, proto, _, address = infos[0]
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:
+            raise ConnectError(f"cannot listen on {_describe(host, port)}: {exc}") from exc
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise ConnectError(f"cannot listen on {_describe(host, port)}: {exc}") from exc
+        self._sock = sock
+        self._closed = False
+        bound = sock.getsockname()
+        self.host: str = bound[0]
+        self.port: int = bound[1]
+
+    def __repr__(self) -> str:
+        return f"<TcpListener {_describe(self.host, self.port)}>"
+
+    def accept(self, timeout: float | None = None) -> TcpChannel:
+        """Wait for the next peer; TimeoutError when ``timeout`` passes first."""
+        if self._closed:
+            raise ConnectionClosedError(f"listener on {_describe(self.host, self.port)} is closed")
+        try:
+            self._sock.settimeout(timeout)
+            conn, address = self._sock.accept()
+        except TimeoutError:
+            raise TimeoutError(f"no connection to {_describe(self.host, self.port)} within {timeout:g} s") from None
+        except OSError as exc:
+            if self._closed:
+                raise ConnectionClosedError(f"listener on {_describe(self.host, self.port)} is closed") from exc
+            raise ConnectionClosedError(f"accept on {_describe(self.host, self.port)} failed: {exc}") from exc
+        conn.setblocking(True)
+        return TcpChannel(conn, _describe(address[0], address[1]))
+
+    def close(self) -> None:
+        """Stop listening (idempotent); a thread blocked in accept wakes up."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
+class TcpTransport(Transport):
+    """Plain TCP through the kernel: always available, two host copies per transfer."""
+
+    name = "tcp"
+    default_priority = PRIORITY_TCP
+
+    #: What this transport declares about itself (not measured).
+    DECLARED = {
+        "host_copies": Figure(2, "copies", measured=False),  # user->kernel on send, kernel->user on receive
+        "gpu_direct": Figure(0, "bool", measured=False),
+    }
+
+    async def probe(self, target: ProbeTarget) -> ProbeResult:
+        """Measure the connect round trip to ``target`` (median of a few), or report local capabilities."""
+        declared = dict(self.DECLARED)
+        if not target.host:
+            return ProbeResult(
+                self.name, True, "ok", "local capabilities only", self.default_priority, declared
+            )
+        where = _describe(target.host, target.port)
+        samples: list[float] = []
+        try:
+            with anyio.fail_after(target.timeout):
+                for _ in range(_PROBE_SAMPLES):
+                    start = time.perf_counter()
+                    stream = await anyio.connect_tcp(target.host, target.port)
+                    samples.append((time.perf_counter() - start) * 1e6)
+                    await stream.aclose()
+        except TimeoutError:
+            if not samples:
+                return ProbeResult(
+                    self.name, False, "timeout",
+                    f"no TCP connection to {where} within {target.timeout:g} s", self.default_priority, declared,
+                )
+        except OSError as exc:
+            if not samples:
+                return ProbeResult(
+                    self.name, False, "unreachable",
+                    f"cannot connect to {where}: {exc}", self.default_priority, declared,
+                    details={"errno": exc.errno, "error": str(exc)},
+                )
+        figures = {"rtt": Figure(round(statistics.median(samples), 1), "us", measured=True), **declared}
+        return ProbeResult(
+            self.name, True, "ok", f"connected to {where}", self.default_priority, figures,
+            details={"samples": len(samples)},
+        )
+
+    def connect(self, host: str, port: int, *, timeout: float) -> TcpChannel:
+        """Open a channel to ``host:port``; ConnectError naming the peer and the OS error when that fails."""
+        where = _describe(host, port)
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except TimeoutError as exc:
+            raise ConnectError(f"cannot connect to {where}: no answer within {timeout:g} s") from exc
+        except OSError as exc:
+            raise ConnectError(f"cannot connect to {where}: {exc}") from exc
+        log.debug("connected to %s", where)
+        return TcpChannel(sock, where)
+
+    def listen(self, host: str, port: int) -> TcpListener:
+        """Listen on ``host:port`` (port 0: any free port; ``.port`` tells which)."""
+        listener = TcpListener(host, port)
+        log.debug("listening on %s", _describe(listener.host, listener.port))
+        return listener
