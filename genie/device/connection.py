@@ -1,0 +1,267 @@
+"""The client side of one data-plane session: batching, handles, sync points.
+
+Ops are encoded on the calling thread and appended to a batch; the batch is sent
+when it grows past a bound, at a sync point, or when the runtime's idle flusher
+finds it waiting (so fire-and-forget work starts even if no sync point comes).
+A sync point sends the batch and its request in one frame and reads the reply on
+the calling thread: one round trip, no thread hand-off. A lock serialises the
+user's thread, autograd's device thread and the flusher.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import torch
+
+from genie.errors import (
+    ConnectionClosedError,
+    FrameError,
+    GenieError,
+    HandshakeError,
+    ProtocolError,
+    RemoteDeviceLost,
+    RemoteExecutionError,
+    TransportError,
+)
+from genie.transport.base import Channel
+from genie.wire import frame as wf
+from genie.wire import messages as wm
+from genie.wire.buffers import tensor_bytes
+from genie.wire.values import dtype_code
+
+log = logging.getLogger("genie.device")
+
+MAX_BATCH_CMDS = 512
+MAX_BATCH_BYTES = 1 << 20
+
+
+class NodeConnection:
+    """One client's data-plane session with one node."""
+
+    def __init__(self, channel: Channel, *, node_id: str, address: str, op_timeout: float = 60.0) -> None:
+        self.channel = channel
+        self.node_id = node_id
+        self.address = address
+        self.op_timeout = op_timeout
+        self.devices: list[dict[str, Any]] = []
+        self.limits: dict[str, Any] = {}
+        self.lock = threading.RLock()
+        self._handles = itertools.count(1)
+        self._requests = itertools.count(1)
+        self._cmds: list[bytes] = []
+        self._cmd_bytes = 0
+        self._uploads: list[list[Any]] = []
+        self._payload: list[memoryview] = []
+        self._keepalive: list[torch.Tensor] = []
+        self._frees: list[int] = []
+        self._lost: str | None = None
+        self.last_send = 0.0
+        self.stats = {"ops": 0, "bytes_up": 0, "bytes_down": 0, "round_trips": 0, "batches": 0}
+
+    # -- handshake ---------------------------------------------------------------------------
+    def handshake(self, hello: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Send HELLO, wait for WELCOME; a REJECT raises HandshakeError with the server's reason."""
+        with self.lock:
+            self.channel.settimeout(timeout)
+            wf.send_frame(self.channel, wf.MsgKind.HELLO, wf.pack_body(hello))
+            header, body = wf.recv_header_and_body(self.channel, max_payload=0)
+            reply = wf.unpack_body(body)
+            if header.kind == wf.MsgKind.REJECT:
+                raise HandshakeError(f"node {self.node_id} at {self.address} refused the session: {reply.get('reason')}")
+            if header.kind != wf.MsgKind.WELCOME or not isinstance(reply, dict):
+                raise HandshakeError(f"node at {self.address} answered HELLO with {header.kind.name}")
+            self.devices = list(reply.get("devices", []))
+            self.limits = dict(reply.get("limits", {}))
+            self.node_id = str(reply.get("node_id", self.node_id))
+            self.channel.settimeout(self.op_timeout)
+            return reply
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def lost(self) -> str | None:
+        """Why this node is lost, or None while it is reachable."""
+        return self._lost
+
+    def mark_lost(self, reason: str) -> None:
+        """Declare the node lost (a failed sync point, or the runtime's failure detector)."""
+        if self._lost is None:
+            self._lost = reason
+            log.warning("node %s at %s lost: %s", self.node_id, self.address, reason)
+            try:
+                self.channel.close()
+            except Exception:  # closing a broken channel may fail again; it is gone either way
+                pass
+
+    def _device_lost(self, device: str = "") -> RemoteDeviceLost:
+        return RemoteDeviceLost(
+            f"remote device {device or 'on node ' + self.node_id} is lost: node {self.node_id} at "
+            f"{self.address} ({self._lost}); its tensors are gone",
+            node_id=self.node_id,
+            device=device,
+        )
+
+    def check_alive(self, device: str = "") -> None:
+        if self._lost is not None:
+            raise self._device_lost(device)
+
+    def new_handle(self) -> int:
+        return next(self._handles)
+
+    # -- fire-and-forget -----------------------------------------------------------------------
+    def op(self, name: str, args: Any, kwargs: Any, outs: list[list[Any]], default: Callable[[Any], Any]) -> None:
+        """Queue an op whose outputs (handle, dtype, shape, stride, offset) the client already knows."""
+        cmd = msgpack.packb([wm.CMD_OP, name, args, kwargs, outs], use_bin_type=True, default=default)
+        with self.lock:
+            self.check_alive()
+            self._append(cmd)
+            self.stats["ops"] += 1
+
+    def upload(self, handle: int, device: int, tensor: torch.Tensor) -> None:
+        """Queue a CPU tensor's bytes under ``handle`` on local device ``device`` of the node."""
+        src = tensor.detach()
+        if src.is_conj():
+            src = src.resolve_conj()
+        if src.is_neg():
+            src = src.resolve_neg()
+        src = src.contiguous()
+        view = tensor_bytes(src)
+        with self.lock:
+            self.check_alive()
+            self._uploads.append([handle, device, dtype_code(src.dtype), list(src.shape), view.nbytes])
+            self._payload.append(view)
+            self._keepalive.append(src)
+            self.stats["bytes_up"] += view.nbytes
+            self._cmd_bytes += view.nbytes
+            if self._cmd_bytes >= MAX_BATCH_BYTES:
+                self._flush_locked()
+
+    def release(self, handle: int) -> None:
+        """Free a handle later (called from finalizers on any thread; never blocks)."""
+        self._frees.append(handle)
+
+    def _append(self, cmd: bytes) -> None:
+        self._cmds.append(cmd)
+        self._cmd_bytes += len(cmd)
+        if len(self._cmds) >= MAX_BATCH_CMDS or self._cmd_bytes >= MAX_BATCH_BYTES:
+            self._flush_locked()
+
+    # -- sending -------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Send whatever is queued (the idle flusher calls this)."""
+        with self.lock:
+            if self._lost is None:
+                self._flush_locked()
+
+    def has_pending(self) -> bool:
+        return bool(self._cmds or self._uploads or self._frees)
+
+    def _flush_locked(self) -> None:
+        if self._frees:
+            frees, self._frees = self._frees, []
+            self._cmds.insert(0, msgpack.packb([wm.CMD_FREE, frees]))
+        if not self._cmds and not self._uploads:
+            return
+        body = msgpack.packb({"uploads": self._uploads, "cmds": self._cmds}, use_bin_type=True)
+        payload = self._payload
+        try:
+            wf.send_frame(self.channel, wf.MsgKind.BATCH, body, payload)
+        except (TransportError, OSError) as exc:
+            self.mark_lost(f"send failed: {exc}")
+            raise self._device_lost() from exc
+        finally:
+            self._cmds, self._uploads, self._payload, self._keepalive = [], [], [], []
+            self._cmd_bytes = 0
+        self.last_send = time.monotonic()
+        self.stats["batches"] += 1
+
+    # -- sync points ---------------------------------------------------------------------------
+    def _request(self, build: Callable[[int], list[Any]], default: Callable[[Any], Any] | None = None,
+                 payload_into: Callable[[Any], torch.Tensor | None] | None = None, device: str = "") -> Any:
+        with self.lock:
+            self.check_alive(device)
+            req = next(self._requests)
+            self._cmds.append(msgpack.packb(build(req), use_bin_type=True, default=default))
+            self._flush_locked()
+            try:
+                header, body = wf.recv_header_and_body(self.channel)
+                if header.kind != wf.MsgKind.REPLY:
+                    text = wf.unpack_body(body) if body else {}
+                    raise ProtocolError(f"node {self.node_id} sent {header.kind.name} instead of a reply: {text}")
+                reply = wf.unpack_body(body)
+                if not (isinstance(reply, list) and len(reply) == 4 and reply[0] == req):
+                    raise ProtocolError(f"node {self.node_id} sent a reply out of step: {str(reply)[:200]}")
+                _, error, result, deferred = reply
+                out = None
+                if header.payload_len:
+                    out = payload_into(result) if payload_into and error is None else None
+                    if out is None:
+                        wf.discard_payload(self.channel, header.payload_len)
+                    else:
+                        wf.recv_payload(self.channel, header, [tensor_bytes(out)])
+                        self.stats["bytes_down"] += header.payload_len
+            except (ConnectionClosedError, TimeoutError, OSError, FrameError) as exc:
+                self.mark_lost(f"no answer: {exc}")
+                raise self._device_lost(device) from exc
+            self.stats["round_trips"] += 1
+        if deferred:
+            raise _execution_error(deferred[0], more=len(deferred) - 1)
+        if error is not None:
+            raise _execution_error(error)
+        return out if payload_into is not None else result
+
+    def fetch(self, handle: int, dtype: torch.dtype, shape: tuple[int, ...], device: str = "") -> torch.Tensor:
+        """Download a tensor's contents into a new contiguous CPU tensor."""
+        def into(_: Any) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype)
+
+        return self._request(lambda req: [wm.CMD_FETCH, req, handle], payload_into=into, device=device)
+
+    def call(self, name: str, args: Any, kwargs: Any, out_handles: list[int], default: Callable[[Any], Any],
+             device: str = "") -> Any:
+        """Run an op now and return its result (tensors described as [handle, dtype, shape, stride, offset])."""
+        return self._request(lambda req: [wm.CMD_CALL, req, name, args, kwargs, out_handles], default=default,
+                             device=device)
+
+    def sync(self) -> None:
+        """Wait until everything sent so far has run; raise the first deferred error."""
+        self._request(lambda req: [wm.CMD_SYNC, req])
+
+    def close(self) -> None:
+        """Say goodbye (best effort) and close the channel."""
+        with self.lock:
+            if self._lost is None:
+                try:
+                    self._flush_locked()
+                    wf.send_frame(self.channel, wf.MsgKind.GOODBYE, wf.pack_body({}))
+                except GenieError:
+                    pass
+            self._lost = self._lost or "closed by this client"
+            self.channel.close()
+
+
+def _execution_error(info: Any, more: int = 0) -> GenieError:
+    if not isinstance(info, dict):
+        return RemoteExecutionError(f"the server reported an error: {info!r}")
+    shapes = info.get("shapes")
+    where = f"{info.get('op', '?')}"
+    if shapes:
+        where += f" with input shapes {shapes}"
+    suffix = f" ({more} more errors after it)" if more > 0 else ""
+    kind = info.get("kind", "execution")
+    message = f"remote {where} failed on the server: {info.get('message', '')}{suffix}"
+    if kind == "quota":
+        from genie.errors import QuotaExceededError
+
+        return QuotaExceededError(message)
+    if kind == "forbidden":
+        from genie.errors import ForbiddenOpError
+
+        return ForbiddenOpError(message)
+    return RemoteExecutionError(message)

@@ -1,0 +1,160 @@
+"""Frames: a fixed binary header, a msgpack body, then raw payload bytes.
+
+::
+
+    offset  size  field
+    0       2     magic b"GN"
+    2       1     protocol version
+    3       1     kind (MsgKind)
+    4       4     body length, little-endian u32
+    8       8     payload length, little-endian u64
+    16      ...   body (msgpack), then payload (raw tensor bytes, in the order the body lists them)
+
+Payload bytes are sent straight from tensor memory and received straight into
+preallocated tensors; the body says how many bytes each buffer has, and the
+receiver checks that those add up to the header's payload length before it
+reads a single payload byte. Every length is bounded before anything is
+allocated.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import msgpack
+
+from genie.errors import FrameError
+from genie.transport.base import Buffer, Channel
+
+MAGIC = b"GN"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<2sBBIQ")
+
+#: A body (msgpack) larger than this is refused before it is read.
+MAX_BODY_BYTES = 16 << 20
+#: The default bound on a frame's payload; sessions may set a lower one.
+DEFAULT_MAX_PAYLOAD_BYTES = 8 << 30
+
+
+class MsgKind(enum.IntEnum):
+    """What a frame carries. Data plane 1-19, control plane 20-59."""
+
+    HELLO = 1
+    WELCOME = 2
+    REJECT = 3
+    BATCH = 10
+    REPLY = 11
+    GOODBYE = 12
+    # control plane
+    JOIN = 20
+    JOINED = 21
+    HEARTBEAT = 22
+    HEARTBEAT_ACK = 23
+    QUERY = 24
+    QUERY_REPLY = 25
+    SUBSCRIBE = 26
+    EVENT = 27
+    ERROR = 28
+
+
+_KINDS = {int(k) for k in MsgKind}
+
+
+@attrs.frozen
+class FrameHeader:
+    kind: MsgKind
+    body_len: int
+    payload_len: int
+
+
+def encode_header(kind: MsgKind, body_len: int, payload_len: int) -> bytes:
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, int(kind), body_len, payload_len)
+
+
+def decode_header(data: bytes | memoryview, *, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> FrameHeader:
+    """Parse and bound-check a 16-byte header; raise FrameError naming what is wrong."""
+    if len(data) != HEADER.size:
+        raise FrameError(f"frame header must be {HEADER.size} bytes, got {len(data)}")
+    magic, version, kind, body_len, payload_len = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise FrameError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): the peer does not speak genie")
+    if version != PROTOCOL_VERSION:
+        raise FrameError(f"frame protocol version {version}, this side speaks {PROTOCOL_VERSION}")
+    if kind not in _KINDS:
+        raise FrameError(f"unknown frame kind {kind}")
+    if body_len > MAX_BODY_BYTES:
+        raise FrameError(f"frame body of {body_len} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
+    if payload_len > max_payload:
+        raise FrameError(f"frame payload of {payload_len} bytes exceeds this session's {max_payload}-byte limit")
+    return FrameHeader(MsgKind(kind), body_len, payload_len)
+
+
+def unpack_body(body: bytes | memoryview, ext_hook: Any = None) -> Any:
+    """Decode a msgpack body with every container bounded; malformed input raises FrameError."""
+    try:
+        kwargs: dict[str, Any] = {
+            "raw": False,
+            "strict_map_key": True,
+            "max_buffer_size": MAX_BODY_BYTES,
+            "max_str_len": 1 << 20,
+            "max_bin_len": MAX_BODY_BYTES,
+            "max_array_len": 1 << 20,
+            "max_map_len": 1 << 16,
+            "max_ext_len": 1 << 20,
+        }
+        if ext_hook is not None:
+            kwargs["ext_hook"] = ext_hook
+        return msgpack.unpackb(body, **kwargs)
+    except FrameError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise FrameError(f"malformed frame body: {type(exc).__name__}: {exc}") from None
+
+
+def pack_body(obj: Any, default: Any = None) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True, default=default)
+
+
+def send_frame(
+    channel: Channel, kind: MsgKind, body: bytes, payload: Sequence[Buffer] = ()
+) -> int:
+    """Send one frame; payload buffers go out as they are (no joining). Returns bytes sent."""
+    payload_len = sum(memoryview(b).nbytes for b in payload)
+    channel.sendv([encode_header(kind, len(body), payload_len), body, *payload])
+    return HEADER.size + len(body) + payload_len
+
+
+def recv_header_and_body(channel: Channel, *, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[FrameHeader, bytes]:
+    """Receive a header and its body; the caller then receives ``header.payload_len`` bytes."""
+    head = bytearray(HEADER.size)
+    channel.recv_into(memoryview(head))
+    header = decode_header(head, max_payload=max_payload)
+    body = bytearray(header.body_len)
+    if header.body_len:
+        channel.recv_into(memoryview(body))
+    return header, bytes(body)
+
+
+def recv_payload(channel: Channel, header: FrameHeader, views: Sequence[memoryview]) -> None:
+    """Fill ``views`` from the payload; they must add up to exactly the header's payload length."""
+    total = sum(v.nbytes for v in views)
+    if total != header.payload_len:
+        raise FrameError(
+            f"frame body describes {total} payload bytes but the header says {header.payload_len}"
+        )
+    for view in views:
+        if view.nbytes:
+            channel.recv_into(view.cast("B"))
+
+
+def discard_payload(channel: Channel, nbytes: int) -> None:
+    """Read and drop ``nbytes`` (to stay in step after refusing a frame's content)."""
+    scratch = memoryview(bytearray(min(nbytes, 1 << 20) or 1))
+    while nbytes > 0:
+        step = min(nbytes, scratch.nbytes)
+        channel.recv_into(scratch[:step])
+        nbytes -= step

@@ -1,0 +1,63 @@
+"""Message bodies of the data plane.
+
+A BATCH frame's body is a msgpack map::
+
+    {"uploads": [[handle, device, dtype code, shape, nbytes], ...],   # payload, in this order
+     "cmds":    [<msgpack bytes of one command>, ...]}
+
+Uploads are registered before the commands run. Each command is decoded just
+before it runs, so handles made earlier in the same batch resolve. Commands
+are msgpack arrays whose first element is a CMD_* code:
+
+- ``[CMD_OP, op, args, kwargs, outs]`` runs an aten op fire-and-forget; ``outs``
+  lists, for each tensor the op returns (flattened in order), the
+  ``[handle, dtype code, shape, stride, storage offset]`` the client already
+  computed with meta tensors. The server checks the real outputs against it.
+- ``[CMD_FREE, [handle, ...]]`` releases handles.
+- ``[CMD_FETCH, req, handle]`` replies with the tensor's bytes (contiguous).
+- ``[CMD_CALL, req, op, args, kwargs, out_handles]`` runs an op and replies with
+  its result: tensors are stored under ``out_handles`` and described as
+  ``[handle, dtype code, shape, stride, storage offset]``; other values as they are.
+  Used for data-dependent shapes and ops that return numbers.
+- ``[CMD_SYNC, req]`` replies once everything before it has run.
+
+Every request (FETCH, CALL, SYNC) gets one REPLY frame, in order; its body is
+``[req, error or None, result, deferred]`` where ``deferred`` lists the errors
+of fire-and-forget ops since the last reply (each a map with ``op``,
+``shapes``, ``kind`` and ``message``). A FETCH reply carries the tensor's
+bytes as its payload.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from genie import __version__
+from genie.wire.frame import PROTOCOL_VERSION
+
+CMD_OP = 1
+CMD_FREE = 3
+CMD_FETCH = 4
+CMD_CALL = 5
+CMD_SYNC = 6
+
+
+def hello_body(*, node_id: str, role: str, backends: list[str], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The first message a connecting peer sends."""
+    body = {
+        "genie": __version__,
+        "protocol": PROTOCOL_VERSION,
+        "torch": torch.__version__,
+        "node_id": node_id,
+        "role": role,
+        "backends": backends,
+    }
+    body.update(extra or {})
+    return body
+
+
+def torch_compatible(mine: str, theirs: str) -> bool:
+    """Peers must run the same torch major.minor: op schemas differ between releases."""
+    return mine.split(".")[:2] == str(theirs).split(".")[:2]

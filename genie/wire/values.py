@@ -1,0 +1,173 @@
+"""Tagged values: how op arguments cross the wire without pickle.
+
+Plain msgpack carries None, bools, ints, floats, strings and lists (tuples become
+lists, which aten accepts wherever it takes ``int[]`` or ``Tensor[]``). Everything
+else is a msgpack extension type with a fixed code, decoded only into the small
+set of objects below; nothing received is ever used to look up an attribute.
+
+==== ================ =====================================================
+code name             data
+==== ================ =====================================================
+1    tensor handle    msgpack int: a handle in the sender's session
+2    dtype            1 byte: index into DTYPE_NAMES
+3    device           msgpack int: the device index *on the receiving node*
+4    layout           1 byte: index into LAYOUT_NAMES
+5    memory format    1 byte: index into MEMORY_FORMAT_NAMES
+6    complex          two little-endian float64
+7    inline tensor    msgpack [dtype code, shape, raw bytes]: small CPU tensors
+==== ================ =====================================================
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import torch
+
+from genie.errors import FrameError
+
+EXT_HANDLE = 1
+EXT_DTYPE = 2
+EXT_DEVICE = 3
+EXT_LAYOUT = 4
+EXT_MEMORY_FORMAT = 5
+EXT_COMPLEX = 6
+EXT_INLINE_TENSOR = 7
+
+#: Fixed order: the index is the wire code. Append only.
+DTYPE_NAMES = (
+    "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "complex32",
+    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "qint8", "quint8", "qint32",
+)
+LAYOUT_NAMES = ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn", "jagged")
+MEMORY_FORMAT_NAMES = ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format")
+
+
+def _table(names: tuple[str, ...]) -> tuple[list[Any], dict[Any, int]]:
+    # getattr on our own constant names, never on received data.
+    objs = [getattr(torch, n, None) for n in names]
+    return objs, {o: i for i, o in enumerate(objs) if o is not None}
+
+
+DTYPES, DTYPE_CODES = _table(DTYPE_NAMES)
+LAYOUTS, LAYOUT_CODES = _table(LAYOUT_NAMES)
+MEMORY_FORMATS, MEMORY_FORMAT_CODES = _table(MEMORY_FORMAT_NAMES)
+
+#: Largest CPU tensor sent inline inside an op (bigger ones are uploads).
+MAX_INLINE_TENSOR_BYTES = 64 << 10
+
+_COMPLEX = struct.Struct("<dd")
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    try:
+        return DTYPE_CODES[dtype]
+    except KeyError:
+        raise FrameError(f"dtype {dtype} cannot cross the wire") from None
+
+
+def dtype_from_code(code: int) -> torch.dtype:
+    if not 0 <= code < len(DTYPES) or DTYPES[code] is None:
+        raise FrameError(f"unknown dtype code {code}")
+    return DTYPES[code]
+
+
+def _code_lookup(table: list[Any], data: bytes, what: str) -> Any:
+    if len(data) != 1 or data[0] >= len(table) or table[data[0]] is None:
+        raise FrameError(f"unknown {what} code {data!r}")
+    return table[data[0]]
+
+
+def inline_tensor(t: torch.Tensor) -> msgpack.ExtType:
+    """Encode a small CPU tensor by value."""
+    if t.nbytes > MAX_INLINE_TENSOR_BYTES:
+        raise FrameError(f"tensor of {t.nbytes} bytes is too large to send inline")
+    c = t.detach().contiguous().resolve_conj().resolve_neg()
+    raw = c.view(torch.uint8).numpy().tobytes() if c.numel() and c.dim() else _scalar_bytes(c)
+    return msgpack.ExtType(EXT_INLINE_TENSOR, msgpack.packb([dtype_code(c.dtype), list(c.shape), raw], use_bin_type=True))
+
+
+def _scalar_bytes(t: torch.Tensor) -> bytes:
+    if t.numel() == 0:
+        return b""
+    return t.reshape(1).view(torch.uint8).numpy().tobytes()
+
+
+def decode_inline_tensor(data: bytes) -> torch.Tensor:
+    try:
+        code, shape, raw = msgpack.unpackb(data, raw=False, max_bin_len=MAX_INLINE_TENSOR_BYTES + 64)
+    except Exception as exc:
+        raise FrameError(f"malformed inline tensor: {exc}") from None
+    dtype = dtype_from_code(code)
+    if not isinstance(shape, list) or not all(isinstance(s, int) and 0 <= s for s in shape):
+        raise FrameError(f"inline tensor has a bad shape {shape!r}")
+    numel = 1
+    for s in shape:
+        numel *= s
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if not isinstance(raw, bytes) or len(raw) != numel * itemsize:
+        raise FrameError(f"inline tensor of shape {shape} and dtype {dtype} needs {numel * itemsize} bytes")
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape).clone()
+
+
+def encode_common(obj: Any) -> Any:
+    """Encode the non-tensor tagged values; returns NotImplemented for anything else."""
+    if isinstance(obj, torch.dtype):
+        return msgpack.ExtType(EXT_DTYPE, bytes([dtype_code(obj)]))
+    if isinstance(obj, complex):
+        return msgpack.ExtType(EXT_COMPLEX, _COMPLEX.pack(obj.real, obj.imag))
+    if isinstance(obj, torch.layout):
+        return msgpack.ExtType(EXT_LAYOUT, bytes([LAYOUT_CODES[obj]]))
+    if isinstance(obj, torch.memory_format):
+        return msgpack.ExtType(EXT_MEMORY_FORMAT, bytes([MEMORY_FORMAT_CODES[obj]]))
+    return NotImplemented
+
+
+def make_ext_hook(
+    resolve_handle: Callable[[int], Any], resolve_device: Callable[[int], Any]
+) -> Callable[[int, bytes], Any]:
+    """An ext_hook for :func:`genie.wire.frame.unpack_body` that resolves handles and devices."""
+
+    def ext_hook(code: int, data: bytes) -> Any:
+        if code == EXT_HANDLE:
+            return resolve_handle(_small_int(data))
+        if code == EXT_DTYPE:
+            return _code_lookup(DTYPES, data, "dtype")
+        if code == EXT_DEVICE:
+            return resolve_device(_small_int(data))
+        if code == EXT_LAYOUT:
+            return _code_lookup(LAYOUTS, data, "layout")
+        if code == EXT_MEMORY_FORMAT:
+            return _code_lookup(MEMORY_FORMATS, data, "memory format")
+        if code == EXT_COMPLEX:
+            if len(data) != _COMPLEX.size:
+                raise FrameError("complex value must be 16 bytes")
+            return complex(*_COMPLEX.unpack(data))
+        if code == EXT_INLINE_TENSOR:
+            return decode_inline_tensor(data)
+        raise FrameError(f"unknown value tag {code}")
+
+    return ext_hook
+
+
+def _small_int(data: bytes) -> int:
+    try:
+        value = msgpack.unpackb(data)
+    except Exception:
+        value = None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise FrameError("handle or device tag must hold an integer")
+    return value
+
+
+def handle_ext(handle: int) -> msgpack.ExtType:
+    return msgpack.ExtType(EXT_HANDLE, msgpack.packb(handle))
+
+
+def device_ext(index: int) -> msgpack.ExtType:
+    return msgpack.ExtType(EXT_DEVICE, msgpack.packb(index))
