@@ -27,3 +27,20 @@ class LoggingEventSink:
 @hookimpl
 def genie_event_sinks() -> list[Any]:
     return [LoggingEventSink()]
+
+
+# -- host metrics and health checks ------------------------------------------------------------
+@hookimpl
+def genie_node_metrics(node: Any) -> dict[str, Any]:
+    """The host's figures (CPU, load, memory, disk of /, network counters) under ``"host"``."""
+    from genie.cluster.host import host_metrics
+
+    return {"host": host_metrics()}
+
+
+@hookimpl
+def genie_health_checks() -> list[Any]:
+    """Host memory pressure and disk space of /."""
+    from genie.cluster.checks import DiskSpaceCheck, MemoryPressureCheck
+
+    return [MemoryPressureCheck(), DiskSpaceCheck("/")]
