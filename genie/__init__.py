@@ -6,13 +6,23 @@ Public API::
     await genie.init(master_addr="gpu-server")      # or genie.init_sync(...)
     x = torch.randn(1000, 1000, device="remote_accelerator:0")
     y = (x @ x).cpu()
-    await genie.shutdown()
+    await genie.shutdown()                          # or genie.shutdown_sync()
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from genie.api import get_cluster_state, init, init_sync, is_initialized, shutdown, shutdown_sync
 from genie.hookspecs import hookimpl
 
-__all__ = ["__version__", "hookimpl"]
+__all__ = [
+    "__version__",
+    "get_cluster_state",
+    "hookimpl",
+    "init",
+    "init_sync",
+    "is_initialized",
+    "shutdown",
+    "shutdown_sync",
+]

@@ -63,6 +63,7 @@ class NodeConnection:
         self._frees: list[int] = []
         self._lost: str | None = None
         self.last_send = 0.0
+        self.backend = "tcp"
         self.stats = {"ops": 0, "bytes_up": 0, "bytes_down": 0, "round_trips": 0, "batches": 0}
 
     # -- handshake ---------------------------------------------------------------------------
@@ -158,6 +159,17 @@ class NodeConnection:
         with self.lock:
             if self._lost is None:
                 self._flush_locked()
+
+    def try_flush(self) -> None:
+        """Flush unless another thread holds the session (the runtime loop must never block here)."""
+        if self.lock.acquire(blocking=False):
+            try:
+                if self._lost is None:
+                    self._flush_locked()
+            except GenieError:
+                pass
+            finally:
+                self.lock.release()
 
     def has_pending(self) -> bool:
         return bool(self._cmds or self._uploads or self._frees)

@@ -1,0 +1,101 @@
+"""The public lifecycle: init / shutdown (async and blocking), state queries.
+
+One runtime per process. ``init`` twice raises AlreadyInitializedError;
+``shutdown`` without init is a documented no-op (so cleanup code can always
+call it); interpreter exit without shutdown stops the runtime through atexit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from typing import Any
+
+import anyio.to_thread
+
+from genie.errors import AlreadyInitializedError, NotInitializedError
+
+log = logging.getLogger("genie")
+
+_lock = threading.Lock()
+_runtime: Any = None
+
+
+def init_sync(master_addr: str | None = None, master_port: int | None = None, backend: str | None = None,
+              node_id: str | None = None, node_role: str | None = None, timeout: float | None = None,
+              **options: Any) -> Any:
+    """Connect this process to a genie cluster (blocking). Returns the ClusterState.
+
+    Arguments win over ``GENIE_*`` environment variables; see :class:`genie.config.ClusterConfig`
+    for every option. Raises ConfigError, ConnectError, InitTimeoutError (naming the phase) or
+    AlreadyInitializedError.
+    """
+    global _runtime
+    from genie.cluster.runtime import Runtime
+    from genie.config import ClusterConfig
+
+    config = ClusterConfig.from_sources(
+        master_addr=master_addr, master_port=master_port, backend=backend, node_id=node_id,
+        node_role=node_role, timeout=timeout, **options,
+    )
+    logging.getLogger("genie").setLevel(config.log_level_number)
+    with _lock:
+        if _runtime is not None:
+            raise AlreadyInitializedError(
+                "genie.init() was already called in this process; call genie.shutdown() first"
+            )
+        runtime = Runtime(config)
+        _runtime = runtime
+    try:
+        return runtime.start()
+    except BaseException:
+        with _lock:
+            _runtime = None
+        raise
+
+
+async def init(master_addr: str | None = None, master_port: int | None = None, backend: str | None = None,
+               node_id: str | None = None, node_role: str | None = None, timeout: float | None = None,
+               **options: Any) -> Any:
+    """Async twin of :func:`init_sync`: the work runs on genie's runtime thread; your loop stays free."""
+    return await anyio.to_thread.run_sync(
+        lambda: init_sync(master_addr, master_port, backend, node_id, node_role, timeout, **options)
+    )
+
+
+def shutdown_sync() -> None:
+    """Disconnect and stop genie's runtime thread. A no-op when genie is not initialised."""
+    global _runtime
+    with _lock:
+        runtime, _runtime = _runtime, None
+    if runtime is None:
+        return
+    from genie.device.registry import set_table
+
+    set_table(None)
+    runtime.stop()
+
+
+async def shutdown() -> None:
+    """Async twin of :func:`shutdown_sync`."""
+    await anyio.to_thread.run_sync(shutdown_sync)
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def get_cluster_state() -> Any:
+    """The live ClusterState; NotInitializedError before init."""
+    runtime = _runtime
+    if runtime is None or runtime.state is None:
+        raise NotInitializedError("genie is not initialised: call genie.init(master_addr=...) first")
+    return runtime.state
+
+
+def current_runtime() -> Any:
+    return _runtime
+
+
+atexit.register(shutdown_sync)

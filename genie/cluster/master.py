@@ -1,0 +1,134 @@
+"""The master's control service: joins, heartbeats, queries, event subscriptions.
+
+Runs on the runtime thread's event loop. One task per control connection; a
+malformed message closes that connection only. A sweeper declares silent nodes
+lost and tells every subscriber.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import anyio
+from anyio.abc import SocketStream, TaskGroup
+
+from genie.cluster.membership import Membership
+from genie.errors import ConnectionClosedError, GenieError
+from genie.types import ClusterEvent, NodeInfo, NodeRole
+from genie.wire import control
+from genie.wire.frame import MsgKind
+
+log = logging.getLogger("genie.master")
+
+
+class ControlService:
+    """Serves the control plane on ``host:port`` for the master node."""
+
+    def __init__(self, membership: Membership, *, heartbeat_interval: float, publish: Any,
+                 recent_events: Any = None) -> None:
+        self.membership = membership
+        self.heartbeat_interval = heartbeat_interval
+        self.publish = publish
+        self.recent_events = recent_events or (lambda: [])
+        self.subscribers: set[Any] = set()
+        self.port = 0
+
+    async def serve(self, host: str, port: int, task_group: TaskGroup, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
+        self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        task_group.start_soon(self._sweep)
+        task_status.started(self.port)
+        async with listener:
+            await listener.serve(self._handle, task_group=task_group)
+
+    async def _sweep(self) -> None:
+        step = min(self.heartbeat_interval, self.membership.heartbeat_timeout / 4, 1.0)
+        while True:
+            await anyio.sleep(step)
+            for event in self.membership.sweep():
+                await self.emit(event)
+
+    async def emit(self, event: ClusterEvent) -> None:
+        self.publish(event)
+        for send in list(self.subscribers):
+            try:
+                with anyio.fail_after(1.0):
+                    await send(event)
+            except Exception:
+                self.subscribers.discard(send)
+
+    async def _handle(self, stream: SocketStream) -> None:
+        peer = stream.extra(anyio.abc.SocketAttribute.remote_address)
+        peer_host = peer[0] if isinstance(peer, tuple) else str(peer)
+        node_id: str | None = None
+        async with stream:
+            try:
+                while True:
+                    kind, body = await control.recv_msg(stream)
+                    if kind == MsgKind.JOIN:
+                        node_id = await self._join(stream, body, peer_host)
+                    elif kind == MsgKind.HEARTBEAT:
+                        for event in self.membership.heartbeat(str(body.get("node_id", node_id)), body.get("metrics")):
+                            await self.emit(event)
+                        await control.send_msg(stream, MsgKind.HEARTBEAT_ACK, self._ack())
+                    elif kind == MsgKind.QUERY:
+                        reply = self.membership.snapshot()
+                        reply["events"] = [e.to_dict() for e in self.recent_events()]
+                        await control.send_msg(stream, MsgKind.QUERY_REPLY, reply)
+                    elif kind == MsgKind.SUBSCRIBE:
+                        await self._stream_events(stream)
+                        return
+                    elif kind == MsgKind.GOODBYE:
+                        if node_id:
+                            for event in self.membership.leave(node_id):
+                                await self.emit(event)
+                            node_id = None
+                        return
+                    else:
+                        raise GenieError(f"unexpected control message {kind.name}")
+            except ConnectionClosedError:
+                pass
+            except GenieError as exc:
+                log.warning("control connection from %s closed: %s", peer_host, exc)
+                try:
+                    await control.send_msg(stream, MsgKind.ERROR, {"reason": str(exc)})
+                except GenieError:
+                    pass
+
+    def _ack(self) -> dict[str, Any]:
+        snap = self.membership.snapshot()
+        return {"version": snap["version"], "nodes": [
+            {"node_id": n["node_id"], "status": n["status"]} for n in snap["nodes"]
+        ]}
+
+    async def _join(self, stream: SocketStream, body: dict[str, Any], peer_host: str) -> str:
+        try:
+            info = NodeInfo.from_dict(body["node"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise GenieError(f"JOIN without a valid node description: {exc}") from None
+        if info.role != NodeRole.CLIENT and info.address in ("", "0.0.0.0", "::"):
+            info = NodeInfo(info.node_id, info.hostname, info.role, peer_host, info.data_port, info.gpus,
+                            info.backends, info.status)
+        for event in self.membership.join(info):
+            await self.emit(event)
+        reply = self.membership.snapshot()
+        reply["heartbeat_interval"] = self.heartbeat_interval
+        reply["heartbeat_timeout"] = self.membership.heartbeat_timeout
+        await control.send_msg(stream, MsgKind.JOINED, reply)
+        log.info("%s %s joined from %s", info.role.value, info.node_id, peer_host)
+        return info.node_id
+
+    async def _stream_events(self, stream: SocketStream) -> None:
+        send_stream, receive_stream = anyio.create_memory_object_stream[ClusterEvent](1000)
+
+        async def push(event: ClusterEvent) -> None:
+            send_stream.send_nowait(event)
+
+        self.subscribers.add(push)
+        try:
+            async with receive_stream:
+                async for event in receive_stream:
+                    await control.send_msg(stream, MsgKind.EVENT, event.to_dict())
+        finally:
+            self.subscribers.discard(push)

@@ -1,0 +1,143 @@
+"""Node-side helpers of the runtime: local devices, the data-plane host, client sessions to nodes."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from genie.config import ClusterConfig
+from genie.device.connection import NodeConnection
+from genie.device.registry import DeviceTable, RemoteDevice
+from genie.errors import ConnectError
+from genie.plugins import PluginManager
+from genie.transport.base import Transport
+from genie.transport.selection import Selection, connect_with_fallback, select
+from genie.types import ClusterEvent, EventType, GPUInfo, NodeInfo
+from genie.wire.messages import hello_body
+
+log = logging.getLogger("genie.runtime")
+
+
+def parse_devices(spec: str) -> list[torch.device]:
+    """``auto`` = every CUDA GPU, else one CPU device; or an explicit list like ``cpu,cpu``."""
+    if spec == "auto":
+        if torch.cuda.is_available():
+            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        return [torch.device("cpu")]
+    return [torch.device(s) for s in spec.split(",")]
+
+
+def local_gpus(spec: str) -> list[GPUInfo]:
+    """The devices this node serves, as GPUInfo (CPU devices stand in for GPUs where there are none)."""
+    out = []
+    for i, dev in enumerate(parse_devices(spec)):
+        if dev.type == "cuda":
+            props = torch.cuda.get_device_properties(dev)
+            out.append(GPUInfo(i, props.name, "cuda", str(getattr(props, "uuid", "")), props.total_memory))
+        else:
+            out.append(GPUInfo(i, f"cpu{i}", "cpu"))
+    return out
+
+
+class DataPlaneHost:
+    """The data-plane server a server or worker node runs for its own devices."""
+
+    def __init__(self, transport: Transport, config: ClusterConfig, node: NodeInfo) -> None:
+        from genie.server.node import DataPlaneServer
+
+        self.server = DataPlaneServer(transport, config.bind_addr, config.data_port,
+                                      parse_devices(config.devices), config, node_id=node.node_id)
+
+    def start(self) -> int:
+        self.server.start()
+        return self.server.port
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def _open_session(pm: PluginManager, config: ClusterConfig, client_id: str, node: dict[str, Any],
+                  selection: Selection, emit: Any) -> NodeConnection:
+    transports = pm.transports()
+    peer = select({name: c.result for name, c in ((c.name, c) for c in selection.candidates)}, pm=pm,
+                  config=config, peer_backends=node.get("backends", ["tcp"]), peer=f"node {node['node_id']}")
+    outcome = connect_with_fallback(peer, transports, (node["address"], int(node["data_port"])),
+                                    timeout=config.connect_timeout, emit=emit, source=client_id)
+    conn = NodeConnection(outcome.channel, node_id=node["node_id"], address=f"{node['address']}:{node['data_port']}",
+                          op_timeout=config.op_timeout)
+    conn.backend = outcome.backend
+    conn.handshake(hello_body(node_id=client_id, role="client", backends=[outcome.backend]), config.connect_timeout)
+    return conn
+
+
+def connect_devices(pm: PluginManager, config: ClusterConfig, state: Any, snapshot: dict[str, Any],
+                    selection: Selection, emit: Any) -> DeviceTable:
+    """Open one data-plane session per node that has devices; the table in the master's order."""
+    nodes = {n["node_id"]: n for n in snapshot.get("nodes", [])}
+    sessions: dict[str, NodeConnection] = {}
+    devices: list[RemoteDevice] = []
+    for d in snapshot.get("devices", []):
+        node = nodes[d["node_id"]]
+        conn = sessions.get(node["node_id"])
+        if conn is None and node.get("status") == "connected":
+            try:
+                conn = _open_session(pm, config, state.local_node.node_id, node, selection, emit)
+            except ConnectError as exc:
+                log.warning("cannot open a session to node %s: %s", node["node_id"], exc)
+                conn = None
+            if conn is not None:
+                sessions[node["node_id"]] = conn
+        if conn is None:
+            conn = _dead_connection(node, "unreachable at init")
+            sessions[node["node_id"]] = conn
+        devices.append(RemoteDevice(d["index"], d["node_id"], d["local_index"], d["kind"], d["name"], conn))
+    live = [c for c in sessions.values() if c.lost is None]
+    if live:
+        state.backend = live[0].backend
+    return DeviceTable(devices)
+
+
+class _NoChannel:
+    peer = ""
+
+    def sendv(self, buffers: Any) -> None:
+        raise ConnectError("no session")
+
+    def recv_into(self, view: Any) -> None:
+        raise ConnectError("no session")
+
+    def settimeout(self, seconds: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _dead_connection(node: dict[str, Any], reason: str) -> NodeConnection:
+    conn = NodeConnection(_NoChannel(), node_id=node["node_id"], address=f"{node.get('address')}:{node.get('data_port')}")
+    conn.mark_lost(reason)
+    return conn
+
+
+def reconnect_lost(pm: PluginManager, config: ClusterConfig, state: Any, table: DeviceTable, emit: Any) -> None:
+    """Replace lost sessions of nodes the master reports connected again."""
+    nodes = {n["node_id"]: n for n in state.nodes}
+    fresh: dict[str, NodeConnection] = {}
+    selection = select(state.probes, pm=pm, config=config)
+    for i, device in enumerate(table.devices):
+        node = nodes.get(device.node_id)
+        if device.connection.lost is None or node is None or node.get("status") != "connected":
+            continue
+        conn = fresh.get(device.node_id)
+        if conn is None:
+            try:
+                conn = _open_session(pm, config, state.local_node.node_id, node, selection, emit)
+            except Exception as exc:
+                log.info("node %s not reachable yet: %s", device.node_id, exc)
+                continue
+            fresh[device.node_id] = conn
+            emit(ClusterEvent(EventType.NODE_RECOVERED, device.node_id, {"session": "reopened"}))
+        table.devices[i] = RemoteDevice(device.index, device.node_id, device.local_index, device.kind, device.name, conn)
+

@@ -1,0 +1,295 @@
+"""The genie runtime: one thread with its own anyio event loop that owns all background work.
+
+``genie.init()`` builds a :class:`Runtime`, which runs the five phases (config,
+local node, discovery, connect, monitoring) on that thread within the init
+timeout, naming the phase that ran out of time. Afterwards the thread keeps the
+control connection, heartbeats, failure handling and the op-stream idle flusher
+going, so a user thread busy in a long torch call never delays a heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from contextlib import AbstractContextManager
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+from anyio.abc import SocketStream
+
+from genie.cluster.events import EventBus
+from genie.cluster.nodes import DataPlaneHost, connect_devices, local_gpus
+from genie.cluster.state import ClusterState
+from genie.config import ClusterConfig
+from genie.errors import ConnectError, GenieError, InitTimeoutError
+from genie.plugins import PluginManager, get_plugin_manager
+from genie.transport.base import ProbeTarget
+from genie.transport.discovery import discover
+from genie.transport.selection import select
+from genie.types import ClusterEvent, EventType, NodeInfo, NodeRole
+from genie.wire import control
+from genie.wire.frame import MsgKind
+
+log = logging.getLogger("genie.runtime")
+
+FLUSH_INTERVAL = 0.002
+RECONNECT_MAX_BACKOFF = 5.0
+
+
+def make_node_id(role: NodeRole) -> str:
+    return f"{socket.gethostname()}-{role.value}-{os.getpid()}"
+
+
+class Runtime:
+    """Owns the runtime thread and everything that runs on it."""
+
+    def __init__(self, config: ClusterConfig, pm: PluginManager | None = None) -> None:
+        self.config = config
+        self.pm = pm or get_plugin_manager()
+        self.bus = EventBus(pm=self.pm)
+        self.phase = "config"
+        self.state: ClusterState | None = None
+        self.dataplane: DataPlaneHost | None = None
+        self.control_service: Any = None
+        self.membership: Any = None
+        self._portal_cm: AbstractContextManager[Any] | None = None
+        self.portal: Any = None
+        self._cancel: anyio.CancelScope | None = None
+        self._control: SocketStream | None = None
+        self._stopped = False
+        self.table: Any = None
+
+    # -- lifecycle (called from user threads) ---------------------------------------------------
+    def start(self) -> ClusterState:
+        """Run init's phases on the runtime thread; blocking, bounded by ``config.timeout``."""
+        started = time.perf_counter()
+        self._portal_cm = anyio.from_thread.start_blocking_portal(name="genie-runtime")
+        self.portal = self._portal_cm.__enter__()
+        try:
+            state = self.portal.call(self._init, started)
+        except BaseException:
+            self.stop()
+            raise
+        return state
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop every background task, close connections and the thread; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.portal is not None:
+            try:
+                self.portal.call(self._shutdown)
+            except Exception:
+                log.debug("runtime shutdown raised", exc_info=True)
+        if self.table is not None:
+            for conn in self.table.connections():
+                try:
+                    conn.close()
+                except Exception:
+                    pass
+        if self.dataplane is not None:
+            self.dataplane.stop()
+        if self._portal_cm is not None:
+            self._portal_cm.__exit__(None, None, None)
+            self._portal_cm = None
+
+    # -- init (on the runtime thread) --------------------------------------------------------------
+    async def _init(self, started: float) -> ClusterState:
+        cfg = self.config
+        durations: dict[str, float] = {}
+        deadline = started + cfg.timeout
+
+        def mark(phase: str, t0: float) -> float:
+            durations[phase] = time.perf_counter() - t0
+            log.info("init phase %s took %.1f ms", phase, durations[phase] * 1000)
+            return time.perf_counter()
+
+        t = time.perf_counter()
+        durations["config"] = t - started
+        try:
+            with anyio.fail_after(max(deadline - time.perf_counter(), 0.001)):
+                self.phase = "local_node"
+                node = NodeInfo(
+                    node_id=cfg.node_id or make_node_id(cfg.node_role),
+                    hostname=socket.gethostname(),
+                    role=cfg.node_role,
+                    gpus=tuple(local_gpus(cfg.devices)) if cfg.node_role != NodeRole.CLIENT else (),
+                )
+                t = mark("local_node", t)
+                self.phase = "discovery"
+                target = ProbeTarget(cfg.master_addr if cfg.node_role != NodeRole.SERVER else "",
+                                     cfg.master_port if cfg.node_role != NodeRole.SERVER else 0,
+                                     min(cfg.probe_timeout, max(deadline - time.perf_counter(), 0.001)))
+                found = await discover(self.pm, target)
+                selection = select(found.results, pm=self.pm, config=cfg)
+                node = NodeInfo(node.node_id, node.hostname, node.role, cfg.bind_addr, 0, node.gpus,
+                                tuple(selection.names))
+                state = ClusterState(cfg, node, backend=selection.best.name, probes=dict(found.results))
+                self.state = state
+                t = mark("discovery", t)
+                self.phase = "connect"
+                await self._connect(state, selection)
+                t = mark("connect", t)
+                self.phase = "monitoring"
+                await self._start_monitoring(state)
+                mark("monitoring", t)
+        except TimeoutError:
+            raise InitTimeoutError(self.phase, cfg.timeout) from None
+        state.phase_durations = durations
+        self.phase = "running"
+        return state
+
+    async def _connect(self, state: ClusterState, selection: Any) -> None:
+        cfg = self.config
+        role = cfg.node_role
+        if role in (NodeRole.SERVER, NodeRole.WORKER):
+            transport = self.pm.transports()[selection.best.name]()
+            self.dataplane = DataPlaneHost(transport, cfg, state.local_node)
+            port = await anyio.to_thread.run_sync(self.dataplane.start)
+            state.data_port = port
+            state.local_node = NodeInfo(state.local_node.node_id, state.local_node.hostname, role,
+                                        cfg.bind_addr, port, state.local_node.gpus, state.local_node.backends)
+        if role == NodeRole.SERVER:
+            from genie.cluster.master import ControlService
+            from genie.cluster.membership import Membership
+
+            self.membership = Membership(cfg.heartbeat_timeout)
+            self.control_service = ControlService(self.membership, heartbeat_interval=cfg.heartbeat_interval,
+                                                  publish=self.bus.publish, recent_events=self.bus.recent)
+            for event in self.membership.join(state.local_node):
+                self.bus.publish(event)
+            return
+        snapshot = await self._join(state)
+        self._apply_snapshot(state, snapshot)
+        if role == NodeRole.CLIENT:
+            self.table = await anyio.to_thread.run_sync(
+                lambda: connect_devices(self.pm, cfg, state, snapshot, selection, self.bus.publish)
+            )
+            from genie.device import ensure_registered
+            from genie.device.registry import set_table
+
+            ensure_registered()
+            set_table(self.table)
+
+    async def _join(self, state: ClusterState) -> dict[str, Any]:
+        cfg = self.config
+        try:
+            with anyio.fail_after(cfg.connect_timeout):
+                stream = await anyio.connect_tcp(cfg.master_addr, cfg.master_port)
+        except (OSError, TimeoutError) as exc:
+            raise ConnectError(
+                f"cannot reach the genie master at {cfg.master_addr}:{cfg.master_port}: {exc or 'timed out'}; "
+                "start one with `genie serve` or set master_addr/GENIE_MASTER_ADDR"
+            ) from None
+        self._control = stream
+        return await control.request(stream, MsgKind.JOIN, {"node": state.local_node.to_dict()}, MsgKind.JOINED)
+
+    def _apply_snapshot(self, state: ClusterState, snapshot: dict[str, Any]) -> None:
+        state.nodes = list(snapshot.get("nodes", []))
+        state.devices = list(snapshot.get("devices", []))
+
+    # -- background work ---------------------------------------------------------------------------
+    async def _start_monitoring(self, state: ClusterState) -> None:
+        ready = anyio.Event()
+        self.portal.start_task_soon(self._background, state, ready)
+        await ready.wait()
+
+    async def _background(self, state: ClusterState, ready: anyio.Event) -> None:
+        with anyio.CancelScope() as scope:
+            self._cancel = scope
+            async with anyio.create_task_group() as tg:
+                await tg.start(self.bus.run)
+                if self.control_service is not None:
+                    port = await tg.start(self.control_service.serve, self.config.bind_addr,
+                                          self.config.master_port, tg)
+                    state.master_port = port
+                    self._start_monitors(tg, state)
+                else:
+                    if self.config.enable_heartbeat:
+                        tg.start_soon(self._heartbeat_loop, state)
+                    if self.config.node_role == NodeRole.WORKER:
+                        self._start_monitors(tg, state)
+                if self.table is not None:
+                    tg.start_soon(self._flush_loop)
+                ready.set()
+
+    def _start_monitors(self, tg: Any, state: ClusterState) -> None:
+        """Hook for the resource monitor and health checker (see genie.cluster.monitor/health)."""
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await anyio.sleep(FLUSH_INTERVAL)
+            for conn in self.table.connections():
+                if conn.has_pending() and conn.lost is None:
+                    conn.try_flush()
+
+    async def _heartbeat_loop(self, state: ClusterState) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                if self._control is None:
+                    snapshot = await self._join(state)
+                    self._apply_snapshot(state, snapshot)
+                    backoff = 0.1
+                    log.info("rejoined the master at %s:%d", self.config.master_addr, self.config.master_port)
+                    if self.table is not None:
+                        await anyio.to_thread.run_sync(self._reconnect_lost)
+                await control.send_msg(self._control, MsgKind.HEARTBEAT,
+                                       {"node_id": state.local_node.node_id, "metrics": self._metrics()})
+                with anyio.fail_after(self.config.heartbeat_timeout):
+                    kind, ack = await control.recv_msg(self._control)
+                self._on_ack(state, ack)
+                await anyio.sleep(self.config.heartbeat_interval)
+            except (GenieError, OSError, TimeoutError) as exc:
+                if self._control is not None:
+                    log.warning("lost the master at %s:%d: %s", self.config.master_addr, self.config.master_port, exc)
+                    await self._control.aclose()
+                    self._control = None
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, RECONNECT_MAX_BACKOFF)
+
+    def _metrics(self) -> dict[str, Any]:
+        return {}
+
+    def _on_ack(self, state: ClusterState, ack: dict[str, Any]) -> None:
+        statuses = {n["node_id"]: n["status"] for n in ack.get("nodes", [])}
+        for n in state.nodes:
+            if n["node_id"] in statuses:
+                n["status"] = statuses[n["node_id"]]
+        if self.table is None:
+            return
+        for device in self.table.devices:
+            status = statuses.get(device.node_id)
+            if status in ("lost", "disconnected") and device.connection.lost is None:
+                device.connection.mark_lost(f"the master declared node {device.node_id} {status}")
+            elif status == "connected" and device.connection.lost is not None:
+                self.portal.start_task_soon(anyio.to_thread.run_sync, self._reconnect_lost)
+
+    def _reconnect_lost(self) -> None:
+        """Open new sessions to nodes that came back (old tensors stay lost)."""
+        from genie.cluster.nodes import reconnect_lost
+
+        reconnect_lost(self.pm, self.config, self.state, self.table, self.bus.publish)
+
+    async def _shutdown(self) -> None:
+        if self._control is not None:
+            try:
+                with anyio.move_on_after(1.0):
+                    await control.send_msg(self._control, MsgKind.GOODBYE, {})
+                await self._control.aclose()
+            except Exception:
+                pass
+            self._control = None
+        if self._cancel is not None:
+            self._cancel.cancel()
+
+    def publish(self, event: ClusterEvent) -> None:
+        self.bus.publish(event)
+
+
+__all__ = ["Runtime", "make_node_id", "EventType"]

@@ -1,0 +1,60 @@
+"""The control plane: the same frames as the data plane, msgpack maps, no payload, async.
+
+Control messages are small maps carried over an anyio byte stream (always TCP).
+Both directions use :func:`send_msg` / :func:`recv_msg`; every length is bounded
+before it is read, and a malformed frame raises FrameError.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+from anyio.abc import ByteStream
+
+from genie.errors import ConnectionClosedError, FrameError
+from genie.wire import frame as wf
+
+#: Control messages are small; anything larger is refused.
+MAX_CONTROL_BODY = 4 << 20
+
+
+async def _receive_exactly(stream: ByteStream, n: int) -> bytes:
+    chunks = bytearray()
+    try:
+        while len(chunks) < n:
+            chunks += await stream.receive(n - len(chunks))
+    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+        raise ConnectionClosedError(f"control connection closed: {type(exc).__name__} {exc}".strip()) from None
+    return bytes(chunks)
+
+
+async def send_msg(stream: ByteStream, kind: wf.MsgKind, body: dict[str, Any]) -> None:
+    data = wf.pack_body(body)
+    try:
+        await stream.send(wf.encode_header(kind, len(data), 0) + data)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+        raise ConnectionClosedError(f"control connection closed: {type(exc).__name__} {exc}".strip()) from None
+
+
+async def recv_msg(stream: ByteStream) -> tuple[wf.MsgKind, dict[str, Any]]:
+    header = wf.decode_header(await _receive_exactly(stream, wf.HEADER.size), max_payload=0)
+    if header.body_len > MAX_CONTROL_BODY:
+        raise FrameError(f"control message of {header.body_len} bytes exceeds {MAX_CONTROL_BODY}")
+    body = wf.unpack_body(await _receive_exactly(stream, header.body_len)) if header.body_len else {}
+    if not isinstance(body, dict):
+        raise FrameError(f"control message body must be a map, got {type(body).__name__}")
+    return header.kind, body
+
+
+async def request(stream: ByteStream, kind: wf.MsgKind, body: dict[str, Any], expect: wf.MsgKind) -> dict[str, Any]:
+    """Send one message and wait for the answer of kind ``expect`` (an ERROR answer raises)."""
+    await send_msg(stream, kind, body)
+    got, reply = await recv_msg(stream)
+    if got == wf.MsgKind.ERROR:
+        from genie.errors import HandshakeError
+
+        raise HandshakeError(str(reply.get("reason", "the master refused the request")))
+    if got != expect:
+        raise FrameError(f"expected {expect.name} from the master, got {got.name}")
+    return reply
