@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
 
@@ -85,6 +85,19 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def probe(self, target: ProbeTarget) -> ProbeResult:
         """Find whether this backend works between here and ``target``; never raise for "no"."""
+
+    @classmethod
+    def host_fingerprint(cls) -> dict[str, Any] | None:
+        """What this transport's probe result depends on, if it depends only on this host.
+
+        Return None (the default) when the result depends on the peer (TCP measures the
+        round trip to the master): discovery then probes every time. Otherwise return a
+        small JSON-able dict of everything that could change the answer (library paths
+        and mtimes, device listings; see :func:`genie.transport.cache.path_fingerprint`):
+        discovery caches the result, in process and on disk, until the dict changes.
+        Must be cheap (a few ``stat`` calls) and must not import native libraries.
+        """
+        return None
 
     @abc.abstractmethod
     def connect(self, host: str, port: int, *, timeout: float) -> Channel:
