@@ -1,0 +1,258 @@
+"""The data-plane server of a node: listens, accepts, and runs one session per client.
+
+Embedding it (the cluster runtime does this for masters and workers)::
+
+    from genie.config import ClusterConfig
+    from genie.server import DataPlaneServer, parse_devices
+    from genie_tcp import TcpTransport          # or any Transport from the plugin manager
+
+    server = DataPlaneServer(TcpTransport(), "127.0.0.1", 0, parse_devices("auto"), ClusterConfig.from_sources())
+    server.start()
+    print(server.port)                           # the port picked when 0 was asked for
+    ...
+    server.stop()
+
+Threads: one accept loop, one thread per session. Each session's ops run in
+order on its thread; torch releases the GIL inside kernels, so sessions overlap.
+:meth:`DataPlaneServer.stop` closes the listener and every session and waits
+for their threads, within a bound.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import platform
+import socket
+import threading
+import time
+from typing import Any
+
+import torch
+
+from genie import __version__
+from genie.config import ClusterConfig
+from genie.errors import ConfigError, ConnectionClosedError
+from genie.server.session import Session
+from genie.transport.base import Listener, Transport
+from genie.wire.frame import MAX_BODY_BYTES, PROTOCOL_VERSION
+from genie.wire.values import MAX_INLINE_TENSOR_BYTES
+
+log = logging.getLogger("genie.server")
+
+_ACCEPT_POLL = 0.2
+
+
+def parse_devices(spec: str, *, source: str = "argument devices") -> list[torch.device]:
+    """Turn ``auto``, ``cpu,cpu`` or ``cuda:0,cuda:1`` into the node's device list.
+
+    ``auto`` is every CUDA GPU, or one CPU device when there is none. Repeating
+    ``cpu`` gives distinct logical devices (separate indices) on the one CPU.
+    """
+    text = spec.strip().lower()
+    if text in ("", "auto"):
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        return [torch.device("cpu")]
+    devices = []
+    cuda_seen = 0
+    for part in (p.strip() for p in text.split(",")):
+        if part == "cpu":
+            devices.append(torch.device("cpu"))
+            continue
+        if part == "cuda" or part.startswith("cuda:") and part[5:].isdigit():
+            index = int(part[5:]) if ":" in part else cuda_seen
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if index >= count:
+                raise ConfigError("devices", spec, source, f"cuda indices below {count} (this host has {count} GPUs)")
+            devices.append(torch.device("cuda", index))
+            cuda_seen += 1
+            continue
+        raise ConfigError("devices", spec, source, "'auto' or a list like 'cpu,cpu' or 'cuda:0,cuda:1'")
+    return devices
+
+
+def describe_devices(devices: list[torch.device]) -> list[dict[str, Any]]:
+    """The WELCOME device list: ``{"index", "kind", "name", "memory_total"}`` per logical device."""
+    out = []
+    for index, device in enumerate(devices):
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            name, memory = props.name, int(props.total_memory)
+        else:
+            name = platform.processor() or platform.machine() or "cpu"
+            memory = _host_memory()
+        out.append({"index": index, "kind": device.type, "name": name, "memory_total": memory})
+    return out
+
+
+def _host_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+class DataPlaneServer:
+    """Serves the data plane of one node.
+
+    :param transport: the transport to listen with (TCP, or a faster backend).
+    :param host: address to listen on. :param port: port, 0 for any free one.
+    :param devices: the node's devices; a client's device index ``i`` is ``devices[i]``.
+    :param config: limits come from ``max_session_handles``, ``max_session_bytes``,
+        ``max_frame_bytes`` and ``auth_token``; ``node_id`` names the node (a
+        host-based id when empty).
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        host: str,
+        port: int,
+        devices: list[torch.device],
+        config: ClusterConfig,
+        *,
+        hello_timeout: float = 10.0,
+        max_sessions: int = 1024,
+    ) -> None:
+        if not devices:
+            raise ConfigError("devices", devices, "argument devices", "at least one device")
+        self.transport = transport
+        self.host = host
+        self.devices = list(devices)
+        self.config = config
+        self.node_id = config.node_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.hello_timeout = hello_timeout
+        self.max_sessions = max_sessions
+        self._requested_port = port
+        self._listener: Listener | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._sessions: dict[int, Session] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._ids = itertools.count(1)
+        self._device_info = describe_devices(self.devices)
+        self.sessions_served = 0
+
+    @property
+    def port(self) -> int:
+        """The port listened on (after :meth:`start`)."""
+        if self._listener is None:
+            raise RuntimeError("DataPlaneServer.port is known only after start()")
+        return self._listener.port
+
+    def welcome(self) -> dict[str, Any]:
+        """The WELCOME body every accepted client gets."""
+        return {
+            "node_id": self.node_id,
+            "genie": __version__,
+            "protocol": PROTOCOL_VERSION,
+            "torch": torch.__version__,
+            "devices": self._device_info,
+            "limits": {
+                "max_session_handles": self.config.max_session_handles,
+                "max_session_bytes": self.config.max_session_bytes,
+                "max_frame_bytes": self.config.max_frame_bytes,
+                "max_body_bytes": MAX_BODY_BYTES,
+                "max_inline_tensor_bytes": MAX_INLINE_TENSOR_BYTES,
+            },
+        }
+
+    def start(self) -> None:
+        """Listen and start accepting clients in a background thread."""
+        if self._listener is not None:
+            raise RuntimeError("DataPlaneServer.start() called twice")
+        self._listener = self.transport.listen(self.host, self._requested_port)
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="genie-accept", daemon=True)
+        self._accept_thread.start()
+        log.info("data plane of node %s listening on %s:%d with %d devices",
+                 self.node_id, self._listener.host, self._listener.port, len(self.devices))
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop accepting, close every session (freeing its tensors) and wait for the threads, at most ``timeout``."""
+        self._stopping.set()
+        if self._listener is not None:
+            self._listener.close()
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for session in sessions:
+            session.close()
+        deadline = time.monotonic() + timeout
+        threads = [self._accept_thread] + [s.thread for s in sessions]
+        for thread in threads:
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in threads if t is not None and t.is_alive()]
+        if alive:
+            log.warning("data plane stopped with threads still running after %g s: %s", timeout, ", ".join(alive))
+        else:
+            log.info("data plane of node %s stopped", self.node_id)
+
+    def stats(self) -> dict[str, Any]:
+        """Live sessions and what they hold: ``{"sessions", "handles", "bytes", "per_session"}``."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        per = {s.session_id: s.stats() for s in sessions}
+        return {
+            "sessions": len(per),
+            "sessions_served": self.sessions_served,
+            "handles": sum(p["handles"] + p["poisoned"] for p in per.values()),
+            "bytes": sum(p["bytes"] for p in per.values()),
+            "per_session": per,
+        }
+
+    def __enter__(self) -> DataPlaneServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopping.is_set():
+            try:
+                channel = self._listener.accept(timeout=_ACCEPT_POLL)
+            except TimeoutError:
+                continue
+            except ConnectionClosedError:
+                break
+            except Exception:
+                log.exception("accept failed; the data plane keeps listening")
+                time.sleep(_ACCEPT_POLL)
+                continue
+            self._start_session(channel)
+
+    def _start_session(self, channel: Any) -> None:
+        with self._lock:
+            busy = len(self._sessions) >= self.max_sessions
+        if busy or self._stopping.is_set():
+            log.warning("refusing %s: %d sessions already", getattr(channel, "peer", "?"), self.max_sessions)
+            channel.close()
+            return
+        session = Session(
+            channel,
+            session_id=next(self._ids),
+            welcome=self.welcome,
+            devices=self.devices,
+            max_handles=self.config.max_session_handles,
+            max_bytes=self.config.max_session_bytes,
+            max_payload=self.config.max_frame_bytes,
+            auth_token=self.config.auth_token,
+            hello_timeout=self.hello_timeout,
+            on_end=self._session_ended,
+        )
+        session.thread = threading.Thread(target=session.run, name=f"genie-session-{session.session_id}", daemon=True)
+        with self._lock:
+            self._sessions[session.session_id] = session
+            self.sessions_served += 1
+        session.thread.start()
+
+    def _session_ended(self, session: Session) -> None:
+        with self._lock:
+            self._sessions.pop(session.session_id, None)
+            live = len(self._sessions)
+        log.info("%d sessions live", live)

@@ -1,0 +1,128 @@
+"""Op resolution: from a client's op name to a torch ``OpOverload``, safely.
+
+A client names an op as ``"aten::add.Tensor"`` (``namespace::name.overload``;
+no overload means ``default``). The name is accepted only if
+
+1. it is a string of sane length whose namespace is ``aten`` or ``prims``,
+2. it is registered with the dispatcher (``torch._C._dispatch_get_all_op_names()``),
+3. it is not on :data:`DENY_LIST`.
+
+Only then is it looked up on ``torch.ops``: the attribute names come from a
+*validated registered name*, never from unchecked client input. Anything else
+raises :class:`~genie.errors.ForbiddenOpError` saying why.
+
+The deny list refuses ops that reach outside the session's tensors: the
+server's files, its stdout, raw storage and pointers, process-global state,
+memory-unsafe constructors, and device-side asserts that would poison a CUDA
+context shared by every session. Entries are exact op names, or prefixes
+ending in ``*``. A test checks every entry still matches a registered op, so a
+rename in a new torch release is noticed instead of silently re-allowing it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+
+import torch
+
+from genie.errors import ForbiddenOpError
+
+log = logging.getLogger("genie.server.ops")
+
+#: Namespaces a client may use.
+ALLOWED_NAMESPACES = ("aten", "prims")
+
+_NAME = re.compile(r"^(aten|prims)::([A-Za-z_][A-Za-z0-9_]*)(?:\.([A-Za-z_][A-Za-z0-9_]*))?$")
+_MAX_NAME = 200
+
+#: Refused ops (exact names, or prefixes ending in ``*``) and why.
+DENY_LIST: dict[str, str] = {
+    "aten::from_file*": "reads a file on the server's filesystem",
+    "aten::_print": "prints to the server's stdout",
+    "aten::set_.source_Storage*": "points a tensor at a raw storage (arbitrary memory)",
+    "aten::set.source_Storage*": "points a tensor at a raw storage (arbitrary memory)",
+    "aten::_reshape_alias*": "makes a view without checking it stays inside its storage (out-of-bounds memory access)",
+    "aten::_unsafe_index*": "skips index bounds checks on CUDA (out-of-bounds memory access)",
+    "aten::_unsafe_masked_index*": "skips index bounds checks on CUDA (out-of-bounds memory access)",
+    "aten::_nested_view_from_buffer*": "builds views from client-given offsets without bounds checks",
+    "aten::_sparse_coo_tensor_unsafe": "builds a sparse tensor without validating its indices (crashes the server)",
+    "aten::_sparse_compressed_tensor_unsafe": "builds a sparse tensor without validating its indices",
+    "aten::_sparse_csr_tensor_unsafe": "builds a sparse tensor without validating its indices",
+    "aten::_sparse_csc_tensor_unsafe": "builds a sparse tensor without validating its indices",
+    "aten::_sparse_bsr_tensor_unsafe": "builds a sparse tensor without validating its indices",
+    "aten::_sparse_bsc_tensor_unsafe": "builds a sparse tensor without validating its indices",
+    "aten::_sparse_coo_tensor_with_dims_and_tensors*": "builds a sparse tensor without validating its indices",
+    "aten::_cufft_set_plan_cache_max_size": "changes process-global cuFFT state shared by every session",
+    "aten::_cufft_clear_plan_cache": "changes process-global cuFFT state shared by every session",
+    "aten::record_stream": "ties a tensor's memory to a CUDA stream (process-global allocator state)",
+    "aten::_assert_async*": "a failing device-side assert poisons the CUDA context for every session",
+    "aten::_functional_assert_async*": "a failing device-side assert poisons the CUDA context for every session",
+    "aten::pin_memory": "allocates page-locked host memory outside the session's byte quota",
+    "aten::_pin_memory*": "allocates page-locked host memory outside the session's byte quota",
+}
+
+_lock = threading.Lock()
+_registered: frozenset[str] = frozenset()
+_registered_at = 0.0
+#: A miss re-reads the registry (libraries may register ops late) at most this often.
+_REFRESH_INTERVAL = 10.0
+_resolved: dict[str, torch._ops.OpOverload] = {}
+
+
+def registered_op_names(*, refresh: bool = False) -> frozenset[str]:
+    """Every op name the dispatcher knows (cached; ``refresh`` re-reads it, at most every 10 s)."""
+    global _registered, _registered_at
+    with _lock:
+        now = time.monotonic()
+        if not _registered or refresh and now - _registered_at > _REFRESH_INTERVAL:
+            _registered = frozenset(torch._C._dispatch_get_all_op_names())
+            _registered_at = now
+        return _registered
+
+
+def deny_reason(name: str) -> str | None:
+    """Why ``name`` is refused, or None when it is not on the deny list."""
+    for entry, reason in DENY_LIST.items():
+        if entry.endswith("*") and name.startswith(entry[:-1]) or name == entry:
+            return reason
+    return None
+
+
+def resolve_op(name: object) -> torch._ops.OpOverload:
+    """The OpOverload for a client-supplied op name, or ForbiddenOpError saying why not."""
+    if isinstance(name, str):
+        cached = _resolved.get(name)
+        if cached is not None:
+            return cached
+    if not isinstance(name, str) or len(name) > _MAX_NAME:
+        raise ForbiddenOpError(f"op name must be a string of at most {_MAX_NAME} characters, got {_preview(name)}")
+    match = _NAME.match(name)
+    if match is None:
+        raise ForbiddenOpError(
+            f"op {_preview(name)} is not allowed: only registered {' and '.join(ALLOWED_NAMESPACES)} ops "
+            "named like 'aten::add.Tensor' can run on a genie server"
+        )
+    names = registered_op_names()
+    if name not in names and name not in registered_op_names(refresh=True):
+        raise ForbiddenOpError(f"op {name!r} is not a registered torch op (this server runs torch {torch.__version__})")
+    reason = deny_reason(name)
+    if reason is not None:
+        raise ForbiddenOpError(f"op {name!r} is refused by genie servers: it {reason}")
+    namespace, packet_name, overload = match.group(1), match.group(2), match.group(3) or "default"
+    # Attribute names below come from a name validated against the dispatcher's registry.
+    try:
+        packet = getattr(getattr(torch.ops, namespace), packet_name)
+        op = getattr(packet, overload)
+    except (AttributeError, RuntimeError) as exc:
+        raise ForbiddenOpError(f"op {name!r} is registered but cannot be called from Python: {exc}") from None
+    with _lock:
+        _resolved[name] = op
+    return op
+
+
+def _preview(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
