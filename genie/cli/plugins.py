@@ -6,10 +6,10 @@ import argparse
 import json
 from typing import Any
 
-import anyio
-
+from genie.cli.discover import parse_master
 from genie.plugins import PluginManager
 from genie.transport.base import ProbeTarget
+from genie.transport.discovery import discover_sync
 from genie.types import ProbeResult
 
 
@@ -18,21 +18,6 @@ def register(sub: Any) -> None:
     p.add_argument("--master", default="", help="HOST:PORT to probe against (default: local capabilities only)")
     p.add_argument("--timeout", type=float, default=2.0, help="probe deadline in seconds")
     p.set_defaults(func=run)
-
-
-async def _probe_all(pm: PluginManager, target: ProbeTarget) -> dict[str, ProbeResult]:
-    results: dict[str, ProbeResult] = {}
-
-    async def one(name: str, cls: type) -> None:
-        with anyio.move_on_after(target.timeout) as scope:
-            results[name] = await cls().probe(target)
-        if scope.cancelled_caught:
-            results[name] = ProbeResult(name, False, "timeout", f"probe did not answer within {target.timeout:g} s")
-
-    async with anyio.create_task_group() as tg:
-        for name, cls in pm.transports().items():
-            tg.start_soon(one, name, cls)
-    return results
 
 
 def describe(pm: PluginManager, probes: dict[str, ProbeResult]) -> list[dict[str, Any]]:
@@ -57,8 +42,7 @@ def describe(pm: PluginManager, probes: dict[str, ProbeResult]) -> list[dict[str
 
 def run(args: argparse.Namespace) -> int:
     pm = PluginManager()
-    host, _, port = args.master.rpartition(":") if args.master else ("", "", "0")
-    target = ProbeTarget(host=host, port=int(port or 0), timeout=args.timeout)
-    probes = anyio.run(_probe_all, pm, target)
+    host, port = parse_master(args.master)
+    probes = dict(discover_sync(pm, ProbeTarget(host=host, port=port, timeout=args.timeout)).results)
     print(json.dumps({"plugins": describe(pm, probes)}, indent=2))
     return 0

@@ -129,7 +129,8 @@ def select(
     :raises BackendUnavailableError: no candidate is left; the message lists every reason.
     """
     spec: BackendSpec = config.backend
-    spec.check_known(set(results), source=_spec_source(config))
+    # Known = installed (not only probed): a caller may pass a subset of the results.
+    spec.check_known(set(pm.transports()) | set(results), source=_spec_source(config))
     ranked = rank(results, pm=pm, config=config)
     rejected: dict[str, str] = {
         name: f"unavailable ({r.reason_code}): {r.reason}" for name, r in results.items() if not r.available

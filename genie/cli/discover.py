@@ -1,0 +1,139 @@
+"""``genie discover``: every backend, available or not, why, its rank, its figures, and the choice.
+
+Like ``ucx_info -d``: one row per installed transport. Figures are marked
+*measured* (found by the probe here, such as TCP's round trip to ``--master``) or
+*declared* (the plugin's stated typical value). Without ``--master`` only local
+capabilities are shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from genie.config import ClusterConfig
+from genie.errors import BackendUnavailableError, ConfigError
+from genie.plugins import PluginManager
+from genie.transport.base import ProbeTarget
+from genie.transport.cache import result_from_dict
+from genie.transport.discovery import Discovery, discover_sync
+from genie.transport.selection import Selection, effective_priority, select
+from genie.types import ProbeResult
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("discover", help="probe every network backend and show which one genie would choose")
+    p.add_argument("--master", default="", help="HOST:PORT to probe against (default: local capabilities only)")
+    p.add_argument("--backend", default=None, help="a backend option to apply (default: GENIE_BACKEND or auto)")
+    p.add_argument("--timeout", type=float, default=None, help="probe deadline in seconds (default: probe_timeout)")
+    p.add_argument("--refresh", action="store_true", help="ignore the host-capability cache (and refill it)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def parse_master(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (or ``[v6]:PORT``) to a pair; an empty text is ``("", 0)``."""
+    if not text:
+        return "", 0
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ConfigError("master", text, "argument --master", "HOST:PORT, e.g. 10.0.0.1:5555")
+    return host.strip("[]"), int(port)
+
+
+def target_from_args(args: argparse.Namespace, config: ClusterConfig) -> ProbeTarget:
+    """The probe target of ``--master`` and ``--timeout`` (or the config's probe_timeout)."""
+    host, port = parse_master(args.master)
+    return ProbeTarget(host=host, port=port, timeout=args.timeout or config.probe_timeout)
+
+
+def figure_text(result: ProbeResult) -> str:
+    """``name=value unit (measured|declared)`` for each figure, comma-separated."""
+    parts = []
+    for key, fig in result.figures.items():
+        if fig.unit == "bool":
+            value = "yes" if fig.value else "no"
+        else:
+            value = f"{fig.value:g} {fig.unit}"
+        parts.append(f"{key}={value} ({'measured' if fig.measured else 'declared'})")
+    return ", ".join(parts) or "-"
+
+
+def report(pm: PluginManager, config: ClusterConfig, found: Discovery) -> dict[str, Any]:
+    """The JSON document of ``genie discover --json``."""
+    selection: Selection | None = None
+    error = ""
+    try:
+        selection = select(found.results, pm=pm, config=config)
+    except BackendUnavailableError as exc:
+        error = str(exc)
+    rows = []
+    for name, result in found.results.items():
+        priority, overridden = effective_priority(result, pm=pm, config=config)
+        row = result.to_dict()
+        row.update({
+            "priority": priority,
+            "default_priority": result.priority,
+            "priority_overridden": overridden,
+            "cached": name in found.cached,
+            "candidate_rank": selection.names.index(name) + 1 if selection and name in selection.names else None,
+            "not_candidate_because": selection.rejected.get(name) if selection else None,
+        })
+        rows.append(row)
+    return {
+        "backend_option": config.backend.text,
+        "target": found.to_dict()["target"],
+        "elapsed_ms": round(found.elapsed * 1000, 1),
+        "backends": rows,
+        "selected": selection.best.name if selection else None,
+        "candidates": selection.names if selection else [],
+        "error": error or None,
+    }
+
+
+def table(doc: dict[str, Any]) -> str:
+    """The human table of a :func:`report` document: one row per backend, then each one's reason in full."""
+    head = ("", "BACKEND", "AVAILABLE", "PRIORITY", "REASON", "FIGURES")
+    rows = [head]
+    notes = []
+    for row in doc["backends"]:
+        chosen = "*" if row["name"] == doc["selected"] else ""
+        prio = str(row["priority"]) + (f" (hook; default {row['default_priority']})" if row["priority_overridden"] else "")
+        code = row["reason_code"]
+        if row["available"] and row["not_candidate_because"]:
+            code += " (not selectable)"
+        avail = "yes" if row["available"] else "no"
+        rows.append((chosen, row["name"], avail, prio, code, _figures_of(row)))
+        note = row["reason"] or "-"
+        if row["available"] and row["not_candidate_because"]:
+            note += f"; not a candidate: {row['not_candidate_because']}"
+        if row["cached"]:
+            note += " [from the host-capability cache]"
+        notes.append(f"  {row['name']}: {note}")
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip() for r in rows]
+    lines += ["", "reasons:", *notes, ""]
+    target = doc["target"]
+    where = f"{target['host']}:{target['port']}" if target["host"] else "no master (local capabilities only)"
+    lines.append(f"probed against {where} in {doc['elapsed_ms']:g} ms (deadline {target['timeout']:g} s)")
+    if doc["selected"]:
+        lines.append(f"backend option {doc['backend_option']!r}: would choose {doc['selected']} "
+                     f"(then fall back in order: {', '.join(doc['candidates'][1:]) or 'none'})")
+    else:
+        lines.append(f"backend option {doc['backend_option']!r}: no backend can be chosen")
+        lines.append(f"error: {doc['error']}")
+    return "\n".join(lines)
+
+
+def _figures_of(row: dict[str, Any]) -> str:
+    return figure_text(result_from_dict(row))
+
+
+def run(args: argparse.Namespace) -> int:
+    config = ClusterConfig.from_sources(backend=args.backend)
+    pm = PluginManager()
+    found = discover_sync(pm, target_from_args(args, config), refresh=args.refresh)
+    doc = report(pm, config, found)
+    print(json.dumps(doc, indent=2) if args.json else table(doc))
+    return 0 if doc["selected"] else 1
