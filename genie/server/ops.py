@@ -3,7 +3,8 @@
 A client names an op as ``"aten::add.Tensor"`` (``namespace::name.overload``;
 no overload means ``default``). The name is accepted only if
 
-1. it is a string of sane length whose namespace is ``aten`` or ``prims``,
+1. it is a string of sane length whose namespace is ``aten`` or ``prims``
+   (``OpOverload.name()`` gives exactly this form; ``.default`` is accepted too),
 2. it is registered with the dispatcher (``torch._C._dispatch_get_all_op_names()``),
 3. it is not on :data:`DENY_LIST`.
 
@@ -105,10 +106,11 @@ def resolve_op(name: object) -> torch._ops.OpOverload:
             f"op {_preview(name)} is not allowed: only registered {' and '.join(ALLOWED_NAMESPACES)} ops "
             "named like 'aten::add.Tensor' can run on a genie server"
         )
-    names = registered_op_names()
-    if name not in names and name not in registered_op_names(refresh=True):
+    # The registry names default overloads without a suffix ("aten::mm"); accept "aten::mm.default" too.
+    registered = name if match.group(3) != "default" else name[: -len(".default")]
+    if registered not in registered_op_names() and registered not in registered_op_names(refresh=True):
         raise ForbiddenOpError(f"op {name!r} is not a registered torch op (this server runs torch {torch.__version__})")
-    reason = deny_reason(name)
+    reason = deny_reason(registered)
     if reason is not None:
         raise ForbiddenOpError(f"op {name!r} is refused by genie servers: it {reason}")
     namespace, packet_name, overload = match.group(1), match.group(2), match.group(3) or "default"
