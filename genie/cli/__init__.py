@@ -15,7 +15,7 @@ import sys
 from genie.errors import GenieError
 
 #: Subcommand modules, in the order ``genie --help`` lists them.
-COMMANDS = ("plugins", "serve", "discover")
+COMMANDS = ("plugins", "node", "discover")
 
 
 def build_parser() -> argparse.ArgumentParser:

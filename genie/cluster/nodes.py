@@ -20,18 +20,11 @@ from genie.wire.messages import hello_body
 log = logging.getLogger("genie.runtime")
 
 
-def parse_devices(spec: str) -> list[torch.device]:
-    """``auto`` = every CUDA GPU, else one CPU device; or an explicit list like ``cpu,cpu``."""
-    if spec == "auto":
-        if torch.cuda.is_available():
-            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-        return [torch.device("cpu")]
-    return [torch.device(s) for s in spec.split(",")]
-
-
 def local_gpus(spec: str) -> list[GPUInfo]:
     """The devices this node serves, as GPUInfo (CPU devices stand in for GPUs where there are none)."""
     out = []
+    from genie.server.node import parse_devices
+
     for i, dev in enumerate(parse_devices(spec)):
         if dev.type == "cuda":
             props = torch.cuda.get_device_properties(dev)
@@ -45,10 +38,10 @@ class DataPlaneHost:
     """The data-plane server a server or worker node runs for its own devices."""
 
     def __init__(self, transport: Transport, config: ClusterConfig, node: NodeInfo) -> None:
-        from genie.server.node import DataPlaneServer
+        from genie.server.node import DataPlaneServer, parse_devices
 
         self.server = DataPlaneServer(transport, config.bind_addr, config.data_port,
-                                      parse_devices(config.devices), config, node_id=node.node_id)
+                                      parse_devices(config.devices), config.replace(node_id=node.node_id))
 
     def start(self) -> int:
         self.server.start()
@@ -63,9 +56,12 @@ def _open_session(pm: PluginManager, config: ClusterConfig, client_id: str, node
     transports = pm.transports()
     peer = select({name: c.result for name, c in ((c.name, c) for c in selection.candidates)}, pm=pm,
                   config=config, peer_backends=node.get("backends", ["tcp"]), peer=f"node {node['node_id']}")
-    outcome = connect_with_fallback(peer, transports, (node["address"], int(node["data_port"])),
+    address = node["address"]
+    if address in ("", "0.0.0.0", "::") or node.get("role") == "server":
+        address = config.master_addr  # the master's own devices: where we reached it
+    outcome = connect_with_fallback(peer, transports, (address, int(node["data_port"])),
                                     timeout=config.connect_timeout, emit=emit, source=client_id)
-    conn = NodeConnection(outcome.channel, node_id=node["node_id"], address=f"{node['address']}:{node['data_port']}",
+    conn = NodeConnection(outcome.channel, node_id=node["node_id"], address=f"{address}:{node['data_port']}",
                           op_timeout=config.op_timeout)
     conn.backend = outcome.backend
     conn.handshake(hello_body(node_id=client_id, role="client", backends=[outcome.backend]), config.connect_timeout)

@@ -62,6 +62,8 @@ class Runtime:
         self._control: SocketStream | None = None
         self._stopped = False
         self.table: Any = None
+        self._tg: Any = None
+        self._background_future: Any = None
 
     # -- lifecycle (called from user threads) ---------------------------------------------------
     def start(self) -> ClusterState:
@@ -71,6 +73,15 @@ class Runtime:
         self.portal = self._portal_cm.__enter__()
         try:
             state = self.portal.call(self._init, started)
+            t = time.perf_counter()
+            self.phase = "monitoring"
+            remaining = started + self.config.timeout - t
+            self._background_future, _ = self.portal.start_task(self._background, state)
+            if time.perf_counter() - started > self.config.timeout:
+                raise InitTimeoutError("monitoring", self.config.timeout, f"{remaining:.3f} s were left")
+            state.phase_durations["monitoring"] = time.perf_counter() - t
+            log.info("init phase monitoring took %.1f ms", state.phase_durations["monitoring"] * 1000)
+            self.phase = "running"
         except BaseException:
             self.stop()
             raise
@@ -134,14 +145,10 @@ class Runtime:
                 t = mark("discovery", t)
                 self.phase = "connect"
                 await self._connect(state, selection)
-                t = mark("connect", t)
-                self.phase = "monitoring"
-                await self._start_monitoring(state)
-                mark("monitoring", t)
+                mark("connect", t)
         except TimeoutError:
             raise InitTimeoutError(self.phase, cfg.timeout) from None
         state.phase_durations = durations
-        self.phase = "running"
         return state
 
     async def _connect(self, state: ClusterState, selection: Any) -> None:
@@ -194,15 +201,11 @@ class Runtime:
         state.devices = list(snapshot.get("devices", []))
 
     # -- background work ---------------------------------------------------------------------------
-    async def _start_monitoring(self, state: ClusterState) -> None:
-        ready = anyio.Event()
-        self.portal.start_task_soon(self._background, state, ready)
-        await ready.wait()
-
-    async def _background(self, state: ClusterState, ready: anyio.Event) -> None:
+    async def _background(self, state: ClusterState, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         with anyio.CancelScope() as scope:
             self._cancel = scope
             async with anyio.create_task_group() as tg:
+                self._tg = tg
                 await tg.start(self.bus.run)
                 if self.control_service is not None:
                     port = await tg.start(self.control_service.serve, self.config.bind_addr,
@@ -216,7 +219,7 @@ class Runtime:
                         self._start_monitors(tg, state)
                 if self.table is not None:
                     tg.start_soon(self._flush_loop)
-                ready.set()
+                task_status.started()
 
     def _start_monitors(self, tg: Any, state: ClusterState) -> None:
         """Hook for the resource monitor and health checker (see genie.cluster.monitor/health)."""
@@ -268,7 +271,8 @@ class Runtime:
             if status in ("lost", "disconnected") and device.connection.lost is None:
                 device.connection.mark_lost(f"the master declared node {device.node_id} {status}")
             elif status == "connected" and device.connection.lost is not None:
-                self.portal.start_task_soon(anyio.to_thread.run_sync, self._reconnect_lost)
+                self._tg.start_soon(anyio.to_thread.run_sync, self._reconnect_lost)
+                return
 
     def _reconnect_lost(self) -> None:
         """Open new sessions to nodes that came back (old tensors stay lost)."""

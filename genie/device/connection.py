@@ -64,6 +64,7 @@ class NodeConnection:
         self._lost: str | None = None
         self.last_send = 0.0
         self.backend = "tcp"
+        self._pending_request = False
         self.stats = {"ops": 0, "bytes_up": 0, "bytes_down": 0, "round_trips": 0, "batches": 0}
 
     # -- handshake ---------------------------------------------------------------------------
@@ -176,8 +177,13 @@ class NodeConnection:
 
     def _flush_locked(self) -> None:
         if self._frees:
+            # After the queued commands: a handle is released only once no queued op can still use it...
             frees, self._frees = self._frees, []
-            self._cmds.insert(0, msgpack.packb([wm.CMD_FREE, frees]))
+            free_cmd = msgpack.packb([wm.CMD_FREE, frees])
+            if self._cmds and self._pending_request:
+                self._cmds.insert(len(self._cmds) - 1, free_cmd)  # ...but before a request, so it is answered last
+            else:
+                self._cmds.append(free_cmd)
         if not self._cmds and not self._uploads:
             return
         body = msgpack.packb({"uploads": self._uploads, "cmds": self._cmds}, use_bin_type=True)
@@ -200,7 +206,11 @@ class NodeConnection:
             self.check_alive(device)
             req = next(self._requests)
             self._cmds.append(msgpack.packb(build(req), use_bin_type=True, default=default))
-            self._flush_locked()
+            self._pending_request = True
+            try:
+                self._flush_locked()
+            finally:
+                self._pending_request = False
             try:
                 header, body = wf.recv_header_and_body(self.channel)
                 if header.kind != wf.MsgKind.REPLY:

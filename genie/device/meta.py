@@ -83,7 +83,8 @@ def run_meta(func: Any, args: Any, kwargs: Any, convert: Any) -> tuple[list[OutM
         raise NeedsServer(str(exc)) from None
     except RuntimeError as exc:
         text = str(exc)
-        if ("meta" in text.lower() and ("not implemented" in text.lower() or "backend" in text.lower())) or (
+        lowered = text.lower()
+        if ("meta" in lowered and ("not implemented" in lowered or "backend" in lowered or "meta tensors" in lowered)) or (
             "data-dependent" in text or "DataDependent" in type(exc).__name__ or "Dynamic" in type(exc).__name__
         ):
             raise NeedsServer(text) from None

@@ -27,7 +27,7 @@ from genie.errors import DeviceError
 from genie.wire.values import device_ext, dtype_code, encode_common, handle_ext, inline_tensor
 
 BACKEND = "remote_accelerator"
-_CPP_DEVICE = torch.device(BACKEND, 0)
+_CPP_DEVICE: torch.device | None = None  # set by registration, once the backend is renamed
 _aten = torch.ops.aten
 
 
@@ -59,7 +59,8 @@ class RemoteTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, ref: TensorRef | None, dtype: torch.dtype, shape: Any, stride: Any, offset: int) -> RemoteTensor:
         r = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=_CPP_DEVICE, requires_grad=False
+            cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=_CPP_DEVICE or _cpp_device(),
+            requires_grad=False
         )
         if ref is not None:
             r._genie = ref
@@ -134,6 +135,12 @@ class RemoteTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return execute(func, args, kwargs or {})
+
+
+def _cpp_device() -> torch.device:
+    global _CPP_DEVICE
+    _CPP_DEVICE = torch.device(BACKEND, 0)
+    return _CPP_DEVICE
 
 
 def _rebuild_remote(cpu: torch.Tensor, index: int, requires_grad: bool) -> torch.Tensor:
@@ -317,6 +324,8 @@ def _general(func: Any, args: Any, kwargs: Any) -> Any:
         hash(key)
     except TypeError:
         key = None
+    if func in _SERVER_OPS:
+        return _call_on_server(func, args, kwargs, device)
     cached = _meta_cache.lookup(key) if key is not None else None
     if cached is None:
         try:
@@ -443,6 +452,13 @@ def _shallow_copy_type(func: Any, args: Any, kwargs: Any) -> bool:
 def _false(func: Any, args: Any, kwargs: Any) -> bool:
     return False
 
+
+#: Ops whose result is a number or a data-dependent shape: always a round trip.
+_SERVER_OPS = frozenset({
+    _aten._local_scalar_dense.default, _aten.equal.default, _aten.is_nonzero.default,
+    _aten.nonzero.default, _aten.masked_select.default, _aten._unique2.default, _aten.unique_consecutive.default,
+    _aten.unique_dim.default,
+})
 
 _SPECIAL: dict[Any, Any] = {
     _aten.detach.default: _alias_same_handle,

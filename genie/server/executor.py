@@ -312,6 +312,8 @@ class Executor:
             checked.append(self._conform(op, i, t, spec, input_storages, inputs, [o.handle for o in outs]))
         failures = []
         for spec, t in zip(outs, checked, strict=True):
+            if spec.handle in self.store and self.store.get(spec.handle) is t:
+                continue  # an in-place op (copy_, add_, out=) returned the tensor it wrote into
             try:
                 self.store.put(spec.handle, t)
             except (QuotaExceededError, ProtocolError) as exc:
@@ -350,7 +352,7 @@ class Executor:
 
     def _store_call_result(self, op: str, result: Any, handles: list[int]) -> Any:
         tensors = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
-        if len(tensors) != len(handles):
+        if len(tensors) > len(handles):
             raise _CommandFailed(_error(
                 op, [], "mismatch", f"{op} returned {len(tensors)} tensors but the CALL gave {len(handles)} handles",
                 handles))

@@ -99,7 +99,6 @@ def unpack_body(body: bytes | memoryview, ext_hook: Any = None) -> Any:
         kwargs: dict[str, Any] = {
             "raw": False,
             "strict_map_key": True,
-            "max_buffer_size": MAX_BODY_BYTES,
             "max_str_len": 1 << 20,
             "max_bin_len": MAX_BODY_BYTES,
             "max_array_len": 1 << 20,

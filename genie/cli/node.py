@@ -1,0 +1,80 @@
+"""``genie serve`` (the master) and ``genie worker`` (a node that joins a master).
+
+Both run a genie runtime in the foreground: a data-plane server for this node's
+devices and, for the master, the control service on ``--port``. They print one
+ready line (see :mod:`genie.cluster.launch`) and stop cleanly on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Any
+
+from genie.config import env_name
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; GENIE_BIND_ADDR)")
+    p.add_argument("--data-port", type=int, default=None, help="data-plane port (default: any free port)")
+    p.add_argument("--devices", default=None, help="'auto' (every CUDA GPU, else one CPU device) or e.g. 'cpu,cpu'")
+    p.add_argument("--node-id", default=None, help="stable node id (default: HOST-ROLE-PID)")
+    p.add_argument("--backend", default=None, help="auto, a backend name, a list 'rdma,tcp' or exclusions '^dpdk'")
+    p.add_argument("--heartbeat-interval", type=float, default=None)
+    p.add_argument("--heartbeat-timeout", type=float, default=None)
+
+
+def register(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="run the master node (registry, control service, its own GPUs)")
+    serve.add_argument("--port", type=int, default=None, help=f"control-plane port (default 5555; {env_name('master_port')})")
+    _common(serve)
+    serve.set_defaults(func=run_serve)
+    worker = sub.add_parser("worker", help="run a worker node that joins a master and serves its GPUs")
+    worker.add_argument("--master", required=True, help="HOST:PORT of the master's control plane")
+    _common(worker)
+    worker.set_defaults(func=run_worker)
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "bind_addr": args.host, "data_port": args.data_port, "devices": args.devices, "node_id": args.node_id,
+        "backend": args.backend, "heartbeat_interval": args.heartbeat_interval,
+        "heartbeat_timeout": args.heartbeat_timeout,
+    }
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    return _run("server", {"master_port": args.port, **_options(args)})
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    host, _, port = args.master.rpartition(":")
+    return _run("worker", {"master_addr": host or "127.0.0.1", "master_port": int(port), **_options(args)})
+
+
+def _run(role: str, options: dict[str, Any]) -> int:
+    from genie.cluster.runtime import Runtime
+    from genie.config import ClusterConfig
+
+    config = ClusterConfig.from_sources(node_role=role, **options)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    runtime = Runtime(config)
+    state = runtime.start()
+    try:
+        control = f"{config.bind_addr}:{state.master_port or config.master_port}"
+        if role == "worker":
+            control = f"{config.master_addr}:{config.master_port}"
+        print(f"genie {role} ready: control={control} data={config.bind_addr}:{state.data_port} "
+              f"devices={len(state.local_node.gpus)} node={state.local_node.node_id}", flush=True)
+        stop.wait()
+    finally:
+        runtime.stop()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(1)

@@ -1,0 +1,86 @@
+"""Errors on the remote device: where they surface and what they say."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import genie
+from genie.errors import NotInitializedError, RemoteDeviceLost, RemoteExecutionError
+
+D0 = "remote_accelerator:0"
+
+
+def test_shape_errors_surface_at_the_line_that_caused_them(remote) -> None:
+    a = torch.ones(3, 4, device=D0)
+    b = torch.ones(5, 6, device=D0)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        a @ b
+
+
+def test_server_side_failure_surfaces_at_the_next_sync_point_naming_the_op(remote) -> None:
+    idx = torch.tensor([0, 7], device=D0)  # out of range for a 3-row table: only the server can know
+    table = torch.randn(3, 2, device=D0)
+    picked = table[idx]  # fire-and-forget: no error yet
+    with pytest.raises(RemoteExecutionError, match=r"aten::index.*shapes"):
+        picked.cpu()
+    assert torch.ones(2, device=D0).sum().item() == 2.0  # the session keeps working
+
+
+def test_unknown_device_index_is_a_clear_error(remote) -> None:
+    with pytest.raises(Exception, match="does not exist"):
+        torch.zeros(1, device="remote_accelerator:7")
+
+
+def test_using_the_device_before_init_is_a_clear_error() -> None:
+    if genie.is_initialized():
+        pytest.skip("genie is initialised by another test in this session")
+    from genie.device import ensure_registered
+
+    ensure_registered()
+    with pytest.raises(NotInitializedError, match="genie.init"):
+        torch.zeros(1, device=D0)
+
+
+def test_killed_server_gives_remote_device_lost_not_a_hang(tmp_path) -> None:
+    """A separate process: init against a private server, kill -9 it, expect RemoteDeviceLost quickly."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time, torch, genie
+        from genie.cluster.launch import NodeProcess
+        from genie.errors import RemoteDeviceLost
+        import socket
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        server = NodeProcess("serve", "--port", str(port), "--devices", "cpu").start()
+        try:
+            genie.init_sync(master_addr="127.0.0.1", master_port=port, heartbeat_interval=0.2,
+                            heartbeat_timeout=1, op_timeout=5)
+            x = torch.ones(3, device="remote_accelerator:0")
+            assert x.sum().item() == 3.0
+            server.kill()
+            t0 = time.monotonic()
+            try:
+                (x * 2).cpu()
+            except RemoteDeviceLost as exc:
+                print("LOST", round(time.monotonic() - t0, 2), exc)
+            else:
+                print("NO ERROR")
+            try:
+                torch.ones(1, device="remote_accelerator:0").cpu()
+            except RemoteDeviceLost:
+                print("STILL LOST")
+        finally:
+            server.stop()
+            genie.shutdown_sync()
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert "LOST" in out.stdout, out.stdout + out.stderr
+    assert "STILL LOST" in out.stdout
+    seconds = float(out.stdout.split("LOST", 1)[1].split()[0])
+    assert seconds < 6
+    assert "remote_accelerator:0" in out.stdout or "node" in out.stdout
+    _ = RemoteDeviceLost

@@ -1,0 +1,73 @@
+"""nn modules forward and backward, and optimizer steps, match the CPU exactly enough."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+D0 = "remote_accelerator:0"
+
+pytestmark = pytest.mark.usefixtures("remote")
+
+
+def _forward_backward(module: nn.Module, inputs: list[torch.Tensor], device: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    m = copy.deepcopy(module).to(device)
+    xs = [x.to(device) for x in inputs]
+    out = m(*xs)
+    loss = out.float().pow(2).mean() if out.is_floating_point() else out.float().mean()
+    loss.backward()
+    grads = [p.grad.cpu() for p in m.parameters() if p.grad is not None]
+    return out.detach().cpu(), grads
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (nn.Linear(8, 4), [torch.randn(5, 8)]),
+        lambda: (nn.Conv2d(3, 4, 3, padding=1), [torch.randn(2, 3, 8, 8)]),
+        lambda: (nn.BatchNorm2d(3), [torch.randn(4, 3, 5, 5)]),
+        lambda: (nn.LayerNorm(16), [torch.randn(4, 16)]),
+        lambda: (nn.Embedding(10, 6), [torch.tensor([[1, 2, 3], [4, 5, 9]])]),
+        lambda: (nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True),
+                 [torch.randn(2, 5, 16)]),
+    ],
+    ids=["Linear", "Conv2d", "BatchNorm2d", "LayerNorm", "Embedding", "TransformerEncoderLayer"],
+)
+def test_module_forward_and_backward_match_cpu(make) -> None:
+    torch.manual_seed(0)
+    module, inputs = make()
+    out_cpu, grads_cpu = _forward_backward(module, inputs, "cpu")
+    out_remote, grads_remote = _forward_backward(module, inputs, D0)
+    torch.testing.assert_close(out_remote, out_cpu, rtol=1e-4, atol=1e-5)
+    assert len(grads_remote) == len(grads_cpu) > 0
+    for g_r, g_c in zip(grads_remote, grads_cpu):
+        torch.testing.assert_close(g_r, g_c, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("opt_name", ["SGD", "Adam", "AdamW"])
+def test_five_optimizer_steps_match_cpu(opt_name: str) -> None:
+    def run(device: str) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2)).to(device)
+        opt = getattr(torch.optim, opt_name)(model.parameters(), lr=0.05)
+        x, y = torch.randn(16, 6).to(device), torch.randn(16, 2).to(device)
+        for _ in range(5):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    for r, c in zip(run(D0), run("cpu")):
+        torch.testing.assert_close(r, c, rtol=1e-5, atol=1e-6)
+
+
+def test_module_to_keeps_weights_on_the_server() -> None:
+    model = nn.Linear(4, 4).to(D0)
+    for p in model.parameters():
+        assert p.device == torch.device(D0)
+        assert isinstance(p, nn.Parameter) or getattr(p, "_is_param", False)
+    sd = model.state_dict()
+    assert all(v.device == torch.device(D0) for v in sd.values())
