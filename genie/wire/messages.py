@@ -26,6 +26,27 @@ Every request (FETCH, CALL, SYNC) gets one REPLY frame, in order; its body is
 of fire-and-forget ops since the last reply (each a map with ``op``,
 ``shapes``, ``kind`` and ``message``). A FETCH reply carries the tensor's
 bytes as its payload.
+
+Details the server (genie.server) fixes, all compatible with the above:
+
+- ``error`` is None or a map of the same shape as a deferred entry. Entries may
+  also carry ``handles``: the output handles the failed command poisoned.
+  ``kind`` is ``execution``, ``mismatch`` (the server's output disagrees with the
+  client's ``outs``), ``forbidden``, ``quota``, ``handle`` (unknown handle) or
+  ``protocol``. Deferred entries past 256 are summarised in one last entry.
+- A FETCH result is ``[dtype code, shape]`` of the (contiguous) payload.
+- An upload's device is a plain int index (the device tag is accepted too).
+- Op names are ``OpOverload.name()``: ``"aten::add.Tensor"``, ``"aten::mm"``
+  (``"aten::mm.default"`` is accepted too); only aten/prims, never a deny-listed op.
+- HELLO may carry ``"token"`` (the cluster auth token). WELCOME is
+  ``{"node_id", "genie", "protocol", "torch", "devices": [{"index", "kind",
+  "name", "memory_total"}], "limits": {"max_session_handles",
+  "max_session_bytes", "max_frame_bytes", "max_body_bytes",
+  "max_inline_tensor_bytes"}}``; REJECT is ``{"code", "reason"}`` with code
+  ``protocol``, ``torch_version``, ``auth`` or ``frame``.
+- A frame that breaks the wire rules inside a session is answered, if the
+  connection still works, with an ERROR frame ``{"code": "frame", "reason"}``
+  (``"internal"`` for a server bug), then the connection is closed.
 """
 
 from __future__ import annotations
