@@ -1,0 +1,102 @@
+"""Test sessions: one per plugin (core + that plugin only), the whole suite, and lint.
+
+Each plugin session installs the core (``-e .``, which needs genie-tcp: ``pip install
+genie`` must give a working system) and that one plugin, then runs the plugin's own
+tests. Passing there proves the core never needs any other plugin.
+
+    nox -s dpdk          # installs Debian's DPDK first when root (scripts/install-system-deps)
+    nox -s tests         # the whole suite with every plugin
+    nox -s lint          # ruff on everything, mypy on genie/
+
+torch is pinned to 2.13.0: other versions pull several GB of CUDA packages.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import nox
+
+nox.options.sessions = ["lint", "tcp", "dpdk", "gpudev", "rdma", "nvml"]
+nox.options.reuse_existing_virtualenvs = True
+
+TORCH = "torch==2.13.0"
+CORE = ("-e", ".[test]", "-e", "plugins/genie_tcp")
+PLUGINS = ("tcp", "dpdk", "gpudev", "rdma", "nvml")
+#: Plugins a plugin depends on (installed from this repository, not from an index).
+PLUGIN_DEPENDS = {"gpudev": ("dpdk",)}
+#: Debian packages (scripts/install-system-deps groups) a plugin's real probe paths need.
+SYSTEM_DEPS = {"dpdk": "dpdk", "gpudev": "dpdk", "rdma": "rdma"}
+
+
+def install_system_deps(session: nox.Session, group: str) -> None:
+    """Run scripts/install-system-deps for ``group`` when root; say plainly what is skipped otherwise."""
+    if not shutil.which("apt-get"):
+        session.warn(f"no apt-get here: the {group} system packages are not installed; tests needing them skip")
+        return
+    if os.geteuid() != 0:
+        session.warn(f"not root: not installing the {group} system packages; tests needing them skip "
+                     "with the reason (run scripts/install-system-deps as root)")
+        return
+    session.run("scripts/install-system-deps", group, external=True)
+
+
+def plugin_session(session: nox.Session, plugin: str) -> None:
+    """Core + one plugin (+ the plugins it depends on), then that plugin's tests."""
+    if plugin in SYSTEM_DEPS:
+        install_system_deps(session, SYSTEM_DEPS[plugin])
+    extra = [arg for dep in PLUGIN_DEPENDS.get(plugin, ()) for arg in ("-e", f"plugins/genie_{dep}")]
+    session.install(TORCH, *CORE, *extra, "-e", f"plugins/genie_{plugin}")
+    # Entry points of other plugins must not leak in from elsewhere.
+    session.run("python", "-c", "import importlib.metadata as m; "
+                "print('genie entry points:', sorted(e.name for e in m.entry_points(group='genie')))")
+    session.run("python", "-m", "pytest", "-q", f"plugins/genie_{plugin}/tests", *session.posargs)
+
+
+@nox.session
+def tcp(session: nox.Session) -> None:
+    """genie + genie-tcp: the TCP transport's tests."""
+    plugin_session(session, "tcp")
+
+
+@nox.session
+def dpdk(session: nox.Session) -> None:
+    """genie + genie-dpdk, with Debian's DPDK 22.11 so the real EAL success path runs."""
+    plugin_session(session, "dpdk")
+
+
+@nox.session
+def gpudev(session: nox.Session) -> None:
+    """genie + genie-gpudev (+ genie-dpdk, which it builds on): the absent-GPU path for real."""
+    plugin_session(session, "gpudev")
+
+
+@nox.session
+def rdma(session: nox.Session) -> None:
+    """genie + genie-rdma, with Debian's pyverbs so the no-device path runs for real."""
+    plugin_session(session, "rdma")
+
+
+@nox.session
+def nvml(session: nox.Session) -> None:
+    """genie + genie-nvml: GPU metrics and checks."""
+    plugin_session(session, "nvml")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The whole suite with every plugin installed."""
+    for group in sorted(set(SYSTEM_DEPS.values())):
+        install_system_deps(session, group)
+    plugins = [arg for p in PLUGINS for arg in ("-e", f"plugins/genie_{p}")]
+    session.install(TORCH, "-e", ".[test]", *plugins)
+    session.run("python", "-m", "pytest", "-q", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff on everything, mypy on genie/."""
+    session.install("ruff", "mypy", "types-psutil", TORCH, *CORE)
+    session.run("ruff", "check", ".")
+    session.run("mypy", "genie")
