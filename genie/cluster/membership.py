@@ -37,8 +37,9 @@ class Member:
 class Membership:
     """Members by id in join order, with failure detection by heartbeat age."""
 
-    def __init__(self, heartbeat_timeout: float, clock: Any = time.monotonic) -> None:
+    def __init__(self, heartbeat_timeout: float, clock: Any = time.monotonic, self_id: str = "") -> None:
         self.heartbeat_timeout = heartbeat_timeout
+        self.self_id = self_id  #: the master itself: alive for as long as it answers
         self.clock = clock
         self.members: dict[str, Member] = {}
         self.version = 0
@@ -88,6 +89,9 @@ class Membership:
         now = self.clock()
         events = []
         for member in self.members.values():
+            if member.info.node_id == self.self_id:
+                member.last_seen = now
+                continue
             if member.status == NodeStatus.CONNECTED and now - member.last_seen > self.heartbeat_timeout:
                 member.status = NodeStatus.LOST
                 self.version += 1

@@ -165,7 +165,7 @@ class Runtime:
             from genie.cluster.master import ControlService
             from genie.cluster.membership import Membership
 
-            self.membership = Membership(cfg.heartbeat_timeout)
+            self.membership = Membership(cfg.heartbeat_timeout, self_id=state.local_node.node_id)
             self.control_service = ControlService(self.membership, heartbeat_interval=cfg.heartbeat_interval,
                                                   publish=self.bus.publish, recent_events=self.bus.recent)
             for event in self.membership.join(state.local_node):

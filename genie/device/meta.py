@@ -96,10 +96,6 @@ def run_meta(func: Any, args: Any, kwargs: Any, convert: Any) -> tuple[list[OutM
         raise
     metas, spec = describe(out)
     flat, _ = tree_flatten(out)
-    if any(m is None and not _is_none_or_number(o) for m, o in zip(metas, flat)):
+    if any(m is None and not isinstance(o, (bool, int, float, type(None))) for m, o in zip(metas, flat)):
         raise NeedsServer("op returns values meta tensors cannot compute")
     return metas, spec, flat
-
-
-def _is_none_or_number(value: Any) -> bool:
-    return value is None

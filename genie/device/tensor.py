@@ -13,7 +13,6 @@ that); the true index lives on the TensorRef and is what ``.device`` reports.
 
 from __future__ import annotations
 
-import copyreg
 import functools
 from typing import Any
 
@@ -149,7 +148,6 @@ def _rebuild_remote(cpu: torch.Tensor, index: int, requires_grad: bool) -> torch
     return out.requires_grad_(requires_grad) if requires_grad else out
 
 
-copyreg.pickle(RemoteTensor, RemoteTensor.__reduce_ex__)  # type: ignore[arg-type]
 
 
 # -- creation -----------------------------------------------------------------------------------
@@ -333,18 +331,21 @@ def _general(func: Any, args: Any, kwargs: Any) -> Any:
         except dmeta.NeedsServer:
             return _call_on_server(func, args, kwargs, device)
         bits = [(o.is_conj(), o.is_neg()) if isinstance(o, torch.Tensor) else (False, False) for o in flat_meta]
-        cached = (metas, spec, bits)
+        values = [None if isinstance(o, torch.Tensor) else o for o in flat_meta]
+        cached = (metas, spec, bits, values)
         if key is not None:
             _meta_cache.store(key, cached)
-    metas, spec, bits = cached
+    metas, spec, bits, flat_values = cached
+    mask = _output_mask(func, args, kwargs)
+    if mask is not None:  # backward ops skip masked-off outputs (undefined tensors), meta does not
+        metas = [m if i >= len(mask) or mask[i] else None for i, m in enumerate(metas)]
     mutated = _mutated_returns(func)
     conn = device.connection
     outs: list[Any] = []
     wire_outs: list[Any] = []
     for i, m in enumerate(metas):
-        if m is None:
-            outs.append(None)
-            wire_outs.append(None)
+        if m is None:  # a number the meta run computed as the real kernel would
+            outs.append(flat_values[i])
             continue
         target = _arg_by_position(func, mutated[i], args, kwargs) if i < len(mutated) and mutated[i] is not None else None
         if isinstance(target, RemoteTensor):
@@ -358,6 +359,19 @@ def _general(func: Any, args: Any, kwargs: Any) -> Any:
         wire_outs.append([handle, dtype_code(m[0]), list(m[1]), list(m[2]), m[3]])
     conn.op(func.name(), args, kwargs, wire_outs, _encoder(device))
     return tree_unflatten(outs, spec)
+
+
+@functools.lru_cache(maxsize=None)
+def _output_mask_position(func: Any) -> int | None:
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "output_mask":
+            return i
+    return None
+
+
+def _output_mask(func: Any, args: Any, kwargs: Any) -> list[bool] | None:
+    pos = _output_mask_position(func)
+    return None if pos is None else list(_arg_by_position(func, pos, args, kwargs))
 
 
 def _call_on_server(func: Any, args: Any, kwargs: Any, device: RemoteDevice) -> Any:

@@ -14,7 +14,7 @@ D0 = "remote_accelerator:0"
 def test_shape_errors_surface_at_the_line_that_caused_them(remote) -> None:
     a = torch.ones(3, 4, device=D0)
     b = torch.ones(5, 6, device=D0)
-    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+    with pytest.raises(RuntimeError, match="cannot be multiplied|same reduction dim"):
         a @ b
 
 
