@@ -88,6 +88,16 @@ def _shapes(value: Any) -> list[Any]:
     return [list(v.shape) for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
 
 
+def _zero_grown_storages(tensors: list[torch.Tensor], sizes_before: dict[int, int]) -> None:
+    """Zero the bytes a storage gained in place (resize_ hands out uninitialised memory)."""
+    for t in tensors:
+        old = sizes_before.get(id(t), 0)
+        storage = t.untyped_storage()
+        if t.layout == torch.strided and storage.nbytes() > old:
+            raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            raw[old:].zero_()
+
+
 class _CommandFailed(Exception):
     """A well-formed command failed; carries the deferred-error map (internal)."""
 
@@ -265,6 +275,7 @@ class Executor:
             raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), outs)) from None
         inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         self._precheck_outputs(label, outs, specs)
+        sizes_before = {id(t): t.untyped_storage().nbytes() for t in inputs} if label in _RESIZING else {}
         try:
             with torch.no_grad():
                 result = op(*args, **kwargs)
@@ -276,7 +287,8 @@ class Executor:
                 if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                     t.zero_()
         if label in _RESIZING:
-            self.store.remeasure(inputs)
+            _zero_grown_storages(inputs, sizes_before)
+            self.store.recount()
         return result, inputs
 
     def _precheck_outputs(self, label: str, outs: list[int], specs: Sequence[OutSpec]) -> None:

@@ -139,16 +139,25 @@ class TensorStore:
             self._drop(handle)
         self._poisoned[handle] = cause
 
-    def remeasure(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Update byte counts of these tensors' storages (after ops that resize in place)."""
-        for tensor in tensors:
-            use = self._storages.get(_storage_key(tensor))
+    def recount(self) -> None:
+        """Rebuild the storage accounting from the tensors held.
+
+        Run after ops that resize a storage in place or point a tensor at another
+        storage (``resize_``, ``set_``): sizes and storage identities may have changed.
+        The quota is not enforced here; the next allocation sees the new total.
+        """
+        self._storages.clear()
+        self._bytes = 0
+        for handle, tensor in self._tensors.items():
+            key = _storage_key(tensor)
+            self._keys[handle] = key
+            use = self._storages.get(key)
             if use is None:
-                continue
-            nbytes = _storage_nbytes(tensor)
-            if nbytes != use.nbytes:
-                self._bytes += nbytes - use.nbytes
-                use.nbytes = nbytes
+                nbytes = _storage_nbytes(tensor)
+                self._storages[key] = _StorageUse(nbytes, 1)
+                self._bytes += nbytes
+            else:
+                use.handles += 1
 
     def free(self, handles: Iterable[int]) -> int:
         """Release handles (unknown ones are ignored); returns how many were released."""

@@ -171,3 +171,15 @@ def test_fetch_of_a_poisoned_tensor_does_not_break_the_next_request(inproc_serve
                      uploads=[(1, 0, torch.ones(2, 3))])
         assert c.request([fetch(c.next_req(), 2)]).error is not None
         assert c.fetch(1).shape == (2, 3)
+
+
+def test_in_place_resize_is_accounted_and_zeroed(inproc_server):
+    server = inproc_server()
+    with RawClient(server.port) as c:
+        c.handshake()
+        c.send_batch([op("aten::resize_", [H(1), [1000]], {}, [spec(2, torch.empty(1000))])],
+                     uploads=[(1, 0, torch.ones(10))])
+        assert c.sync().deferred == []
+        assert server.stats()["bytes"] == 4000
+        grown = c.fetch(1)
+        assert grown[:10].tolist() == [1.0] * 10 and grown[10:].abs().sum() == 0  # no stale memory

@@ -57,13 +57,22 @@ def test_reusing_a_live_handle_is_a_protocol_error():
         store.put(1, torch.zeros(1))
 
 
-def test_remeasure_follows_in_place_resize():
+def test_recount_follows_in_place_resize_and_set():
     store = TensorStore()
     t = torch.zeros(4)
+    other = torch.zeros(50)
     store.put(1, t)
+    store.put(2, other)
     t.resize_(100)
-    store.remeasure([t])
-    assert store.bytes_used == 400
+    store.recount()
+    assert store.bytes_used == 600
+    t.set_(other)  # now both handles share one storage
+    store.recount()
+    assert store.bytes_used == 200 and store.stats()["storages"] == 1
+    store.free([1])
+    assert store.bytes_used == 200
+    store.free([2])
+    assert store.bytes_used == 0
 
 
 def test_clear_releases_everything_and_reports_what_it_held():
