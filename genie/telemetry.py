@@ -22,7 +22,7 @@ Wiring::
 
     telemetry = Telemetry(node_id=node.node_id)
     telemetry.watch_monitor(monitor)                  # GPU gauges read the latest snapshots
-    telemetry.set_health(node.node_id, NodeStatus.HEALTHY)
+    telemetry.follow_health(bus)                      # health gauge follows HEALTH_CHANGED
     server = MetricsServer(telemetry, port=config_port, ready=lambda: runtime.ready)
     async with anyio.create_task_group() as tg:
         await tg.start(server.run)                    # or server.start() / server.stop()
@@ -46,22 +46,26 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
     Gauge,
     Histogram,
+    HistogramDataPoint,
     InMemoryMetricReader,
     MetricsData,
+    NumberDataPoint,
     Sum,
 )
 from opentelemetry.sdk.resources import Resource
 
 from genie.errors import ConfigError
-from genie.types import NodeStatus
+from genie.types import ClusterEvent, EventType, NodeStatus
 
 if TYPE_CHECKING:
+    from genie.cluster.events import EventBus, Subscription
     from genie.cluster.monitor import ResourceMonitor
 
 log = logging.getLogger("genie.telemetry")
 
 #: The grades as numbers for ``genie.health.status``.
 HEALTH_VALUES = {NodeStatus.HEALTHY: 0, NodeStatus.DEGRADED: 1, NodeStatus.UNHEALTHY: 2, NodeStatus.CRITICAL: 3}
+HEALTH_GRADES = frozenset(s.value for s in HEALTH_VALUES)
 #: Bucket limits of ``genie.remote.op.duration``, in seconds (100 µs to 60 s).
 DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0)
@@ -173,6 +177,16 @@ class Telemetry:
     def watch_monitor(self, monitor: ResourceMonitor) -> None:
         """Read GPU gauges from the monitor's latest snapshot of every node."""
         self.set_gpu_source(lambda: {n: s.gpus for n, s in monitor.latest_all().items()})
+
+    def follow_health(self, bus: EventBus) -> Subscription:
+        """Keep ``genie.health.status`` current from the HEALTH_CHANGED events on ``bus``."""
+
+        def on_health(event: ClusterEvent) -> None:
+            status = event.data.get("status")
+            if isinstance(status, str) and status in HEALTH_GRADES:
+                self.set_health(event.source, NodeStatus(status))
+
+        return bus.subscribe(on_health, types=[EventType.HEALTH_CHANGED])
 
     def _observe_nodes(self, options: CallbackOptions) -> Iterable[Observation]:
         with self._lock:
@@ -303,17 +317,17 @@ def render_prometheus(data: MetricsData | None) -> str:
                 lines.append(f"# HELP {name} {help_text}")
                 lines.append(f"# TYPE {name} {kind}")
                 for point in points:
-                    if kind == "histogram":
+                    labels = point.attributes or {}
+                    if isinstance(point, HistogramDataPoint):
                         cumulative = 0
                         for bound, count in zip(point.explicit_bounds, point.bucket_counts, strict=False):
                             cumulative += count
-                            lines.append(f"{name}_bucket{_labels(point.attributes, {'le': _number(float(bound))})} "
-                                         f"{cumulative}")
-                        lines.append(f"{name}_bucket{_labels(point.attributes, {'le': '+Inf'})} {point.count}")
-                        lines.append(f"{name}_sum{_labels(point.attributes)} {_number(point.sum)}")
-                        lines.append(f"{name}_count{_labels(point.attributes)} {point.count}")
-                    else:
-                        lines.append(f"{name}{_labels(point.attributes)} {_number(point.value)}")
+                            lines.append(f"{name}_bucket{_labels(labels, {'le': _number(float(bound))})} {cumulative}")
+                        lines.append(f"{name}_bucket{_labels(labels, {'le': '+Inf'})} {point.count}")
+                        lines.append(f"{name}_sum{_labels(labels)} {_number(point.sum)}")
+                        lines.append(f"{name}_count{_labels(labels)} {point.count}")
+                    elif isinstance(point, NumberDataPoint):
+                        lines.append(f"{name}{_labels(labels)} {_number(point.value)}")
     return "\n".join(lines) + "\n" if lines else ""
 
 

@@ -188,3 +188,21 @@ def test_run_on_a_task_group_serves_until_cancelled(telemetry: Telemetry) -> Non
 def test_shutdown_empties_the_exposition(telemetry: Telemetry) -> None:
     telemetry.shutdown()
     assert telemetry.prometheus_text() == ""
+
+
+def test_health_gauge_follows_health_changed_events(telemetry: Telemetry) -> None:
+    from genie.cluster.events import EventBus
+    from genie.types import ClusterEvent, EventType
+
+    async def main() -> None:
+        bus = EventBus()
+        telemetry.follow_health(bus)
+        async with anyio.create_task_group() as tg:
+            await tg.start(bus.run)
+            await bus.apublish(ClusterEvent(EventType.HEALTH_CHANGED, "w3", {"status": "unhealthy"}))
+            await bus.apublish(ClusterEvent(EventType.HEALTH_CHANGED, "w4", {"status": "bogus"}))
+            bus.close()
+
+    anyio.run(main, backend="asyncio")
+    health = {s.labels["genie_node_id"]: s.value for s in samples(telemetry.prometheus_text(), "genie_health_status")}
+    assert health == {"w3": 2}
