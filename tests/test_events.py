@@ -271,3 +271,12 @@ async def test_event_recorder_fixture_waits_for_a_type(event_recorder) -> None:
         await anyio.to_thread.run_sync(recorder.wait_for_blocking, EventType.NODE_LOST, 2.0)
         bus.close()
     assert recorder.of_type(EventType.NODE_LOST)[0].source == "n1"
+
+
+async def test_apublish_while_closing_returns_instead_of_waiting_forever() -> None:
+    bus = EventBus()
+    async with anyio.create_task_group() as tg:
+        await tg.start(bus.run)
+        bus.close()
+        with anyio.fail_after(1):
+            await bus.apublish(ev())

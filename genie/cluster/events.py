@@ -151,11 +151,11 @@ class EventBus:
         """
         running_here = self._running and self._loop_thread == threading.get_ident()
         done = anyio.Event() if running_here and not _in_dispatch.get() else None
-        self._enqueue(event, done)
-        if done is not None:
+        if self._enqueue(event, done) and done is not None:
             await done.wait()
 
-    def _enqueue(self, event: ClusterEvent, done: anyio.Event | None) -> None:
+    def _enqueue(self, event: ClusterEvent, done: anyio.Event | None) -> bool:
+        """Queue ``event``; False when the bus is closed and the event was dropped."""
         if not isinstance(event, ClusterEvent):
             raise TypeError(f"EventBus.publish() takes a ClusterEvent, not {type(event).__name__}")
         wake_now = schedule = False
@@ -163,7 +163,7 @@ class EventBus:
         with self._lock:
             if self._closing:
                 log.warning("event %s from %s published after the bus closed; dropped", event.type.value, event.source)
-                return
+                return False
             self.published += 1
             self._recent.append(event)
             if len(self._pending) >= self._max_pending:
@@ -184,6 +184,7 @@ class EventBus:
             self._set_wake()
         elif schedule:
             self._schedule_wake()
+        return True
 
     def _set_wake(self) -> None:
         with self._lock:

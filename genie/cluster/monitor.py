@@ -220,7 +220,8 @@ class ResourceMonitor:
 
     async def poll_once(self) -> MetricsSnapshot:
         """Collect in a worker thread and ingest the local snapshot."""
-        snapshot = await anyio.to_thread.run_sync(self.collect, limiter=self._limiter)
+        # abandon_on_cancel: shutting down never waits on a slow driver or nvidia-smi.
+        snapshot = await anyio.to_thread.run_sync(self.collect, limiter=self._limiter, abandon_on_cancel=True)
         return self.ingest(self.node.node_id, snapshot)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
