@@ -98,9 +98,8 @@ class ControlService:
 
     def _ack(self) -> dict[str, Any]:
         snap = self.membership.snapshot()
-        return {"version": snap["version"], "nodes": [
-            {"node_id": n["node_id"], "status": n["status"]} for n in snap["nodes"]
-        ]}
+        keys = ("node_id", "status", "address", "data_port", "role", "backends")
+        return {"version": snap["version"], "nodes": [{k: n[k] for k in keys} for n in snap["nodes"]]}
 
     async def _join(self, stream: SocketStream, body: dict[str, Any], peer_host: str) -> str:
         try:

@@ -260,10 +260,10 @@ class Runtime:
         return {}
 
     def _on_ack(self, state: ClusterState, ack: dict[str, Any]) -> None:
-        statuses = {n["node_id"]: n["status"] for n in ack.get("nodes", [])}
+        fresh = {n["node_id"]: n for n in ack.get("nodes", []) if isinstance(n, dict) and "node_id" in n}
+        statuses = {node_id: n.get("status") for node_id, n in fresh.items()}
         for n in state.nodes:
-            if n["node_id"] in statuses:
-                n["status"] = statuses[n["node_id"]]
+            n.update(fresh.get(n["node_id"], {}))  # a restarted node may listen on a new data port
         if self.table is None:
             return
         for device in self.table.devices:

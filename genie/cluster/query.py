@@ -1,0 +1,47 @@
+"""Ask a running master what it knows: one-shot queries and the event stream (for the CLI and tools)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+
+from genie.errors import ConnectError
+from genie.types import ClusterEvent
+from genie.wire import control
+from genie.wire.frame import MsgKind
+
+
+async def _connect(host: str, port: int, timeout: float) -> Any:
+    try:
+        with anyio.fail_after(timeout):
+            return await anyio.connect_tcp(host, port)
+    except (OSError, TimeoutError) as exc:
+        raise ConnectError(
+            f"cannot reach the genie master at {host}:{port}: {exc or 'timed out'}; is `genie serve` running there?"
+        ) from None
+
+
+async def query_master(host: str, port: int, *, timeout: float = 5.0) -> dict[str, Any]:
+    """The master's view: nodes (status, last heartbeat age, metrics), devices, recent events."""
+    stream = await _connect(host, port, timeout)
+    async with stream:
+        with anyio.fail_after(timeout):
+            return await control.request(stream, MsgKind.QUERY, {}, MsgKind.QUERY_REPLY)
+
+
+def query_master_sync(host: str, port: int, *, timeout: float = 5.0) -> dict[str, Any]:
+    """:func:`query_master` for code without an event loop."""
+    return anyio.run(lambda: query_master(host, port, timeout=timeout))
+
+
+async def follow_events(host: str, port: int, *, timeout: float = 5.0) -> AsyncIterator[ClusterEvent]:
+    """Every event the master publishes from now on, until the connection closes."""
+    stream = await _connect(host, port, timeout)
+    async with stream:
+        await control.send_msg(stream, MsgKind.SUBSCRIBE, {})
+        while True:
+            kind, body = await control.recv_msg(stream)
+            if kind == MsgKind.EVENT:
+                yield ClusterEvent.from_dict(body)

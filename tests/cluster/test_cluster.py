@@ -1,0 +1,212 @@
+"""A real cluster on loopback: a master, two workers and a client, each its own process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+
+import anyio
+import pytest
+
+from genie.cluster.launch import NodeProcess
+from genie.cluster.query import follow_events, query_master_sync
+from tests.conftest import free_port
+
+HB = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "1")
+
+
+def wait_until(predicate, timeout: float, step: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+def node_status(port: int, node_id: str) -> str | None:
+    for n in query_master_sync("127.0.0.1", port)["nodes"]:
+        if n["node_id"] == node_id:
+            return n["status"]
+    return None
+
+
+class EventWatcher:
+    """Subscribes to the master's events in a background thread (a real control-plane subscriber)."""
+
+    def __init__(self, port: int) -> None:
+        self.events: list = []
+        self.port = port
+        self._thread = threading.Thread(target=lambda: anyio.run(self._run), daemon=True)
+        self._thread.start()
+
+    async def _run(self) -> None:
+        try:
+            async for event in follow_events("127.0.0.1", self.port):
+                self.events.append(event)
+        except Exception:
+            pass
+
+    def seen(self, type_: str, source: str) -> bool:
+        return any(e.type.value == type_ and e.source == source for e in self.events)
+
+
+@pytest.fixture
+def cluster() -> Iterator[dict]:
+    port = free_port()
+    procs: list[NodeProcess] = []
+    try:
+        master = NodeProcess("serve", "--port", str(port), "--devices", "cpu", "--node-id", "master", *HB).start()
+        procs.append(master)
+        for name in ("w1", "w2"):
+            procs.append(NodeProcess("worker", "--master", f"127.0.0.1:{port}", "--devices", "cpu",
+                                     "--node-id", name, *HB).start())
+        wait_until(lambda: len(query_master_sync("127.0.0.1", port)["devices"]) == 3, 10)
+        yield {"port": port, "procs": procs}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_master_two_workers_and_a_client_run_work_on_every_node(cluster) -> None:
+    import genie
+    import torch
+
+    state = genie.init_sync(master_addr="127.0.0.1", master_port=cluster["port"], heartbeat_interval=0.2,
+                            heartbeat_timeout=1, timeout=20)
+    try:
+        serving = [n for n in state.nodes if n["role"] in ("server", "worker")]
+        assert sorted(n["node_id"] for n in serving) == ["master", "w1", "w2"]
+        assert [d["node_id"] for d in state.devices] == ["master", "w1", "w2"]
+        assert torch.remote_accelerator.device_count() == 3
+        a = torch.randn(32, 32)
+        for i in range(3):
+            r = a.to(f"remote_accelerator:{i}")
+            torch.testing.assert_close((r @ r + i).cpu(), a @ a + i)
+    finally:
+        genie.shutdown_sync()
+
+
+CLIENT = textwrap.dedent("""
+    import sys, time, torch, genie
+    from genie.errors import RemoteDeviceLost
+    port = int(sys.argv[1])
+    genie.init_sync(master_addr="127.0.0.1", master_port=port, heartbeat_interval=0.2, heartbeat_timeout=1,
+                    op_timeout=5, timeout=20)
+    on_w1 = torch.ones(4, device="remote_accelerator:1")
+    assert on_w1.sum().item() == 4
+    print("READY", flush=True)
+    sys.stdin.readline()                      # the test kills w1 now
+    try:
+        on_w1.sum().item()
+        print("NO ERROR", flush=True)
+    except RemoteDeviceLost as exc:
+        print("LOST", exc, flush=True)
+    print("OTHERS", torch.ones(3, device="remote_accelerator:0").sum().item(),
+          torch.ones(3, device="remote_accelerator:2").sum().item(), flush=True)
+    sys.stdin.readline()                      # the test restarted w1
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            print("BACK", torch.full((2,), 5.0, device="remote_accelerator:1").sum().item(), flush=True)
+            break
+        except RemoteDeviceLost:
+            if time.monotonic() > deadline:
+                print("NEVER BACK", flush=True)
+                break
+            time.sleep(0.2)
+    genie.shutdown_sync()
+""")
+
+
+_TAGS = ("READY", "LOST", "NO ERROR", "OTHERS", "BACK", "NEVER BACK")
+
+
+def tagged_line(proc: subprocess.Popen) -> str:
+    """The client's next protocol line, skipping its log output (which shares the pipe)."""
+    while True:
+        line = proc.stdout.readline()
+        if not line or line.startswith(_TAGS):
+            return line.strip()
+
+
+def test_killed_worker_is_declared_lost_others_go_on_and_it_comes_back(cluster, tmp_path) -> None:
+    port, procs = cluster["port"], cluster["procs"]
+    watcher = EventWatcher(port)
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT)
+    client = subprocess.Popen([sys.executable, str(script), str(port)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert tagged_line(client) == "READY"
+        procs[1].kill()
+        killed = time.monotonic()
+        wait_until(lambda: node_status(port, "w1") == "lost", 1 + 0.2 + 1.0)
+        assert time.monotonic() - killed <= 1 + 0.2 + 1.0  # heartbeat_timeout + interval (+ sweep slack)
+        wait_until(lambda: watcher.seen("node_lost", "w1"), 2)
+        time.sleep(0.5)  # let the client's heartbeat see it too
+        client.stdin.write("\n")
+        client.stdin.flush()
+        lost = tagged_line(client)
+        assert lost.startswith("LOST") and "w1" in lost, lost
+        assert tagged_line(client).split() == ["OTHERS", "3.0", "3.0"]
+        procs[1] = NodeProcess("worker", "--master", f"127.0.0.1:{port}", "--devices", "cpu",
+                               "--node-id", "w1", *HB).start()
+        wait_until(lambda: node_status(port, "w1") == "connected", 5)
+        wait_until(lambda: watcher.seen("node_recovered", "w1"), 2)
+        client.stdin.write("\n")
+        client.stdin.flush()
+        assert tagged_line(client).split() == ["BACK", "10.0"]
+        assert client.wait(20) == 0
+    finally:
+        if client.poll() is None:
+            client.kill()
+
+
+def test_restarted_master_is_rejoined_by_workers_and_clients(cluster) -> None:
+    import genie
+    import torch
+
+    port, procs = cluster["port"], cluster["procs"]
+    genie.init_sync(master_addr="127.0.0.1", master_port=port, heartbeat_interval=0.2, heartbeat_timeout=1,
+                    timeout=20, node_id="client-1")
+    try:
+        procs[0].stop()
+        procs[0] = NodeProcess("serve", "--port", str(port), "--devices", "cpu", "--node-id", "master", *HB).start()
+        ids = wait_until(lambda: {n["node_id"] for n in query_master_sync("127.0.0.1", port)["nodes"]}
+                         >= {"master", "w1", "w2", "client-1"} and True, 10)
+        assert ids
+        assert torch.ones(2, device="remote_accelerator:2").sum().item() == 2.0  # a worker session survived
+
+        def master_device_works() -> bool:
+            try:
+                return torch.ones(2, device="remote_accelerator:0").sum().item() == 2.0
+            except Exception:
+                return False
+
+        wait_until(master_device_works, 5, step=0.2)
+    finally:
+        genie.shutdown_sync()
+
+
+def test_a_client_busy_in_a_long_computation_is_not_declared_lost(cluster) -> None:
+    import genie
+    import torch
+
+    port = cluster["port"]
+    genie.init_sync(master_addr="127.0.0.1", master_port=port, heartbeat_interval=0.2, heartbeat_timeout=1,
+                    timeout=20, node_id="busy-client")
+    try:
+        a = torch.randn(400, 400)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.5:  # the user's thread never yields to genie for 2.5 s
+            a = (a @ a).tanh()
+            sum(i * i for i in range(20000))
+        assert node_status(port, "busy-client") == "connected"
+    finally:
+        genie.shutdown_sync()
