@@ -40,6 +40,13 @@ FLUSH_INTERVAL = 0.002
 RECONNECT_MAX_BACKOFF = 5.0
 
 
+def master_unreachable(cfg: ClusterConfig, detail: str) -> ConnectError:
+    return ConnectError(
+        f"cannot reach the genie master at {cfg.master_addr}:{cfg.master_port}: {detail}; "
+        "start one with `genie serve` or set master_addr/GENIE_MASTER_ADDR"
+    )
+
+
 def make_node_id(role: NodeRole) -> str:
     return f"{socket.gethostname()}-{role.value}-{os.getpid()}"
 
@@ -137,6 +144,9 @@ class Runtime:
                                      cfg.master_port if cfg.node_role != NodeRole.SERVER else 0,
                                      min(cfg.probe_timeout, max(deadline - time.perf_counter(), 0.001)))
                 found = await discover(self.pm, target)
+                tcp = found.results.get("tcp")
+                if target.host and tcp is not None and tcp.reason_code == "unreachable":
+                    raise master_unreachable(cfg, tcp.reason)
                 selection = select(found.results, pm=self.pm, config=cfg)
                 node = NodeInfo(node.node_id, node.hostname, node.role, cfg.bind_addr, 0, node.gpus,
                                 tuple(selection.names))
@@ -189,10 +199,7 @@ class Runtime:
             with anyio.fail_after(cfg.connect_timeout):
                 stream = await anyio.connect_tcp(cfg.master_addr, cfg.master_port)
         except (OSError, TimeoutError) as exc:
-            raise ConnectError(
-                f"cannot reach the genie master at {cfg.master_addr}:{cfg.master_port}: {exc or 'timed out'}; "
-                "start one with `genie serve` or set master_addr/GENIE_MASTER_ADDR"
-            ) from None
+            raise master_unreachable(cfg, str(exc) or "timed out") from None
         self._control = stream
         return await control.request(stream, MsgKind.JOIN, {"node": state.local_node.to_dict()}, MsgKind.JOINED)
 
