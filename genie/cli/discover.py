@@ -18,7 +18,7 @@ from genie.plugins import PluginManager
 from genie.transport.base import ProbeTarget
 from genie.transport.cache import result_from_dict
 from genie.transport.discovery import Discovery, discover_sync
-from genie.transport.selection import Selection, effective_priority, select
+from genie.transport.selection import consider, effective_priority, select
 from genie.types import ProbeResult
 
 
@@ -62,12 +62,13 @@ def figure_text(result: ProbeResult) -> str:
 
 def report(pm: PluginManager, config: ClusterConfig, found: Discovery) -> dict[str, Any]:
     """The JSON document of ``genie discover --json``."""
-    selection: Selection | None = None
     error = ""
+    candidates, rejected = consider(found.results, pm=pm, config=config)
     try:
-        selection = select(found.results, pm=pm, config=config)
+        select(found.results, pm=pm, config=config)
     except BackendUnavailableError as exc:
         error = str(exc)
+    names = [c.name for c in candidates]
     rows = []
     for name, result in found.results.items():
         priority, overridden = effective_priority(result, pm=pm, config=config)
@@ -77,8 +78,8 @@ def report(pm: PluginManager, config: ClusterConfig, found: Discovery) -> dict[s
             "default_priority": result.priority,
             "priority_overridden": overridden,
             "cached": name in found.cached,
-            "candidate_rank": selection.names.index(name) + 1 if selection and name in selection.names else None,
-            "not_candidate_because": selection.rejected.get(name) if selection else None,
+            "candidate_rank": names.index(name) + 1 if name in names else None,
+            "not_candidate_because": rejected.get(name),
         })
         rows.append(row)
     return {
@@ -86,8 +87,8 @@ def report(pm: PluginManager, config: ClusterConfig, found: Discovery) -> dict[s
         "target": found.to_dict()["target"],
         "elapsed_ms": round(found.elapsed * 1000, 1),
         "backends": rows,
-        "selected": selection.best.name if selection else None,
-        "candidates": selection.names if selection else [],
+        "selected": names[0] if names else None,
+        "candidates": names,
         "error": error or None,
     }
 

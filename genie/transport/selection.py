@@ -112,21 +112,17 @@ def _spec_source(config: ClusterConfig) -> str:
     return config.sources.get("backend", "argument backend")
 
 
-def select(
+def consider(
     results: Mapping[str, ProbeResult],
     *,
     pm: PluginManager,
     config: ClusterConfig,
     peer_backends: Sequence[str] | None = None,
     peer: str = "the peer",
-) -> Selection:
-    """Apply every rule of the module docstring to one discovery's ``results``.
+) -> tuple[list[Candidate], dict[str, str]]:
+    """Rules 1 to 4 without raising for an empty answer: (candidates in order, reason per rejected backend).
 
-    :param results: one probe result per installed transport (``Discovery.results``).
-    :param peer_backends: the backends the peer advertised, or None before there is a peer.
-    :param peer: how to name the peer in messages.
     :raises ConfigError: the ``backend`` option names a backend no installed plugin provides.
-    :raises BackendUnavailableError: no candidate is left; the message lists every reason.
     """
     spec: BackendSpec = config.backend
     # Known = installed (not only probed): a caller may pass a subset of the results.
@@ -160,9 +156,30 @@ def select(
             else:
                 rejected[c.name] = f"not offered by {peer} (it offers: {', '.join(offered) or 'nothing'})"
         candidates = kept
+    return candidates, dict(sorted(rejected.items()))
+
+
+def select(
+    results: Mapping[str, ProbeResult],
+    *,
+    pm: PluginManager,
+    config: ClusterConfig,
+    peer_backends: Sequence[str] | None = None,
+    peer: str = "the peer",
+) -> Selection:
+    """Apply every rule of the module docstring to one discovery's ``results``.
+
+    :param results: one probe result per installed transport (``Discovery.results``).
+    :param peer_backends: the backends the peer advertised, or None before there is a peer.
+    :param peer: how to name the peer in messages.
+    :raises ConfigError: the ``backend`` option names a backend no installed plugin provides.
+    :raises BackendUnavailableError: no candidate is left; the message lists every reason.
+    """
+    spec = config.backend
+    candidates, rejected = consider(results, pm=pm, config=config, peer_backends=peer_backends, peer=peer)
     if not candidates:
         raise BackendUnavailableError(_no_backend_message(spec, _spec_source(config), results, rejected))
-    selection = Selection(tuple(candidates), dict(sorted(rejected.items())), spec.text, spec.explicit)
+    selection = Selection(tuple(candidates), rejected, spec.text, spec.explicit)
     log.debug("backend candidates %s (backend=%s); rejected %s", selection.names, spec.text, selection.rejected)
     return selection
 

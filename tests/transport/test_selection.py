@@ -209,3 +209,14 @@ def test_a_failing_event_callback_does_not_break_connect(genie_pm, register_plug
     selection = select(results_of(genie_pm), pm=genie_pm, config=config())
     assert connect_with_fallback(selection, genie_pm.transports(), ("h", 1), timeout=1.0, emit=broken).backend \
         == "dpdk_gpudev"
+
+
+def test_consider_gives_every_reason_without_raising(genie_pm, register_plugin):
+    from genie.transport.selection import consider
+
+    register_plugin(FakeTransportPlugin(
+        fake_transport("fake_probe_only", details={"data_path": False}), fake_transport("fake_down", available=False)))
+    candidates, rejected = consider(results_of(genie_pm), pm=genie_pm, config=config())
+    assert candidates == []
+    assert rejected["fake_probe_only"].startswith("probe ok, but no data path")
+    assert rejected["fake_down"].startswith("unavailable (no_devices)")
