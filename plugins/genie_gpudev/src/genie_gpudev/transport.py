@@ -27,7 +27,7 @@ def cuda_state() -> tuple[bool, str]:
     """Whether torch can use CUDA here, and why not; imports torch only when it might say yes."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
         return False, "CUDA_VISIBLE_DEVICES is empty (no GPU visible)"
-    torch = sys.modules.get("torch")
+    torch: Any = sys.modules.get("torch")
     if torch is None:
         try:
             version = importlib_metadata.version("torch")
@@ -38,7 +38,9 @@ def cuda_state() -> tuple[bool, str]:
         driver = find_library_file("libcuda.so.1", "libcuda.so")
         if driver is None and not any(os.path.exists(p) for p in NVIDIA_FILES):
             return False, "no NVIDIA driver (libcuda.so.1 and /proc/driver/nvidia absent)"
-        import torch
+        import torch as imported  # only here: a driver exists and torch may have CUDA
+
+        torch = imported
     if not torch.cuda.is_available():
         return False, f"torch.cuda.is_available() is False (torch {torch.__version__})"
     return True, f"{torch.cuda.device_count()} CUDA device(s)"
