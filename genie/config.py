@@ -48,7 +48,7 @@ class BackendSpec:
         if raw in ("", "auto"):
             return cls("auto")
         negate = raw.startswith("^")
-        names = tuple(n.strip() for n in raw.lstrip("^").split(","))
+        names = tuple(n.strip() for n in (raw[1:] if negate else raw).split(","))
         for name in names:
             if not _BACKEND_NAME.match(name) or name == "auto":
                 raise ConfigError("backend", text, source, allowed)
@@ -116,7 +116,8 @@ def _coerce(name: str, kind: type, value: Any, source: str, allowed: str) -> Any
         if not isinstance(value, str):
             raise ConfigError(name, value, source, allowed)
         return value
-    if isinstance(value, bool):
+    # A bool is an int, and int(5555.5) would silently drop the fraction.
+    if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
         raise ConfigError(name, value, source, allowed)
     try:
         return kind(value.strip() if isinstance(value, str) else value)
@@ -213,7 +214,11 @@ class ClusterConfig:
         current["node_role"] = self.node_role.value
         current["backend"] = self.backend.text
         current.update(changes)
-        return ClusterConfig.from_sources({}, **current)
+        new = ClusterConfig.from_sources({}, **current)
+        # Unchanged options keep their provenance, so later errors still name the real source.
+        sources = {name: (new.sources[name] if name in changes else self.sources.get(name, new.sources[name]))
+                   for name in _OPTIONS}
+        return attrs.evolve(new, sources=sources)
 
 
 def option_names() -> tuple[str, ...]:
