@@ -36,7 +36,9 @@ from genie.wire.frame import MsgKind
 
 log = logging.getLogger("genie.runtime")
 
-FLUSH_INTERVAL = 0.002
+#: How often the runtime thread sends batches a user thread left waiting. Shorter costs the user's
+#: thread GIL hand-offs on every wake-up (2 ms measured 2.5x slower round trips); 20 ms costs nothing.
+FLUSH_INTERVAL = 0.02
 RECONNECT_MAX_BACKOFF = 5.0
 
 

@@ -64,6 +64,7 @@ class NodeConnection:
         self._lost: str | None = None
         self.last_send = 0.0
         self.backend = "tcp"
+        self.encoder: Callable[[Any], Any] | None = None
         self._pending_request = False
         self.stats = {"ops": 0, "bytes_up": 0, "bytes_down": 0, "round_trips": 0, "batches": 0}
 

@@ -88,6 +88,7 @@ class RemoteTensor(torch.Tensor):
     def data(self, new: torch.Tensor) -> None:
         # The C++ setter copies metadata only; the handle must follow the data.
         torch.Tensor.data.__set__(self, new)  # type: ignore[attr-defined]
+        self.__dict__.pop("_sig", None)  # the cached signature described the old metadata
         ref = getattr(new, "_genie", None)
         if ref is not None:
             self._genie = ref
@@ -202,11 +203,18 @@ def _is_remote_device(obj: Any) -> bool:
 
 def _signature(obj: Any) -> Any:
     if isinstance(obj, RemoteTensor):
-        return ("R", obj.dtype, tuple(obj.shape), obj.stride(), obj.storage_offset(), obj.is_conj(), obj.is_neg())
+        try:
+            return obj.__dict__["_sig"]
+        except KeyError:
+            sig = ("R", obj.dtype, tuple(obj.shape), obj.stride(), obj.storage_offset(), obj.is_conj(), obj.is_neg())
+            obj.__dict__["_sig"] = sig
+            return sig
     if isinstance(obj, torch.Tensor):
         return ("C", obj.dtype, tuple(obj.shape), obj.is_conj(), obj.is_neg())
     if isinstance(obj, (list, tuple)):
         return tuple(_signature(o) for o in obj)
+    if isinstance(obj, dict):
+        return tuple((k, _signature(v)) for k, v in obj.items())
     if isinstance(obj, torch.device):
         return ("D", obj.type)
     if isinstance(obj, float):
@@ -239,12 +247,22 @@ def _arg_by_position(func: Any, pos: int, args: Any, kwargs: Any) -> Any:
     return kwargs.get(func._schema.arguments[pos].name)
 
 
+def _leaves(args: Any, kwargs: Any) -> Any:
+    """Every argument leaf (aten arguments nest only lists and tuples); cheaper than pytree."""
+    stack = [*args, *kwargs.values()]
+    while stack:
+        a = stack.pop()
+        if isinstance(a, (list, tuple)):
+            stack.extend(a)
+        else:
+            yield a
+
+
 def _find_device(func: Any, args: Any, kwargs: Any) -> RemoteDevice:
     """The one remote device this op runs on; mixed devices fail like CUDA's do."""
-    flat, _ = tree_flatten((args, kwargs))
     found: RemoteDevice | None = None
     cpu_seen = False
-    for a in flat:
+    for a in _leaves(args, kwargs):
         d = None
         if isinstance(a, RemoteTensor):
             d = a._genie.device
@@ -272,7 +290,11 @@ def _find_device(func: Any, args: Any, kwargs: Any) -> RemoteDevice:
 
 
 def _encoder(device: RemoteDevice) -> Any:
+    """The msgpack ``default`` for one session (built once per connection)."""
     conn = device.connection
+    cached = getattr(conn, "encoder", None)
+    if cached is not None:
+        return cached
 
     def default(obj: Any) -> Any:
         if isinstance(obj, RemoteTensor):
@@ -294,6 +316,7 @@ def _encoder(device: RemoteDevice) -> Any:
             raise DeviceError(f"genie cannot send a {type(obj).__name__} argument to the server")
         return encoded
 
+    conn.encoder = default
     return default
 
 
@@ -358,6 +381,8 @@ def _general(func: Any, args: Any, kwargs: Any) -> Any:
             outs.append(make_wrapper(device, handle, m, *bits[i]))
         wire_outs.append([handle, dtype_code(m[0]), list(m[1]), list(m[2]), m[3]])
     conn.op(func.name(), args, kwargs, wire_outs, _encoder(device))
+    if len(outs) == 1 and spec.is_leaf():
+        return outs[0]
     return tree_unflatten(outs, spec)
 
 
