@@ -80,12 +80,18 @@ class PluginManager:
         for ep in sorted(found, key=lambda e: e.name):
             if only is not None and ep.name not in only:
                 continue
+            dist = ep.dist.name if ep.dist else "unknown distribution"
             if ep.name in self.records:
-                continue
+                if self.records[ep.name].distribution == dist:
+                    continue  # already loaded
+                raise PluginError(
+                    f"plugin name {ep.name!r} is claimed by two distributions: "
+                    f"{self.records[ep.name].distribution or 'unknown distribution'} and {dist}; "
+                    "uninstall one of them"
+                )
             try:
                 plugin = ep.load()
             except Exception as exc:
-                dist = ep.dist.name if ep.dist else "unknown distribution"
                 raise PluginError(
                     f"plugin {ep.name!r} (entry point {ep.value!r} of {dist}) failed to import: "
                     f"{type(exc).__name__}: {exc}; fix or uninstall {dist}, or leave it out with GENIE_PLUGINS"

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from genie.errors import GenieError
 from genie.plugins import PluginManager
 
 
@@ -26,5 +27,9 @@ class VersionAction(argparse.Action):
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
-        print("\n".join(version_lines(PluginManager())))
+        try:
+            pm = PluginManager()
+        except GenieError as exc:
+            parser.exit(1, f"genie --version: error: {exc}\n")
+        print("\n".join(version_lines(pm)))
         sys.exit(0)
