@@ -79,6 +79,8 @@ _OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
     "backend": (str, "auto", None, "see BackendSpec"),
     "bind_addr": (str, "127.0.0.1", lambda v: bool(v.strip()), "an address to listen on"),
     "data_port": (int, 0, lambda v: 0 <= v <= 65535, "0 (any free port) or a port up to 65535"),
+    "metrics_port": (int, 0, lambda v: 0 <= v <= 65535,
+                     "0 (no metrics endpoint) or the port for /metrics, /healthz and /readyz"),
     "devices": (str, "auto", lambda v: re.fullmatch(r"auto|(cpu|cuda(:\d+)?)(,(cpu|cuda(:\d+)?))*", v) is not None,
                 "'auto' or a list like 'cpu,cpu' or 'cuda:0,cuda:1'"),
     "heartbeat_interval": (float, 10.0, _positive, "a positive number of seconds"),
@@ -141,6 +143,7 @@ class ClusterConfig:
     backend: BackendSpec
     bind_addr: str
     data_port: int
+    metrics_port: int
     devices: str
     heartbeat_interval: float
     heartbeat_timeout: float

@@ -24,9 +24,9 @@ def cpu_server() -> Iterator[NodeProcess]:
         yield server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def remote(cpu_server: NodeProcess) -> Iterator[object]:
-    """genie initialised against ``cpu_server`` for the whole session; yields the ClusterState."""
+    """genie initialised against ``cpu_server`` for one test module (genie allows one init per process)."""
     import genie
 
     state = genie.init_sync(master_addr="127.0.0.1", master_port=cpu_server.control_port,

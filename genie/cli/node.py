@@ -22,6 +22,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", default=None, help="'auto' (every CUDA GPU, else one CPU device) or e.g. 'cpu,cpu'")
     p.add_argument("--node-id", default=None, help="stable node id (default: HOST-ROLE-PID)")
     p.add_argument("--backend", default=None, help="auto, a backend name, a list 'rdma,tcp' or exclusions '^dpdk'")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve /metrics (Prometheus), /healthz and /readyz on this port (default: off)")
+    p.add_argument("--gpu-poll-interval", type=float, default=None)
+    p.add_argument("--health-check-interval", type=float, default=None)
     p.add_argument("--heartbeat-interval", type=float, default=None)
     p.add_argument("--heartbeat-timeout", type=float, default=None)
 
@@ -41,7 +45,9 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "bind_addr": args.host, "data_port": args.data_port, "devices": args.devices, "node_id": args.node_id,
         "backend": args.backend, "heartbeat_interval": args.heartbeat_interval,
-        "heartbeat_timeout": args.heartbeat_timeout,
+        "heartbeat_timeout": args.heartbeat_timeout, "metrics_port": args.metrics_port,
+        "gpu_poll_interval": args.gpu_poll_interval, "health_check_interval": args.health_check_interval,
+        "health_check_timeout": min(args.health_check_interval, 5.0) if args.health_check_interval else None,
     }
 
 

@@ -33,6 +33,9 @@ class ControlService:
         self.recent_events = recent_events or (lambda: [])
         self.subscribers: set[Any] = set()
         self.port = 0
+        self.monitor: Any = None  #: the master's ResourceMonitor: ingests every node's heartbeat metrics
+        self.health: Any = None  #: the master's own HealthChecker
+        self.telemetry: Any = None
 
     async def serve(self, host: str, port: int, task_group: TaskGroup, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
@@ -46,8 +49,28 @@ class ControlService:
         step = min(self.heartbeat_interval, self.membership.heartbeat_timeout / 4, 1.0)
         while True:
             await anyio.sleep(step)
+            self._refresh_self()
             for event in self.membership.sweep():
                 await self.emit(event)
+            if self.telemetry is not None:
+                counts: dict[str, int] = {}
+                for member in self.membership.members.values():
+                    counts[member.status.value] = counts.get(member.status.value, 0) + 1
+                self.telemetry.set_node_counts(counts)
+
+    def _refresh_self(self) -> None:
+        """The master's own metrics and health, as its heartbeat would carry them."""
+        me = self.membership.members.get(self.membership.self_id)
+        if me is None:
+            return
+        metrics: dict[str, Any] = {}
+        latest = self.monitor.latest(me.info.node_id) if self.monitor is not None else None
+        if latest is not None:
+            metrics.update(latest.to_dict())
+        report = self.health.last_report if self.health is not None else None
+        if report is not None:
+            metrics["health"] = report.to_dict()
+        me.metrics = metrics
 
     async def emit(self, event: ClusterEvent) -> None:
         self.publish(event)
@@ -69,8 +92,17 @@ class ControlService:
                     if kind == MsgKind.JOIN:
                         node_id = await self._join(stream, body, peer_host)
                     elif kind == MsgKind.HEARTBEAT:
-                        for event in self.membership.heartbeat(str(body.get("node_id", node_id)), body.get("metrics")):
+                        sender = str(body.get("node_id", node_id))
+                        metrics = body.get("metrics") if isinstance(body.get("metrics"), dict) else None
+                        for event in self.membership.heartbeat(sender, metrics):
                             await self.emit(event)
+                        if self.telemetry is not None:
+                            self.telemetry.record_heartbeat(node_id=sender, direction="received")
+                        if metrics and "metrics" in metrics and self.monitor is not None:
+                            try:
+                                self.monitor.ingest(sender, metrics)
+                            except GenieError as exc:
+                                log.warning("bad metrics from %s: %s", sender, exc)
                         await control.send_msg(stream, MsgKind.HEARTBEAT_ACK, self._ack())
                     elif kind == MsgKind.QUERY:
                         reply = self.membership.snapshot()

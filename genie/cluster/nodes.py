@@ -13,7 +13,7 @@ from genie.device.registry import DeviceTable, RemoteDevice
 from genie.errors import ConnectError
 from genie.plugins import PluginManager
 from genie.transport.base import Transport
-from genie.transport.selection import Selection, connect_with_fallback, select
+from genie.transport.selection import connect_with_fallback, select
 from genie.types import ClusterEvent, EventType, GPUInfo, NodeInfo
 from genie.wire.messages import hello_body
 
@@ -52,10 +52,10 @@ class DataPlaneHost:
 
 
 def _open_session(pm: PluginManager, config: ClusterConfig, client_id: str, node: dict[str, Any],
-                  selection: Selection, emit: Any) -> NodeConnection:
+                  probes: Any, emit: Any) -> NodeConnection:
     transports = pm.transports()
-    peer = select({name: c.result for name, c in ((c.name, c) for c in selection.candidates)}, pm=pm,
-                  config=config, peer_backends=node.get("backends", ["tcp"]), peer=f"node {node['node_id']}")
+    peer = select(probes, pm=pm, config=config, peer_backends=node.get("backends", ["tcp"]),
+                  peer=f"node {node['node_id']}")
     address = node["address"]
     if address in ("", "0.0.0.0", "::") or node.get("role") == "server":
         address = config.master_addr  # the master's own devices: where we reached it
@@ -69,7 +69,7 @@ def _open_session(pm: PluginManager, config: ClusterConfig, client_id: str, node
 
 
 def connect_devices(pm: PluginManager, config: ClusterConfig, state: Any, snapshot: dict[str, Any],
-                    selection: Selection, emit: Any) -> DeviceTable:
+                    emit: Any) -> DeviceTable:
     """Open one data-plane session per node that has devices; the table in the master's order."""
     nodes = {n["node_id"]: n for n in snapshot.get("nodes", [])}
     sessions: dict[str, NodeConnection] = {}
@@ -79,7 +79,7 @@ def connect_devices(pm: PluginManager, config: ClusterConfig, state: Any, snapsh
         conn = sessions.get(node["node_id"])
         if conn is None and node.get("status") == "connected":
             try:
-                conn = _open_session(pm, config, state.local_node.node_id, node, selection, emit)
+                conn = _open_session(pm, config, state.local_node.node_id, node, state.probes, emit)
             except ConnectError as exc:
                 log.warning("cannot open a session to node %s: %s", node["node_id"], exc)
                 conn = None
@@ -121,7 +121,6 @@ def reconnect_lost(pm: PluginManager, config: ClusterConfig, state: Any, table: 
     """Replace lost sessions of nodes the master reports connected again."""
     nodes = {n["node_id"]: n for n in state.nodes}
     fresh: dict[str, NodeConnection] = {}
-    selection = select(state.probes, pm=pm, config=config)
     for i, device in enumerate(table.devices):
         node = nodes.get(device.node_id)
         if device.connection.lost is None or node is None or node.get("status") != "connected":
@@ -129,7 +128,7 @@ def reconnect_lost(pm: PluginManager, config: ClusterConfig, state: Any, table: 
         conn = fresh.get(device.node_id)
         if conn is None:
             try:
-                conn = _open_session(pm, config, state.local_node.node_id, node, selection, emit)
+                conn = _open_session(pm, config, state.local_node.node_id, node, state.probes, emit)
             except Exception as exc:
                 log.info("node %s not reachable yet: %s", device.node_id, exc)
                 continue

@@ -72,6 +72,10 @@ class Runtime:
         self._stopped = False
         self.table: Any = None
         self._tg: Any = None
+        self.monitor: Any = None
+        self.health: Any = None
+        self.telemetry: Any = None
+        self.metrics_server: Any = None
         self._background_future: Any = None
 
     # -- lifecycle (called from user threads) ---------------------------------------------------
@@ -187,7 +191,7 @@ class Runtime:
         self._apply_snapshot(state, snapshot)
         if role == NodeRole.CLIENT:
             self.table = await anyio.to_thread.run_sync(
-                lambda: connect_devices(self.pm, cfg, state, snapshot, selection, self.bus.publish)
+                lambda: connect_devices(self.pm, cfg, state, snapshot, self.bus.publish)
             )
             from genie.device import ensure_registered
             from genie.device.registry import set_table
@@ -216,22 +220,44 @@ class Runtime:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 await tg.start(self.bus.run)
+                if self.config.node_role != NodeRole.CLIENT:
+                    await self._start_monitors(tg, state)
                 if self.control_service is not None:
                     port = await tg.start(self.control_service.serve, self.config.bind_addr,
                                           self.config.master_port, tg)
                     state.master_port = port
-                    self._start_monitors(tg, state)
-                else:
-                    if self.config.enable_heartbeat:
-                        tg.start_soon(self._heartbeat_loop, state)
-                    if self.config.node_role == NodeRole.WORKER:
-                        self._start_monitors(tg, state)
+                elif self.config.enable_heartbeat:
+                    tg.start_soon(self._heartbeat_loop, state)
                 if self.table is not None:
                     tg.start_soon(self._flush_loop)
                 task_status.started()
 
-    def _start_monitors(self, tg: Any, state: ClusterState) -> None:
-        """Hook for the resource monitor and health checker (see genie.cluster.monitor/health)."""
+    async def _start_monitors(self, tg: Any, state: ClusterState) -> None:
+        """Resource monitor, health checker and telemetry of a node that serves devices."""
+        from genie.cluster.health import HealthChecker
+        from genie.cluster.monitor import ResourceMonitor
+        from genie.telemetry import MetricsServer, Telemetry
+
+        cfg, node = self.config, state.local_node
+        self.monitor = ResourceMonitor.from_config(cfg, pm=self.pm, node=node, bus=self.bus)
+        self.health = HealthChecker.from_config(cfg, pm=self.pm, node_id=node.node_id, bus=self.bus)
+        if self.control_service is not None:
+            self.control_service.monitor = self.monitor
+            self.control_service.health = self.health
+        if cfg.enable_gpu_monitoring:
+            await tg.start(self.monitor.run)
+        if cfg.enable_health_checks:
+            await tg.start(self.health.run)
+        if cfg.enable_telemetry and cfg.metrics_port:
+            self.telemetry = Telemetry(node_id=node.node_id)
+            self.telemetry.watch_monitor(self.monitor)
+            self.telemetry.follow_health(self.bus)
+            if self.membership is not None:
+                self.control_service.telemetry = self.telemetry
+            self.metrics_server = MetricsServer(self.telemetry, host=cfg.bind_addr, port=cfg.metrics_port,
+                                                ready=lambda: self.phase == "running")
+            await tg.start(self.metrics_server.run)
+            state.stats["metrics_port"] = self.metrics_server.port
 
     async def _flush_loop(self) -> None:
         while True:
@@ -266,7 +292,16 @@ class Runtime:
                 backoff = min(backoff * 2, RECONNECT_MAX_BACKOFF)
 
     def _metrics(self) -> dict[str, Any]:
-        return {}
+        """What a heartbeat carries: the latest metrics snapshot and health report."""
+        out: dict[str, Any] = {}
+        monitor, health = getattr(self, "monitor", None), getattr(self, "health", None)
+        latest = monitor.latest() if monitor is not None else None
+        if latest is not None:
+            out.update(latest.to_dict())
+        report = health.last_report if health is not None else None
+        if report is not None:
+            out["health"] = report.to_dict()
+        return out
 
     def _on_ack(self, state: ClusterState, ack: dict[str, Any]) -> None:
         fresh = {n["node_id"]: n for n in ack.get("nodes", []) if isinstance(n, dict) and "node_id" in n}
