@@ -47,7 +47,7 @@ class MetaCache:
 
 def to_meta(t: torch.Tensor) -> torch.Tensor:
     """A meta tensor with the same dtype, shape, strides and storage offset as ``t``."""
-    storage_numel = t.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
+    storage_numel = t.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
     if t.numel() == 0:
         storage_numel = t.storage_offset()
     base = torch.empty(max(storage_numel, 0), dtype=t.dtype, device="meta")
@@ -96,6 +96,6 @@ def run_meta(func: Any, args: Any, kwargs: Any, convert: Any) -> tuple[list[OutM
         raise
     metas, spec = describe(out)
     flat, _ = tree_flatten(out)
-    if any(m is None and not isinstance(o, (bool, int, float, type(None))) for m, o in zip(metas, flat)):
+    if any(m is None and not isinstance(o, (bool, int, float, type(None))) for m, o in zip(metas, flat, strict=True)):
         raise NeedsServer("op returns values meta tensors cannot compute")
     return metas, spec, flat

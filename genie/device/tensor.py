@@ -17,7 +17,7 @@ import functools
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_unflatten
 
 from genie.device import meta as dmeta
 from genie.device.connection import NodeConnection
@@ -222,7 +222,7 @@ def _signature(obj: Any) -> Any:
     return obj
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mutated_returns(func: Any) -> tuple[int | None, ...]:
     """For each return of ``func``, the flat argument position it aliases and writes, else None."""
     schema = func._schema
@@ -386,7 +386,7 @@ def _general(func: Any, args: Any, kwargs: Any) -> Any:
     return tree_unflatten(outs, spec)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _output_mask_position(func: Any) -> int | None:
     for i, a in enumerate(func._schema.arguments):
         if a.name == "output_mask":
@@ -421,7 +421,7 @@ def _decode_call_result(func: Any, result: Any, device: RemoteDevice) -> Any:
         return make_wrapper(device, handle, (dtype_from_code(code), tuple(shape), tuple(stride), offset))
 
     out = []
-    for r, v in zip(returns, values):
+    for r, v in zip(returns, values, strict=False):
         kind = str(r.type)
         if kind.startswith("Tensor[]") or kind.startswith("List[Tensor]"):
             out.append([tensor(d) for d in v])
