@@ -36,6 +36,7 @@ class ControlService:
         self.monitor: Any = None  #: the master's ResourceMonitor: ingests every node's heartbeat metrics
         self.health: Any = None  #: the master's own HealthChecker
         self.telemetry: Any = None
+        self.metrics_port = 0  #: where /metrics is served (0: nowhere)
 
     async def serve(self, host: str, port: int, task_group: TaskGroup, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
@@ -107,6 +108,9 @@ class ControlService:
                     elif kind == MsgKind.QUERY:
                         reply = self.membership.snapshot()
                         reply["events"] = [e.to_dict() for e in self.recent_events()]
+                        reply["master"] = {"node_id": self.membership.self_id, "metrics_port": self.metrics_port,
+                                           "heartbeat_interval": self.heartbeat_interval,
+                                           "heartbeat_timeout": self.membership.heartbeat_timeout}
                         await control.send_msg(stream, MsgKind.QUERY_REPLY, reply)
                     elif kind == MsgKind.SUBSCRIBE:
                         await self._stream_events(stream)

@@ -258,6 +258,8 @@ class Runtime:
                                                 ready=lambda: self.phase == "running")
             await tg.start(self.metrics_server.run)
             state.stats["metrics_port"] = self.metrics_server.port
+            if self.control_service is not None:
+                self.control_service.metrics_port = self.metrics_server.port
 
     async def _flush_loop(self) -> None:
         while True:
