@@ -58,9 +58,9 @@ def main() -> None:
 
             _, remote_losses = train("remote_accelerator:0")
             _, local_losses = train("cpu")
-            for step, (r, c) in enumerate(zip(remote_losses, local_losses)):
+            for step, (r, c) in enumerate(zip(remote_losses, local_losses, strict=True)):
                 print(f"train step {step}: loss remote {r:.6f}  cpu {c:.6f}")
-            assert all(abs(r - c) < 1e-4 for r, c in zip(remote_losses, local_losses))
+            assert all(abs(r - c) < 1e-4 for r, c in zip(remote_losses, local_losses, strict=True))
             print("demo OK: remote results match the CPU")
         finally:
             genie.shutdown_sync()

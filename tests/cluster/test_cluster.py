@@ -74,8 +74,9 @@ def cluster() -> Iterator[dict]:
 
 
 def test_master_two_workers_and_a_client_run_work_on_every_node(cluster) -> None:
-    import genie
     import torch
+
+    import genie
 
     state = genie.init_sync(master_addr="127.0.0.1", master_port=cluster["port"], heartbeat_interval=0.2,
                             heartbeat_timeout=1, timeout=20)
@@ -169,8 +170,9 @@ def test_killed_worker_is_declared_lost_others_go_on_and_it_comes_back(cluster, 
 
 
 def test_restarted_master_is_rejoined_by_workers_and_clients(cluster) -> None:
-    import genie
     import torch
+
+    import genie
 
     port, procs = cluster["port"], cluster["procs"]
     genie.init_sync(master_addr="127.0.0.1", master_port=port, heartbeat_interval=0.2, heartbeat_timeout=1,
@@ -195,8 +197,9 @@ def test_restarted_master_is_rejoined_by_workers_and_clients(cluster) -> None:
 
 
 def test_a_client_busy_in_a_long_computation_is_not_declared_lost(cluster) -> None:
-    import genie
     import torch
+
+    import genie
 
     port = cluster["port"]
     genie.init_sync(master_addr="127.0.0.1", master_port=port, heartbeat_interval=0.2, heartbeat_timeout=1,

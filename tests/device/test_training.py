@@ -43,7 +43,7 @@ def test_module_forward_and_backward_match_cpu(make) -> None:
     out_remote, grads_remote = _forward_backward(module, inputs, D0)
     torch.testing.assert_close(out_remote, out_cpu, rtol=1e-4, atol=1e-5)
     assert len(grads_remote) == len(grads_cpu) > 0
-    for g_r, g_c in zip(grads_remote, grads_cpu):
+    for g_r, g_c in zip(grads_remote, grads_cpu, strict=True):
         torch.testing.assert_close(g_r, g_c, rtol=1e-4, atol=1e-5)
 
 
@@ -60,7 +60,7 @@ def test_five_optimizer_steps_match_cpu(opt_name: str) -> None:
             opt.step()
         return [p.detach().cpu() for p in model.parameters()]
 
-    for r, c in zip(run(D0), run("cpu")):
+    for r, c in zip(run(D0), run("cpu"), strict=True):
         torch.testing.assert_close(r, c, rtol=1e-5, atol=1e-6)
 
 
