@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import importlib_metadata
@@ -56,6 +56,8 @@ class PluginManager:
         self._pm.add_hookspecs(hookspecs)
         self.records: dict[str, PluginRecord] = {}
         self._transports: dict[str, type[Transport]] | None = None
+        #: transport name -> the plugin that offers it (filled by :meth:`transports`)
+        self.transport_owners: dict[str, str] = {}
         if env.get("GENIE_TRACE_PLUGINS", "") not in ("", "0"):
             self._pm.trace.root.setwriter(lambda msg: trace_log.debug(msg.rstrip()))
             self._pm.enable_tracing()
@@ -131,7 +133,7 @@ class PluginManager:
         table: dict[str, type[Transport]] = {}
         owners: dict[str, str] = {}
         for impl in reversed(self._pm.hook.genie_transports.get_hookimpls()):
-            for cls in impl.function() or []:
+            for cls in cast("list[type[Transport]]", impl.function() or []):
                 name = getattr(cls, "name", None)
                 if not isinstance(name, str) or not name:
                     raise PluginError(f"plugin {impl.plugin_name!r} offers a transport {cls!r} without a name")

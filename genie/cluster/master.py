@@ -30,7 +30,7 @@ class ControlService:
         self.membership = membership
         self.heartbeat_interval = heartbeat_interval
         self.publish = publish
-        self.recent_events = recent_events or (lambda: [])
+        self.recent_events: Any = recent_events or (lambda: [])
         self.subscribers: set[Any] = set()
         self.port = 0
         self.monitor: Any = None  #: the master's ResourceMonitor: ingests every node's heartbeat metrics

@@ -103,7 +103,7 @@ class Membership:
 
     def devices(self) -> list[dict[str, Any]]:
         """Every device in the stable cluster order, with its node and whether that node is up."""
-        out = []
+        out: list[dict[str, Any]] = []
         for member in self.members.values():
             for gpu in member.info.gpus:
                 out.append({

@@ -75,7 +75,7 @@ def encode_header(kind: MsgKind, body_len: int, payload_len: int) -> bytes:
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, int(kind), body_len, payload_len)
 
 
-def decode_header(data: bytes | memoryview, *, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> FrameHeader:
+def decode_header(data: bytes | bytearray | memoryview, *, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> FrameHeader:
     """Parse and bound-check a 16-byte header; raise FrameError naming what is wrong."""
     if len(data) != HEADER.size:
         raise FrameError(f"frame header must be {HEADER.size} bytes, got {len(data)}")
