@@ -101,6 +101,14 @@ _OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
     "max_session_bytes": (int, 0, lambda v: v >= 0, "0 (unbounded) or a byte count"),
     "max_session_handles": (int, 1_000_000, lambda v: v > 0, "a positive count"),
     "max_frame_bytes": (int, 8 << 30, lambda v: v >= 4096, "a byte count of at least 4096"),
+    # security (see docs/SECURITY.md and genie/security.py)
+    "auth_token_file": (str, "", None, "a path to a file holding the cluster token (not world-readable), or empty"),
+    "tls_cert": (str, "", None, "a PEM certificate file (this node's), or empty for no TLS"),
+    "tls_key": (str, "", None, "the PEM private key of tls_cert, or empty (the key is in tls_cert)"),
+    "tls_ca": (str, "", None, "a PEM CA bundle that peers' certificates must chain to, or empty"),
+    "tls_require_client_cert": (bool, False, None, "true or false (mutual TLS: servers demand client certificates)"),
+    "max_session_inflight": (int, 65536, lambda v: v > 0, "a positive count of commands and uploads per batch"),
+    "session_idle_timeout": (float, 3600.0, lambda v: v >= 0, "seconds a silent session lives (0: forever)"),
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -163,6 +171,13 @@ class ClusterConfig:
     max_session_bytes: int
     max_session_handles: int
     max_frame_bytes: int
+    auth_token_file: str
+    tls_cert: str
+    tls_key: str
+    tls_ca: str
+    tls_require_client_cert: bool
+    max_session_inflight: int
+    session_idle_timeout: float
     sources: Mapping[str, str] = attrs.field(factory=dict, repr=False, eq=False)
 
     @classmethod
