@@ -59,6 +59,9 @@ class MsgKind(enum.IntEnum):
     SUBSCRIBE = 26
     EVENT = 27
     ERROR = 28
+    # authentication, both planes (genie/wire/handshake.py); appended, numbers never reused
+    CHALLENGE = 4
+    AUTH = 5
 
 
 _KINDS = {int(k) for k in MsgKind}
