@@ -93,6 +93,17 @@ class RemoteTensor(torch.Tensor):
         if ref is not None:
             self._genie = ref
 
+    def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+        # C++ sees every remote tensor on index 0, so its "already there" shortcut would turn
+        # remote_accelerator:1 -> :0 into a no-op; decide here with the true index instead.
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and device.type == BACKEND and (device.index or 0) != self._genie.device.index:
+            return torch.ops.aten._to_copy.default(
+                self, dtype=dtype or self.dtype, device=device, non_blocking=non_blocking,
+                memory_format=memory_format or torch.preserve_format,
+            )
+        return super().to(*args, **kwargs)
+
     # -- sync points -------------------------------------------------------------------------
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         cpu = download(self)
@@ -337,9 +348,10 @@ def execute(func: Any, args: Any, kwargs: Any) -> Any:
     return _general(func, args, kwargs)
 
 
-def _general(func: Any, args: Any, kwargs: Any) -> Any:
+def _general(func: Any, args: Any, kwargs: Any, device: RemoteDevice | None = None) -> Any:
     """The common path: meta inference (cached), then a fire-and-forget command."""
-    device = _find_device(func, args, kwargs)
+    if device is None:
+        device = _find_device(func, args, kwargs)
     try:
         key = (func, _signature(args), _signature(kwargs))
         hash(key)
@@ -457,6 +469,7 @@ def _to_copy(func: Any, args: Any, kwargs: Any) -> Any:
             cpu = download(src)
             rest = {k: v for k, v in kwargs.items() if k == "dtype" and v is not None}
             return upload(cpu.to(**rest) if rest else cpu, dest)
+        return _general(func, args, kwargs, device=dest)  # same node, maybe another of its devices
     return _general(func, args, kwargs)
 
 
