@@ -106,3 +106,27 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def listen(self, host: str, port: int) -> Listener:
         """Listen for channels on ``host:port`` (port 0: any free port)."""
+
+
+class ProbeOnlyTransport(Transport):
+    """A backend whose probe is real but whose data path this release does not have.
+
+    ``connect`` and ``listen`` refuse with :class:`~genie.errors.BackendUnavailableError`
+    carrying ``no_data_path`` (the plugin's own explanation); its probe results set
+    ``details["data_path"] = False`` so selection never makes it a candidate.
+    """
+
+    no_data_path: ClassVar[str] = "this backend has no data path in this release"
+
+    def connect(self, host: str, port: int, *, timeout: float) -> Channel:
+        """Refuse: there is no data path."""
+        from genie.errors import BackendUnavailableError
+
+        raise BackendUnavailableError(self.no_data_path)
+
+    def listen(self, host: str, port: int) -> Listener:
+        """Refuse: there is no data path."""
+        from genie.errors import BackendUnavailableError
+
+        raise BackendUnavailableError(self.no_data_path)
+

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import anyio.to_thread
 
-from genie.errors import BackendUnavailableError
-from genie.transport.base import PRIORITY_DPDK, Channel, Listener, ProbeTarget, Transport
+from genie.transport.base import PRIORITY_DPDK, ProbeOnlyTransport, ProbeTarget
 from genie.types import Figure, ProbeResult
 from genie_dpdk import eal
 
@@ -68,10 +67,11 @@ def result_from_report(report: eal.EalReport, name: str = "dpdk", priority: int 
     )
 
 
-class DpdkTransport(Transport):
+class DpdkTransport(ProbeOnlyTransport):
     """DPDK (user-space Ethernet). Probe: start an EAL in a subprocess and count ports."""
 
     name = "dpdk"
+    no_data_path = NO_DATA_PATH
     default_priority = PRIORITY_DPDK
 
     @classmethod
@@ -86,10 +86,3 @@ class DpdkTransport(Transport):
         report = await anyio.to_thread.run_sync(eal.eal_report, timeout, abandon_on_cancel=True)
         return result_from_report(report, self.name, self.default_priority)
 
-    def connect(self, host: str, port: int, *, timeout: float) -> Channel:
-        """Not in this release: raises BackendUnavailableError."""
-        raise BackendUnavailableError(NO_DATA_PATH)
-
-    def listen(self, host: str, port: int) -> Listener:
-        """Not in this release: raises BackendUnavailableError."""
-        raise BackendUnavailableError(NO_DATA_PATH)

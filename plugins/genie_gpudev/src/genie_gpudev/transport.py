@@ -11,8 +11,7 @@ import importlib_metadata
 from genie_dpdk import eal
 from genie_dpdk.transport import INSTALL_HINT
 
-from genie.errors import BackendUnavailableError
-from genie.transport.base import PRIORITY_DPDK_GPUDEV, Channel, Listener, ProbeTarget, Transport
+from genie.transport.base import PRIORITY_DPDK_GPUDEV, ProbeOnlyTransport, ProbeTarget
 from genie.transport.cache import find_library_file, path_fingerprint
 from genie.types import Figure, ProbeResult
 
@@ -88,10 +87,11 @@ def probe_blocking(timeout: float, name: str = "dpdk_gpudev", priority: int = PR
                        priority=priority, figures=declared_figures(), details=details)
 
 
-class GpudevTransport(Transport):
+class GpudevTransport(ProbeOnlyTransport):
     """DPDK with GPUDirect RDMA through DPDK's gpudev library."""
 
     name = "dpdk_gpudev"
+    no_data_path = NO_DATA_PATH
     default_priority = PRIORITY_DPDK_GPUDEV
 
     @classmethod
@@ -109,10 +109,3 @@ class GpudevTransport(Transport):
         return await anyio.to_thread.run_sync(probe_blocking, timeout, self.name, self.default_priority,
                                               abandon_on_cancel=True)
 
-    def connect(self, host: str, port: int, *, timeout: float) -> Channel:
-        """Not in this release: raises BackendUnavailableError."""
-        raise BackendUnavailableError(NO_DATA_PATH)
-
-    def listen(self, host: str, port: int) -> Listener:
-        """Not in this release: raises BackendUnavailableError."""
-        raise BackendUnavailableError(NO_DATA_PATH)

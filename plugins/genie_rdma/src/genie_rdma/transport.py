@@ -6,8 +6,7 @@ from typing import Any
 
 import anyio.to_thread
 
-from genie.errors import BackendUnavailableError
-from genie.transport.base import PRIORITY_RDMA, Channel, Listener, ProbeTarget, Transport
+from genie.transport.base import PRIORITY_RDMA, ProbeOnlyTransport, ProbeTarget
 from genie.types import Figure, ProbeResult
 from genie_rdma import verbs
 
@@ -53,10 +52,11 @@ def result_from_report(report: verbs.VerbsReport, name: str = "rdma", priority: 
                        priority=priority, figures=declared_figures(), details=details)
 
 
-class RdmaTransport(Transport):
+class RdmaTransport(ProbeOnlyTransport):
     """RDMA verbs (InfiniBand, RoCE). Probe: list devices, active ports and GIDs with pyverbs."""
 
     name = "rdma"
+    no_data_path = NO_DATA_PATH
     default_priority = PRIORITY_RDMA
 
     @classmethod
@@ -70,10 +70,3 @@ class RdmaTransport(Transport):
         report = await anyio.to_thread.run_sync(verbs.verbs_report, timeout, abandon_on_cancel=True)
         return result_from_report(report, self.name, self.default_priority)
 
-    def connect(self, host: str, port: int, *, timeout: float) -> Channel:
-        """Not in this release: raises BackendUnavailableError."""
-        raise BackendUnavailableError(NO_DATA_PATH)
-
-    def listen(self, host: str, port: int) -> Listener:
-        """Not in this release: raises BackendUnavailableError."""
-        raise BackendUnavailableError(NO_DATA_PATH)
