@@ -15,7 +15,7 @@ import sys
 from genie.errors import GenieError
 
 #: Subcommand modules, in the order ``genie --help`` lists them.
-COMMANDS = ("plugins", "node", "discover")
+COMMANDS = ("plugins", "node", "discover", "status", "health", "metrics", "events", "dashboard")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,72 @@
+"""What the operator commands share: ``--master``, one QUERY, and exit code 2 for an unreachable master.
+
+Exit codes of ``genie status``, ``health``, ``metrics``, ``events`` and ``dashboard``:
+0 success, 1 a finding (``genie health``: some serving node is not connected and
+HEALTHY) or another genie error, 2 the master (or its metrics endpoint) cannot be
+reached, 130 interrupted with Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from genie.errors import ConfigError, TransportError
+
+#: Exit code when the master cannot be reached.
+UNREACHABLE = 2
+
+
+def add_master_arguments(p: argparse.ArgumentParser) -> None:
+    """``--master HOST:PORT`` and ``--timeout``."""
+    p.add_argument("--master", default=None,
+                   help="HOST:PORT of the master's control plane (default: GENIE_MASTER_ADDR:GENIE_MASTER_PORT, "
+                        "else 127.0.0.1:5555)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the master (default 5)")
+
+
+def master_address(args: argparse.Namespace) -> tuple[str, int]:
+    """``--master`` as (host, port), or the configured master (arguments, then GENIE_* environment)."""
+    if args.master:
+        host, sep, port = args.master.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ConfigError("master", args.master, "argument --master", "HOST:PORT, e.g. 10.0.0.1:5555")
+        return host.strip("[]"), int(port)
+    from genie.config import ClusterConfig
+
+    config = ClusterConfig.from_sources()
+    return config.master_addr, config.master_port
+
+
+class Unreachable(Exception):
+    """The master (or an endpoint of it) did not answer; the message says which and why."""
+
+
+def query(args: argparse.Namespace) -> dict[str, Any]:
+    """The master's QUERY reply, or :class:`Unreachable`."""
+    from genie.cluster.query import query_master_sync
+
+    host, port = master_address(args)
+    try:
+        return query_master_sync(host, port, timeout=args.timeout)
+    except TransportError as exc:
+        raise Unreachable(str(exc)) from None
+    except TimeoutError:
+        raise Unreachable(f"the genie master at {host}:{port} did not answer within {args.timeout:g} s") from None
+
+
+def operator_command(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Turn :class:`Unreachable` into one line on stderr and exit code 2."""
+
+    @functools.wraps(func)
+    def wrapper(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except Unreachable as exc:
+            print(f"genie {args.command}: error: {exc}", file=sys.stderr)
+            return UNREACHABLE
+
+    return wrapper

@@ -1,0 +1,113 @@
+"""``genie events``: the master's recent cluster events; ``--follow`` streams new ones until Ctrl-C.
+
+One line per event (``TIME TYPE SOURCE key=value ...``), or with ``--json`` one
+JSON object per line (``{"type", "source", "data", "timestamp"}``, JSON Lines), so
+``genie events --follow --json | jq`` works. ``--follow`` subscribes before it asks
+for the recent events, so nothing falls between the two; an event seen in both is
+printed once. Exit codes: 0, 130 after Ctrl-C, 2 when the master cannot be reached
+or closes the stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from genie.cli._master import Unreachable, add_master_arguments, master_address, operator_command, query
+from genie.errors import TransportError
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("events", help="recent cluster events; --follow streams new ones until Ctrl-C")
+    add_master_arguments(p)
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new events until Ctrl-C")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--limit", type=int, default=100, help="recent events to print first (default 100; 0: none)")
+    p.set_defaults(func=run)
+
+
+def event_text(event: Mapping[str, Any]) -> str:
+    """``2026-01-02 03:04:05.678  node_lost        w1  key=value ...``."""
+    stamp = event.get("timestamp")
+    if isinstance(stamp, (int, float)):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp)) + f".{int(stamp % 1 * 1000):03d}"
+    else:
+        when = "-"
+    data = event.get("data") if isinstance(event.get("data"), Mapping) else {}
+    details = " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in data.items())
+    return f"{when}  {event.get('type', '?'):<16} {event.get('source', '')}  {details}".rstrip()
+
+
+def _key(event: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (event.get("timestamp"), event.get("type"), event.get("source"))
+
+
+class _Printer:
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+        self.seen: set[tuple[Any, ...]] = set()
+
+    def __call__(self, event: Mapping[str, Any]) -> None:
+        key = _key(event)
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        print(json.dumps(dict(event)) if self.as_json else event_text(event), flush=True)
+
+
+def _recent(reply: Mapping[str, Any], limit: int) -> list[Mapping[str, Any]]:
+    events = [e for e in reply.get("events") or () if isinstance(e, Mapping)]
+    return events[-limit:] if limit > 0 else []
+
+
+@operator_command
+def run(args: argparse.Namespace) -> int:
+    printer = _Printer(args.json)
+    if not args.follow:
+        for event in _recent(query(args), args.limit):
+            printer(event)
+        return 0
+    import anyio
+
+    try:
+        anyio.run(_follow, args, printer)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+async def _follow(args: argparse.Namespace, printer: _Printer) -> None:
+    import anyio
+
+    from genie.cluster.query import query_master
+    from genie.types import ClusterEvent
+    from genie.wire import control
+    from genie.wire.frame import MsgKind
+
+    host, port = master_address(args)
+    try:
+        with anyio.fail_after(args.timeout):
+            stream = await anyio.connect_tcp(host, port)
+    except (OSError, TimeoutError) as exc:
+        raise Unreachable(f"cannot reach the genie master at {host}:{port}: {exc or 'timed out'}; "
+                          "is `genie serve` running there?") from None
+    async with stream:
+        try:
+            await control.send_msg(stream, MsgKind.SUBSCRIBE, {})
+            try:
+                recent = await query_master(host, port, timeout=args.timeout)
+            except TimeoutError:
+                raise Unreachable(f"the genie master at {host}:{port} did not answer within {args.timeout:g} s") from None
+            for event in _recent(recent, args.limit):
+                printer(event)
+            while True:
+                kind, body = await control.recv_msg(stream)
+                if kind == MsgKind.EVENT:
+                    printer(ClusterEvent.from_dict(body).to_dict())
+        except TransportError as exc:
+            print(f"genie events: the master at {host}:{port} closed the event stream ({exc})", file=sys.stderr)
+            raise Unreachable(f"lost the master at {host}:{port}") from None
