@@ -47,7 +47,9 @@ def plugin_session(session: nox.Session, plugin: str) -> None:
     if plugin in SYSTEM_DEPS:
         install_system_deps(session, SYSTEM_DEPS[plugin])
     extra = [arg for dep in PLUGIN_DEPENDS.get(plugin, ()) for arg in ("-e", f"plugins/genie_{dep}")]
-    session.install(TORCH, *CORE, *extra, "-e", f"plugins/genie_{plugin}")
+    if plugin != "tcp":  # CORE already has genie-tcp
+        extra += ["-e", f"plugins/genie_{plugin}"]
+    session.install(TORCH, *CORE, *extra)
     # Entry points of other plugins must not leak in from elsewhere.
     session.run("python", "-c", "import importlib.metadata as m; "
                 "print('genie entry points:', sorted(e.name for e in m.entry_points(group='genie')))")
