@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import statistics
 import threading
 import time
@@ -85,6 +86,11 @@ class TcpChannel:
         views = [memoryview(b).cast("B") for b in buffers]
         views = [v for v in views if v.nbytes]
         try:
+            if isinstance(self._sock, ssl.SSLSocket):
+                # SSLSocket has no sendmsg: each buffer goes through sendall in turn, still never joined.
+                for view in views:
+                    self._sock.sendall(view)
+                return
             while views:
                 sent = self._sock.sendmsg(views[:_MAX_IOV])
                 # Drop what went out; keep the unsent tail of a partly sent buffer.
@@ -98,7 +104,7 @@ class TcpChannel:
                         sent = 0
         except TimeoutError as exc:
             raise self._failed(f"send to {self.peer} timed out after {self._timeout:g} s") from exc
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: an SSLSocket closed by another thread
             raise self._failed(f"connection to {self.peer} failed while sending: {exc}") from exc
 
     def recv_into(self, view: memoryview) -> None:
@@ -119,10 +125,46 @@ class TcpChannel:
             raise self._failed(f"receive from {self.peer} timed out after {self._timeout:g} s") from exc
         except ConnectionClosedError:
             raise
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: an SSLSocket closed by another thread
             if self._closed:
                 raise ConnectionClosedError(f"connection to {self.peer} was closed on this side") from exc
             raise self._failed(f"connection to {self.peer} failed while receiving: {exc}") from exc
+
+    def peek(self, nbytes: int) -> bytes:
+        """Up to ``nbytes`` the peer sent, left in the stream (fewer only if it closed first; b"" then)."""
+        self._check_open("receive from")
+        try:
+            return self._sock.recv(nbytes, socket.MSG_PEEK | socket.MSG_WAITALL)
+        except TimeoutError as exc:
+            raise self._failed(f"receive from {self.peer} timed out after {self._timeout:g} s") from exc
+        except OSError as exc:
+            raise self._failed(f"connection to {self.peer} failed while receiving: {exc}") from exc
+
+    def start_tls(self, context: ssl.SSLContext, *, server_side: bool, server_hostname: str | None = None) -> None:
+        """Run a TLS handshake on this stream (within the channel's timeout); every later byte is encrypted.
+
+        A failed handshake closes the channel and raises ConnectionClosedError
+        with the TLS library's reason (the ``ssl.SSLError`` is its cause).
+        """
+        self._check_open("start TLS with")
+        try:
+            tls = context.wrap_socket(self._sock, server_side=server_side, server_hostname=server_hostname,
+                                      do_handshake_on_connect=False)
+        except (OSError, ValueError) as exc:
+            raise self._failed(f"TLS with {self.peer} failed: {exc}") from exc
+        self._sock = tls
+        try:
+            tls.settimeout(self._timeout)
+            tls.do_handshake()
+        except TimeoutError as exc:
+            raise self._failed(f"TLS handshake with {self.peer} timed out after {self._timeout:g} s") from exc
+        except (OSError, ValueError) as exc:
+            raise self._failed(f"TLS handshake with {self.peer} failed: {exc}") from exc
+
+    @property
+    def tls_version(self) -> str | None:
+        """The TLS version in use (``"TLSv1.3"``), or None on a plain stream."""
+        return self._sock.version() if isinstance(self._sock, ssl.SSLSocket) else None
 
     def close(self) -> None:
         """Close the stream (idempotent); a thread blocked receiving wakes with ConnectionClosedError."""
