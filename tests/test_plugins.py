@@ -9,7 +9,7 @@ a real plugin, and the installed plugins are kept out with ``GENIE_PLUGINS`` whe
 test must see only its fakes.
 
 The CLI tests run ``python -m genie.cli`` as real subprocesses with every ``GENIE_*``
-variable of the calling environment removed.
+variable of the calling environment removed and a fresh capability cache.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -461,10 +462,15 @@ def test_register_plugin_fixture_records_inline_plugins(register_plugin, genie_p
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """``python -m genie.cli ARGS`` with no inherited GENIE_* variable (plus ``env``)."""
+    """``python -m genie.cli ARGS`` with no inherited GENIE_* variable (plus ``env``).
+
+    A fresh capability cache directory each time, so every probe runs for real.
+    """
     clean = {k: v for k, v in os.environ.items() if not k.startswith("GENIE_")}
-    return subprocess.run([sys.executable, "-m", "genie.cli", *args], capture_output=True, text=True,
-                          env={**clean, **(env or {})}, timeout=timeout, cwd=REPO, check=False)
+    with tempfile.TemporaryDirectory(prefix="genie-cache-") as cache:
+        return subprocess.run([sys.executable, "-m", "genie.cli", *args], capture_output=True, text=True,
+                              env={**clean, "GENIE_CACHE_DIR": cache, **(env or {})}, timeout=timeout, cwd=REPO,
+                              check=False)
 
 
 def test_version_lists_the_core_and_each_installed_plugin_with_version_and_path():
