@@ -24,7 +24,6 @@ from genie.errors import (
     ConnectionClosedError,
     FrameError,
     GenieError,
-    HandshakeError,
     ProtocolError,
     RemoteDeviceLost,
     RemoteExecutionError,
@@ -69,17 +68,16 @@ class NodeConnection:
         self.stats = {"ops": 0, "bytes_up": 0, "bytes_down": 0, "round_trips": 0, "batches": 0}
 
     # -- handshake ---------------------------------------------------------------------------
-    def handshake(self, hello: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Send HELLO, wait for WELCOME; a REJECT raises HandshakeError with the server's reason."""
+    def handshake(self, hello: dict[str, Any], timeout: float, *, token: bytes = b"") -> dict[str, Any]:
+        """HELLO (-> CHALLENGE -> AUTH) -> WELCOME, see genie.wire.handshake; the token never crosses the wire.
+
+        A refused token raises AuthenticationError, any other REJECT HandshakeError with the server's reason.
+        """
+        from genie.wire.handshake import client_handshake
+
         with self.lock:
             self.channel.settimeout(timeout)
-            wf.send_frame(self.channel, wf.MsgKind.HELLO, wf.pack_body(hello))
-            header, body = wf.recv_header_and_body(self.channel, max_payload=0)
-            reply = wf.unpack_body(body)
-            if header.kind == wf.MsgKind.REJECT:
-                raise HandshakeError(f"node {self.node_id} at {self.address} refused the session: {reply.get('reason')}")
-            if header.kind != wf.MsgKind.WELCOME or not isinstance(reply, dict):
-                raise HandshakeError(f"node at {self.address} answered HELLO with {header.kind.name}")
+            reply = client_handshake(self.channel, hello, token=token, where=f"node {self.node_id} at {self.address}")
             self.devices = list(reply.get("devices", []))
             self.limits = dict(reply.get("limits", {}))
             self.node_id = str(reply.get("node_id", self.node_id))
