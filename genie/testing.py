@@ -144,99 +144,24 @@ def event_recorder() -> Iterator[Callable[..., EventRecorder]]:
 # -- data-plane server processes ---------------------------------------------------------------
 
 import contextlib  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import selectors  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
 
-import attrs  # noqa: E402
+from genie.cluster.launch import NodeProcess  # noqa: E402
 
-
-@attrs.define
-class ServerProcess:
-    """A running data-plane server subprocess: its port, process and log file (stderr)."""
-
-    host: str
-    port: int
-    devices: int
-    process: subprocess.Popen
-    log_path: str
-
-    def log(self) -> str:
-        """Everything the server logged so far."""
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
+#: The bare data-plane server process (``python -m genie.server``): ``.port``, ``.log()``, ``.alive()``, ``.process``.
+ServerProcess = NodeProcess
 
 
 @contextlib.contextmanager
 def serve_subprocess(*args: str, ready_timeout: float = 60.0, log_level: str = "INFO",
-                     env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
-    """Run ``python -m genie.server ARGS`` (a bare data-plane server) until its ready line; always kill it.
-
-    Waits are bounded: the ready line must come within ``ready_timeout`` and the
-    process gets 5 s to stop on SIGTERM before SIGKILL.
-    """
-    log_file = tempfile.NamedTemporaryFile(prefix="genie-serve-", suffix=".log", delete=False)
-    log_file.close()
-    with open(log_file.name, "wb") as err:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "genie.server", "--log-level", log_level, *args],
-            stdout=subprocess.PIPE, stderr=err, env={**os.environ, **(env or {})},
-        )
-    try:
-        line = _read_ready_line(process, ready_timeout)
-        match = _READY.search(line)
-        if match is None:
-            raise RuntimeError(f"genie serve printed {line!r} instead of its ready line; log:\n"
-                               + open(log_file.name, errors="replace").read())
-        host, port, devices = match.group("host"), int(match.group("port")), int(match.group("devices"))
-        yield ServerProcess(host, port, devices, process, log_file.name)
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
-        if process.stdout is not None:
-            process.stdout.close()
-        with contextlib.suppress(OSError):
-            os.unlink(log_file.name)
-
-
-#: The ready line of ``genie serve``: the data plane's own, or the cluster runtime's (``data=HOST:PORT``).
-_READY = re.compile(
-    r"(?:genie data plane listening on |\bdata=)(?P<host>\S+):(?P<port>\d+)\b.*?\bdevices=(?P<devices>\d+)"
-)
-
-
-def _read_ready_line(process: subprocess.Popen, timeout: float) -> str:
-    assert process.stdout is not None
-    deadline = time.monotonic() + timeout
-    buffered = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(process.stdout, selectors.EVENT_READ)
-        while b"\n" not in buffered:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"genie serve printed no ready line within {timeout:g} s")
-            if not sel.select(left):
-                continue
-            chunk = os.read(process.stdout.fileno(), 4096)
-            if not chunk:
-                raise RuntimeError(f"genie serve exited with code {process.wait(5)} before it was ready")
-            buffered += chunk
-    return buffered.split(b"\n", 1)[0].decode()
+                     env: dict[str, str] | None = None) -> Iterator[NodeProcess]:
+    """Run ``python -m genie.server ARGS`` (a bare data-plane server) until its ready line; always stop it."""
+    with NodeProcess.data_plane("--log-level", log_level, *args, env=env, ready_timeout=ready_timeout) as server:
+        server.process = server.proc
+        yield server
 
 
 @pytest.fixture(scope="session")
-def genie_serve() -> Iterator[ServerProcess]:
+def genie_serve() -> Iterator[NodeProcess]:
     """One data-plane server process (``--port 0 --devices cpu,cpu``) shared by a test session, killed at the end."""
     with serve_subprocess("--port", "0", "--devices", "cpu,cpu") as server:
         yield server

@@ -1,62 +1,94 @@
-"""Start genie node processes (``genie serve`` / ``genie worker``) and wait until they are ready.
+"""Start genie node processes and wait until they are ready.
 
-Used by the demo, the benchmarks and the tests: the child prints one ready line
-(``genie server ready: control=HOST:PORT data=HOST:PORT devices=N node=ID``);
-:class:`NodeProcess` reads it within a bounded wait and always stops the child.
+Used by the demo, the benchmarks and the tests. ``genie serve`` / ``genie worker``
+print one ready line (``genie server ready: control=HOST:PORT data=HOST:PORT
+devices=N node=ID``); the bare data-plane server (``python -m genie.server``) prints
+``genie data plane listening on HOST:PORT devices=N``. :class:`NodeProcess` sends
+the child's output to a log file (a pipe nobody drains would block a chatty child),
+watches it for the ready line within a bounded wait, and always stops the child.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
 from genie.errors import GenieError
 
-READY = re.compile(r"genie (server|worker) ready: control=(\S+):(\d+) data=(\S+):(\d+) devices=(\d+) node=(\S+)")
+READY = re.compile(
+    r"genie (?:server|worker) ready: control=(?P<control_host>\S+):(?P<control_port>\d+) "
+    r"data=(?P<host>\S+):(?P<port>\d+) devices=(?P<devices>\d+) node=(?P<node>\S+)"
+    r"|genie data plane listening on (?P<dp_host>\S+):(?P<dp_port>\d+) devices=(?P<dp_devices>\d+)"
+)
 
 
 class NodeProcess:
-    """A ``genie serve`` or ``genie worker`` child process; a context manager that always stops it."""
+    """A genie node child process; a context manager that always stops it.
+
+    ``NodeProcess("serve", ...)`` and ``NodeProcess("worker", ...)`` run ``genie serve`` /
+    ``genie worker``; ``NodeProcess.data_plane(...)`` runs the bare data-plane server.
+    """
 
     def __init__(self, role: str = "serve", *args: str, env: dict[str, str] | None = None,
-                 ready_timeout: float = 60.0) -> None:
-        self.argv = [sys.executable, "-m", "genie.cli", role, *args]
+                 ready_timeout: float = 60.0, module: str = "genie.cli") -> None:
+        self.argv = [sys.executable, "-m", module, *([role] if role else []), *args]
         self.env = {**os.environ, **(env or {})}
         self.ready_timeout = ready_timeout
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.host = "127.0.0.1"
         self.control_port = 0
         self.data_port = 0
         self.devices = 0
         self.node_id = ""
-        self.output: list[str] = []
+        self.log_path = ""
+
+    @classmethod
+    def data_plane(cls, *args: str, **kwargs: Any) -> NodeProcess:
+        """The bare data-plane server, ``python -m genie.server ARGS``."""
+        return cls("", *args, module="genie.server", **kwargs)
+
+    @property
+    def port(self) -> int:
+        """The data-plane port."""
+        return self.data_port
+
+    def log(self) -> str:
+        """Everything the child printed or logged so far."""
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> NodeProcess:
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=self.env, start_new_session=True)
+        fd, self.log_path = tempfile.mkstemp(prefix="genie-node-", suffix=".log")
+        with os.fdopen(fd, "wb") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
         deadline = time.monotonic() + self.ready_timeout
-        assert self.proc.stdout is not None
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.2)
-            if ready:
-                line = self.proc.stdout.readline()
-                if not line:
-                    break
-                self.output.append(line.rstrip())
-                m = READY.search(line)
-                if m:
-                    self.control_port, self.data_port = int(m.group(3)), int(m.group(5))
-                    self.devices, self.node_id = int(m.group(6)), m.group(7)
-                    return self
-            elif self.proc.poll() is not None:
+            m = READY.search(self.log())
+            if m:
+                if m.group("dp_port"):
+                    self.host, self.data_port, self.devices = m.group("dp_host"), int(m.group("dp_port")), \
+                        int(m.group("dp_devices"))
+                else:
+                    self.host, self.control_port = m.group("control_host"), int(m.group("control_port"))
+                    self.data_port, self.devices, self.node_id = int(m.group("port")), int(m.group("devices")), \
+                        m.group("node")
+                return self
+            if self.proc.poll() is not None:
                 break
+            time.sleep(0.02)
+        text = self.log()
         self.stop()
-        raise GenieError(f"{' '.join(self.argv[3:])} did not become ready; output:\n" + "\n".join(self.output[-30:]))
+        raise GenieError(f"{' '.join(self.argv[2:])} did not become ready; output:\n" + text[-4000:])
 
     @property
     def pid(self) -> int:
@@ -70,16 +102,21 @@ class NodeProcess:
             self.proc.wait(5)
 
     def stop(self, timeout: float = 5.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            self.kill()
+        """SIGTERM, then SIGKILL after ``timeout``; removes the log file."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                self.kill()
+
+    def cleanup(self) -> None:
+        if self.log_path and os.path.exists(self.log_path):
+            os.unlink(self.log_path)
 
     def __enter__(self) -> NodeProcess:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+        self.cleanup()

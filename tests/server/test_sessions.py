@@ -7,8 +7,8 @@ import time
 
 import pytest
 import torch
-from raw_client import H, RawClient, fetch, op, spec
-from raw_client import free as pack_free
+from tests.raw_client import H, RawClient, fetch, op, spec
+from tests.raw_client import free as pack_free
 
 from genie.errors import ConnectionClosedError
 from genie.wire.frame import MsgKind
@@ -106,14 +106,16 @@ def test_hello_must_arrive_in_time(inproc_server):
     _wait_for(lambda: server.stats()["sessions"] == 0)
 
 
-def test_auth_token_is_checked(inproc_server):
+def test_auth_token_is_checked_by_challenge_never_accepted_in_plaintext(inproc_server):
     server = inproc_server(auth_token="s3cret")
     with RawClient(server.port) as c:
         kind, body = c.hello()
         assert kind == MsgKind.REJECT and body["code"] == "auth"
     with RawClient(server.port) as c:
-        kind, _ = c.hello(token="s3cret")
-        assert kind == MsgKind.WELCOME
+        kind, body = c.hello(token="s3cret")  # the old plaintext field opens nothing
+        assert kind == MsgKind.REJECT and body["code"] == "auth"
+    with RawClient(server.port) as c:
+        assert c.handshake(token=b"s3cret")["node_id"] == server.node_id
 
 
 def test_sessions_are_isolated_and_run_concurrently(inproc_server):
