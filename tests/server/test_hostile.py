@@ -8,10 +8,10 @@ import struct
 import msgpack
 import pytest
 import torch
-from tests.raw_client import H, RawClient, fetch, op, pack, spec
 
 from genie.errors import ConnectionClosedError, FrameError
 from genie.wire.frame import HEADER, MAGIC, PROTOCOL_VERSION, MsgKind, encode_header, pack_body, send_frame
+from tests.raw_client import H, RawClient, fetch, op, pack, spec
 
 
 @pytest.fixture(scope="module")

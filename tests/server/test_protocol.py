@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.raw_client import Dev, H, RawClient, call, fetch, free, op, spec, sync
 
 from genie.wire.frame import PROTOCOL_VERSION, MsgKind
 from genie.wire.values import dtype_code
+from tests.raw_client import Dev, H, RawClient, call, fetch, free, op, spec, sync
 
 
 @pytest.fixture

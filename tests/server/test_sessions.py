@@ -7,11 +7,11 @@ import time
 
 import pytest
 import torch
-from tests.raw_client import H, RawClient, fetch, op, spec
-from tests.raw_client import free as pack_free
 
 from genie.errors import ConnectionClosedError
 from genie.wire.frame import MsgKind
+from tests.raw_client import H, RawClient, fetch, op, spec
+from tests.raw_client import free as pack_free
 
 
 def _wait_for(predicate, timeout: float = 5.0) -> None:
