@@ -115,7 +115,14 @@ class RawClient:
         header, raw = recv_header_and_body(self.channel)
         return header.kind, unpack_body(raw)
 
-    def handshake(self) -> dict[str, Any]:
+    def handshake(self, token: bytes = b"") -> dict[str, Any]:
+        """HELLO -> WELCOME, or with ``token`` the full HMAC exchange (genie.wire.handshake)."""
+        if token:
+            from genie.wire.handshake import client_handshake
+
+            hello = hello_body(node_id="raw-test-client", role="client", backends=["tcp"])
+            self.welcome = client_handshake(self.channel, hello, token=token, where="test server")
+            return self.welcome
         kind, body = self.hello()
         assert kind == MsgKind.WELCOME, body
         self.welcome = body

@@ -116,6 +116,9 @@ class Executor:
         self.deferred: list[dict[str, Any]] = []
         self.dropped = 0
         self.ops_run = 0
+        #: Most commands plus uploads one batch may carry (``max_session_inflight``): everything a client can
+        #: make the server hold or queue at once without waiting for an answer.
+        self.max_inflight = MAX_COMMANDS
 
     # -- batches ------------------------------------------------------------------------------
 
@@ -128,6 +131,11 @@ class Executor:
         cmds = msg.get("cmds", [])
         if len(cmds) > MAX_COMMANDS:
             raise FrameError(f"a batch of {len(cmds)} commands exceeds the limit of {MAX_COMMANDS}")
+        inflight = len(cmds) + len(msg.get("uploads", []))
+        if inflight > self.max_inflight:
+            raise QuotaExceededError(
+                f"session in-flight limit exceeded: a batch of {inflight} commands and uploads, limit "
+                f"{self.max_inflight} (max_session_inflight); send smaller batches")
         self._receive_uploads(header, msg.get("uploads", []))
         for cmd in cmds:
             if not isinstance(cmd, bytes):

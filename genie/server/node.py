@@ -34,6 +34,7 @@ import torch
 from genie import __version__
 from genie.config import ClusterConfig
 from genie.errors import ConfigError, ConnectionClosedError
+from genie.security import ServerSecurity
 from genie.server.session import Session
 from genie.transport.base import Listener, Transport
 from genie.wire.frame import MAX_BODY_BYTES, PROTOCOL_VERSION
@@ -101,8 +102,10 @@ class DataPlaneServer:
     :param host: address to listen on. :param port: port, 0 for any free one.
     :param devices: the node's devices; a client's device index ``i`` is ``devices[i]``.
     :param config: limits come from ``max_session_handles``, ``max_session_bytes``,
-        ``max_frame_bytes`` and ``auth_token``; ``node_id`` names the node (a
-        host-based id when empty).
+        ``max_frame_bytes``, ``max_session_inflight`` and ``session_idle_timeout``;
+        the token from ``auth_token``/``auth_token_file``, TLS from ``tls_cert``,
+        ``tls_key``, ``tls_ca``, ``tls_require_client_cert`` (see genie.security);
+        ``node_id`` names the node (a host-based id when empty).
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class DataPlaneServer:
         self._stopping = threading.Event()
         self._ids = itertools.count(1)
         self._device_info = describe_devices(self.devices)
+        self.security = ServerSecurity.from_config(config)  # reads the token file and certificates once, now
         self.sessions_served = 0
 
     @property
@@ -154,6 +158,8 @@ class DataPlaneServer:
                 "max_session_handles": self.config.max_session_handles,
                 "max_session_bytes": self.config.max_session_bytes,
                 "max_frame_bytes": self.config.max_frame_bytes,
+                "max_session_inflight": self.config.max_session_inflight,
+                "session_idle_timeout": self.config.session_idle_timeout,
                 "max_body_bytes": MAX_BODY_BYTES,
                 "max_inline_tensor_bytes": MAX_INLINE_TENSOR_BYTES,
             },
@@ -241,7 +247,10 @@ class DataPlaneServer:
             max_handles=self.config.max_session_handles,
             max_bytes=self.config.max_session_bytes,
             max_payload=self.config.max_frame_bytes,
-            auth_token=self.config.auth_token,
+            auth_token=self.security.token,
+            tls_context=self.security.tls,
+            idle_timeout=self.config.session_idle_timeout,
+            max_inflight=self.config.max_session_inflight,
             hello_timeout=self.hello_timeout,
             on_end=self._session_ended,
         )

@@ -3,13 +3,16 @@
 The session owns its channel, its :class:`~genie.server.store.TensorStore` and
 its :class:`~genie.server.executor.Executor`. Its life:
 
-1. The first frame must be HELLO, within ``hello_timeout``. It is checked for the
-   protocol version, a torch release with the same major.minor, and the cluster
-   token when one is configured. The answer is WELCOME, or REJECT
-   ``{"code", "reason"}`` naming both sides' versions, after which the
-   connection closes.
-2. Then BATCH frames, each run to completion in order, until GOODBYE or the
-   peer goes away.
+1. With TLS configured, the TLS handshake (:func:`genie.wire.handshake.secure_server_channel`).
+   The first frame must then be HELLO, within ``hello_timeout``. It is checked for the
+   protocol version, then, when the cluster has a token, the client must answer an
+   HMAC challenge (:func:`genie.wire.handshake.server_challenge`; the token never
+   crosses the wire), then for a torch release with the same major.minor. The
+   answer is WELCOME, or REJECT ``{"code", "reason"}`` naming both sides'
+   versions, after which the connection closes.
+2. Then BATCH frames, each run to completion in order, until GOODBYE, the peer
+   goes away, or no frame comes for ``idle_timeout`` seconds (the session is
+   closed and its memory freed).
 3. A frame that breaks the wire rules is logged (logger ``genie.server``) with
    its reason, answered with an ERROR frame ``{"code": "frame", "reason"}`` if
    the connection still works, and the connection is closed. Other sessions
@@ -19,8 +22,8 @@ its :class:`~genie.server.executor.Executor`. Its life:
 
 from __future__ import annotations
 
-import hmac
 import logging
+import ssl
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +35,7 @@ from genie.server.executor import Executor
 from genie.server.store import TensorStore
 from genie.transport.base import Channel
 from genie.wire.frame import PROTOCOL_VERSION, MsgKind, pack_body, recv_header_and_body, send_frame, unpack_body
+from genie.wire.handshake import secure_server_channel, server_challenge
 from genie.wire.messages import torch_compatible
 
 log = logging.getLogger("genie.server")
@@ -50,8 +54,11 @@ class Session:
         max_handles: int,
         max_bytes: int,
         max_payload: int,
-        auth_token: str = "",
+        auth_token: str | bytes = "",
         hello_timeout: float = 10.0,
+        tls_context: ssl.SSLContext | None = None,
+        idle_timeout: float = 0.0,
+        max_inflight: int = 0,
         on_end: Callable[[Session], None] = lambda s: None,
     ) -> None:
         self.channel = channel
@@ -62,11 +69,16 @@ class Session:
         self.client: dict[str, Any] = {}
         self._welcome = welcome
         self._max_payload = max_payload
-        self._auth_token = auth_token
+        self._auth_token = auth_token.encode() if isinstance(auth_token, str) else auth_token
+        self._tls = tls_context
+        self.idle_timeout = idle_timeout
+        if max_inflight:
+            self.executor.max_inflight = max_inflight
         self._hello_timeout = hello_timeout
         self._on_end = on_end
         self.thread: threading.Thread | None = None
         self.closing = False
+        self.serving = False
 
     def __repr__(self) -> str:
         return f"<Session {self.session_id} peer={self.peer}>"
@@ -83,12 +95,18 @@ class Session:
     def run(self) -> None:
         """Serve the connection until it ends; never raises."""
         try:
-            if self._handshake():
+            if self._secure() and self._handshake():
                 self._serve()
         except ConnectionClosedError as exc:
-            if not self.closing:
+            if self.serving and isinstance(exc.__cause__, TimeoutError) and self.idle_timeout:
+                log.warning("session %d (%s) idle for more than %g s (session_idle_timeout): closing it",
+                            self.session_id, self.peer, self.idle_timeout)
+            elif not self.closing:
                 log.info("session %d (%s) ended: %s", self.session_id, self.peer, exc)
-        except (FrameError, ProtocolError, QuotaExceededError) as exc:
+        except QuotaExceededError as exc:
+            log.warning("closing session %d (%s): %s", self.session_id, self.peer, exc)
+            self._send_quietly(MsgKind.ERROR, {"code": "quota", "reason": str(exc)})
+        except (FrameError, ProtocolError) as exc:
             log.warning("closing session %d (%s): %s", self.session_id, self.peer, exc)
             self._send_quietly(MsgKind.ERROR, {"code": "frame", "reason": str(exc)})
         except Exception:
@@ -102,6 +120,14 @@ class Session:
             self._on_end(self)
 
     # -- phases -------------------------------------------------------------------------------
+
+    def _secure(self) -> bool:
+        if self._tls is None:
+            return True
+        if secure_server_channel(self.channel, self._tls, timeout=self._hello_timeout, peer=self.peer):
+            return True
+        self.closing = True  # refused and logged (rate-limited) already
+        return False
 
     def _handshake(self) -> bool:
         self.channel.settimeout(self._hello_timeout)
@@ -126,17 +152,21 @@ class Session:
             return self._reject(
                 "protocol", f"client speaks genie protocol {protocol!r}, this server speaks {PROTOCOL_VERSION}; "
                 "install matching genie versions")
+        welcome = self._welcome()
+        if self._auth_token:
+            proof = server_challenge(self.channel, body, hello, token=self._auth_token, peer=self.peer)
+            if proof is None:
+                self.closing = True
+                return False
+            welcome = {**welcome, "auth": proof}
         if not isinstance(theirs, str) or not torch_compatible(torch.__version__, theirs):
             return self._reject(
                 "torch_version", f"client runs torch {theirs!r}, this server runs torch {torch.__version__}; "
                 "op schemas differ between releases, so both sides need the same major.minor")
-        if self._auth_token:
-            token = hello.get("token")
-            if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._auth_token.encode()):
-                return self._reject("auth", "wrong or missing cluster token")
         self.client = {k: hello.get(k) for k in ("node_id", "role", "genie", "torch")}
-        self.channel.settimeout(None)
-        send_frame(self.channel, MsgKind.WELCOME, pack_body(self._welcome()))
+        self.channel.settimeout(self.idle_timeout or None)
+        send_frame(self.channel, MsgKind.WELCOME, pack_body(welcome))
+        self.serving = True
         log.info("session %d opened for %s (node %r)", self.session_id, self.peer, self.client.get("node_id"))
         return True
 
