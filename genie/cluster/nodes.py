@@ -12,9 +12,11 @@ from genie.device.connection import NodeConnection
 from genie.device.registry import DeviceTable, RemoteDevice
 from genie.errors import ConnectError
 from genie.plugins import PluginManager
+from genie.security import ClientSecurity
 from genie.transport.base import Transport
 from genie.transport.selection import connect_with_fallback, select
 from genie.types import ClusterEvent, EventType, GPUInfo, NodeInfo
+from genie.wire.handshake import secure_client_channel
 from genie.wire.messages import hello_body
 
 log = logging.getLogger("genie.runtime")
@@ -61,10 +63,21 @@ def _open_session(pm: PluginManager, config: ClusterConfig, client_id: str, node
         address = config.master_addr  # the master's own devices: where we reached it
     outcome = connect_with_fallback(peer, transports, (address, int(node["data_port"])),
                                     timeout=config.connect_timeout, emit=emit, source=client_id)
-    conn = NodeConnection(outcome.channel, node_id=node["node_id"], address=f"{address}:{node['data_port']}",
+    security = ClientSecurity.from_config(config)
+    channel = outcome.channel
+    if security.tls is not None:
+        channel.settimeout(config.connect_timeout)
+        channel = secure_client_channel(channel, security.tls, server_hostname=address,
+                                        where=f"node {node['node_id']} at {address}:{node['data_port']}")
+    conn = NodeConnection(channel, node_id=node["node_id"], address=f"{address}:{node['data_port']}",
                           op_timeout=config.op_timeout)
     conn.backend = outcome.backend
-    conn.handshake(hello_body(node_id=client_id, role="client", backends=[outcome.backend]), config.connect_timeout)
+    try:
+        conn.handshake(hello_body(node_id=client_id, role="client", backends=[outcome.backend]),
+                       config.connect_timeout, token=security.token)
+    except BaseException:
+        channel.close()
+        raise
     return conn
 
 
