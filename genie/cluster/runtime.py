@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import anyio.from_thread
 import anyio.to_thread
-from anyio.abc import SocketStream
+from anyio.abc import ByteStream
 
 from genie.cluster.events import EventBus
 from genie.cluster.nodes import DataPlaneHost, connect_devices, local_gpus
@@ -27,12 +27,14 @@ from genie.cluster.state import ClusterState
 from genie.config import ClusterConfig
 from genie.errors import ConnectError, GenieError, InitTimeoutError
 from genie.plugins import PluginManager, get_plugin_manager
+from genie.security import ClientSecurity, ServerSecurity
 from genie.transport.base import ProbeTarget
 from genie.transport.discovery import discover
 from genie.transport.selection import select
 from genie.types import ClusterEvent, EventType, NodeInfo, NodeRole
 from genie.wire import control
 from genie.wire.frame import MsgKind
+from genie.wire.handshake import connect_control
 
 log = logging.getLogger("genie.runtime")
 
@@ -68,7 +70,7 @@ class Runtime:
         self._portal_cm: AbstractContextManager[Any] | None = None
         self.portal: Any = None
         self._cancel: anyio.CancelScope | None = None
-        self._control: SocketStream | None = None
+        self._control: ByteStream | None = None
         self._stopped = False
         self.table: Any = None
         self._tg: Any = None
@@ -183,7 +185,8 @@ class Runtime:
 
             self.membership = Membership(cfg.heartbeat_timeout, self_id=state.local_node.node_id)
             self.control_service = ControlService(self.membership, heartbeat_interval=cfg.heartbeat_interval,
-                                                  publish=self.bus.publish, recent_events=self.bus.recent)
+                                                  publish=self.bus.publish, recent_events=self.bus.recent,
+                                                  security=ServerSecurity.from_config(cfg))
             for event in self.membership.join(state.local_node):
                 self.bus.publish(event)
             return
@@ -203,7 +206,8 @@ class Runtime:
         cfg = self.config
         try:
             with anyio.fail_after(cfg.connect_timeout):
-                stream = await anyio.connect_tcp(cfg.master_addr, cfg.master_port)
+                stream = await connect_control(cfg.master_addr, cfg.master_port, ClientSecurity.from_config(cfg),
+                                               role=cfg.node_role.value, node_id=state.local_node.node_id)
         except (OSError, TimeoutError) as exc:
             raise master_unreachable(cfg, str(exc) or "timed out") from None
         self._control = stream
@@ -228,6 +232,8 @@ class Runtime:
                     state.master_port = port
                 elif self.config.enable_heartbeat:
                     tg.start_soon(self._heartbeat_loop, state)
+                if self.control_service is None:
+                    tg.start_soon(self._relay_master_events)
                 if self.table is not None:
                     tg.start_soon(self._flush_loop)
                 task_status.started()
@@ -292,6 +298,22 @@ class Runtime:
                     self._control = None
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, RECONNECT_MAX_BACKOFF)
+
+    async def _relay_master_events(self) -> None:
+        """Republish the master's events on this process's bus, so local subscribers see the cluster."""
+        from genie.cluster.query import follow_events
+
+        backoff = 0.1
+        while True:
+            try:
+                async for event in follow_events(self.config.master_addr, self.config.master_port,
+                                                 timeout=self.config.connect_timeout):
+                    backoff = 0.1
+                    self.bus.publish(event)
+            except (GenieError, OSError, TimeoutError) as exc:
+                log.debug("event stream from the master ended: %s", exc)
+            await anyio.sleep(backoff)
+            backoff = min(backoff * 2, RECONNECT_MAX_BACKOFF)
 
     def _metrics(self) -> dict[str, Any]:
         """What a heartbeat carries: the latest metrics snapshot and health report."""
