@@ -11,13 +11,15 @@ import logging
 from typing import Any
 
 import anyio
-from anyio.abc import SocketStream, TaskGroup
+from anyio.abc import ByteStream, SocketStream, TaskGroup
 
 from genie.cluster.membership import Membership
 from genie.errors import ConnectionClosedError, GenieError
+from genie.security import ServerSecurity
 from genie.types import ClusterEvent, NodeInfo, NodeRole
 from genie.wire import control
 from genie.wire.frame import MsgKind
+from genie.wire.handshake import accept_control
 
 log = logging.getLogger("genie.master")
 
@@ -26,7 +28,7 @@ class ControlService:
     """Serves the control plane on ``host:port`` for the master node."""
 
     def __init__(self, membership: Membership, *, heartbeat_interval: float, publish: Any,
-                 recent_events: Any = None) -> None:
+                 recent_events: Any = None, security: ServerSecurity | None = None) -> None:
         self.membership = membership
         self.heartbeat_interval = heartbeat_interval
         self.publish = publish
@@ -37,6 +39,8 @@ class ControlService:
         self.health: Any = None  #: the master's own HealthChecker
         self.telemetry: Any = None
         self.metrics_port = 0  #: where /metrics is served (0: nowhere)
+        #: token and TLS every control connection must pass (genie.wire.handshake.accept_control)
+        self.security = security or ServerSecurity()
 
     async def serve(self, host: str, port: int, task_group: TaskGroup, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
@@ -82,14 +86,21 @@ class ControlService:
             except Exception:
                 self.subscribers.discard(send)
 
-    async def _handle(self, stream: SocketStream) -> None:
-        peer = stream.extra(anyio.abc.SocketAttribute.remote_address)
+    async def _handle(self, raw: SocketStream) -> None:
+        peer = raw.extra(anyio.abc.SocketAttribute.remote_address)
         peer_host = peer[0] if isinstance(peer, tuple) else str(peer)
         node_id: str | None = None
+        accepted = await accept_control(raw, self.security, peer=f"{peer_host}:{peer[1]}" if isinstance(peer, tuple)
+                                        else peer_host)
+        if accepted is None:
+            await raw.aclose()
+            return
+        stream, pending = accepted
         async with stream:
             try:
                 while True:
-                    kind, body = await control.recv_msg(stream)
+                    kind, body = pending if pending is not None else await control.recv_msg(stream)
+                    pending = None
                     if kind == MsgKind.JOIN:
                         node_id = await self._join(stream, body, peer_host)
                     elif kind == MsgKind.HEARTBEAT:
@@ -137,7 +148,7 @@ class ControlService:
         keys = ("node_id", "status", "address", "data_port", "role", "backends")
         return {"version": snap["version"], "nodes": [{k: n[k] for k in keys} for n in snap["nodes"]]}
 
-    async def _join(self, stream: SocketStream, body: dict[str, Any], peer_host: str) -> str:
+    async def _join(self, stream: ByteStream, body: dict[str, Any], peer_host: str) -> str:
         try:
             info = NodeInfo.from_dict(body["node"])
         except (KeyError, TypeError, ValueError) as exc:
@@ -154,7 +165,7 @@ class ControlService:
         log.info("%s %s joined from %s", info.role.value, info.node_id, peer_host)
         return info.node_id
 
-    async def _stream_events(self, stream: SocketStream) -> None:
+    async def _stream_events(self, stream: ByteStream) -> None:
         send_stream, receive_stream = anyio.create_memory_object_stream[ClusterEvent](1000)
 
         async def push(event: ClusterEvent) -> None:
