@@ -7,38 +7,49 @@ from typing import Any
 
 import anyio
 
+from genie.config import ClusterConfig
 from genie.errors import ConnectError
+from genie.security import ClientSecurity
 from genie.types import ClusterEvent
 from genie.wire import control
 from genie.wire.frame import MsgKind
+from genie.wire.handshake import connect_control
 
 
-async def _connect(host: str, port: int, timeout: float) -> Any:
+async def _connect(host: str, port: int, timeout: float, config: ClusterConfig | None = None) -> Any:
+    # The token and TLS settings come from config, else from GENIE_* (GENIE_AUTH_TOKEN, GENIE_TLS_CA...).
+    security = ClientSecurity.from_config(config or ClusterConfig.from_sources())
     try:
         with anyio.fail_after(timeout):
-            return await anyio.connect_tcp(host, port)
+            return await connect_control(host, port, security, role="cli")
     except (OSError, TimeoutError) as exc:
         raise ConnectError(
             f"cannot reach the genie master at {host}:{port}: {exc or 'timed out'}; is `genie serve` running there?"
         ) from None
 
 
-async def query_master(host: str, port: int, *, timeout: float = 5.0) -> dict[str, Any]:
-    """The master's view: nodes (status, last heartbeat age, metrics), devices, recent events."""
-    stream = await _connect(host, port, timeout)
+async def query_master(host: str, port: int, *, timeout: float = 5.0,
+                       config: ClusterConfig | None = None) -> dict[str, Any]:
+    """The master's view: nodes (status, last heartbeat age, metrics), devices, recent events.
+
+    ``config`` gives the cluster token and TLS settings (default: from the ``GENIE_*`` environment).
+    """
+    stream = await _connect(host, port, timeout, config)
     async with stream:
         with anyio.fail_after(timeout):
             return await control.request(stream, MsgKind.QUERY, {}, MsgKind.QUERY_REPLY)
 
 
-def query_master_sync(host: str, port: int, *, timeout: float = 5.0) -> dict[str, Any]:
+def query_master_sync(host: str, port: int, *, timeout: float = 5.0,
+                      config: ClusterConfig | None = None) -> dict[str, Any]:
     """:func:`query_master` for code without an event loop."""
-    return anyio.run(lambda: query_master(host, port, timeout=timeout))
+    return anyio.run(lambda: query_master(host, port, timeout=timeout, config=config))
 
 
-async def follow_events(host: str, port: int, *, timeout: float = 5.0) -> AsyncIterator[ClusterEvent]:
+async def follow_events(host: str, port: int, *, timeout: float = 5.0,
+                        config: ClusterConfig | None = None) -> AsyncIterator[ClusterEvent]:
     """Every event the master publishes from now on, until the connection closes."""
-    stream = await _connect(host, port, timeout)
+    stream = await _connect(host, port, timeout, config)
     async with stream:
         await control.send_msg(stream, MsgKind.SUBSCRIBE, {})
         while True:
