@@ -28,6 +28,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-check-interval", type=float, default=None)
     p.add_argument("--heartbeat-interval", type=float, default=None)
     p.add_argument("--heartbeat-timeout", type=float, default=None)
+    p.add_argument("--insecure", action="store_true",
+                   help="serve a non-loopback --host without a cluster token (GENIE_AUTH_TOKEN); anyone who can "
+                        "reach the ports can then run code on this node's devices")
 
 
 def register(sub: Any) -> None:
@@ -52,19 +55,22 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    return _run("server", {"master_port": args.port, **_options(args)})
+    return _run("server", {"master_port": args.port, **_options(args)}, insecure=args.insecure)
 
 
 def run_worker(args: argparse.Namespace) -> int:
     host, _, port = args.master.rpartition(":")
-    return _run("worker", {"master_addr": host or "127.0.0.1", "master_port": int(port), **_options(args)})
+    return _run("worker", {"master_addr": host or "127.0.0.1", "master_port": int(port), **_options(args)},
+                insecure=args.insecure)
 
 
-def _run(role: str, options: dict[str, Any]) -> int:
+def _run(role: str, options: dict[str, Any], *, insecure: bool = False) -> int:
     from genie.cluster.runtime import Runtime
     from genie.config import ClusterConfig
+    from genie.security import check_exposure
 
     config = ClusterConfig.from_sources(node_role=role, **options)
+    check_exposure(config, insecure=insecure)  # no token on a non-loopback address: refuse unless --insecure
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
