@@ -13,7 +13,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from genie.api import get_cluster_state, init, init_sync, is_initialized, shutdown, shutdown_sync
+from genie.api import get_cluster_state, init, init_sync, is_initialized, shutdown, shutdown_sync, subscribe
 from genie.hookspecs import hookimpl
 
 __all__ = [
@@ -25,4 +25,5 @@ __all__ = [
     "is_initialized",
     "shutdown",
     "shutdown_sync",
+    "subscribe",
 ]

@@ -94,6 +94,20 @@ def get_cluster_state() -> Any:
     return runtime.state
 
 
+def subscribe(handler: Any, types: Any = None) -> Any:
+    """Call ``handler(event)`` for every cluster event (of ``types``, or all) from now on.
+
+    Sync or async handlers; they run on genie's runtime thread and must be quick. The
+    master's events (node joined/lost/recovered, GPU and health changes) are relayed to
+    every client and worker. Returns a Subscription: call ``.unsubscribe()`` or use it as
+    a context manager.
+    """
+    runtime = _runtime
+    if runtime is None:
+        raise NotInitializedError("genie is not initialised: call genie.init(master_addr=...) before subscribe()")
+    return runtime.bus.subscribe(handler, types)
+
+
 def current_runtime() -> Any:
     return _runtime
 

@@ -213,3 +213,20 @@ def test_a_client_busy_in_a_long_computation_is_not_declared_lost(cluster) -> No
         assert node_status(port, "busy-client") == "connected"
     finally:
         genie.shutdown_sync()
+
+
+def test_a_client_subscriber_sees_the_masters_events(cluster) -> None:
+    import genie
+    from genie.types import EventType
+
+    seen: list = []
+    genie.init_sync(master_addr="127.0.0.1", master_port=cluster["port"], heartbeat_interval=0.2,
+                    heartbeat_timeout=1, timeout=20)
+    try:
+        with genie.subscribe(seen.append, types=[EventType.NODE_LOST]):
+            time.sleep(0.3)  # the relay's SUBSCRIBE reaches the master
+            cluster["procs"][2].kill()
+            wait_until(lambda: any(e.source == "w2" for e in seen), 5)
+        assert all(e.type == EventType.NODE_LOST for e in seen)
+    finally:
+        genie.shutdown_sync()
