@@ -337,6 +337,15 @@ def _feed(host: str, port: int, refresh: float, timeout: float | None) -> Iterat
         feed.stop()
 
 
+def _fit(console: Console) -> None:
+    """Follow the terminal's real size (resizes included), over a COLUMNS/LINES set in the environment."""
+    try:
+        columns, lines = os.get_terminal_size(console.file.fileno())
+    except (AttributeError, OSError, ValueError):
+        return
+    console.size = (columns, lines)
+
+
 def run(host: str, port: int, *, refresh: float = 1.0, timeout: float | None = None, console: Console | None = None,
         screen: bool = True) -> int:
     """Show the dashboard until ``q`` (returns 0); Ctrl-C raises KeyboardInterrupt after restoring the terminal."""
@@ -347,6 +356,7 @@ def run(host: str, port: int, *, refresh: float = 1.0, timeout: float | None = N
     with _feed(host, port, refresh, timeout) as feed, Keys() as keys, Live(
             console=console, screen=screen, auto_refresh=False, redirect_stdout=False, redirect_stderr=False) as live:
         while True:
+            _fit(console)
             width, height = console.size
             live.update(render(feed.snapshot(), height=height, bar_width=20 if width >= 120 else 10), refresh=True)
             if "q" in keys.read(redraw).lower():

@@ -1,0 +1,113 @@
+"""Real genie clusters on loopback for the operator commands, and a runner for the ``genie`` CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from genie.cluster.launch import NodeProcess
+from genie.cluster.overview import nodes
+from genie.cluster.query import query_master_sync
+from tests.conftest import free_port
+
+#: Short intervals so joins, losses and health reports show within a second or two.
+FAST = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "1", "--gpu-poll-interval", "0.2",
+        "--health-check-interval", "0.5")
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, step: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(step)
+
+
+def genie(*args: str, timeout: float = 15) -> subprocess.CompletedProcess[str]:
+    """Run ``genie ARGS`` as its own process; stdout and stderr apart."""
+    env = {**os.environ, "COLUMNS": "160"}
+    return subprocess.run([sys.executable, "-m", "genie.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def genie_many(*commands: tuple[str, ...], timeout: float = 15) -> list[subprocess.CompletedProcess[str]]:
+    """Run several ``genie`` commands at once (each its own process) and wait for all."""
+    env = {**os.environ, "COLUMNS": "160"}
+    procs = [subprocess.Popen([sys.executable, "-m", "genie.cli", *c], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for c in commands]
+    out = []
+    try:
+        for c, p in zip(commands, procs, strict=True):
+            stdout, stderr = p.communicate(timeout=timeout)
+            out.append(subprocess.CompletedProcess([*c], p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+class Cluster:
+    """A master (``--metrics-port`` unless told otherwise) and workers, each its own process."""
+
+    def __init__(self, workers: tuple[str, ...] = ("w1", "w2"), *, metrics: bool = True) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port() if metrics else 0
+        self.master_addr = f"127.0.0.1:{self.port}"
+        self.worker_ids = workers
+        self.procs: dict[str, NodeProcess] = {}
+
+    def start(self) -> Cluster:
+        extra = ("--metrics-port", str(self.metrics_port)) if self.metrics_port else ()
+        self.procs["master"] = NodeProcess("serve", "--port", str(self.port), "--devices", "cpu", "--node-id",
+                                           "master", *extra, *FAST, ready_timeout=20).start()
+        for name in self.worker_ids:
+            self.procs[name] = NodeProcess("worker", "--master", self.master_addr, "--devices", "cpu",
+                                           "--node-id", name, *FAST, ready_timeout=20).start()
+        # every node joined, and every serving node has sent a health report
+        wait_until(lambda: self._reported(len(self.worker_ids) + 1), 10)
+        return self
+
+    def _reported(self, count: int) -> bool:
+        views = nodes(self.query())
+        return len(views) == count and all(v.health is not None for v in views)
+
+    def query(self) -> dict[str, Any]:
+        return query_master_sync("127.0.0.1", self.port)
+
+    def status_of(self, node_id: str) -> str | None:
+        return next((n["status"] for n in self.query()["nodes"] if n["node_id"] == node_id), None)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.stop()
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    """A master with a metrics port and workers w1, w2, started for one test and always stopped."""
+    c = Cluster()
+    try:
+        yield c.start()
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_cluster() -> Iterator[Cluster]:
+    """Like ``cluster`` but for a whole module of tests that only read it."""
+    c = Cluster()
+    try:
+        yield c.start()
+    finally:
+        c.stop()

@@ -1,0 +1,192 @@
+"""``genie status``, ``health``, ``metrics`` and ``events`` against a real cluster: a master and two workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.cli.conftest import Cluster, genie, genie_many, wait_until
+from tests.conftest import free_port
+
+
+def node_counts(prometheus_text: str) -> dict[str, float]:
+    """``genie_cluster_nodes`` by status, parsed with prometheus-client."""
+    for family in text_string_to_metric_families(prometheus_text):
+        if family.name == "genie_cluster_nodes":
+            assert family.type == "gauge"
+            return {s.labels["status"]: s.value for s in family.samples}
+    raise AssertionError("no genie_cluster_nodes gauge in:\n" + prometheus_text)
+
+
+def expected_health_exit(status_json: dict) -> int:
+    """The contract of ``genie health``: 0 only when every serving node is connected and HEALTHY."""
+    serving = [n for n in status_json["nodes"] if n["role"] in ("server", "worker")]
+    return 0 if all(n["status"] == "connected" and n["health"] == "healthy" for n in serving) else 1
+
+
+def test_status_json_lists_the_master_and_both_workers_connected(shared_cluster: Cluster) -> None:
+    result = genie("status", "--json", "--master", shared_cluster.master_addr)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    by_id = {n["node_id"]: n for n in doc["nodes"]}
+    assert set(by_id) == {"master", "w1", "w2"}
+    assert by_id["master"]["role"] == "server" and by_id["w1"]["role"] == by_id["w2"]["role"] == "worker"
+    for n in by_id.values():
+        assert n["status"] == "connected"
+        assert n["backends"] == ["tcp"]
+        assert n["address"] == "127.0.0.1" and n["data_port"] > 0
+        assert n["last_heartbeat_age"] < 1.0
+        assert n["health"] in ("healthy", "degraded", "unhealthy", "critical")
+        assert {c["name"] for c in n["checks"]} >= {"memory", "disk"}
+        (device,) = n["devices"]
+        assert device["kind"] == "cpu" and device["source"] == "host"  # a CPU device shows its host's figures
+        assert device["memory_total"] > 0
+    assert sorted(n["devices"][0]["label"] for n in by_id.values()) == [
+        f"remote_accelerator:{i}" for i in range(3)]
+    assert doc["master"] == {"address": shared_cluster.master_addr, "node_id": "master",
+                             "metrics_port": shared_cluster.metrics_port, "heartbeat_interval": 0.2,
+                             "heartbeat_timeout": 1.0, "version": doc["master"]["version"]}
+
+
+def test_status_table_shows_every_node_and_its_device(shared_cluster: Cluster) -> None:
+    result = genie("status", "--master", shared_cluster.master_addr)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert f"master {shared_cluster.master_addr} (node master)" in lines[0]
+    for node in ("master", "w1", "w2"):
+        row = next(line for line in lines if line.split()[:2] == [node, "server" if node == "master" else "worker"])
+        assert "connected" in row and "tcp" in row
+    assert sum("cpu0 (host)" in line for line in lines) == 3
+
+
+def test_health_exit_code_follows_the_grades_every_node_reports(shared_cluster: Cluster) -> None:
+    status, health_json, health_text = genie_many(
+        ("status", "--json", "--master", shared_cluster.master_addr),
+        ("health", "--json", "--master", shared_cluster.master_addr),
+        ("health", "--all", "--master", shared_cluster.master_addr))
+    reported = json.loads(health_json.stdout)
+    assert {n["node_id"] for n in reported["nodes"]} == {"master", "w1", "w2"}
+    # memory and disk checks grade the real machine: the contract is the exit code for what they report
+    expected = expected_health_exit(json.loads(status.stdout))
+    assert health_json.returncode == expected and health_text.returncode == expected, health_text.stdout
+    assert reported["healthy"] is (expected == 0)
+    for node in ("master", "w1", "w2"):
+        assert any(line.startswith(f"{node} (") for line in health_text.stdout.splitlines())
+        assert [n for n in reported["nodes"] if n["node_id"] == node][0]["problems"] == (
+            reported["problems"].get(node, []))
+    assert "ok   memory:" in health_text.stdout or "FAIL memory:" in health_text.stdout
+    assert ("cluster healthy" if expected == 0 else "cluster NOT healthy") in health_text.stdout
+
+
+def test_metrics_prints_prometheus_text_with_three_connected_nodes(shared_cluster: Cluster) -> None:
+    result = genie("metrics", "--master", shared_cluster.master_addr)
+    assert result.returncode == 0, result.stderr
+    counts = node_counts(result.stdout)
+    assert counts["connected"] == 3 and counts["lost"] == 0
+    names = {f.name for f in text_string_to_metric_families(result.stdout)}
+    assert {"genie_heartbeats", "genie_health_status"} <= names  # counters lose _total as families
+
+
+def test_healthz_and_readyz_answer_200(shared_cluster: Cluster) -> None:
+    for path, body in (("/healthz", "ok"), ("/readyz", "ready")):
+        with urllib.request.urlopen(f"http://127.0.0.1:{shared_cluster.metrics_port}{path}", timeout=5) as answer:
+            assert answer.status == 200
+            assert answer.read().decode().strip() == body
+
+
+def test_events_show_each_worker_joining(shared_cluster: Cluster) -> None:
+    text, as_json = genie_many(("events", "--master", shared_cluster.master_addr),
+                               ("events", "--json", "--master", shared_cluster.master_addr))
+    assert text.returncode == as_json.returncode == 0
+    events = [json.loads(line) for line in as_json.stdout.splitlines()]
+    joined = {e["source"] for e in events if e["type"] == "node_joined"}
+    assert joined == {"master", "w1", "w2"}
+    for worker in ("w1", "w2"):
+        assert any(line.split()[2:4] == ["node_joined", worker] for line in text.stdout.splitlines()), text.stdout
+
+
+def test_metrics_without_an_endpoint_says_how_to_start_one() -> None:
+    lone = Cluster(workers=(), metrics=False)
+    try:
+        lone.start()
+        result = genie("metrics", "--master", lone.master_addr)
+    finally:
+        lone.stop()
+    assert result.returncode == 1
+    assert "has no metrics endpoint" in result.stderr and "start genie serve with --metrics-port" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_killed_worker_shows_lost_in_status_health_metrics_and_events(cluster: Cluster) -> None:
+    follow = subprocess.Popen([sys.executable, "-m", "genie.cli", "events", "--follow", "--json", "--master",
+                               cluster.master_addr], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    streamed: list[dict] = []
+    reader = threading.Thread(target=lambda: streamed.extend(json.loads(line) for line in follow.stdout), daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: {e["source"] for e in streamed if e["type"] == "node_joined"} >= {"w1", "w2"}, 5)
+        cluster.procs["w2"].kill()
+        wait_until(lambda: cluster.status_of("w2") == "lost", 3)
+        status, health, health_json, metrics, events = genie_many(
+            ("status", "--json", "--master", cluster.master_addr),
+            ("health", "--master", cluster.master_addr),
+            ("health", "--json", "--master", cluster.master_addr),
+            ("metrics", "--master", cluster.master_addr),
+            ("events", "--json", "--master", cluster.master_addr))
+        states = {n["node_id"]: n["status"] for n in json.loads(status.stdout)["nodes"]}
+        assert states == {"master": "connected", "w1": "connected", "w2": "lost"}
+
+        assert health.returncode == health_json.returncode == 1
+        assert "w2 (worker): LOST" in health.stdout
+        assert "cluster NOT healthy: w2\n  w2: node lost (no heartbeat for " in health.stdout, health.stdout
+        problems = json.loads(health_json.stdout)["problems"]
+        assert problems["w2"][0].startswith("node lost (no heartbeat for ")
+
+        counts = node_counts(metrics.stdout)
+        if counts["lost"] != 1:  # the sweep counts just after it publishes node_lost: one more look at most
+            time.sleep(0.5)
+            counts = node_counts(genie("metrics", "--master", cluster.master_addr).stdout)
+        assert counts["lost"] == 1 and counts["connected"] == 2
+
+        assert any(e["type"] == "node_lost" and e["source"] == "w2" for e in map(json.loads, events.stdout.splitlines()))
+        wait_until(lambda: any(e["type"] == "node_lost" and e["source"] == "w2" for e in streamed), 3)
+        assert len([e for e in streamed if e["type"] == "node_joined" and e["source"] == "w1"]) == 1  # printed once
+
+        follow.send_signal(signal.SIGINT)
+        assert follow.wait(5) == 130
+        assert "Traceback" not in follow.stderr.read()
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+            follow.wait()
+
+
+def test_an_unreachable_master_is_one_line_on_stderr_and_exit_code_2() -> None:
+    addr = f"127.0.0.1:{free_port()}"  # nothing listens there
+    commands = [("status",), ("status", "--json"), ("health",), ("metrics",), ("events",), ("events", "--follow")]
+    started = time.monotonic()
+    results = genie_many(*[(*c, "--master", addr) for c in commands])
+    assert time.monotonic() - started < 10
+    for command, result in zip(commands, results, strict=True):
+        assert result.returncode == 2, (command, result.stderr)
+        assert result.stdout == ""
+        (line,) = result.stderr.splitlines()
+        assert line == (f"genie {command[0]}: error: cannot reach the genie master at {addr}: "
+                        "All connection attempts failed; is `genie serve` running there?"), line
+
+
+def test_the_master_comes_from_the_environment_when_not_given() -> None:
+    port = free_port()
+    env = {**os.environ, "GENIE_MASTER_ADDR": "127.0.0.1", "GENIE_MASTER_PORT": str(port)}
+    result = subprocess.run([sys.executable, "-m", "genie.cli", "status"], capture_output=True, text=True, env=env,
+                            timeout=15)
+    assert result.returncode == 2
+    assert f"cannot reach the genie master at 127.0.0.1:{port}" in result.stderr
