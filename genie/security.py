@@ -130,6 +130,11 @@ class RefusalLog:
         self._in_window = 0
         self._suppressed = 0
 
+    def reset(self) -> None:
+        """Start a fresh window (tests, or after the operator has looked)."""
+        with self._lock:
+            self._window_start, self._in_window, self._suppressed = -1e18, 0, 0
+
     def warning(self, msg: str, *args: Any) -> None:
         """Log one refusal, unless this window's budget is spent."""
         now = time.monotonic()
