@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -111,3 +114,58 @@ def shared_cluster() -> Iterator[Cluster]:
         yield c.start()
     finally:
         c.stop()
+
+
+TMUX = shutil.which("tmux")
+needs_tmux = pytest.mark.skipif(TMUX is None, reason="tmux is not installed: run scripts/install-system-deps tmux")
+
+
+class Terminal:
+    """A detached tmux session of its own server (socket), 160x50, running one command."""
+
+    def __init__(self, tmp_path: Path, command: list[str]) -> None:
+        self.socket = f"genie-test-{free_port()}"
+        self.rc_file = tmp_path / f"{self.socket}.rc"
+        # the exit code, and whether the terminal's settings (cbreak, echo) came back as they were
+        line = (f"before=$(stty -g); {shlex.join(command)}; rc=$?; "
+                f"[ \"$(stty -g)\" = \"$before\" ] && t=restored || t=changed; "
+                f"echo $rc $t > {shlex.quote(str(self.rc_file))}; sleep 30")
+        self._tmux("new-session", "-d", "-s", "dash", "-x", "160", "-y", "50", line)
+
+    def _tmux(self, *args: str) -> str:
+        return subprocess.run([TMUX, "-L", self.socket, *args], capture_output=True, text=True, timeout=5,
+                              check=True).stdout
+
+    def screen(self) -> str:
+        return self._tmux("capture-pane", "-p", "-t", "dash")
+
+    def press(self, key: str) -> None:
+        self._tmux("send-keys", "-t", "dash", key)
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        """The screen once it shows ``text``."""
+        return wait_until(lambda: (screen := self.screen()) and text in screen and screen, timeout, step=0.1)
+
+    def exited(self, timeout: float) -> tuple[int, str]:
+        """(exit code, "restored" or "changed": the terminal settings afterwards) once the command ended."""
+        text = wait_until(lambda: self.rc_file.exists() and self.rc_file.read_text().strip(), timeout, step=0.1)
+        code, terminal = text.split()
+        return int(code), terminal
+
+    def close(self) -> None:
+        subprocess.run([TMUX, "-L", self.socket, "kill-server"], capture_output=True, timeout=5)
+
+
+@pytest.fixture
+def terminal(tmp_path: Path) -> Iterator[object]:
+    opened: list[Terminal] = []
+
+    def open_(command: list[str]) -> Terminal:
+        opened.append(Terminal(tmp_path, command))
+        return opened[-1]
+
+    try:
+        yield open_
+    finally:
+        for t in opened:
+            t.close()

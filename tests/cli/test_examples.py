@@ -1,0 +1,93 @@
+"""The examples run as their docstrings say: gpu_server, basic_client, monitoring_dashboard."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.cli.conftest import Cluster, genie, needs_tmux, wait_until
+from tests.conftest import free_port
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str:
+    """Everything ``proc`` printed up to and including the line holding ``marker``."""
+    out, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
+        if ready:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            out.append(line)
+            if marker in line:
+                return "".join(out)
+    raise AssertionError(f"{marker!r} not printed within {timeout} s:\n" + "".join(out))
+
+
+def test_gpu_server_prints_where_to_point_clients_and_stops_on_ctrl_c() -> None:
+    port, metrics_port = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, str(EXAMPLES / "gpu_server.py"), "--port", str(port), "--metrics-port",
+                             str(metrics_port), "--devices", "cpu"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        text = read_until(proc, "Ctrl-C stops the server.", 15)
+        assert f"genie.init_sync(master_addr='127.0.0.1', master_port={port})" in text
+        assert f"http://127.0.0.1:{metrics_port}/metrics" in text
+        status = genie("status", "--json", "--master", f"127.0.0.1:{port}")
+        assert status.returncode == 0 and '"role": "server"' in status.stdout
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 0
+        assert genie("status", "--master", f"127.0.0.1:{port}").returncode == 2  # the server is gone too
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_basic_client_runs_a_matmul_remotely_and_matches_the_cpu() -> None:
+    master = Cluster(workers=(), metrics=False)
+    try:
+        master.start()
+        result = subprocess.run([sys.executable, str(EXAMPLES / "basic_client.py"), "--master", master.master_addr,
+                                 "--size", "128", "--repeat", "2"], capture_output=True, text=True, timeout=60)
+    finally:
+        master.stop()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "remote_accelerator:0 is cpu0 (cpu) on node master" in result.stdout
+    assert re.search(r"matmul 128x128: max \|remote - cpu\| = \S+ -> match", result.stdout), result.stdout
+
+
+def test_basic_client_without_a_master_says_so() -> None:
+    result = subprocess.run([sys.executable, str(EXAMPLES / "basic_client.py"), "--master",
+                             f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "cannot reach the genie master" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@needs_tmux
+def test_monitoring_dashboard_shows_its_cluster_and_q_stops_the_children(terminal) -> None:
+    term = terminal([sys.executable, str(EXAMPLES / "monitoring_dashboard.py"), "--refresh", "0.3"])
+    screen = term.wait_for("2 nodes: 2 connected", 15)
+    assert "worker-1" in screen and "master" in screen
+    term.press("q")
+    assert term.exited(5) == (0, "restored")
+    screen = term.screen()
+    pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", screen)]
+    assert len(pids) == 2 and "stopped 2 genie process(es)" in screen, screen
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_until(lambda: all(gone(p) for p in pids), 3)
