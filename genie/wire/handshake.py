@@ -108,8 +108,8 @@ def _recv(channel: Channel, where: str) -> tuple[wf.MsgKind, Any]:
     try:
         header, body = wf.recv_header_and_body(channel, max_payload=0)
     except ConnectionClosedError as exc:
-        raise HandshakeError(f"{where} closed the connection during the handshake ({exc}); if it serves TLS, "
-                             "set GENIE_TLS_CA") from None
+        raise HandshakeError(f"{where} closed the connection during the handshake ({exc}); if it serves TLS or demands a client certificate, "
+                             "set GENIE_TLS_CA (and GENIE_TLS_CERT/GENIE_TLS_KEY)") from None
     return header.kind, wf.unpack_body(body) if body else {}
 
 
@@ -350,8 +350,8 @@ async def connect_control(host: str, port: int, security: sec.ClientSecurity, *,
                 await control.send_msg(stream, wf.MsgKind.AUTH, {"mac": mac})
                 kind, reply = await control.recv_msg(stream)
         except (ConnectionClosedError, anyio.BrokenResourceError, OSError) as exc:
-            raise HandshakeError(f"{where} closed the connection during the handshake ({exc}); if it serves TLS, "
-                                 "set GENIE_TLS_CA") from None
+            raise HandshakeError(f"{where} closed the connection during the handshake ({exc}); if it serves TLS or demands a client certificate, "
+                                 "set GENIE_TLS_CA (and GENIE_TLS_CERT/GENIE_TLS_KEY)") from None
         if kind == wf.MsgKind.REJECT:
             raise _refused(where, reply)
         if kind != wf.MsgKind.WELCOME:
