@@ -31,7 +31,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from genie.cluster.overview import DeviceView, NodeView, format_age, format_bytes, nodes
+from genie.cluster.overview import DeviceView, NodeView, format_age, format_bytes, mapping, nodes
 
 #: Events kept for the log (the newest that fit the screen are shown).
 EVENT_LOG_SIZE = 500
@@ -148,7 +148,7 @@ def event_line(event: Mapping[str, Any]) -> Text:
     kind = str(event.get("type", "?"))
     style = "red" if kind in ("node_lost", "gpu_overheated", "gpu_unavailable", "backend_fallback") else (
         "green" if kind in ("node_joined", "node_recovered", "gpu_available") else "cyan")
-    data = event.get("data") if isinstance(event.get("data"), Mapping) else {}
+    data = mapping(event.get("data"))
     details = " ".join(f"{k}={v}" for k, v in data.items() if v not in (None, [], {}, ""))
     out = Text(f"{when} ")
     out.append(f"{kind:<16}", style=style)

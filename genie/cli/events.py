@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from genie.cli._master import Unreachable, add_master_arguments, master_address, operator_command, query
+from genie.cluster.overview import mapping
 from genie.errors import TransportError
 
 
@@ -37,7 +37,7 @@ def event_text(event: Mapping[str, Any]) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp)) + f".{int(stamp % 1 * 1000):03d}"
     else:
         when = "-"
-    data = event.get("data") if isinstance(event.get("data"), Mapping) else {}
+    data = mapping(event.get("data"))
     details = " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in data.items())
     return f"{when}  {event.get('type', '?'):<16} {event.get('source', '')}  {details}".rstrip()
 
@@ -107,7 +107,10 @@ async def _follow(args: argparse.Namespace, printer: _Printer) -> None:
             while True:
                 kind, body = await control.recv_msg(stream)
                 if kind == MsgKind.EVENT:
-                    printer(ClusterEvent.from_dict(body).to_dict())
+                    try:
+                        event = ClusterEvent.from_dict(body).to_dict()
+                    except (KeyError, TypeError, ValueError):  # an event type this genie does not know yet
+                        event = body
+                    printer(event)
         except TransportError as exc:
-            print(f"genie events: the master at {host}:{port} closed the event stream ({exc})", file=sys.stderr)
-            raise Unreachable(f"lost the master at {host}:{port}") from None
+            raise Unreachable(f"the master at {host}:{port} closed the event stream: {exc}") from None

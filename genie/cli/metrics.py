@@ -15,6 +15,7 @@ import urllib.request
 from typing import Any
 
 from genie.cli._master import Unreachable, add_master_arguments, master_address, operator_command, query
+from genie.cluster.overview import mapping
 from genie.errors import GenieError
 
 
@@ -26,7 +27,7 @@ def register(sub: Any) -> None:
 
 def metrics_url(args: argparse.Namespace, reply: dict[str, Any]) -> str:
     host, port = master_address(args)
-    master = reply.get("master") if isinstance(reply.get("master"), dict) else {}
+    master = mapping(reply.get("master"))
     metrics_port = master.get("metrics_port") or 0
     if not metrics_port:
         raise GenieError(f"the master at {host}:{port} has no metrics endpoint; "

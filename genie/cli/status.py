@@ -15,6 +15,7 @@ from typing import Any
 
 from genie.cli._master import add_master_arguments, master_address, operator_command, query
 from genie.cluster import overview
+from genie.cluster.overview import mapping
 from genie.errors import GenieError
 
 
@@ -27,7 +28,7 @@ def register(sub: Any) -> None:
 
 def master_summary(args: argparse.Namespace, reply: dict[str, Any]) -> dict[str, Any]:
     host, port = master_address(args)
-    master = reply.get("master") if isinstance(reply.get("master"), dict) else {}
+    master = mapping(reply.get("master"))
     return {"address": f"{host}:{port}", "node_id": master.get("node_id"), "metrics_port": master.get("metrics_port"),
             "heartbeat_interval": master.get("heartbeat_interval"),
             "heartbeat_timeout": master.get("heartbeat_timeout"), "version": reply.get("version")}

@@ -108,6 +108,11 @@ class NodeView:
         }
 
 
+def mapping(value: Any) -> Mapping[str, Any]:
+    """``value`` when it is a mapping, else an empty one (a reply from another version may lack a part)."""
+    return value if isinstance(value, Mapping) else {}
+
+
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
@@ -119,15 +124,9 @@ def _int(value: Any) -> int | None:
     return None if n is None else int(n)
 
 
-def _metrics(node: Mapping[str, Any]) -> Mapping[str, Any]:
-    report = node.get("metrics")
-    return report if isinstance(report, Mapping) else {}
-
-
 def _devices(node: Mapping[str, Any], order: Mapping[tuple[str, int], int]) -> tuple[DeviceView, ...]:
-    figures = _metrics(node).get("metrics")
-    figures = figures if isinstance(figures, Mapping) else {}
-    host = figures.get("host") if isinstance(figures.get("host"), Mapping) else {}
+    figures = mapping(mapping(node.get("metrics")).get("metrics"))
+    host = mapping(figures.get("host"))
     measured = [g for g in figures.get("gpus") or () if isinstance(g, Mapping)]
     by_uuid = {g.get("uuid"): g for g in measured if g.get("uuid")}
     by_index = {g.get("index"): g for g in measured}
@@ -163,12 +162,12 @@ def _devices(node: Mapping[str, Any], order: Mapping[tuple[str, int], int]) -> t
 def node_view(node: Mapping[str, Any], *, order: Mapping[tuple[str, int], int] | None = None,
               now: float | None = None) -> NodeView:
     """Summarise one entry of the reply's ``nodes``."""
-    report = _metrics(node)
-    health = report.get("health") if isinstance(report.get("health"), Mapping) else {}
+    report = mapping(node.get("metrics"))
+    health = mapping(report.get("health"))
     grade = health.get("status") if health.get("status") in GRADES else None
     checks = tuple(c for c in health.get("results") or () if isinstance(c, Mapping))
     stamp = _number(health.get("timestamp"))
-    figures = report.get("metrics") if isinstance(report.get("metrics"), Mapping) else {}
+    figures = mapping(report.get("metrics"))
     return NodeView(
         node_id=str(node.get("node_id", "")), role=str(node.get("role", "")), status=str(node.get("status", "")),
         address=str(node.get("address", "")), data_port=_int(node.get("data_port")) or 0,
@@ -176,17 +175,18 @@ def node_view(node: Mapping[str, Any], *, order: Mapping[tuple[str, int], int] |
         last_heartbeat_age=_number(node.get("last_heartbeat_age")), health=grade,
         failing=tuple(str(f) for f in health.get("failing") or ()), checks=checks,
         health_age=None if stamp is None or now is None else max(0.0, now - stamp),
-        host=figures.get("host") if isinstance(figures.get("host"), Mapping) else {},
+        host=mapping(figures.get("host")),
         devices=_devices(node, order or {}),
     )
 
 
 def nodes(reply: Mapping[str, Any], *, now: float | None = None) -> list[NodeView]:
     """Every node of a QUERY reply in the master's order."""
-    order = {}
+    order: dict[tuple[str, int], int] = {}
     for d in reply.get("devices") or ():
-        if isinstance(d, Mapping) and _int(d.get("index")) is not None:
-            order[(str(d.get("node_id")), _int(d.get("local_index")) or 0)] = _int(d.get("index"))
+        index = _int(mapping(d).get("index"))
+        if index is not None:
+            order[(str(d.get("node_id")), _int(d.get("local_index")) or 0)] = index
     return [node_view(n, order=order, now=now) for n in reply.get("nodes") or () if isinstance(n, Mapping)]
 
 
