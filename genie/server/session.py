@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from genie.errors import ConnectionClosedError, FrameError, GenieError, ProtocolError, QuotaExceededError
+from genie.security import REFUSALS
 from genie.server.executor import Executor
 from genie.server.store import TensorStore
 from genie.transport.base import Channel
@@ -139,7 +140,7 @@ class Session:
             self.closing = True
             return False
         except FrameError as exc:
-            log.warning("refusing %s: %s", self.peer, exc)
+            REFUSALS.warning("refusing %s: %s", self.peer, exc)  # rate-limited: garbage may come in floods
             self._send_quietly(MsgKind.REJECT, {"code": "frame", "reason": str(exc)})
             return False
         if header.kind != MsgKind.HELLO:
@@ -185,7 +186,7 @@ class Session:
     # -- helpers ------------------------------------------------------------------------------
 
     def _reject(self, code: str, reason: str) -> bool:
-        log.warning("rejecting %s: %s", self.peer, reason)
+        REFUSALS.warning("rejecting %s: %s", self.peer, reason)
         self._send_quietly(MsgKind.REJECT, {"code": code, "reason": reason})
         return False
 
