@@ -102,3 +102,14 @@ def lint(session: nox.Session) -> None:
     session.install("ruff", "mypy", "types-psutil", TORCH, *CORE)
     session.run("ruff", "check", ".")
     session.run("mypy", "genie")
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """Coverage-guided fuzzing (atheris) of frames and handshakes against a live in-process server.
+
+    ``nox -s fuzz`` runs three minutes; pass libFuzzer flags after ``--`` (``-max_total_time=600``, a corpus dir).
+    """
+    session.install(TORCH, *CORE, "atheris")
+    args = session.posargs or ["-max_total_time=180", "-print_final_stats=1"]
+    session.run("python", "fuzz/fuzz_frames.py", *args)
