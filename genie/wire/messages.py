@@ -38,12 +38,13 @@ Details the server (genie.server) fixes, all compatible with the above:
 - An upload's device is a plain int index (the device tag is accepted too).
 - Op names are ``OpOverload.name()``: ``"aten::add.Tensor"``, ``"aten::mm"``
   (``"aten::mm.default"`` is accepted too); only aten/prims, never a deny-listed op.
-- HELLO may carry ``"token"`` (the cluster auth token). WELCOME is
+- HELLO carries ``"auth": {"alg", "client_nonce"}``; a cluster token is proved
+  by the HMAC challenge of :mod:`genie.wire.handshake`, never sent. WELCOME is
   ``{"node_id", "genie", "protocol", "torch", "devices": [{"index", "kind",
   "name", "memory_total"}], "limits": {"max_session_handles",
   "max_session_bytes", "max_frame_bytes", "max_body_bytes",
   "max_inline_tensor_bytes"}}``; REJECT is ``{"code", "reason"}`` with code
-  ``protocol``, ``torch_version``, ``auth`` or ``frame``.
+  ``protocol``, ``torch_version``, ``auth``, ``tls`` or ``frame``.
 - A frame that breaks the wire rules inside a session is answered, if the
   connection still works, with an ERROR frame ``{"code": "frame", "reason"}``
   (``"internal"`` for a server bug), then the connection is closed.
