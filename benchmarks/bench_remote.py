@@ -1,0 +1,491 @@
+"""The remote device against raw sockets, local torch and torch.distributed.rpc, in one run (issue 6).
+
+    .venv/bin/python benchmarks/bench_remote.py            # about 1 minute on 2 cores
+    .venv/bin/python benchmarks/bench_remote.py --quick    # fewer samples, no 1 GiB memory case
+
+Starts a real ``genie serve --devices cpu`` on loopback and connects with
+``genie.init_sync``. Baselines, measured in the same run: a blocking-socket echo
+server process (64 B round trip with TCP_NODELAY; bulk ``sendall``/``recv_into``),
+local CPU matmul, and two ``torch.distributed.rpc`` processes (TensorPipe over
+loopback TCP: the ``uv`` transport and ``basic`` channel, so rpc moves its bytes
+the way genie does). The whole run is re-executed in a private network namespace
+(``unshare -n``, only ``lo`` up), because rpc would otherwise look up the host
+name off the machine; ``--no-netns`` runs in place.
+
+Prints each figure with its ratio to a baseline and a closing table. Asserts
+nothing; exits non-zero only if something crashes. Every child is stopped on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as c  # noqa: E402
+
+PING_BYTES = 64
+BULK_BYTES = 64 << 20
+MATMUL_N = 1000
+MEM_BYTES = 1 << 30
+
+TARGET_TINY_VS_RAW = 6.0
+TARGET_PIPELINED_OPS = 40_000
+TARGET_MATMUL_VS_WIRE = 1.15
+TARGET_BULK_VS_RAW = 0.7
+TARGET_BULK_VS_RPC = 2.0
+TARGET_PEAK_MEM = 1.25
+
+
+# ---------------------------------------------------------------------------------------------
+# child: the raw-socket echo server
+# ---------------------------------------------------------------------------------------------
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < view.nbytes:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("peer closed")
+        got += n
+
+
+def _serve_echo_connection(conn: socket.socket) -> None:
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with conn:
+        mode = bytearray(1)
+        try:
+            _recv_exactly(conn, memoryview(mode))
+            if mode == b"P":  # ping: echo fixed-size messages until the peer closes
+                buf = bytearray(PING_BYTES)
+                view = memoryview(buf)
+                while True:
+                    _recv_exactly(conn, view)
+                    conn.sendall(view)
+            else:  # bulk: [u64 n] then n bytes up, then the same n bytes down; n == 0 ends
+                buf = bytearray(BULK_BYTES)
+                size = bytearray(8)
+                while True:
+                    _recv_exactly(conn, memoryview(size))
+                    (n,) = struct.unpack("<Q", size)
+                    if n == 0:
+                        return
+                    if n > len(buf):
+                        buf = bytearray(n)
+                    view = memoryview(buf)[:n]
+                    _recv_exactly(conn, view)
+                    conn.sendall(view)
+        except (ConnectionError, OSError):
+            return
+
+
+def child_echo() -> int:
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    c.emit({"port": listener.getsockname()[1]})
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=_serve_echo_connection, args=(conn,), daemon=True).start()
+
+
+# ---------------------------------------------------------------------------------------------
+# child: torch.distributed.rpc peers
+# ---------------------------------------------------------------------------------------------
+
+_REMOTE_X: Any = None
+
+
+def _rpc_tiny() -> float:
+    """The tiny op on a tensor that lives in the rpc peer, as genie's lives on its server."""
+    global _REMOTE_X
+    import torch
+
+    if _REMOTE_X is None:
+        _REMOTE_X = torch.ones(16)
+    return (_REMOTE_X + 1).sum().item()
+
+
+def _rpc_identity(t: Any) -> Any:
+    return t
+
+
+def child_rpc(rank: int, port: int, samples: int) -> int:
+    import torch
+    import torch.distributed.rpc as rpc
+
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=8,
+                                           rpc_timeout=120, _transports=["uv"], _channels=["basic"])
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    try:
+        if rank == 0:
+            for _ in range(200):
+                rpc.rpc_sync("worker1", _rpc_tiny)
+            lat = []
+            for _ in range(samples):
+                t0 = time.perf_counter()
+                rpc.rpc_sync("worker1", _rpc_tiny)
+                lat.append(time.perf_counter() - t0)
+            big = torch.randn(BULK_BYTES // 4)
+            rpc.rpc_sync("worker1", _rpc_identity, args=(big,))
+            bulk = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                back = rpc.rpc_sync("worker1", _rpc_identity, args=(big,))
+                bulk.append(time.perf_counter() - t0)
+            c.emit({"tiny_median": statistics.median(lat), "tiny_p99": _pct(lat, 99),
+                    "bulk_median": statistics.median(bulk), "bulk_ok": bool(torch.equal(back, big))})
+    finally:
+        rpc.shutdown()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# child: a fresh client for the 1 GiB upload
+# ---------------------------------------------------------------------------------------------
+
+def child_memclient(port: int) -> int:
+    import torch
+
+    import genie
+
+    genie.init_sync(master_addr="127.0.0.1", master_port=port)
+    try:
+        dev = "remote_accelerator:0"
+        torch.ones(4, device=dev).sum().item()  # the session and the device are warm
+        rss_before = c.vm_status()["VmRSS"]
+        t = torch.empty(MEM_BYTES // 4, dtype=torch.float32).fill_(1.5)
+        rss_with_tensor = c.vm_status()["VmRSS"]
+        reset = c.reset_peak_rss()
+        t0 = time.perf_counter()
+        x = t.to(dev)
+        torch.remote_accelerator.synchronize()
+        upload_s = time.perf_counter() - t0
+        hwm = c.vm_status()["VmHWM"]
+        c.emit({"rss_before": rss_before, "rss_with_tensor": rss_with_tensor, "hwm_after": hwm,
+                "reset": reset, "upload_s": upload_s, "numel": x.numel()})
+        del x
+    finally:
+        genie.shutdown_sync()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the parent
+# ---------------------------------------------------------------------------------------------
+
+def _pct(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+
+
+class RawPeer:
+    """Two blocking TCP connections to the echo server: one for 64 B pings, one for bulk transfers.
+
+    Kept open for the whole run, so raw figures can be taken in blocks interleaved with
+    genie's: both then see the same machine (the benchmarks share their cores).
+    """
+
+    def __init__(self, port: int) -> None:
+        self.ping_sock = socket.create_connection(("127.0.0.1", port))
+        self.bulk_sock = socket.create_connection(("127.0.0.1", port))
+        for sock, mode in ((self.ping_sock, b"P"), (self.bulk_sock, b"B")):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(mode)
+        self.msg = bytes(PING_BYTES)
+        self.pong = memoryview(bytearray(PING_BYTES))
+        self.data = memoryview(bytearray(os.urandom(1 << 20)) * (BULK_BYTES >> 20))
+        self.back = memoryview(bytearray(BULK_BYTES))
+        self.ping(200)
+        self.bulk(BULK_BYTES)
+
+    def ping(self, samples: int) -> list[float]:
+        out = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            self.ping_sock.sendall(self.msg)
+            _recv_exactly(self.ping_sock, self.pong)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def bulk(self, nbytes: int) -> float:
+        """Seconds for nbytes up, then the same bytes back down (into a buffer reused every time)."""
+        t0 = time.perf_counter()
+        self.bulk_sock.sendall(struct.pack("<Q", nbytes))
+        self.bulk_sock.sendall(self.data[:nbytes])
+        _recv_exactly(self.bulk_sock, self.back[:nbytes])
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.bulk_sock.sendall(struct.pack("<Q", 0))
+        self.ping_sock.close()
+        self.bulk_sock.close()
+
+
+def local_matmul_once(a: Any) -> float:
+    t0 = time.perf_counter()
+    a @ a
+    return time.perf_counter() - t0
+
+
+def measure_rpc(kids: c.Children, samples: int) -> dict[str, Any]:
+    port = c.free_port()
+    me = [sys.executable, os.path.abspath(__file__)]
+    peer = kids.start([*me, "--role", "rpc", "--rank", "1", "--rpc-port", str(port)])
+    main = kids.start([*me, "--role", "rpc", "--rank", "0", "--rpc-port", str(port), "--samples", str(samples)])
+    try:
+        return c.read_json_line(main, 120)
+    finally:
+        for p in (main, peer):
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                pass
+            kids.stop(p)
+
+
+def measure_genie(port: int, raw: RawPeer, samples: int, pipelined_ops: int, rounds: int) -> dict[str, Any]:
+    """genie's figures, each in blocks interleaved with the matching raw baseline."""
+    import torch
+
+    import genie
+
+    t0 = time.perf_counter()
+    state = genie.init_sync(master_addr="127.0.0.1", master_port=port)
+    out: dict[str, Any] = {"init_s": time.perf_counter() - t0, "backend": state.backend}
+    try:
+        dev = "remote_accelerator:0"
+        x = torch.ones(16, device=dev)
+        for _ in range(200):
+            (x + 1).sum().item()
+        lat: list[float] = []
+        raw_lat: list[float] = []
+        blocks = 10
+        for _ in range(blocks):
+            raw_lat += raw.ping(samples // blocks)
+            for _ in range(samples // blocks):
+                t0 = time.perf_counter()
+                (x + 1).sum().item()
+                lat.append(time.perf_counter() - t0)
+        out["tiny"], out["raw_ping"] = lat, raw_lat
+
+        rates = []
+        for _ in range(3):
+            y = torch.zeros(1, device=dev)
+            t0 = time.perf_counter()
+            for _ in range(pipelined_ops):
+                y = y + 1
+            value = y.item()
+            rates.append(pipelined_ops / (time.perf_counter() - t0))
+            out["pipelined_ok"] = value == pipelined_ops
+        out["pipelined"] = rates
+
+        a = torch.randn(MATMUL_N, MATMUL_N)
+        expect = a @ a
+        mm, mm_local, mm_wire = [], [], []
+        for i in range(rounds + 1):
+            local_s = local_matmul_once(a)
+            wire_s = raw.bulk(MATMUL_N * MATMUL_N * 4)
+            t0 = time.perf_counter()
+            r = _remote_square(a, dev).cpu()
+            if i:
+                mm.append(time.perf_counter() - t0)
+                mm_local.append(local_s)
+                mm_wire.append(wire_s)
+        out["matmul"], out["matmul_local"], out["matmul_wire"] = mm, mm_local, mm_wire
+        out["matmul_ok"] = bool(torch.allclose(r, expect, rtol=1e-4, atol=1e-3))
+
+        big = torch.randn(BULK_BYTES // 4)
+        up, down, raw_bulk = [], [], []
+        for i in range(4):
+            raw_s = raw.bulk(BULK_BYTES)
+            t0 = time.perf_counter()
+            rx = big.to(dev)
+            torch.remote_accelerator.synchronize()
+            t1 = time.perf_counter()
+            back = rx.cpu()
+            t2 = time.perf_counter()
+            del rx
+            if i:
+                up.append(t1 - t0)
+                down.append(t2 - t1)
+                raw_bulk.append(raw_s)
+        out["bulk_up"], out["bulk_down"], out["raw_bulk"] = up, down, raw_bulk
+        out["bulk_ok"] = bool(torch.equal(back, big))
+    finally:
+        genie.shutdown_sync()
+    return out
+
+
+def _remote_square(a: Any, dev: str) -> Any:
+    x = a.to(dev)
+    return x @ x
+
+
+def measure_memory(kids: c.Children) -> dict[str, Any]:
+    from genie.cluster.launch import NodeProcess
+
+    port = c.free_port()
+    with NodeProcess("serve", "--port", str(port), "--devices", "cpu") as server:
+        c.quiet(server)
+        client = kids.start([sys.executable, os.path.abspath(__file__), "--role", "memclient",
+                             "--genie-port", str(port)])
+        try:
+            server_before = c.vm_status(server.pid)
+            server_reset = c.reset_peak_rss(server.pid)
+            res = c.read_json_line(client, 120)
+            server_after = c.vm_status(server.pid)
+        finally:
+            try:
+                client.wait(20)
+            except subprocess.TimeoutExpired:
+                pass
+            kids.stop(client)
+    # The server may have grown before the reset (client's handshake); its baseline is the RSS at reset.
+    res["server_before"] = server_before["VmRSS"]
+    res["server_hwm"] = server_after["VmHWM"]
+    res["server_reset"] = server_reset
+    return res
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer samples; skip the 1 GiB memory case")
+    parser.add_argument("--no-netns", action="store_true", help="run in place, not in a private network namespace")
+    parser.add_argument("--role", default="parent", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--rpc-port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--genie-port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--samples", type=int, default=2000, help="round trips per latency figure")
+    args = parser.parse_args()
+    if args.role == "echo":
+        return child_echo()
+    if args.role == "rpc":
+        return child_rpc(args.rank, args.rpc_port, args.samples)
+    if args.role == "memclient":
+        return child_memclient(args.genie_port)
+
+    c.enter_private_netns()
+    samples = 500 if args.quick else args.samples
+    rounds = 3 if args.quick else 7
+    with c.sigterm_raises(), c.Children() as kids:
+        return run_parent(kids, args, samples, rounds)
+
+
+def run_parent(kids: c.Children, args: argparse.Namespace, samples: int, rounds: int) -> int:
+    import torch
+
+    from genie.cluster.launch import NodeProcess
+
+    print(f"bench_remote: torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
+          f"network namespace: {'private' if os.environ.get(c.NETNS_ENV) == '1' else 'host'}")
+    table = c.Table()
+    load = c.MachineLoad()
+
+    # -- baselines ------------------------------------------------------------------------------
+    # The raw figures are taken again inside the genie phase, interleaved with genie's, and
+    # genie's ratios use those; the ones here are the baselines for the rpc anchor, run just before it.
+    echo = kids.start([sys.executable, os.path.abspath(__file__), "--role", "echo"])
+    raw = RawPeer(c.read_json_line(echo, 30)["port"])
+    try:
+        ping = raw.ping(samples)
+        raw_rtt = statistics.median(ping)
+        raw_bulk_s = statistics.median(raw.bulk(BULK_BYTES) for _ in range(3))
+        raw_bulk_rate = 2 * BULK_BYTES / raw_bulk_s
+        print(f"raw socket 64 B round trip: median {c.fmt_us(raw_rtt)}, p99 {c.fmt_us(_pct(ping, 99))}  (baseline)")
+        print(f"raw TCP 64 MiB up + down: {c.fmt_ms(raw_bulk_s)} = {c.fmt_rate(raw_bulk_rate)}  (baseline)")
+
+        rpc = measure_rpc(kids, samples)
+        rpc_rate = 2 * BULK_BYTES / rpc["bulk_median"]
+        print(f"rpc_sync tiny op: median {c.fmt_us(rpc['tiny_median'])}, p99 {c.fmt_us(rpc['tiny_p99'])} "
+              f"= {rpc['tiny_median'] / raw_rtt:.1f}x raw  (anchor)")
+        print(f"rpc_sync 64 MiB there and back: {c.fmt_ms(rpc['bulk_median'])} = {c.fmt_rate(rpc_rate)} "
+              f"= {rpc_rate / raw_bulk_rate:.2f}x raw{'' if rpc['bulk_ok'] else '  (CONTENT MISMATCH)'}  (anchor)")
+
+        # -- genie --------------------------------------------------------------------------------
+        port = c.free_port()
+        with NodeProcess("serve", "--port", str(port), "--devices", "cpu") as server:
+            c.quiet(server)
+            g = measure_genie(port, raw, samples, 20_000 if not args.quick else 5_000, rounds)
+    finally:
+        raw.close()
+        kids.stop(echo)
+
+    raw_rtt = statistics.median(g["raw_ping"])
+    raw_bulk_rate = 2 * BULK_BYTES / statistics.median(g["raw_bulk"])
+    wire_mm, mm_local = statistics.median(g["matmul_wire"]), statistics.median(g["matmul_local"])
+    print(f"interleaved with genie: raw 64 B round trip {c.fmt_us(raw_rtt)}; raw 64 MiB up + down "
+          f"{c.fmt_rate(raw_bulk_rate)}; raw 4 MB up + 4 MB down {c.fmt_ms(wire_mm)}; local CPU x @ x "
+          f"({MATMUL_N}x{MATMUL_N} float32) {c.fmt_ms(mm_local)}  (baselines of the lines below)")
+    tiny = statistics.median(g["tiny"])
+    print(f"genie init (warm imports): {c.fmt_ms(g['init_s'])}, backend {g['backend']}")
+    print(f"genie (x + 1).sum().item(): median {c.fmt_us(tiny)}, p99 {c.fmt_us(_pct(g['tiny'], 99))} "
+          f"= {tiny / raw_rtt:.2f}x raw (target <= {TARGET_TINY_VS_RAW:g}x), "
+          f"{tiny / rpc['tiny_median']:.2f}x rpc_sync (target < 1x)")
+    table.add("tiny op + .item()", c.fmt_us(tiny), f"raw RTT {c.fmt_us(raw_rtt)}", f"{tiny / raw_rtt:.2f}x",
+              f"<= {TARGET_TINY_VS_RAW:g}x", tiny / raw_rtt <= TARGET_TINY_VS_RAW)
+    table.add("tiny op + .item()", c.fmt_us(tiny), f"rpc_sync {c.fmt_us(rpc['tiny_median'])}",
+              f"{tiny / rpc['tiny_median']:.2f}x", "< 1x", tiny < rpc["tiny_median"])
+
+    rate = statistics.median(g["pipelined"])
+    print(f"genie pipelined y = y + 1: {rate:,.0f} ops/s (runs: {', '.join(f'{r:,.0f}' for r in g['pipelined'])})"
+          f"{'' if g['pipelined_ok'] else '  (WRONG RESULT)'} = {rate / TARGET_PIPELINED_OPS:.2f}x of the "
+          f"{TARGET_PIPELINED_OPS:,}/s target; raw RTT would allow {1 / raw_rtt:,.0f} blocking ops/s")
+    table.add("pipelined tiny ops", f"{rate:,.0f}/s", f"1/raw RTT {1 / raw_rtt:,.0f}/s",
+              f"{rate * raw_rtt:.2f}x", f">= {TARGET_PIPELINED_OPS:,}/s", rate >= TARGET_PIPELINED_OPS)
+
+    mm = statistics.median(g["matmul"])
+    mm_base = mm_local + wire_mm
+    print(f"genie x @ x with upload and download: {c.fmt_ms(mm)}{'' if g['matmul_ok'] else '  (WRONG RESULT)'} "
+          f"vs local {c.fmt_ms(mm_local)} + wire {c.fmt_ms(wire_mm)} = {c.fmt_ms(mm_base)}: "
+          f"{mm / mm_base:.2f}x (target <= {TARGET_MATMUL_VS_WIRE:g}x)")
+    table.add("remote x @ x (1000^2)", c.fmt_ms(mm), f"local+wire {c.fmt_ms(mm_base)}", f"{mm / mm_base:.2f}x",
+              f"<= {TARGET_MATMUL_VS_WIRE:g}x", mm / mm_base <= TARGET_MATMUL_VS_WIRE)
+
+    up, down = statistics.median(g["bulk_up"]), statistics.median(g["bulk_down"])
+    total = statistics.median([u + d for u, d in zip(g["bulk_up"], g["bulk_down"], strict=True)])
+    grate = 2 * BULK_BYTES / total
+    print(f"genie 64 MiB upload {c.fmt_ms(up)} ({c.fmt_rate(BULK_BYTES / up)}), download {c.fmt_ms(down)} "
+          f"({c.fmt_rate(BULK_BYTES / down)}), together {c.fmt_rate(grate)}"
+          f"{'' if g['bulk_ok'] else '  (CONTENT MISMATCH)'}: {grate / raw_bulk_rate:.2f}x raw TCP "
+          f"(target >= {TARGET_BULK_VS_RAW:g}x), {grate / rpc_rate:.2f}x rpc (target >= {TARGET_BULK_VS_RPC:g}x)")
+    table.add("64 MiB up+down", c.fmt_rate(grate), f"raw TCP {c.fmt_rate(raw_bulk_rate)}",
+              f"{grate / raw_bulk_rate:.2f}x", f">= {TARGET_BULK_VS_RAW:g}x", grate / raw_bulk_rate >= TARGET_BULK_VS_RAW)
+    table.add("64 MiB up+down", c.fmt_rate(grate), f"rpc {c.fmt_rate(rpc_rate)}", f"{grate / rpc_rate:.2f}x",
+              f">= {TARGET_BULK_VS_RPC:g}x", grate / rpc_rate >= TARGET_BULK_VS_RPC)
+
+    # -- memory ---------------------------------------------------------------------------------
+    if not args.quick:
+        m = measure_memory(kids)
+        gib = float(MEM_BYTES)
+        client_peak = m["hwm_after"] - m["rss_before"]
+        server_peak = m["server_hwm"] - m["server_before"]
+        note = "" if m["reset"] and m["server_reset"] else " (peak RSS could not be reset: figures are upper bounds)"
+        print(f"1 GiB upload in {m['upload_s']:.2f} s ({c.fmt_rate(gib / m['upload_s'])}){note}")
+        print(f"  client peak RSS above its pre-tensor RSS: {client_peak / gib:.3f}x the tensor "
+              f"({client_peak / (1 << 20):.0f} MiB; the tensor itself {(m['rss_with_tensor'] - m['rss_before']) / (1 << 20):.0f} MiB)")
+        print(f"  server peak RSS above its RSS before: {server_peak / gib:.3f}x the tensor ({server_peak / (1 << 20):.0f} MiB)")
+        table.add("client peak mem, 1 GiB up", f"{client_peak / (1 << 20):.0f} MiB", "tensor 1024 MiB",
+                  f"{client_peak / gib:.2f}x", f"<= {TARGET_PEAK_MEM:g}x", client_peak / gib <= TARGET_PEAK_MEM)
+        table.add("server peak mem, 1 GiB up", f"{server_peak / (1 << 20):.0f} MiB", "tensor 1024 MiB",
+                  f"{server_peak / gib:.2f}x", f"<= {TARGET_PEAK_MEM:g}x", server_peak / gib <= TARGET_PEAK_MEM)
+
+    print(load.report())
+    table.print("bench_remote summary")
+    print(f"missed: {', '.join(sorted(set(table.missed))) or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
