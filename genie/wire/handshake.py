@@ -77,7 +77,7 @@ def client_handshake(channel: Channel, hello: dict[str, Any], *, token: bytes, w
     """
     client_nonce = sec.new_nonce()
     hello_bytes = wf.pack_body({**hello, "auth": _auth_offer(client_nonce)})
-    wf.send_frame(channel, wf.MsgKind.HELLO, hello_bytes)
+    _send(channel, wf.MsgKind.HELLO, hello_bytes, where)
     kind, reply = _recv(channel, where)
     server_nonce = b""
     if kind == wf.MsgKind.CHALLENGE:
@@ -86,7 +86,7 @@ def client_handshake(channel: Channel, hello: dict[str, Any], *, token: bytes, w
             raise HandshakeError(f"{where} sent a malformed CHALLENGE")
         mac = sec.proof(token, sec.CONTEXT_DATA, sec.CLIENT, hello_bytes, server_nonce, client_nonce) if token \
             else None
-        wf.send_frame(channel, wf.MsgKind.AUTH, wf.pack_body({"mac": mac}))
+        _send(channel, wf.MsgKind.AUTH, wf.pack_body({"mac": mac}), where)
         kind, reply = _recv(channel, where)
         if not token and kind != wf.MsgKind.WELCOME:
             raise AuthenticationError(f"{where} requires a cluster token and this side has none: {sec.AUTH_HINT}")
@@ -104,12 +104,23 @@ def client_handshake(channel: Channel, hello: dict[str, Any], *, token: bytes, w
     return reply
 
 
+def _closed(where: str, exc: Exception) -> HandshakeError:
+    return HandshakeError(f"{where} closed the connection during the handshake ({exc}); if it serves TLS or "
+                          "demands a client certificate, set GENIE_TLS_CA (and GENIE_TLS_CERT/GENIE_TLS_KEY)")
+
+
+def _send(channel: Channel, kind: wf.MsgKind, body: bytes, where: str) -> None:
+    try:
+        wf.send_frame(channel, kind, body)
+    except ConnectionClosedError as exc:
+        raise _closed(where, exc) from None
+
+
 def _recv(channel: Channel, where: str) -> tuple[wf.MsgKind, Any]:
     try:
         header, body = wf.recv_header_and_body(channel, max_payload=0)
     except ConnectionClosedError as exc:
-        raise HandshakeError(f"{where} closed the connection during the handshake ({exc}); if it serves TLS or demands a client certificate, "
-                             "set GENIE_TLS_CA (and GENIE_TLS_CERT/GENIE_TLS_KEY)") from None
+        raise _closed(where, exc) from None
     return header.kind, wf.unpack_body(body) if body else {}
 
 
@@ -350,8 +361,7 @@ async def connect_control(host: str, port: int, security: sec.ClientSecurity, *,
                 await control.send_msg(stream, wf.MsgKind.AUTH, {"mac": mac})
                 kind, reply = await control.recv_msg(stream)
         except (ConnectionClosedError, anyio.BrokenResourceError, OSError) as exc:
-            raise HandshakeError(f"{where} closed the connection during the handshake ({exc}); if it serves TLS or demands a client certificate, "
-                                 "set GENIE_TLS_CA (and GENIE_TLS_CERT/GENIE_TLS_KEY)") from None
+            raise _closed(where, exc) from None
         if kind == wf.MsgKind.REJECT:
             raise _refused(where, reply)
         if kind != wf.MsgKind.WELCOME:

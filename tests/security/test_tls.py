@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -61,6 +62,9 @@ def test_mutual_tls_requires_a_client_certificate(dp_server, connect, pki, caplo
     # TLS 1.3 reports a missing client certificate on the client's first read, after its handshake.
     with caplog.at_level(logging.WARNING, "genie"), pytest.raises(HandshakeError, match="client certificate"):
         connect(server.port, tls_ca=pki.ca)
+    deadline = time.monotonic() + 5  # the server logs from its session thread, maybe after the client gave up
+    while "TLS handshake with" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert "TLS handshake with" in caplog.text
     conn = connect(server.port, tls_ca=pki.ca, tls_cert=pki.client_cert, tls_key=pki.client_key)
     conn.sync()
