@@ -39,6 +39,7 @@ class ControlService:
         self.health: Any = None  #: the master's own HealthChecker
         self.telemetry: Any = None
         self.metrics_port = 0  #: where /metrics is served (0: nowhere)
+        self._ack_cache: tuple[int, dict[str, Any]] = (-1, {})
         #: token and TLS every control connection must pass (genie.wire.handshake.accept_control)
         self.security = security or ServerSecurity()
 
@@ -115,7 +116,7 @@ class ControlService:
                                 self.monitor.ingest(sender, metrics)
                             except GenieError as exc:
                                 log.warning("bad metrics from %s: %s", sender, exc)
-                        await control.send_msg(stream, MsgKind.HEARTBEAT_ACK, self._ack())
+                        await control.send_msg(stream, MsgKind.HEARTBEAT_ACK, self._ack(body.get("known")))
                     elif kind == MsgKind.QUERY:
                         reply = self.membership.snapshot()
                         reply["events"] = [e.to_dict() for e in self.recent_events()]
@@ -143,10 +144,23 @@ class ControlService:
                 except GenieError:
                     pass
 
-    def _ack(self) -> dict[str, Any]:
-        snap = self.membership.snapshot()
-        keys = ("node_id", "status", "address", "data_port", "role", "backends")
-        return {"version": snap["version"], "nodes": [{k: n[k] for k in keys} for n in snap["nodes"]]}
+    def _ack(self, known_version: Any) -> dict[str, Any]:
+        """O(1) when the sender's view is current: the node list only when membership changed.
+
+        Workers send ``known`` = None (they never need the list); clients send the version
+        they last applied. The list is built once per membership version.
+        """
+        version = self.membership.version
+        if known_version is None or known_version == version:
+            return {"version": version}
+        if self._ack_cache[0] != version:
+            nodes = [
+                {"node_id": m.info.node_id, "status": m.status.value, "address": m.info.address,
+                 "data_port": m.info.data_port, "role": m.info.role.value, "backends": list(m.info.backends)}
+                for m in self.membership.members.values()
+            ]
+            self._ack_cache = (version, {"version": version, "nodes": nodes})
+        return self._ack_cache[1]
 
     async def _join(self, stream: ByteStream, body: dict[str, Any], peer_host: str) -> str:
         try:

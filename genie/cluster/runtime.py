@@ -74,6 +74,7 @@ class Runtime:
         self._stopped = False
         self.table: Any = None
         self._tg: Any = None
+        self._known_version: int = -1
         self.monitor: Any = None
         self.health: Any = None
         self.telemetry: Any = None
@@ -281,12 +282,19 @@ class Runtime:
                 if self._control is None:
                     snapshot = await self._join(state)
                     self._apply_snapshot(state, snapshot)
+                    self._known_version = -1  # a restarted master counts versions from scratch
                     backoff = 0.1
                     log.info("rejoined the master at %s:%d", self.config.master_addr, self.config.master_port)
                     if self.table is not None:
                         await anyio.to_thread.run_sync(self._reconnect_lost)
+                # Only clients need the node list (to follow their sessions' nodes); -1 asks for it.
+                known = None
+                if self.table is not None:  # a lost session needs the list to find its node again
+                    lost = any(c.lost is not None for c in self.table.connections())
+                    known = -1 if lost else self._known_version
                 await control.send_msg(self._control, MsgKind.HEARTBEAT,
-                                       {"node_id": state.local_node.node_id, "metrics": self._metrics()})
+                                       {"node_id": state.local_node.node_id, "metrics": self._metrics(),
+                                        "known": known})
                 with anyio.fail_after(self.config.heartbeat_timeout):
                     kind, ack = await control.recv_msg(self._control)
                 self._on_ack(state, ack)
@@ -328,6 +336,9 @@ class Runtime:
         return out
 
     def _on_ack(self, state: ClusterState, ack: dict[str, Any]) -> None:
+        if "nodes" not in ack:
+            return  # nothing changed since the version we applied
+        self._known_version = ack.get("version", -1)
         fresh = {n["node_id"]: n for n in ack.get("nodes", []) if isinstance(n, dict) and "node_id" in n}
         statuses = {node_id: n.get("status") for node_id, n in fresh.items()}
         for n in state.nodes:
@@ -339,6 +350,7 @@ class Runtime:
             if status in ("lost", "disconnected") and device.connection.lost is None:
                 device.connection.mark_lost(f"the master declared node {device.node_id} {status}")
             elif status == "connected" and device.connection.lost is not None:
+                self._known_version = -1  # ask again next time, in case this attempt fails
                 self._tg.start_soon(anyio.to_thread.run_sync, self._reconnect_lost)
                 return
 
