@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import queue
 import re
-import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,17 +19,22 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str:
-    """Everything ``proc`` printed up to and including the line holding ``marker``."""
+    """Everything ``proc`` printed up to and including the line holding ``marker``.
+
+    A reader thread, not select() + readline(): readline may buffer several lines at once,
+    and select() then sees nothing left on the pipe.
+    """
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     out, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
-        if ready:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            out.append(line)
-            if marker in line:
-                return "".join(out)
+        try:
+            line = lines.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        out.append(line)
+        if marker in line:
+            return "".join(out)
     raise AssertionError(f"{marker!r} not printed within {timeout} s:\n" + "".join(out))
 
 
