@@ -227,7 +227,7 @@ def ack_cost(nodes: int) -> tuple[float, float, int]:
     snap = (time.perf_counter() - t0) / reps
     t0 = time.perf_counter()
     for _ in range(reps):
-        body = pack_body(svc._ack())
+        body = pack_body(svc._ack(None))  # what a worker's heartbeat gets: the version alone
     ack = (time.perf_counter() - t0) / reps
     return snap, ack, len(body)
 

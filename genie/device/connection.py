@@ -116,9 +116,20 @@ class NodeConnection:
         return next(self._handles)
 
     # -- fire-and-forget -----------------------------------------------------------------------
-    def op(self, name: str, args: Any, kwargs: Any, outs: list[list[Any]], default: Callable[[Any], Any]) -> None:
-        """Queue an op whose outputs (handle, dtype, shape, stride, offset) the client already knows."""
+    def op(self, name: str, args: Any, kwargs: Any, outs: list[list[Any]], default: Callable[[Any], Any],
+           *, defer: bool = False) -> bytes | None:
+        """Queue an op whose outputs (handle, dtype, shape, stride, offset) the client already knows.
+
+        With ``defer`` the encoded command is returned instead of queued (see :meth:`queue`).
+        """
         cmd = msgpack.packb([wm.CMD_OP, name, args, kwargs, outs], use_bin_type=True, default=default)
+        if defer:
+            return cmd
+        self.queue(cmd)
+        return None
+
+    def queue(self, cmd: bytes) -> None:
+        """Queue an encoded command."""
         with self.lock:
             self.check_alive()
             self._append(cmd)

@@ -31,19 +31,34 @@ _aten = torch.ops.aten
 
 
 class TensorRef:
-    """Owns one server-side handle; frees it when the last wrapper using it is gone."""
+    """Owns one server-side handle; frees it when the last wrapper using it is gone.
 
-    __slots__ = ("device", "handle", "__weakref__")
+    ``pending`` holds the encoded command of an ``empty*`` factory not sent yet: the
+    server creates the tensor only when a command first names it, and a host-to-device
+    copy into it becomes a plain upload under its handle (no server-side empty, no copy).
+    """
+
+    __slots__ = ("device", "handle", "pending", "__weakref__")
 
     def __init__(self, device: RemoteDevice, handle: int) -> None:
         self.device = device
         self.handle = handle
+        self.pending: bytes | None = None
 
     @property
     def connection(self) -> NodeConnection:
         return self.device.connection
 
+    def materialize(self) -> None:
+        """Send the deferred factory command, if any (before any command that names the handle)."""
+        cmd = self.pending
+        if cmd is not None:
+            self.pending = None
+            self.device.connection.queue(cmd)
+
     def __del__(self) -> None:
+        if self.pending is not None:
+            return  # never created on the server
         try:
             self.device.connection.release(self.handle)
         except Exception:  # interpreter shutdown: the session dies with the process anyway
@@ -188,6 +203,7 @@ def upload(cpu: torch.Tensor, device: RemoteDevice) -> RemoteTensor:
 def download(t: RemoteTensor) -> torch.Tensor:
     """Fetch a remote tensor's values into a new CPU tensor (a sync point)."""
     ref = t._genie
+    ref.materialize()
     cpu = ref.connection.fetch(ref.handle, t.dtype, tuple(t.shape), device=ref.device.label)
     return cpu
 
@@ -310,6 +326,8 @@ def _encoder(device: RemoteDevice) -> Any:
     def default(obj: Any) -> Any:
         if isinstance(obj, RemoteTensor):
             ref = obj._genie
+            if ref.pending is not None:
+                ref.materialize()  # queued before the command being encoded
             if ref.connection is not conn:
                 raise RuntimeError(
                     f"Expected all tensors to be on the same device, but found at least two devices, "
@@ -392,6 +410,9 @@ def _general(func: Any, args: Any, kwargs: Any, device: RemoteDevice | None = No
             handle = conn.new_handle()
             outs.append(make_wrapper(device, handle, m, *bits[i]))
         wire_outs.append([handle, dtype_code(m[0]), list(m[1]), list(m[2]), m[3]])
+    if func in _DEFERRABLE and len(outs) == 1:
+        outs[0]._genie.pending = conn.op(func.name(), args, kwargs, wire_outs, _encoder(device), defer=True)
+        return outs[0]
     conn.op(func.name(), args, kwargs, wire_outs, _encoder(device))
     if len(outs) == 1 and spec.is_leaf():
         return outs[0]
@@ -479,6 +500,14 @@ def _copy_into(dst: Any, src: Any, non_blocking: bool = False) -> Any:
             src = upload(download(src), dst._genie.device)
         return _general(_aten.copy_.default, (dst, src, non_blocking), {})
     if isinstance(dst, RemoteTensor):  # host -> device
+        ref = dst._genie
+        if (ref.pending is not None and tuple(src.shape) == tuple(dst.shape) and not dst.is_conj()
+                and not dst.is_neg() and dst.storage_offset() == 0
+                and dst.stride() == _contiguous_strides(tuple(dst.shape))):
+            # A fresh tensor about to be overwritten whole (``.to(device)``): upload into its handle.
+            ref.pending = None
+            ref.connection.upload(ref.handle, ref.device.local_index, src.detach().to("cpu", dst.dtype))
+            return dst
         if src.dim() == 0 and src.device.type == "cpu":
             return _general(_aten.copy_.default, (dst, src, non_blocking), {})
         tmp = upload(src.detach().to("cpu"), dst._genie.device)
@@ -504,6 +533,9 @@ def _shallow_copy_type(func: Any, args: Any, kwargs: Any) -> bool:
 def _false(func: Any, args: Any, kwargs: Any) -> bool:
     return False
 
+
+#: Factories of uninitialised memory: sent only when something first uses their result.
+_DEFERRABLE = frozenset({_aten.empty.memory_format, _aten.empty_strided.default})
 
 #: Ops whose result is a number or a data-dependent shape: always a round trip.
 _SERVER_OPS = frozenset({
