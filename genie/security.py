@@ -28,7 +28,7 @@ import ssl
 import stat
 import threading
 import time
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 
@@ -106,7 +106,8 @@ def proof_matches(expected: bytes, got: object) -> bool:
     return isinstance(got, bytes) and hmac.compare_digest(expected, got)
 
 
-def valid_nonce(value: object) -> bool:
+def valid_nonce(value: object) -> TypeGuard[bytes]:
+    """True for a nonce of the right type and length."""
     return isinstance(value, bytes) and len(value) == NONCE_BYTES
 
 

@@ -81,9 +81,10 @@ def client_handshake(channel: Channel, hello: dict[str, Any], *, token: bytes, w
     kind, reply = _recv(channel, where)
     server_nonce = b""
     if kind == wf.MsgKind.CHALLENGE:
-        server_nonce = reply.get("server_nonce") if isinstance(reply, dict) else None
-        if not sec.valid_nonce(server_nonce) or reply.get("alg") != sec.MAC_ALG:
+        offered = reply.get("server_nonce") if isinstance(reply, dict) else None
+        if not sec.valid_nonce(offered) or reply.get("alg") != sec.MAC_ALG:
             raise HandshakeError(f"{where} sent a malformed CHALLENGE")
+        server_nonce = offered
         mac = sec.proof(token, sec.CONTEXT_DATA, sec.CLIENT, hello_bytes, server_nonce, client_nonce) if token \
             else None
         _send(channel, wf.MsgKind.AUTH, wf.pack_body({"mac": mac}), where)
@@ -135,29 +136,31 @@ def server_challenge(channel: Channel, hello_bytes: bytes, hello: dict[str, Any]
     """
     offer = hello.get("auth")
     client_nonce = offer.get("client_nonce") if isinstance(offer, dict) else None
-    if not sec.valid_nonce(client_nonce) or offer.get("alg") != sec.MAC_ALG:
-        return _refuse(channel, peer, "sent no authentication offer (an old client, or no token support)",
-                       refusals)
+    if not isinstance(offer, dict) or not sec.valid_nonce(client_nonce) or offer.get("alg") != sec.MAC_ALG:
+        _refuse(channel, peer, "sent no authentication offer (an old client, or no token support)", refusals)
+        return None
     server_nonce = sec.new_nonce()
     wf.send_frame(channel, wf.MsgKind.CHALLENGE, wf.pack_body({"alg": sec.MAC_ALG, "server_nonce": server_nonce}))
     header, body = wf.recv_header_and_body(channel, max_payload=0)
     if header.kind != wf.MsgKind.AUTH:
-        return _refuse(channel, peer, f"answered CHALLENGE with {header.kind.name}", refusals)
+        _refuse(channel, peer, f"answered CHALLENGE with {header.kind.name}", refusals)
+        return None
     answer = wf.unpack_body(body) if body else {}
     mac = answer.get("mac") if isinstance(answer, dict) else None
     expected = sec.proof(token, sec.CONTEXT_DATA, sec.CLIENT, hello_bytes, server_nonce, client_nonce)
     if not sec.proof_matches(expected, mac):
-        return _refuse(channel, peer, "no token" if mac is None else "wrong token", refusals)
+        _refuse(channel, peer, "no token" if mac is None else "wrong token", refusals)
+        return None
     return {"mac": sec.proof(token, sec.CONTEXT_DATA, sec.SERVER, hello_bytes, server_nonce, client_nonce)}
 
 
 def _refuse(channel: Channel, peer: str, why: str, refusals: sec.RefusalLog) -> None:
+    """Log (rate-limited) and answer REJECT {"code": "auth"}."""
     refusals.warning("refused data-plane connection from %s: %s (%s)", peer, sec.AUTH_HINT.split(";")[0], why)
     try:
         wf.send_frame(channel, wf.MsgKind.REJECT, wf.pack_body({"code": "auth", "reason": sec.AUTH_HINT}))
     except (ConnectionClosedError, OSError):
         pass
-    return None
 
 
 def secure_server_channel(channel: Channel, context: ssl.SSLContext, *, timeout: float, peer: str,
@@ -288,15 +291,17 @@ async def accept_control(stream: ByteStream, security: sec.ServerSecurity, *, pe
                 return stream, None
             offer = body.get("auth")
             client_nonce = offer.get("client_nonce") if isinstance(offer, dict) else None
-            if not sec.valid_nonce(client_nonce) or offer.get("alg") != sec.MAC_ALG:
-                return await _refuse_control(stream, peer, "no authentication offer", refusals)
+            if not isinstance(offer, dict) or not sec.valid_nonce(client_nonce) or offer.get("alg") != sec.MAC_ALG:
+                await _refuse_control(stream, peer, "no authentication offer", refusals)
+                return None
             server_nonce = sec.new_nonce()
             await control.send_msg(stream, wf.MsgKind.CHALLENGE, {"alg": sec.MAC_ALG, "server_nonce": server_nonce})
             kind, _, answer = await _recv_raw(stream)
             mac = answer.get("mac") if kind == wf.MsgKind.AUTH else None
             expected = sec.proof(security.token, sec.CONTEXT_CONTROL, sec.CLIENT, raw, server_nonce, client_nonce)
             if not sec.proof_matches(expected, mac):
-                return await _refuse_control(stream, peer, "no token" if mac is None else "wrong token", refusals)
+                await _refuse_control(stream, peer, "no token" if mac is None else "wrong token", refusals)
+                return None
             mine = sec.proof(security.token, sec.CONTEXT_CONTROL, sec.SERVER, raw, server_nonce, client_nonce)
             await control.send_msg(stream, wf.MsgKind.WELCOME, {"auth": {"mac": mine}})
             return stream, None
@@ -313,7 +318,6 @@ async def accept_control(stream: ByteStream, security: sec.ServerSecurity, *, pe
 async def _refuse_control(stream: ByteStream, peer: str, why: str, refusals: sec.RefusalLog) -> None:
     refusals.warning("refused control connection from %s: %s (%s)", peer, sec.AUTH_HINT.split(";")[0], why)
     await _send_quietly(stream, wf.MsgKind.REJECT, {"code": "auth", "reason": sec.AUTH_HINT})
-    return None
 
 
 async def _send_quietly(stream: ByteStream, kind: wf.MsgKind, body: dict[str, Any]) -> None:
@@ -324,60 +328,75 @@ async def _send_quietly(stream: ByteStream, kind: wf.MsgKind, body: dict[str, An
         pass
 
 
-async def connect_control(host: str, port: int, security: sec.ClientSecurity, *, role: str, node_id: str = ""
-                          ) -> ByteStream:
+async def connect_control(host: str, port: int, security: sec.ClientSecurity, *, role: str, node_id: str = "",
+                          connect_timeout: float | None = None, handshake_timeout: float = 10.0) -> ByteStream:
     """Open an authenticated control connection to the master at ``host:port``.
 
-    OSError (ConnectError included) when it cannot be reached; HandshakeError
-    when TLS or the peer fails; AuthenticationError when the token is refused or
-    the master cannot prove it knows it. The caller bounds the time.
+    OSError (ConnectError included) when it cannot be reached, TimeoutError when
+    the TCP connect takes longer than ``connect_timeout``; HandshakeError when
+    TLS or the peer fails or the handshake takes longer than
+    ``handshake_timeout``; AuthenticationError when the token is refused or the
+    master cannot prove it knows it.
     """
     where = f"the genie master at {host}:{port}"
-    stream: ByteStream = await anyio.connect_tcp(host, port)
+    with anyio.fail_after(connect_timeout):
+        stream: ByteStream = await anyio.connect_tcp(host, port)
     try:
-        if security.tls is not None:
-            try:
-                stream = await TLSStream.wrap(stream, server_side=False, hostname=host, ssl_context=security.tls,
-                                              standard_compatible=False)
-            except (ssl.SSLError, OSError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
-                raise HandshakeError(f"TLS handshake with {where} failed: {exc}; check that it serves TLS and that "
-                                     "its certificate is signed by GENIE_TLS_CA and names this address") from None
-        client_nonce = sec.new_nonce()
-        raw = wf.pack_body({"genie": _version(), "protocol": wf.PROTOCOL_VERSION, "role": role, "node_id": node_id,
-                            "auth": _auth_offer(client_nonce)})
-        try:
-            await stream.send(wf.encode_header(wf.MsgKind.HELLO, len(raw), 0) + raw)
-            kind, reply = await control.recv_msg(stream)
-            server_nonce = b""
-            if kind == wf.MsgKind.CHALLENGE:
-                server_nonce = reply.get("server_nonce")
-                if not sec.valid_nonce(server_nonce):
-                    raise HandshakeError(f"{where} sent a malformed CHALLENGE")
-                if not security.token:
-                    await control.send_msg(stream, wf.MsgKind.AUTH, {"mac": None})
-                    raise AuthenticationError(f"{where} requires a cluster token and this side has none: "
-                                              f"{sec.AUTH_HINT}")
-                mac = sec.proof(security.token, sec.CONTEXT_CONTROL, sec.CLIENT, raw, server_nonce, client_nonce)
-                await control.send_msg(stream, wf.MsgKind.AUTH, {"mac": mac})
-                kind, reply = await control.recv_msg(stream)
-        except (ConnectionClosedError, anyio.BrokenResourceError, OSError) as exc:
-            raise _closed(where, exc) from None
-        if kind == wf.MsgKind.REJECT:
-            raise _refused(where, reply)
-        if kind != wf.MsgKind.WELCOME:
-            raise HandshakeError(f"{where} answered HELLO with {kind.name}")
-        if security.token:
-            if not server_nonce:
-                raise _unauthenticated_server(where)
-            auth = reply.get("auth")
-            expected = sec.proof(security.token, sec.CONTEXT_CONTROL, sec.SERVER, raw, server_nonce, client_nonce)
-            if not isinstance(auth, dict) or not sec.proof_matches(expected, auth.get("mac")):
-                raise _bad_server_proof(where)
-        return stream
+        with anyio.fail_after(handshake_timeout):
+            return await _control_handshake(stream, security, host=host, where=where, role=role, node_id=node_id)
+    except TimeoutError:
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
+        raise HandshakeError(f"{where} accepted the connection but did not finish the handshake within "
+                             f"{handshake_timeout:g} s") from None
     except BaseException:
         with anyio.CancelScope(shield=True):
             await stream.aclose()
         raise
+
+
+async def _control_handshake(stream: ByteStream, security: sec.ClientSecurity, *, host: str, where: str, role: str,
+                             node_id: str) -> ByteStream:
+    if security.tls is not None:
+        try:
+            stream = await TLSStream.wrap(stream, server_side=False, hostname=host, ssl_context=security.tls,
+                                          standard_compatible=False)
+        except (ssl.SSLError, OSError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
+            raise HandshakeError(f"TLS handshake with {where} failed: {exc}; check that it serves TLS and that "
+                                 "its certificate is signed by GENIE_TLS_CA and names this address") from None
+    client_nonce = sec.new_nonce()
+    raw = wf.pack_body({"genie": _version(), "protocol": wf.PROTOCOL_VERSION, "role": role, "node_id": node_id,
+                        "auth": _auth_offer(client_nonce)})
+    try:
+        await stream.send(wf.encode_header(wf.MsgKind.HELLO, len(raw), 0) + raw)
+        kind, reply = await control.recv_msg(stream)
+        server_nonce = b""
+        if kind == wf.MsgKind.CHALLENGE:
+            offered = reply.get("server_nonce")
+            if not sec.valid_nonce(offered):
+                raise HandshakeError(f"{where} sent a malformed CHALLENGE")
+            server_nonce = offered
+            if not security.token:
+                await control.send_msg(stream, wf.MsgKind.AUTH, {"mac": None})
+                raise AuthenticationError(f"{where} requires a cluster token and this side has none: "
+                                          f"{sec.AUTH_HINT}")
+            mac = sec.proof(security.token, sec.CONTEXT_CONTROL, sec.CLIENT, raw, server_nonce, client_nonce)
+            await control.send_msg(stream, wf.MsgKind.AUTH, {"mac": mac})
+            kind, reply = await control.recv_msg(stream)
+    except (ConnectionClosedError, anyio.BrokenResourceError, OSError) as exc:
+        raise _closed(where, exc) from None
+    if kind == wf.MsgKind.REJECT:
+        raise _refused(where, reply)
+    if kind != wf.MsgKind.WELCOME:
+        raise HandshakeError(f"{where} answered HELLO with {kind.name}")
+    if security.token:
+        if not server_nonce:
+            raise _unauthenticated_server(where)
+        auth = reply.get("auth")
+        expected = sec.proof(security.token, sec.CONTEXT_CONTROL, sec.SERVER, raw, server_nonce, client_nonce)
+        if not isinstance(auth, dict) or not sec.proof_matches(expected, auth.get("mac")):
+            raise _bad_server_proof(where)
+    return stream
 
 
 def _version() -> str:
