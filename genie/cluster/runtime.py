@@ -206,9 +206,9 @@ class Runtime:
     async def _join(self, state: ClusterState) -> dict[str, Any]:
         cfg = self.config
         try:
-            with anyio.fail_after(cfg.connect_timeout):
-                stream = await connect_control(cfg.master_addr, cfg.master_port, ClientSecurity.from_config(cfg),
-                                               role=cfg.node_role.value, node_id=state.local_node.node_id)
+            stream = await connect_control(cfg.master_addr, cfg.master_port, ClientSecurity.from_config(cfg),
+                                           role=cfg.node_role.value, node_id=state.local_node.node_id,
+                                           connect_timeout=cfg.connect_timeout)
         except (OSError, TimeoutError) as exc:
             raise master_unreachable(cfg, str(exc) or "timed out") from None
         self._control = stream
