@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import stat
+import time
 
 import pytest
 import torch
@@ -36,6 +37,9 @@ def test_missing_token_is_refused_with_a_clear_message_on_both_ends(dp_server, c
     assert "wrong or missing cluster token; set GENIE_AUTH_TOKEN" in str(err.value)
     assert any("refused data-plane connection" in r.getMessage() and "no token" in r.getMessage()
                for r in caplog.records)
+    deadline = time.monotonic() + 5  # the refused session's thread ends just after the client hears REJECT
+    while server.stats()["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert server.stats()["sessions"] == 0
 
 
@@ -106,8 +110,6 @@ def test_refusal_log_summarises_what_it_suppressed(caplog):
     with caplog.at_level(logging.WARNING, "genie.test.refusals"):
         for i in range(10):
             limiter.warning("refused %d", i)
-        import time
-
         time.sleep(0.06)
         limiter.warning("refused again")
     messages = [r.getMessage() for r in caplog.records]
