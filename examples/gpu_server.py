@@ -3,7 +3,12 @@
 Run it::
 
     .venv/bin/python examples/gpu_server.py                       # 127.0.0.1:5555, metrics on :9400
-    .venv/bin/python examples/gpu_server.py --host 0.0.0.0 --port 5555 --metrics-port 9400 --devices auto
+    GENIE_AUTH_TOKEN=$(openssl rand -hex 32) \
+        .venv/bin/python examples/gpu_server.py --host 0.0.0.0 --port 5555 --metrics-port 9400 --devices auto
+
+Serving beyond loopback needs a cluster token (GENIE_AUTH_TOKEN or GENIE_AUTH_TOKEN_FILE,
+the same on every node, client and operator command); ``genie serve`` refuses without
+one unless ``--insecure`` is given (passed through here).
 
 It starts ``genie serve --port PORT --metrics-port MPORT --devices DEVICES`` as a
 child process (exactly what you would type yourself), waits for its ready line,
@@ -15,11 +20,13 @@ every CUDA GPU, or one CPU device on a machine without one.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
 
 from genie.cluster.launch import NodeProcess
+from genie.errors import GenieError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,31 +35,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=5555, help="control-plane port (default 5555)")
     parser.add_argument("--metrics-port", type=int, default=9400, help="/metrics, /healthz, /readyz (default 9400)")
     parser.add_argument("--devices", default="auto", help="'auto' (every CUDA GPU, else one CPU device) or 'cpu,cpu'")
+    parser.add_argument("--insecure", action="store_true", help="serve a non-loopback --host without a token")
     args = parser.parse_args(argv)
 
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     server = NodeProcess("serve", "--host", args.host, "--port", str(args.port), "--metrics-port",
-                         str(args.metrics_port), "--devices", args.devices, ready_timeout=60)
-    with server:
+                         str(args.metrics_port), "--devices", args.devices,
+                         *(["--insecure"] if args.insecure else []), ready_timeout=60)
+    try:
+        server.start()
+    except GenieError as exc:  # e.g. a non-loopback --host without a token: the server says why
+        print(f"gpu_server: {exc}", file=sys.stderr)
+        return 1
+    try:
         reach = "THIS-HOST" if args.host in ("0.0.0.0", "::") else args.host
+        token = "GENIE_AUTH_TOKEN=<the token> " if os.environ.get("GENIE_AUTH_TOKEN") or os.environ.get(
+            "GENIE_AUTH_TOKEN_FILE") else ""
         print(f"genie server ready: pid {server.pid}, {server.devices} device(s), node {server.node_id}\n"
               f"  clients:   genie.init_sync(master_addr={reach!r}, master_port={server.control_port})\n"
-              f"             or GENIE_MASTER_ADDR={reach} GENIE_MASTER_PORT={server.control_port}\n"
+              f"             or {token}GENIE_MASTER_ADDR={reach} GENIE_MASTER_PORT={server.control_port}\n"
               f"             then torch.randn(4, 4, device='remote_accelerator:0')\n"
               f"  try:       python examples/basic_client.py --master {reach}:{server.control_port}\n"
               f"  workers:   genie worker --master {reach}:{server.control_port}\n"
               f"  operators: genie status --master {reach}:{server.control_port}   (also health, events, dashboard)\n"
               f"  metrics:   http://{reach}:{args.metrics_port}/metrics  (/healthz, /readyz)\n"
               f"Ctrl-C stops the server.", flush=True)
-        # pass the server's log through (and keep its pipe from filling up)
-        threading.Thread(target=lambda: [sys.stdout.write(line) for line in server.proc.stdout], daemon=True).start()
-        while not stop.wait(0.5):
-            if server.proc.poll() is not None:
-                print(f"genie server exited with code {server.proc.returncode}", file=sys.stderr)
-                return 1
+        with open(server.log_path, encoding="utf-8", errors="replace") as log:  # the server's output, passed on
+            log.seek(0, os.SEEK_END)
+            while not stop.wait(0.5):
+                sys.stdout.write(log.read())
+                sys.stdout.flush()
+                if server.proc is None or server.proc.poll() is not None:
+                    print("the genie server exited", file=sys.stderr)
+                    return 1
         print("stopping the genie server", flush=True)
+    finally:
+        server.stop()
     return 0
 
 

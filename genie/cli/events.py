@@ -2,9 +2,9 @@
 
 One line per event (``TIME TYPE SOURCE key=value ...``), or with ``--json`` one
 JSON object per line (``{"type", "source", "data", "timestamp"}``, JSON Lines), so
-``genie events --follow --json | jq`` works. ``--follow`` subscribes before it asks
-for the recent events, so nothing falls between the two; an event seen in both is
-printed once. Exit codes: 0, 130 after Ctrl-C, 2 when the master cannot be reached
+``genie events --follow --json | jq`` works. ``--follow`` subscribes (over the
+authenticated control connection every query uses) before it asks for the recent
+events, so nothing falls between the two; an event seen in both is printed once. Exit codes: 0, 130 after Ctrl-C, 2 when the master cannot be reached
 or closes the stream.
 """
 
@@ -81,17 +81,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _follow(args: argparse.Namespace, printer: _Printer) -> None:
-    import anyio
 
     from genie.cluster.query import query_master
+    from genie.config import ClusterConfig
+    from genie.security import ClientSecurity
     from genie.types import ClusterEvent
     from genie.wire import control
     from genie.wire.frame import MsgKind
+    from genie.wire.handshake import connect_control
 
     host, port = master_address(args)
+    # the same authenticated connection as every query (token and TLS from the GENIE_* environment)
+    security = ClientSecurity.from_config(ClusterConfig.from_sources())
     try:
-        with anyio.fail_after(args.timeout):
-            stream = await anyio.connect_tcp(host, port)
+        stream = await connect_control(host, port, security, role="cli", connect_timeout=args.timeout,
+                                       handshake_timeout=args.timeout)
     except (OSError, TimeoutError) as exc:
         raise Unreachable(f"cannot reach the genie master at {host}:{port}: {exc or 'timed out'}; "
                           "is `genie serve` running there?") from None

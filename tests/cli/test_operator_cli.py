@@ -13,6 +13,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from genie.cluster.launch import NodeProcess
 from tests.cli.conftest import Cluster, genie, genie_many, wait_until
 from tests.conftest import free_port
 
@@ -190,3 +191,30 @@ def test_the_master_comes_from_the_environment_when_not_given() -> None:
                             timeout=15)
     assert result.returncode == 2
     assert f"cannot reach the genie master at 127.0.0.1:{port}" in result.stderr
+
+
+def test_a_master_with_a_cluster_token_answers_only_commands_that_have_it() -> None:
+    token = {"GENIE_AUTH_TOKEN": "operator-test-token-0123456789abcdef"}
+    port = free_port()
+    master = NodeProcess("serve", "--port", str(port), "--devices", "cpu", "--node-id", "master", env=token,
+                         ready_timeout=20)
+    follow = None
+    try:
+        master.start()
+        addr = f"127.0.0.1:{port}"
+        refused = genie("status", "--master", addr)
+        assert refused.returncode == 1 and "requires a cluster token" in refused.stderr
+        assert "Traceback" not in refused.stderr
+        env = {**os.environ, **token}
+        status = subprocess.run([sys.executable, "-m", "genie.cli", "status", "--json", "--master", addr], env=env,
+                                capture_output=True, text=True, timeout=15)
+        assert status.returncode == 0 and json.loads(status.stdout)["nodes"][0]["node_id"] == "master"
+        follow = subprocess.Popen([sys.executable, "-m", "genie.cli", "events", "--follow", "--json", "--master",
+                                   addr], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = json.loads(follow.stdout.readline())  # the subscription was accepted: the recent events follow
+        assert first["type"] == "node_joined" and first["source"] == "master"
+    finally:
+        if follow is not None:
+            follow.kill()
+            follow.wait()
+        master.stop()
