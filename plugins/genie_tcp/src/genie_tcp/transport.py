@@ -21,6 +21,7 @@ import logging
 import socket
 import ssl
 import statistics
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -35,6 +36,8 @@ log = logging.getLogger("genie.transport.tcp")
 
 #: sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call; stay well below.
 _MAX_IOV = 512
+#: Kernel socket buffer size asked for (the kernel may cap it at net.core.*mem_max).
+_BULK_BUFFER = 4 << 20
 #: Connect samples the probe takes to measure the round trip.
 _PROBE_SAMPLES = 3
 
@@ -48,6 +51,22 @@ def _tune(sock: socket.socket) -> None:
     # the header back waiting for an ACK. Keepalive notices peers that vanish.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    # Bulk tensors: larger kernel buffers mean fewer, larger copies per syscall.
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BULK_BUFFER)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BULK_BUFFER)
+
+
+def _kernel_timeouts(sock: socket.socket, seconds: float | None) -> None:
+    """Send/receive timeouts enforced by the kernel, so the socket stays in blocking mode.
+
+    Python's own timeouts switch the socket to non-blocking and poll before every call,
+    which doubles the syscalls of a bulk transfer and rules out MSG_WAITALL.
+    """
+    micro = 0 if seconds is None else max(1, int(seconds * 1_000_000))
+    packed = struct.pack("ll", micro // 1_000_000, micro % 1_000_000)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, packed)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, packed)
 
 
 class TcpChannel:
@@ -77,8 +96,13 @@ class TcpChannel:
     def settimeout(self, seconds: float | None) -> None:
         """Bound each blocking send or receive (None: block forever)."""
         self._timeout = seconds
-        if not self._closed:
+        if self._closed:
+            return
+        if isinstance(self._sock, ssl.SSLSocket):
             self._sock.settimeout(seconds)
+        else:
+            self._sock.settimeout(None)
+            _kernel_timeouts(self._sock, seconds)
 
     def sendv(self, buffers: Sequence[Buffer]) -> None:
         """Send every byte of ``buffers`` in order with scatter/gather ``sendmsg``, never joining them."""
@@ -102,8 +126,9 @@ class TcpChannel:
                     else:
                         views[0] = views[0][sent:]
                         sent = 0
-        except TimeoutError as exc:
-            raise self._failed(f"send to {self.peer} timed out after {self._timeout:g} s") from exc
+        except (TimeoutError, BlockingIOError) as exc:  # BlockingIOError: SO_SNDTIMEO expired
+            cause = exc if isinstance(exc, TimeoutError) else TimeoutError(*exc.args)
+            raise self._failed(f"send to {self.peer} timed out after {self._timeout:g} s") from cause
         except (OSError, ValueError) as exc:  # ValueError: an SSLSocket closed by another thread
             raise self._failed(f"connection to {self.peer} failed while sending: {exc}") from exc
 
@@ -112,17 +137,20 @@ class TcpChannel:
         self._check_open("receive from")
         view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
         got, want = 0, view.nbytes
+        # MSG_WAITALL: the kernel fills the whole view in one call (plain blocking sockets only).
+        flags = 0 if isinstance(self._sock, ssl.SSLSocket) else socket.MSG_WAITALL
         try:
             while got < want:
-                n = self._sock.recv_into(view[got:], want - got)
+                n = self._sock.recv_into(view[got:], want - got, flags)
                 if n == 0:
                     raise self._failed(
                         f"{self.peer} closed the connection"
                         + (f" after {got} of {want} bytes" if got else "")
                     )
                 got += n
-        except TimeoutError as exc:
-            raise self._failed(f"receive from {self.peer} timed out after {self._timeout:g} s") from exc
+        except (TimeoutError, BlockingIOError) as exc:  # BlockingIOError: SO_RCVTIMEO expired
+            cause = exc if isinstance(exc, TimeoutError) else TimeoutError(*exc.args)
+            raise self._failed(f"receive from {self.peer} timed out after {self._timeout:g} s") from cause
         except ConnectionClosedError:
             raise
         except (OSError, ValueError) as exc:  # ValueError: an SSLSocket closed by another thread
