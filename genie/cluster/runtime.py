@@ -269,11 +269,19 @@ class Runtime:
                 self.control_service.metrics_port = self.metrics_server.port
 
     async def _flush_loop(self) -> None:
+        # Servers close sessions idle for their session_idle_timeout (told in WELCOME); a client that
+        # holds tensors but sends nothing keeps its sessions with an empty batch well before that.
         while True:
             await anyio.sleep(FLUSH_INTERVAL)
             for conn in self.table.connections():
-                if conn.has_pending() and conn.lost is None:
+                if conn.lost is not None:
+                    continue
+                if conn.has_pending():
                     conn.try_flush()
+                else:
+                    idle = conn.limits.get("session_idle_timeout") or 0
+                    if idle > 0:
+                        conn.keepalive(min(60.0, idle / 3))
 
     async def _heartbeat_loop(self, state: ClusterState) -> None:
         backoff = 0.1

@@ -25,6 +25,7 @@ from genie.errors import (
     FrameError,
     GenieError,
     ProtocolError,
+    QuotaExceededError,
     RemoteDeviceLost,
     RemoteExecutionError,
     TransportError,
@@ -61,7 +62,7 @@ class NodeConnection:
         self._keepalive: list[torch.Tensor] = []
         self._frees: list[int] = []
         self._lost: str | None = None
-        self.last_send = 0.0
+        self.last_send = time.monotonic()
         self.backend = "tcp"
         self.encoder: Callable[[Any], Any] | None = None
         self._pending_request = False
@@ -182,6 +183,19 @@ class NodeConnection:
             finally:
                 self.lock.release()
 
+    def keepalive(self, idle: float) -> None:
+        """Send an empty batch when nothing went out for ``idle`` seconds, so the server's
+        ``session_idle_timeout`` never closes a session whose user still holds tensors.
+        Never blocks: skipped while another thread holds the session."""
+        if self._lost is None and time.monotonic() - self.last_send > idle and self.lock.acquire(blocking=False):
+            try:
+                wf.send_frame(self.channel, wf.MsgKind.BATCH, msgpack.packb({"uploads": [], "cmds": []}))
+                self.last_send = time.monotonic()
+            except GenieError:
+                pass
+            finally:
+                self.lock.release()
+
     def has_pending(self) -> bool:
         return bool(self._cmds or self._uploads or self._frees)
 
@@ -225,7 +239,11 @@ class NodeConnection:
                 header, body = wf.recv_header_and_body(self.channel)
                 if header.kind != wf.MsgKind.REPLY:
                     text = wf.unpack_body(body) if body else {}
-                    raise ProtocolError(f"node {self.node_id} sent {header.kind.name} instead of a reply: {text}")
+                    reason = text.get("reason", text) if isinstance(text, dict) else text
+                    self.mark_lost(f"the node closed the session: {reason}")  # an ERROR frame ends the session
+                    if isinstance(text, dict) and text.get("code") == "quota":
+                        raise QuotaExceededError(f"node {self.node_id} closed this session: {reason}")
+                    raise ProtocolError(f"node {self.node_id} sent {header.kind.name} instead of a reply: {reason}")
                 reply = wf.unpack_body(body)
                 if not (isinstance(reply, list) and len(reply) == 4 and reply[0] == req):
                     raise ProtocolError(f"node {self.node_id} sent a reply out of step: {str(reply)[:200]}")

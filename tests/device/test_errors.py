@@ -73,3 +73,27 @@ def test_killed_server_gives_remote_device_lost_not_a_hang(tmp_path) -> None:
     assert seconds < 6
     assert "remote_accelerator:0" in out.stdout or "node" in out.stdout
     _ = RemoteDeviceLost
+
+
+def test_an_idle_client_keeps_its_session_and_its_tensors(tmp_path) -> None:
+    """The server closes sessions idle for session_idle_timeout; the client's runtime sends keepalives."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "idle.py"
+    script.write_text(textwrap.dedent("""
+        import os, socket, time, torch, genie
+        from genie.cluster.launch import NodeProcess
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        env = {"GENIE_SESSION_IDLE_TIMEOUT": "0.9"}
+        with NodeProcess("serve", "--port", str(port), "--devices", "cpu", env=env):
+            genie.init_sync(master_addr="127.0.0.1", master_port=port)
+            x = torch.full((3,), 2.0, device="remote_accelerator:0")
+            x.sum().item()
+            time.sleep(2.5)                       # idle for almost three timeouts
+            print("SUM", x.sum().item(), flush=True)
+            genie.shutdown_sync()
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert "SUM 6.0" in out.stdout, out.stdout + out.stderr
