@@ -156,7 +156,6 @@ def serve_subprocess(*args: str, ready_timeout: float = 60.0, log_level: str = "
                      env: dict[str, str] | None = None) -> Iterator[NodeProcess]:
     """Run ``python -m genie.server ARGS`` (a bare data-plane server) until its ready line; always stop it."""
     with NodeProcess.data_plane("--log-level", log_level, *args, env=env, ready_timeout=ready_timeout) as server:
-        server.process = server.proc
         yield server
 
 

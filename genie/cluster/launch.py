@@ -41,6 +41,7 @@ class NodeProcess:
         self.env = {**os.environ, **(env or {})}
         self.ready_timeout = ready_timeout
         self.proc: subprocess.Popen[bytes] | None = None
+        self.process: subprocess.Popen[bytes] | None = None  #: the same as ``proc`` (older name)
         self.host = "127.0.0.1"
         self.control_port = 0
         self.data_port = 0
@@ -71,6 +72,7 @@ class NodeProcess:
         with os.fdopen(fd, "wb") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True)
+        self.process = self.proc
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             m = READY.search(self.log())

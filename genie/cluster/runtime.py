@@ -300,11 +300,13 @@ class Runtime:
                 if self.table is not None:  # a lost session needs the list to find its node again
                     lost = any(c.lost is not None for c in self.table.connections())
                     known = -1 if lost else self._known_version
-                await control.send_msg(self._control, MsgKind.HEARTBEAT,
+                stream = self._control
+                assert stream is not None  # set by the rejoin above
+                await control.send_msg(stream, MsgKind.HEARTBEAT,
                                        {"node_id": state.local_node.node_id, "metrics": self._metrics(),
                                         "known": known})
                 with anyio.fail_after(self.config.heartbeat_timeout):
-                    kind, ack = await control.recv_msg(self._control)
+                    kind, ack = await control.recv_msg(stream)
                 self._on_ack(state, ack)
                 await anyio.sleep(self.config.heartbeat_interval)
             except (GenieError, OSError, TimeoutError) as exc:

@@ -63,7 +63,7 @@ def describe(out: Any) -> tuple[list[OutMeta | None], Any]:
     metas: list[OutMeta | None] = []
     for o in flat:
         if isinstance(o, torch.Tensor):
-            metas.append((o.dtype, tuple(o.shape), tuple(o.stride()), o.storage_offset()))
+            metas.append((o.dtype, tuple(o.shape), tuple(o.stride()), int(o.storage_offset())))
         else:
             metas.append(None)
     return metas, spec

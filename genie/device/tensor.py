@@ -159,7 +159,7 @@ class RemoteTensor(torch.Tensor):
         return (_rebuild_remote, (download(self).detach(), self._genie.device.index, self.requires_grad))
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         return execute(func, args, kwargs or {})
 
 
@@ -400,7 +400,8 @@ def _general(func: Any, args: Any, kwargs: Any, device: RemoteDevice | None = No
         if m is None:  # a number the meta run computed as the real kernel would
             outs.append(flat_values[i])
             continue
-        target = _arg_by_position(func, mutated[i], args, kwargs) if i < len(mutated) and mutated[i] is not None else None
+        position = mutated[i] if i < len(mutated) else None
+        target = _arg_by_position(func, position, args, kwargs) if position is not None else None
         if isinstance(target, RemoteTensor):
             if (tuple(target.shape), target.stride(), target.storage_offset()) != (m[1], m[2], m[3]):
                 target.data = make_wrapper(device, None, m, *bits[i])  # metadata only; keeps its handle
@@ -453,7 +454,7 @@ def _decode_call_result(func: Any, result: Any, device: RemoteDevice) -> Any:
 
         return make_wrapper(device, handle, (dtype_from_code(code), tuple(shape), tuple(stride), offset))
 
-    out = []
+    out: list[Any] = []
     for r, v in zip(returns, values, strict=False):
         kind = str(r.type)
         if kind.startswith("Tensor[]") or kind.startswith("List[Tensor]"):
