@@ -130,8 +130,15 @@ class NodeConnection:
         return None
 
     def queue(self, cmd: bytes) -> None:
-        """Queue an encoded command."""
+        """Queue an encoded command.
+
+        Inside autograd's backward an exception on this device would cross a ``noexcept`` in
+        torch's Python device guard and abort the process, so a lost node's commands are
+        dropped there instead; the next sync point raises RemoteDeviceLost.
+        """
         with self.lock:
+            if self._lost is not None and torch._C._current_graph_task_id() != -1:
+                return
             self.check_alive()
             self._append(cmd)
             self.stats["ops"] += 1

@@ -97,3 +97,35 @@ def test_an_idle_client_keeps_its_session_and_its_tensors(tmp_path) -> None:
     """))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert "SUM 6.0" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_node_lost_during_backward_surfaces_at_the_next_sync_point_without_aborting(tmp_path) -> None:
+    """An exception inside backward on this device would abort the process (torch's Python device guard
+    has a noexcept path); a lost node's work is dropped there and reported at the next sync point."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "lost_in_backward.py"
+    script.write_text(textwrap.dedent("""
+        import socket, torch, genie
+        from genie.cluster.launch import NodeProcess
+        from genie.device.registry import table
+        from genie.errors import RemoteDeviceLost
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        with NodeProcess("serve", "--port", str(port), "--devices", "cpu"):
+            genie.init_sync(master_addr="127.0.0.1", master_port=port)
+            w = torch.ones(3, device="remote_accelerator:0", requires_grad=True)
+            loss = (w * 2).sum()
+            seed = torch.ones_like(loss)          # made before the loss, so only the engine's work remains
+            table().get(0).connection.mark_lost("killed for the test")
+            loss.backward(seed)
+            print("BACKWARD RETURNED", flush=True)
+            try:
+                w.grad.cpu()
+            except RemoteDeviceLost:
+                print("LOST AT SYNC", flush=True)
+            genie.shutdown_sync()
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert "BACKWARD RETURNED" in out.stdout and "LOST AT SYNC" in out.stdout, out.stdout + out.stderr
