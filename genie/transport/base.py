@@ -118,6 +118,18 @@ class ProbeOnlyTransport(Transport):
 
     no_data_path: ClassVar[str] = "this backend has no data path in this release"
 
+    @staticmethod
+    async def run_blocking_probe(fn: Any, target: ProbeTarget, *args: Any) -> Any:
+        """Run a blocking probe ``fn(timeout, *args)`` in a worker thread, abandoned if discovery gives up.
+
+        ``timeout`` is 90 % of the target's deadline (at least 0.2 s), so a stuck native
+        library is reported with its own words before discovery's deadline passes.
+        """
+        import anyio.to_thread
+
+        timeout = max(0.2, target.timeout * 0.9)
+        return await anyio.to_thread.run_sync(fn, timeout, *args, abandon_on_cancel=True)
+
     def connect(self, host: str, port: int, *, timeout: float) -> Channel:
         """Refuse: there is no data path."""
         from genie.errors import BackendUnavailableError

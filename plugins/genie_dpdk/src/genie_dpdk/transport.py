@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import anyio.to_thread
-
 from genie.transport.base import PRIORITY_DPDK, ProbeOnlyTransport, ProbeTarget
 from genie.types import Figure, ProbeResult
 from genie_dpdk import eal
@@ -81,8 +79,6 @@ class DpdkTransport(ProbeOnlyTransport):
 
     async def probe(self, target: ProbeTarget) -> ProbeResult:
         """Start an EAL (shared with dpdk_gpudev's probe) and report library, EAL and port state."""
-        # Leave a little of the deadline so a stuck EAL is reported with DPDK's own log.
-        timeout = max(0.2, target.timeout * 0.9)
-        report = await anyio.to_thread.run_sync(eal.eal_report, timeout, abandon_on_cancel=True)
+        report = await self.run_blocking_probe(eal.eal_report, target)
         return result_from_report(report, self.name, self.default_priority)
 

@@ -6,7 +6,6 @@ import os
 import sys
 from typing import Any
 
-import anyio.to_thread
 import importlib_metadata
 from genie_dpdk import eal
 from genie_dpdk.transport import INSTALL_HINT
@@ -105,7 +104,5 @@ class GpudevTransport(ProbeOnlyTransport):
 
     async def probe(self, target: ProbeTarget) -> ProbeResult:
         """DPDK, librte_gpudev, a gpudev GPU, CUDA: see :func:`probe_blocking`."""
-        timeout = max(0.2, target.timeout * 0.9)
-        return await anyio.to_thread.run_sync(probe_blocking, timeout, self.name, self.default_priority,
-                                              abandon_on_cancel=True)
+        return await self.run_blocking_probe(probe_blocking, target, self.name, self.default_priority)
 

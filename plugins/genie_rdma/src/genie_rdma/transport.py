@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio.to_thread
-
 from genie.transport.base import PRIORITY_RDMA, ProbeOnlyTransport, ProbeTarget
 from genie.types import Figure, ProbeResult
 from genie_rdma import verbs
@@ -66,7 +64,6 @@ class RdmaTransport(ProbeOnlyTransport):
 
     async def probe(self, target: ProbeTarget) -> ProbeResult:
         """Run the verbs probe in a subprocess and report devices, ports and GIDs."""
-        timeout = max(0.2, target.timeout * 0.9)
-        report = await anyio.to_thread.run_sync(verbs.verbs_report, timeout, abandon_on_cancel=True)
+        report = await self.run_blocking_probe(verbs.verbs_report, target)
         return result_from_report(report, self.name, self.default_priority)
 

@@ -200,10 +200,7 @@ class TcpChannel:
             if self._closed:
                 return
             self._closed = True
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            self._sock.close()
+        _shut(self._sock)
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -261,10 +258,15 @@ class TcpListener:
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            self._sock.close()
+        _shut(self._sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    """Shut down and close, ignoring a socket that is already gone; wakes a thread blocked on it."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()
 
 
 class TcpTransport(Transport):
