@@ -45,7 +45,8 @@ def main() -> None:
         print(f"started genie server (pid {server.pid}) on 127.0.0.1:{port}")
         t0 = time.perf_counter()
         state = genie.init_sync(master_addr="127.0.0.1", master_port=port)
-        print(f"genie.init: {len(state.devices)} device(s) on {len(state.nodes)} node(s), backend {state.backend}, "
+        serving = [n for n in state.nodes if n["role"] != "client"]
+        print(f"genie.init: {len(state.devices)} device(s) on {len(serving)} node(s), backend {state.backend}, "
               f"{(time.perf_counter() - t0) * 1000:.0f} ms")
         try:
             a = torch.randn(256, 256)
