@@ -14,6 +14,11 @@ from typing import Any
 
 import anyio.to_thread
 
+# Imported with genie, not inside init(): the runtime's modules (device, wire, transports) are
+# init's own cost, and paying them at ``import genie`` keeps init() itself in the tens of ms.
+from genie.cluster.runtime import Runtime
+from genie.config import ClusterConfig
+from genie.device.registry import set_table
 from genie.errors import AlreadyInitializedError, NotInitializedError
 
 log = logging.getLogger("genie")
@@ -32,9 +37,6 @@ def init_sync(master_addr: str | None = None, master_port: int | None = None, ba
     AlreadyInitializedError.
     """
     global _runtime
-    from genie.cluster.runtime import Runtime
-    from genie.config import ClusterConfig
-
     config = ClusterConfig.from_sources(
         master_addr=master_addr, master_port=master_port, backend=backend, node_id=node_id,
         node_role=node_role, timeout=timeout, **options,
@@ -71,8 +73,6 @@ def shutdown_sync() -> None:
         runtime, _runtime = _runtime, None
     if runtime is None:
         return
-    from genie.device.registry import set_table
-
     set_table(None)
     runtime.stop()
 
