@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from genie.errors import (
     ForbiddenOpError,
@@ -85,7 +84,7 @@ def _message(exc: BaseException) -> str:
 
 
 def _shapes(value: Any) -> list[Any]:
-    return [list(v.shape) for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+    return [list(v.shape) for v in tensor_leaves(value)]
 
 
 def _zero_grown_storages(tensors: list[torch.Tensor], sizes_before: dict[int, int]) -> None:
@@ -96,6 +95,21 @@ def _zero_grown_storages(tensors: list[torch.Tensor], sizes_before: dict[int, in
         if t.layout == torch.strided and storage.nbytes() > old:
             raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
             raw[old:].zero_()
+
+
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors in nested lists, tuples and dicts, in order (aten values nest nothing else)."""
+    out: list[torch.Tensor] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+    return out
 
 
 class _CommandFailed(Exception):
@@ -124,6 +138,9 @@ class Executor:
 
     def run_batch(self, header: FrameHeader, body: bytes) -> None:
         """Run one BATCH frame whose header and body were read; reads its payload first."""
+        # Ops run without autograd; grad mode is per thread, so switching it off here once per batch
+        # replaces a no_grad() context around every op.
+        torch._C._set_grad_enabled(False)
         msg = codec.decode(body)
         if not isinstance(msg, dict) or not isinstance(msg.get("uploads", []), list) \
                 or not isinstance(msg.get("cmds", []), list):
@@ -281,17 +298,16 @@ class Executor:
             kwargs = codec.resolve(kwargs, self.store.get, self._device)
         except (GenieError, IndexError) as exc:
             raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), outs)) from None
-        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = tensor_leaves((args, kwargs))
         self._precheck_outputs(label, outs, specs)
         sizes_before = {id(t): t.untyped_storage().nbytes() for t in inputs} if label in _RESIZING else {}
         try:
-            with torch.no_grad():
-                result = op(*args, **kwargs)
+            result = op(*args, **kwargs)  # grad mode is off on this thread (run_batch)
         except Exception as exc:
             raise _CommandFailed(_error(label, _shapes((args, kwargs)), "execution", _message(exc), outs)) from None
         self.ops_run += 1
         if label in _UNINITIALISED:
-            for t in pytree.tree_leaves(result):
+            for t in tensor_leaves(result):
                 if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                     t.zero_()
         if label in _RESIZING:
@@ -320,7 +336,7 @@ class Executor:
 
     def _store_checked(self, op: str, result: Any, outs: list[OutSpec], inputs: list[torch.Tensor]) -> None:
         """Check each tensor output against the client's spec and store it, or fail the command."""
-        tensors = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+        tensors = tensor_leaves(result)
         if len(tensors) != len(outs):
             raise _CommandFailed(_error(
                 op, _shapes(inputs), "mismatch",
@@ -371,7 +387,7 @@ class Executor:
         return out
 
     def _store_call_result(self, op: str, result: Any, handles: list[int]) -> Any:
-        tensors = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+        tensors = tensor_leaves(result)
         if len(tensors) > len(handles):
             raise _CommandFailed(_error(
                 op, [], "mismatch", f"{op} returned {len(tensors)} tensors but the CALL gave {len(handles)} handles",
