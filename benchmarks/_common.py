@@ -126,20 +126,18 @@ class Children:
         self.stop_all()
 
 
-def read_json_line(proc: subprocess.Popen[str], timeout: float, prefix: str = "RESULT ") -> dict[str, Any]:
-    """Wait for a line ``RESULT {json}`` on the child's stdout; raise with its stderr if it never comes."""
+def read_line(proc: subprocess.Popen[str], timeout: float, wanted: Any, what: str) -> str:
+    """The first stdout line for which ``wanted(line)`` is true; raise with the child's stderr if none comes."""
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
-    seen: list[str] = []
     while time.monotonic() < deadline:
         ready, _, _ = select.select([proc.stdout], [], [], 0.2)
         if ready:
             line = proc.stdout.readline()
             if not line:
                 break
-            if line.startswith(prefix):
-                return json.loads(line[len(prefix):])
-            seen.append(line.rstrip())
+            if wanted(line):
+                return line
         elif proc.poll() is not None:
             break
     err = ""
@@ -147,8 +145,13 @@ def read_json_line(proc: subprocess.Popen[str], timeout: float, prefix: str = "R
         proc.wait(2)  # after EOF the child is exiting: let it finish so its stderr can be read
     if proc.poll() is not None and proc.stderr is not None:
         err = proc.stderr.read()[-4000:]
-    raise RuntimeError(f"child {proc.args!r} gave no result within {timeout:g} s (rc={proc.poll()}); "
-                       f"stdout tail: {seen[-10:]}; stderr tail: {err}")
+    raise RuntimeError(f"child {proc.args!r} gave no {what} within {timeout:g} s (rc={proc.poll()}): {err}")
+
+
+def read_json_line(proc: subprocess.Popen[str], timeout: float, prefix: str = "RESULT ") -> dict[str, Any]:
+    """Wait for a line ``RESULT {json}`` on the child's stdout; raise with its stderr if it never comes."""
+    line = read_line(proc, timeout, lambda text: text.startswith(prefix), "result")
+    return json.loads(line[len(prefix):])
 
 
 def emit(result: dict[str, Any]) -> None:

@@ -162,22 +162,7 @@ def run_anchor(kids: c.Children, kind: str, rounds: int) -> list[float]:
 
 
 def _expect(proc: subprocess.Popen[str], word: str, timeout: float) -> None:
-    import select
-
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
-        if ready:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if line.strip() == word:
-                return
-        elif proc.poll() is not None:
-            break
-    err = proc.stderr.read()[-3000:] if proc.poll() is not None and proc.stderr else ""
-    raise RuntimeError(f"{proc.args!r} did not print {word} within {timeout:g} s (rc={proc.poll()}): {err}")
+    c.read_line(proc, timeout, lambda line: line.strip() == word, word)
 
 
 def _interpreter_costs(runs: int = 3) -> tuple[float, float]:
