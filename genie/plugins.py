@@ -151,7 +151,19 @@ class PluginManager:
         return self._pm.hook.genie_backend_priority(result=result, config=config)
 
     def node_metrics(self, *, node: NodeInfo) -> list[dict[str, Any]]:
-        return [m for m in self._pm.hook.genie_node_metrics(node=node) if m]
+        """Each plugin's fragment. Implementations are called one by one, so one that raises costs
+        only its own fragment (reported as ``{"errors": {plugin: reason}}``), not the whole poll."""
+        fragments: list[dict[str, Any]] = []
+        for impl in reversed(self._pm.hook.genie_node_metrics.get_hookimpls()):
+            try:
+                fragment = impl.function(**{name: node for name in impl.argnames if name == "node"})
+            except Exception as exc:
+                log.debug("genie_node_metrics of plugin %r failed", impl.plugin_name, exc_info=True)
+                fragments.append({"errors": {impl.plugin_name: f"{type(exc).__name__}: {exc}"}})
+                continue
+            if fragment:
+                fragments.append(fragment)
+        return fragments
 
     def health_checks(self) -> list[Any]:
         return [c for checks in self._pm.hook.genie_health_checks() for c in (checks or [])]

@@ -80,10 +80,11 @@ async def test_failing_hook_is_logged_and_recorded_not_raised(genie_pm, register
         def genie_node_metrics(self, node: NodeInfo) -> dict[str, Any]:
             raise RuntimeError("sensor on fire")
 
-    register_plugin(Broken())
+    name = register_plugin(Broken())
     monitor = ResourceMonitor(genie_pm, NODE, interval=1.0)
     result = await monitor.poll_once()
-    assert "sensor on fire" in result.metrics["error"]
+    assert "sensor on fire" in result.metrics["errors"][name]
+    assert "host" in result.metrics  # the built-in plugin's figures survive the broken one
     assert monitor.poll_errors == 1
     assert "genie_node_metrics failed" in caplog.text
 

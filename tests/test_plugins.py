@@ -585,3 +585,24 @@ def test_plugins_with_a_broken_plugin_exits_1_naming_it(fake_site: FakeSite):
     assert proc.returncode == 1
     assert proc.stderr.startswith("genie plugins: error: plugin 'fake_broken'")
     assert "fake-broken" in proc.stderr
+
+
+def test_a_failing_metrics_plugin_costs_only_its_own_fragment(genie_pm, register_plugin) -> None:
+    from genie import hookimpl
+    from genie.types import NodeInfo, NodeRole
+
+    class Good:
+        @hookimpl
+        def genie_node_metrics(self, node):
+            return {"good": {"node": node.node_id}}
+
+    class Broken:
+        @hookimpl
+        def genie_node_metrics(self, node):
+            raise RuntimeError("driver went away")
+
+    register_plugin(Good(), name="good")
+    register_plugin(Broken(), name="broken")
+    fragments = genie_pm.node_metrics(node=NodeInfo("n1", "h", NodeRole.WORKER))
+    assert {"good": {"node": "n1"}} in fragments
+    assert {"errors": {"broken": "RuntimeError: driver went away"}} in fragments

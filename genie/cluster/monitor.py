@@ -214,6 +214,11 @@ class ResourceMonitor:
             if self.poll_errors == 1 or self.poll_errors % 100 == 0:
                 log.exception("genie_node_metrics failed (%d times so far)", self.poll_errors)
             metrics = {"error": f"genie_node_metrics failed: {type(exc).__name__}: {exc}"}
+        else:
+            if metrics.get("errors"):  # some plugins failed; the others' figures are kept
+                self.poll_errors += 1
+                if self.poll_errors == 1 or self.poll_errors % 100 == 0:
+                    log.warning("genie_node_metrics failed in %s (%d times so far)", metrics["errors"], self.poll_errors)
         self.polls += 1
         self.last_poll_seconds = time.perf_counter() - start
         return MetricsSnapshot(self.node.node_id, time.time(), metrics)
