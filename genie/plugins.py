@@ -162,7 +162,7 @@ class PluginManager:
                 fragments.append({"errors": {impl.plugin_name: f"{type(exc).__name__}: {exc}"}})
                 continue
             if fragment:
-                fragments.append(fragment)
+                fragments.append(dict(fragment))
         return fragments
 
     def health_checks(self) -> list[Any]:
