@@ -156,13 +156,13 @@ class PluginManager:
         fragments: list[dict[str, Any]] = []
         for impl in reversed(self._pm.hook.genie_node_metrics.get_hookimpls()):
             try:
-                fragment = impl.function(**{name: node for name in impl.argnames if name == "node"})
+                fragment: Any = impl.function(**{name: node for name in impl.argnames if name == "node"})
             except Exception as exc:
                 log.debug("genie_node_metrics of plugin %r failed", impl.plugin_name, exc_info=True)
                 fragments.append({"errors": {impl.plugin_name: f"{type(exc).__name__}: {exc}"}})
                 continue
             if fragment:
-                fragments.append(dict(fragment))
+                fragments.append(fragment)
         return fragments
 
     def health_checks(self) -> list[Any]:
