@@ -28,6 +28,16 @@ READY = re.compile(
 )
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM if the parent dies (Linux), so a crashed test or
+    client never leaves a node running."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 class NodeProcess:
     """A genie node child process; a context manager that always stops it.
 
@@ -71,7 +81,7 @@ class NodeProcess:
         fd, self.log_path = tempfile.mkstemp(prefix="genie-node-", suffix=".log")
         with os.fdopen(fd, "wb") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_die_with_parent)
         self.process = self.proc
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
