@@ -82,23 +82,17 @@ def run(args: argparse.Namespace) -> int:
 
 async def _follow(args: argparse.Namespace, printer: _Printer) -> None:
 
-    from genie.cluster.query import query_master
-    from genie.config import ClusterConfig
-    from genie.security import ClientSecurity
+    from genie.cluster.query import connect_master, query_master
     from genie.types import ClusterEvent
     from genie.wire import control
     from genie.wire.frame import MsgKind
-    from genie.wire.handshake import connect_control
 
     host, port = master_address(args)
     # the same authenticated connection as every query (token and TLS from the GENIE_* environment)
-    security = ClientSecurity.from_config(ClusterConfig.from_sources())
     try:
-        stream = await connect_control(host, port, security, role="cli", connect_timeout=args.timeout,
-                                       handshake_timeout=args.timeout)
-    except (OSError, TimeoutError) as exc:
-        raise Unreachable(f"cannot reach the genie master at {host}:{port}: {exc or 'timed out'}; "
-                          "is `genie serve` running there?") from None
+        stream = await connect_master(host, port, args.timeout)
+    except TransportError as exc:
+        raise Unreachable(str(exc)) from None
     async with stream:
         try:
             await control.send_msg(stream, MsgKind.SUBSCRIBE, {})

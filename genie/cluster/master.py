@@ -14,6 +14,7 @@ import anyio
 from anyio.abc import ByteStream, SocketStream, TaskGroup
 
 from genie.cluster.membership import Membership
+from genie.cluster.monitor import node_report
 from genie.errors import ConnectionClosedError, GenieError
 from genie.security import ServerSecurity
 from genie.types import ClusterEvent, NodeInfo, NodeRole
@@ -69,14 +70,7 @@ class ControlService:
         me = self.membership.members.get(self.membership.self_id)
         if me is None:
             return
-        metrics: dict[str, Any] = {}
-        latest = self.monitor.latest(me.info.node_id) if self.monitor is not None else None
-        if latest is not None:
-            metrics.update(latest.to_dict())
-        report = self.health.last_report if self.health is not None else None
-        if report is not None:
-            metrics["health"] = report.to_dict()
-        me.metrics = metrics
+        me.metrics = node_report(self.monitor, self.health, me.info.node_id)
 
     async def emit(self, event: ClusterEvent) -> None:
         self.publish(event)

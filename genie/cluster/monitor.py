@@ -335,3 +335,16 @@ class ResourceMonitor:
         with self._lock:
             self._history.pop(node_id, None)
             self._gpu_states.pop(node_id, None)
+
+
+def node_report(monitor: ResourceMonitor | None, health: Any, node_id: str | None = None) -> dict[str, Any]:
+    """What a node's heartbeat carries (and the master records for itself): its latest metrics
+    snapshot and its latest health report, each left out until there is one."""
+    out: dict[str, Any] = {}
+    latest = monitor.latest(node_id) if monitor is not None else None
+    if latest is not None:
+        out.update(latest.to_dict())
+    report = health.last_report if health is not None else None
+    if report is not None:
+        out["health"] = report.to_dict()
+    return out

@@ -45,10 +45,10 @@ RECONNECT_MAX_BACKOFF = 5.0
 
 
 def master_unreachable(cfg: ClusterConfig, detail: str) -> ConnectError:
-    return ConnectError(
-        f"cannot reach the genie master at {cfg.master_addr}:{cfg.master_port}: {detail}; "
-        "start one with `genie serve` or set master_addr/GENIE_MASTER_ADDR"
-    )
+    from genie.cluster.query import master_unreachable as unreachable
+
+    return unreachable(cfg.master_addr, cfg.master_port, detail,
+                       "start one with `genie serve` or set master_addr/GENIE_MASTER_ADDR")
 
 
 def make_node_id(role: NodeRole) -> str:
@@ -335,15 +335,9 @@ class Runtime:
 
     def _metrics(self) -> dict[str, Any]:
         """What a heartbeat carries: the latest metrics snapshot and health report."""
-        out: dict[str, Any] = {}
-        monitor, health = getattr(self, "monitor", None), getattr(self, "health", None)
-        latest = monitor.latest() if monitor is not None else None
-        if latest is not None:
-            out.update(latest.to_dict())
-        report = health.last_report if health is not None else None
-        if report is not None:
-            out["health"] = report.to_dict()
-        return out
+        from genie.cluster.monitor import node_report
+
+        return node_report(self.monitor, self.health)
 
     def _on_ack(self, state: ClusterState, ack: dict[str, Any]) -> None:
         if "nodes" not in ack:
