@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 from genie.cluster.launch import NodeProcess
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, step: float = 0.05) -> Any:
+    """Poll ``predicate`` until it returns something true (returned), or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(step)
 
 
 def free_port() -> int:

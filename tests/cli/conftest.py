@@ -7,8 +7,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,22 +16,11 @@ import pytest
 from genie.cluster.launch import NodeProcess
 from genie.cluster.overview import nodes
 from genie.cluster.query import query_master_sync
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until  # noqa: F401 - re-exported for the cli tests
 
 #: Short intervals so joins, losses and health reports show within a second or two.
 FAST = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "1", "--gpu-poll-interval", "0.2",
         "--health-check-interval", "0.5")
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, step: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(step)
 
 
 def genie(*args: str, timeout: float = 15) -> subprocess.CompletedProcess[str]:

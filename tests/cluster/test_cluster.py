@@ -14,19 +14,9 @@ import pytest
 
 from genie.cluster.launch import NodeProcess
 from genie.cluster.query import follow_events, query_master_sync
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until
 
 HB = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "1")
-
-
-def wait_until(predicate, timeout: float, step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def node_status(port: int, node_id: str) -> str | None:
