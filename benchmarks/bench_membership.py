@@ -213,13 +213,14 @@ def ack_cost(nodes: int) -> tuple[float, float, int]:
     """Seconds per Membership.snapshot() and per ControlService._ack() with ``nodes`` members, and the ack's bytes."""
     from genie.cluster.master import ControlService
     from genie.cluster.membership import Membership
+    from genie.security import ServerSecurity
     from genie.types import NodeInfo
     from genie.wire.frame import pack_body
 
     m = Membership(5.0, self_id="master")
     for i in range(nodes):
         m.join(NodeInfo.from_dict(node_info(i)))
-    svc = ControlService(m, heartbeat_interval=1.0, publish=lambda e: None)
+    svc = ControlService(m, heartbeat_interval=1.0, publish=lambda e: None, security=ServerSecurity())
     reps = max(3, 2000 // max(nodes, 1))
     t0 = time.perf_counter()
     for _ in range(reps):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from genie.cluster.placement import Candidate
     from genie.config import ClusterConfig
     from genie.types import NodeInfo, ProbeResult
 
@@ -94,4 +95,27 @@ def genie_event_sinks() -> list[Any]:
     :return: a list of objects with a ``handle(event: ClusterEvent) -> None``
         method. Each receives every event in order; a sink that raises is
         logged and never stops the others.
+    """
+
+
+@hookspec(firstresult=True)
+def genie_placement_score(candidate: Candidate, default_score: float, min_memory: int | None,
+                          prefer: str | int | None) -> float | None:
+    """Score a device for new work: a site's own placement policy.
+
+    Called by ``genie.device()`` (and by ``genie.init`` to choose the current
+    device) on the client's thread, once per eligible device (its node connected,
+    its session alive, not unhealthy, enough free memory), so keep it cheap.
+
+    :param candidate: the device and what is known of it
+        (:class:`genie.cluster.placement.Candidate`: index, node id, kind, free
+        and total memory, utilisation, health grade, this client's share of data
+        there, measured link round trip).
+    :param default_score: genie's own score for it (docs/placement.md).
+    :param min_memory: bytes the caller asked to have free, or None.
+    :param prefer: what the caller prefers (a node id, index or kind), or None.
+    :return: the device's score (higher wins; ``float("-inf")`` excludes it), or
+        None to keep ``default_score``.
+
+    Stops at first non-None result, see :ref:`firstresult`.
     """

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import attrs
@@ -164,6 +164,11 @@ class PluginManager:
             if fragment:
                 fragments.append(fragment)
         return fragments
+
+    def placement_hook(self) -> Callable[..., float | None] | None:
+        """The ``genie_placement_score`` caller, or None when no plugin implements it (default policy)."""
+        caller = self._pm.hook.genie_placement_score
+        return caller if caller.get_hookimpls() else None
 
     def health_checks(self) -> list[Any]:
         return [c for checks in self._pm.hook.genie_health_checks() for c in (checks or [])]

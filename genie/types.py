@@ -181,6 +181,8 @@ class EventType(str, enum.Enum):
     HEALTH_CHANGED = "health_changed"
     BACKEND_SELECTED = "backend_selected"
     BACKEND_FALLBACK = "backend_fallback"
+    DEVICES_ADDED = "devices_added"  #: a node joined after this client's init: its devices were appended
+    PLACEMENT = "placement"  #: genie.device() chose a device (data: the choice and every candidate's score)
 
 
 @attrs.frozen

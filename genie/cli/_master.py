@@ -28,13 +28,18 @@ def add_master_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the master (default 5)")
 
 
+def parse_master(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (or ``[v6]:PORT``) as a pair; ConfigError naming ``--master`` otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError("master", text, "argument --master", "HOST:PORT, e.g. 10.0.0.1:5555")
+    return host.strip("[]"), int(port)
+
+
 def master_address(args: argparse.Namespace) -> tuple[str, int]:
     """``--master`` as (host, port), or the configured master (arguments, then GENIE_* environment)."""
     if args.master:
-        host, sep, port = args.master.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise ConfigError("master", args.master, "argument --master", "HOST:PORT, e.g. 10.0.0.1:5555")
-        return host.strip("[]"), int(port)
+        return parse_master(args.master)
     from genie.config import ClusterConfig
 
     config = ClusterConfig.from_sources()

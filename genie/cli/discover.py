@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
-from genie.config import ClusterConfig
-from genie.errors import BackendUnavailableError, ConfigError
+from genie.config import ClusterConfig, env_name
+from genie.errors import BackendUnavailableError
 from genie.plugins import PluginManager
 from genie.transport.base import ProbeTarget
 from genie.transport.cache import result_from_dict
@@ -24,7 +25,9 @@ from genie.types import ProbeResult
 
 def register(sub: Any) -> None:
     p = sub.add_parser("discover", help="probe every network backend and show which one genie would choose")
-    p.add_argument("--master", default="", help="HOST:PORT to probe against (default: local capabilities only)")
+    p.add_argument("--master", default=None,
+                   help="HOST:PORT to probe against (default: GENIE_MASTER_ADDR[:GENIE_MASTER_PORT] when set, "
+                        "else local capabilities only)")
     p.add_argument("--backend", default=None, help="a backend option to apply (default: GENIE_BACKEND or auto)")
     p.add_argument("--timeout", type=float, default=None, help="probe deadline in seconds (default: probe_timeout)")
     p.add_argument("--refresh", action="store_true", help="ignore the host-capability cache (and refill it)")
@@ -36,15 +39,23 @@ def parse_master(text: str) -> tuple[str, int]:
     """``HOST:PORT`` (or ``[v6]:PORT``) to a pair; an empty text is ``("", 0)``."""
     if not text:
         return "", 0
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ConfigError("master", text, "argument --master", "HOST:PORT, e.g. 10.0.0.1:5555")
-    return host.strip("[]"), int(port)
+    from genie.cli._master import parse_master as parse
+
+    return parse(text)
 
 
 def target_from_args(args: argparse.Namespace, config: ClusterConfig) -> ProbeTarget:
-    """The probe target of ``--master`` and ``--timeout`` (or the config's probe_timeout)."""
-    host, port = parse_master(args.master)
+    """The probe target of ``--master`` and ``--timeout`` (or the config's probe_timeout).
+
+    Without ``--master``, the master of ``GENIE_MASTER_ADDR`` (and ``GENIE_MASTER_PORT``) when
+    that is set; else no master (local capabilities only).
+    """
+    if args.master is not None:
+        host, port = parse_master(args.master)
+    elif env_name("master_addr") in os.environ:
+        host, port = config.master_addr, config.master_port
+    else:
+        host, port = "", 0
     return ProbeTarget(host=host, port=port, timeout=args.timeout or config.probe_timeout)
 
 

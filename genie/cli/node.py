@@ -8,12 +8,16 @@ ready line (see :mod:`genie.cluster.launch`) and stop cleanly on SIGTERM/SIGINT.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
 from typing import Any
 
 from genie.config import env_name
+
+#: The environment variable behind ``genie serve --state-file``.
+STATE_FILE_ENV = "GENIE_STATE_FILE"
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -36,10 +40,15 @@ def _common(p: argparse.ArgumentParser) -> None:
 def register(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run the master node (registry, control service, its own GPUs)")
     serve.add_argument("--port", type=int, default=None, help=f"control-plane port (default 5555; {env_name('master_port')})")
+    serve.add_argument("--state-file", default=None,
+                       help="keep the cluster's device order in this file, so it survives a restart of the master "
+                            f"(default: none; {STATE_FILE_ENV}); use it with a fixed --node-id")
     _common(serve)
     serve.set_defaults(func=run_serve)
     worker = sub.add_parser("worker", help="run a worker node that joins a master and serves its GPUs")
-    worker.add_argument("--master", required=True, help="HOST:PORT of the master's control plane")
+    worker.add_argument("--master", default=None,
+                        help="HOST:PORT of the master's control plane (default: GENIE_MASTER_ADDR:GENIE_MASTER_PORT, "
+                             "else 127.0.0.1:5555)")
     _common(worker)
     worker.set_defaults(func=run_worker)
 
@@ -55,16 +64,20 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    return _run("server", {"master_port": args.port, **_options(args)}, insecure=args.insecure)
+    state_file = args.state_file if args.state_file is not None else os.environ.get(STATE_FILE_ENV, "")
+    return _run("server", {"master_port": args.port, **_options(args)}, insecure=args.insecure,
+                state_file=state_file)
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    host, _, port = args.master.rpartition(":")
-    return _run("worker", {"master_addr": host or "127.0.0.1", "master_port": int(port), **_options(args)},
-                insecure=args.insecure)
+    from genie.cli._master import parse_master
+
+    # --master wins; without it ClusterConfig reads GENIE_MASTER_ADDR / GENIE_MASTER_PORT.
+    host, port = parse_master(args.master) if args.master else (None, None)
+    return _run("worker", {"master_addr": host, "master_port": port, **_options(args)}, insecure=args.insecure)
 
 
-def _run(role: str, options: dict[str, Any], *, insecure: bool = False) -> int:
+def _run(role: str, options: dict[str, Any], *, insecure: bool = False, state_file: str = "") -> int:
     from genie.cluster.runtime import Runtime
     from genie.config import ClusterConfig
     from genie.security import check_exposure
@@ -74,7 +87,7 @@ def _run(role: str, options: dict[str, Any], *, insecure: bool = False) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    runtime = Runtime(config)
+    runtime = Runtime(config, state_file=state_file)
     state = runtime.start()
     try:
         control = f"{config.bind_addr}:{state.master_port or config.master_port}"

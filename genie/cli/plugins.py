@@ -6,16 +6,18 @@ import argparse
 import json
 from typing import Any
 
-from genie.cli.discover import parse_master
+from genie.cli.discover import target_from_args
+from genie.config import ClusterConfig
 from genie.plugins import PluginManager
-from genie.transport.base import ProbeTarget
 from genie.transport.discovery import discover_sync
 from genie.types import ProbeResult
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("plugins", help="list loaded plugins and probe their transports (JSON)")
-    p.add_argument("--master", default="", help="HOST:PORT to probe against (default: local capabilities only)")
+    p.add_argument("--master", default=None,
+                   help="HOST:PORT to probe against (default: GENIE_MASTER_ADDR[:GENIE_MASTER_PORT] when set, "
+                        "else local capabilities only)")
     p.add_argument("--timeout", type=float, default=2.0, help="probe deadline in seconds")
     p.set_defaults(func=run)
 
@@ -42,7 +44,7 @@ def describe(pm: PluginManager, probes: dict[str, ProbeResult]) -> list[dict[str
 
 def run(args: argparse.Namespace) -> int:
     pm = PluginManager()
-    host, port = parse_master(args.master)
-    probes = dict(discover_sync(pm, ProbeTarget(host=host, port=port, timeout=args.timeout)).results)
+    target = target_from_args(args, ClusterConfig.from_sources())
+    probes = dict(discover_sync(pm, target).results)
     print(json.dumps({"plugins": describe(pm, probes)}, indent=2))
     return 0

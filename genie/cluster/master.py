@@ -8,13 +8,15 @@ lost and tells every subscriber.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import ByteStream, SocketStream, TaskGroup
 
 from genie.cluster.membership import Membership
 from genie.cluster.monitor import node_report
+from genie.cluster.report import NodeReport
 from genie.errors import ConnectionClosedError, GenieError
 from genie.security import ServerSecurity
 from genie.types import ClusterEvent, NodeInfo, NodeRole
@@ -22,27 +24,40 @@ from genie.wire import control
 from genie.wire.frame import MsgKind
 from genie.wire.handshake import accept_control
 
+if TYPE_CHECKING:
+    from genie.cluster.health import HealthChecker
+    from genie.cluster.monitor import ResourceMonitor
+    from genie.telemetry import MetricsServer, Telemetry
+
 log = logging.getLogger("genie.master")
 
 
 class ControlService:
     """Serves the control plane on ``host:port`` for the master node."""
 
-    def __init__(self, membership: Membership, *, heartbeat_interval: float, publish: Any,
-                 recent_events: Any = None, security: ServerSecurity | None = None) -> None:
+    def __init__(self, membership: Membership, *, heartbeat_interval: float, publish: Callable[[ClusterEvent], None],
+                 security: ServerSecurity, recent_events: Callable[[], list[ClusterEvent]] | None = None,
+                 monitor: ResourceMonitor | None = None, health: HealthChecker | None = None,
+                 telemetry: Telemetry | None = None, metrics_server: MetricsServer | None = None) -> None:
         self.membership = membership
         self.heartbeat_interval = heartbeat_interval
         self.publish = publish
-        self.recent_events: Any = recent_events or (lambda: [])
+        self.recent_events = recent_events or (lambda: [])
         self.subscribers: set[Any] = set()
         self.port = 0
-        self.monitor: Any = None  #: the master's ResourceMonitor: ingests every node's heartbeat metrics
-        self.health: Any = None  #: the master's own HealthChecker
-        self.telemetry: Any = None
-        self.metrics_port = 0  #: where /metrics is served (0: nowhere)
-        self._ack_cache: tuple[int, dict[str, Any]] = (-1, {})
+        self.monitor = monitor  #: the master's ResourceMonitor: ingests every node's heartbeat metrics
+        self.health = health  #: the master's own HealthChecker
+        self.telemetry = telemetry
+        self.metrics_server = metrics_server  #: where /metrics is served (None: nowhere)
+        #: ack bodies per (version a client applied, current version): one build per membership change
+        self._acks: dict[tuple[int, int], dict[str, Any]] = {}
         #: token and TLS every control connection must pass (genie.wire.handshake.accept_control)
-        self.security = security or ServerSecurity()
+        self.security = security
+
+    @property
+    def metrics_port(self) -> int:
+        """Where /metrics is served (0: nowhere)."""
+        return self.metrics_server.port if self.metrics_server is not None else 0
 
     async def serve(self, host: str, port: int, task_group: TaskGroup, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
@@ -70,7 +85,8 @@ class ControlService:
         me = self.membership.members.get(self.membership.self_id)
         if me is None:
             return
-        me.metrics = node_report(self.monitor, self.health, me.info.node_id)
+        me.report = NodeReport.from_dict(node_report(self.monitor, self.health, me.info.node_id),
+                                         node_id=me.info.node_id)
 
     async def emit(self, event: ClusterEvent) -> None:
         self.publish(event)
@@ -100,16 +116,13 @@ class ControlService:
                         node_id = await self._join(stream, body, peer_host)
                     elif kind == MsgKind.HEARTBEAT:
                         sender = str(body.get("node_id", node_id))
-                        metrics = body.get("metrics") if isinstance(body.get("metrics"), dict) else None
-                        for event in self.membership.heartbeat(sender, metrics):
+                        report = self._report(sender, body.get("metrics"))
+                        for event in self.membership.heartbeat(sender, report):
                             await self.emit(event)
                         if self.telemetry is not None:
                             self.telemetry.record_heartbeat(node_id=sender, direction="received")
-                        if metrics and "metrics" in metrics and self.monitor is not None:
-                            try:
-                                self.monitor.ingest(sender, metrics)
-                            except GenieError as exc:
-                                log.warning("bad metrics from %s: %s", sender, exc)
+                        if report is not None and report.snapshot is not None and self.monitor is not None:
+                            self.monitor.ingest(sender, report.snapshot)
                         await control.send_msg(stream, MsgKind.HEARTBEAT_ACK, self._ack(body.get("known")))
                     elif kind == MsgKind.QUERY:
                         reply = self.membership.snapshot()
@@ -138,23 +151,42 @@ class ControlService:
                 except GenieError:
                     pass
 
+    @staticmethod
+    def _report(sender: str, metrics: Any) -> NodeReport | None:
+        """The heartbeat's metrics, parsed once here; a malformed report is logged and dropped."""
+        if metrics is None:
+            return None
+        try:
+            return NodeReport.from_dict(metrics, node_id=sender)
+        except GenieError as exc:
+            log.warning("bad metrics from %s: %s", sender, exc)
+            return None
+
     def _ack(self, known_version: Any) -> dict[str, Any]:
-        """O(1) when the sender's view is current: the node list only when membership changed.
+        """O(1) when the sender's view is current; else only the serving nodes changed since.
 
         Workers send ``known`` = None (they never need the list); clients send the version
-        they last applied. The list is built once per membership version.
+        they last applied (-1: everything). Each entry carries the node's devices with their
+        cluster indices, so a client appends the devices of a node that joined after it.
+        An ack body is built once per (known, current) version pair.
         """
         version = self.membership.version
         if known_version is None or known_version == version:
             return {"version": version}
-        if self._ack_cache[0] != version:
+        since = known_version if isinstance(known_version, int) and 0 <= known_version < version else -1
+        key = (since, version)
+        body = self._acks.get(key)
+        if body is None:
+            if len(self._acks) > 256 or any(v != version for _, v in self._acks):
+                self._acks.clear()
             nodes = [
                 {"node_id": m.info.node_id, "status": m.status.value, "address": m.info.address,
-                 "data_port": m.info.data_port, "role": m.info.role.value, "backends": list(m.info.backends)}
-                for m in self.membership.members.values()
+                 "data_port": m.info.data_port, "role": m.info.role.value, "backends": list(m.info.backends),
+                 "devices": m.devices()}
+                for m in self.membership.changed_since(since)
             ]
-            self._ack_cache = (version, {"version": version, "nodes": nodes})
-        return self._ack_cache[1]
+            body = self._acks[key] = {"version": version, "nodes": nodes, "full": since < 0}
+        return body
 
     async def _join(self, stream: ByteStream, body: dict[str, Any], peer_host: str) -> str:
         try:

@@ -1,8 +1,15 @@
-"""Node-side helpers of the runtime: local devices, the data-plane host, client sessions to nodes."""
+"""Node-side helpers of the runtime: local devices and a client's sessions to nodes.
+
+A client opens one data-plane session per node that owns devices (:func:`connect_devices`),
+appends the devices of nodes that join later (:func:`add_devices`), and replaces sessions
+of nodes that come back (:func:`reconnect_lost`). Every session uses the security settings
+the runtime built once from its configuration.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -13,9 +20,8 @@ from genie.device.registry import DeviceTable, RemoteDevice
 from genie.errors import ConnectError
 from genie.plugins import PluginManager
 from genie.security import ClientSecurity
-from genie.transport.base import Transport
 from genie.transport.selection import connect_with_fallback, select
-from genie.types import ClusterEvent, EventType, GPUInfo, NodeInfo
+from genie.types import ClusterEvent, EventType, GPUInfo
 from genie.wire.handshake import secure_client_channel
 from genie.wire.messages import hello_body
 
@@ -36,25 +42,8 @@ def local_gpus(spec: str) -> list[GPUInfo]:
     return out
 
 
-class DataPlaneHost:
-    """The data-plane server a server or worker node runs for its own devices."""
-
-    def __init__(self, transport: Transport, config: ClusterConfig, node: NodeInfo) -> None:
-        from genie.server.node import DataPlaneServer, parse_devices
-
-        self.server = DataPlaneServer(transport, config.bind_addr, config.data_port,
-                                      parse_devices(config.devices), config.replace(node_id=node.node_id))
-
-    def start(self) -> int:
-        self.server.start()
-        return self.server.port
-
-    def stop(self) -> None:
-        self.server.stop()
-
-
-def _open_session(pm: PluginManager, config: ClusterConfig, client_id: str, node: dict[str, Any],
-                  probes: Any, emit: Any) -> NodeConnection:
+def _open_session(pm: PluginManager, config: ClusterConfig, security: ClientSecurity, client_id: str,
+                  node: dict[str, Any], probes: Any, emit: Any, links: dict[str, float] | None = None) -> NodeConnection:
     transports = pm.transports()
     peer = select(probes, pm=pm, config=config, peer_backends=node.get("backends", ["tcp"]),
                   peer=f"node {node['node_id']}")
@@ -63,7 +52,6 @@ def _open_session(pm: PluginManager, config: ClusterConfig, client_id: str, node
         address = config.master_addr  # the master's own devices: where we reached it
     outcome = connect_with_fallback(peer, transports, (address, int(node["data_port"])),
                                     timeout=config.connect_timeout, emit=emit, source=client_id)
-    security = ClientSecurity.from_config(config)
     channel = outcome.channel
     if security.tls is not None:
         channel.settimeout(config.connect_timeout)
@@ -72,40 +60,94 @@ def _open_session(pm: PluginManager, config: ClusterConfig, client_id: str, node
     conn = NodeConnection(channel, node_id=node["node_id"], address=f"{address}:{node['data_port']}",
                           op_timeout=config.op_timeout)
     conn.backend = outcome.backend
+    started = time.perf_counter()
     try:
         conn.handshake(hello_body(node_id=client_id, role="client", backends=[outcome.backend]),
                        config.connect_timeout, token=security.token)
     except BaseException:
         channel.close()
         raise
+    if links is not None:  # the measured link placement weighs: the handshake's round trips
+        links[node["node_id"]] = time.perf_counter() - started
     return conn
 
 
-def connect_devices(pm: PluginManager, config: ClusterConfig, state: Any, snapshot: dict[str, Any],
-                    emit: Any) -> DeviceTable:
-    """Open one data-plane session per node that has devices; the table in the master's order."""
-    nodes = {n["node_id"]: n for n in snapshot.get("nodes", [])}
+def _sessions_for(pm: PluginManager, config: ClusterConfig, security: ClientSecurity, state: Any,
+                  nodes: dict[str, dict[str, Any]], entries: list[dict[str, Any]], emit: Any,
+                  why: str, links: dict[str, float] | None = None) -> list[RemoteDevice]:
+    """RemoteDevices for ``entries`` (the master's device list), one new session per node.
+
+    A node that cannot be reached gets a lost connection, so indices stay aligned and
+    :func:`reconnect_lost` replaces it once the master reports the node connected.
+    """
     sessions: dict[str, NodeConnection] = {}
     devices: list[RemoteDevice] = []
-    for d in snapshot.get("devices", []):
+    for d in entries:
         node = nodes[d["node_id"]]
         conn = sessions.get(node["node_id"])
         if conn is None and node.get("status") == "connected":
             try:
-                conn = _open_session(pm, config, state.local_node.node_id, node, state.probes, emit)
+                conn = _open_session(pm, config, security, state.local_node.node_id, node, state.probes, emit,
+                                     links)
             except ConnectError as exc:
                 log.warning("cannot open a session to node %s: %s", node["node_id"], exc)
                 conn = None
             if conn is not None:
                 sessions[node["node_id"]] = conn
         if conn is None:
-            conn = _dead_connection(node, "unreachable at init")
+            conn = _dead_connection(node, why)
             sessions[node["node_id"]] = conn
         devices.append(RemoteDevice(d["index"], d["node_id"], d["local_index"], d["kind"], d["name"], conn))
-    live = [c for c in sessions.values() if c.lost is None]
-    if live:
-        state.backend = live[0].backend
-    return DeviceTable(devices)
+    return devices
+
+
+def connect_devices(pm: PluginManager, config: ClusterConfig, security: ClientSecurity, state: Any,
+                    snapshot: dict[str, Any], emit: Any, links: dict[str, float] | None = None) -> DeviceTable:
+    """Open one data-plane session per node that has devices; the table in the master's order.
+
+    ``links`` receives each node's measured handshake time (seconds), which placement weighs.
+    """
+    nodes = {n["node_id"]: n for n in snapshot.get("nodes", [])}
+    entries = sorted(snapshot.get("devices", []), key=lambda d: d["index"])
+    return DeviceTable(_sessions_for(pm, config, security, state, nodes, entries, emit, "unreachable at init",
+                                     links))
+
+
+def session_backend(table: DeviceTable) -> str | None:
+    """The backend the first live session negotiated (None when no session is live)."""
+    live = [c for c in table.connections() if c.lost is None]
+    return live[0].backend if live else None
+
+
+def add_devices(pm: PluginManager, config: ClusterConfig, security: ClientSecurity, state: Any,
+                table: DeviceTable, emit: Any, links: dict[str, float] | None = None) -> list[RemoteDevice]:
+    """Append the devices the master lists beyond the table's end (nodes that joined after init).
+
+    Opens a session to each new node; publishes DEVICES_ADDED. Returns the devices added.
+    Call from one thread at a time (the runtime serialises it).
+    """
+    entries = sorted((d for d in state.devices if d["index"] >= len(table)), key=lambda d: d["index"])
+    # Only a gap-free run from the table's end can be appended; the rest waits for the next ack.
+    run: list[dict[str, Any]] = []
+    for d in entries:
+        if d["index"] != len(table) + len(run):
+            break
+        run.append(d)
+    if not run:
+        return []
+    nodes = {n["node_id"]: n for n in state.nodes}
+    if any(d["node_id"] not in nodes for d in run):
+        return []
+    added = _sessions_for(pm, config, security, state, nodes, run, emit, "unreachable when it joined", links)
+    table.append(added)
+    by_node: dict[str, list[int]] = {}
+    for d in added:
+        by_node.setdefault(d.node_id, []).append(d.index)
+    for node_id, indices in by_node.items():
+        log.info("node %s joined: remote_accelerator:%s added", node_id, ",".join(map(str, indices)))
+        emit(ClusterEvent(EventType.DEVICES_ADDED, node_id,
+                          {"devices": indices, "labels": [f"remote_accelerator:{i}" for i in indices]}))
+    return added
 
 
 class _NoChannel:
@@ -130,7 +172,8 @@ def _dead_connection(node: dict[str, Any], reason: str) -> NodeConnection:
     return conn
 
 
-def reconnect_lost(pm: PluginManager, config: ClusterConfig, state: Any, table: DeviceTable, emit: Any) -> None:
+def reconnect_lost(pm: PluginManager, config: ClusterConfig, security: ClientSecurity, state: Any,
+                   table: DeviceTable, emit: Any) -> None:
     """Replace lost sessions of nodes the master reports connected again."""
     nodes = {n["node_id"]: n for n in state.nodes}
     fresh: dict[str, NodeConnection] = {}
@@ -141,7 +184,7 @@ def reconnect_lost(pm: PluginManager, config: ClusterConfig, state: Any, table: 
         conn = fresh.get(device.node_id)
         if conn is None:
             try:
-                conn = _open_session(pm, config, state.local_node.node_id, node, state.probes, emit)
+                conn = _open_session(pm, config, security, state.local_node.node_id, node, state.probes, emit)
             except Exception as exc:
                 log.info("node %s not reachable yet: %s", device.node_id, exc)
                 continue

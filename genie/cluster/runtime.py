@@ -14,7 +14,7 @@ import os
 import socket
 import time
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.from_thread
@@ -22,10 +22,11 @@ import anyio.to_thread
 from anyio.abc import ByteStream
 
 from genie.cluster.events import EventBus
-from genie.cluster.nodes import DataPlaneHost, connect_devices, local_gpus
+from genie.cluster.nodes import add_devices, connect_devices, local_gpus, reconnect_lost, session_backend
+from genie.cluster.placement import Decision, candidates, choose, make_device_module_callable
 from genie.cluster.state import ClusterState
 from genie.config import ClusterConfig
-from genie.errors import ConnectError, GenieError, InitTimeoutError
+from genie.errors import AuthenticationError, ConnectError, GenieError, InitTimeoutError
 from genie.plugins import PluginManager, get_plugin_manager
 from genie.security import ClientSecurity, ServerSecurity
 from genie.transport.base import ProbeTarget
@@ -36,7 +37,12 @@ from genie.wire import control
 from genie.wire.frame import MsgKind
 from genie.wire.handshake import connect_control
 
+if TYPE_CHECKING:
+    from genie.server.node import DataPlaneServer
+
 log = logging.getLogger("genie.runtime")
+
+make_device_module_callable()  # genie.device(min_memory=..., prefer=...) is placement
 
 #: How often the runtime thread sends batches a user thread left waiting. Shorter costs the user's
 #: thread GIL hand-offs on every wake-up (2 ms measured 2.5x slower round trips); 20 ms costs nothing.
@@ -51,6 +57,26 @@ def master_unreachable(cfg: ClusterConfig, detail: str) -> ConnectError:
                        "start one with `genie serve` or set master_addr/GENIE_MASTER_ADDR")
 
 
+def merge_nodes(state: ClusterState, fresh: list[dict[str, Any]]) -> None:
+    """Apply an ack's node entries: update known nodes (a restarted node may listen on a new data
+    port), append new ones, and extend the device list with their devices (by cluster index)."""
+    known = {n["node_id"]: n for n in state.nodes}
+    indices = {d["index"] for d in state.devices}
+    for entry in fresh:
+        devices = entry.pop("devices", None) if "devices" in entry else None
+        node = known.get(entry["node_id"])
+        if node is None:
+            state.nodes.append(entry)
+            known[entry["node_id"]] = entry
+        else:
+            node.update(entry)
+        for d in devices or ():
+            if isinstance(d, dict) and isinstance(d.get("index"), int) and d["index"] not in indices:
+                state.devices.append(d)
+                indices.add(d["index"])
+    state.devices.sort(key=lambda d: d["index"])
+
+
 def make_node_id(role: NodeRole) -> str:
     return f"{socket.gethostname()}-{role.value}-{os.getpid()}"
 
@@ -58,13 +84,18 @@ def make_node_id(role: NodeRole) -> str:
 class Runtime:
     """Owns the runtime thread and everything that runs on it."""
 
-    def __init__(self, config: ClusterConfig, pm: PluginManager | None = None) -> None:
+    def __init__(self, config: ClusterConfig, pm: PluginManager | None = None, *, state_file: str = "") -> None:
         self.config = config
         self.pm = pm or get_plugin_manager()
         self.bus = EventBus(pm=self.pm)
         self.phase = "config"
+        self.state_file = state_file  #: the master's membership file (genie serve --state-file)
+        # Security settings are built once, here, from the configuration given (token files and
+        # certificates read once); every connection of this process uses them, never the environment.
+        self.security = ClientSecurity.from_config(config)
+        self.server_security = ServerSecurity.from_config(config) if config.node_role != NodeRole.CLIENT else None
         self.state: ClusterState | None = None
-        self.dataplane: DataPlaneHost | None = None
+        self.dataplane: DataPlaneServer | None = None
         self.control_service: Any = None
         self.membership: Any = None
         self._portal_cm: AbstractContextManager[Any] | None = None
@@ -80,6 +111,8 @@ class Runtime:
         self.telemetry: Any = None
         self.metrics_server: Any = None
         self._background_future: Any = None
+        self._growing = False  #: a thread is appending devices of late joiners
+        self._placement_view: tuple[float, dict[str, Any]] = (0.0, {})  #: (when, the master's QUERY reply)
 
     # -- lifecycle (called from user threads) ---------------------------------------------------
     def start(self) -> ClusterState:
@@ -174,39 +207,61 @@ class Runtime:
         cfg = self.config
         role = cfg.node_role
         if role in (NodeRole.SERVER, NodeRole.WORKER):
+            from genie.server.node import DataPlaneServer, parse_devices
+
             transport = self.pm.transports()[selection.best.name]()
-            self.dataplane = DataPlaneHost(transport, cfg, state.local_node)
-            port = await anyio.to_thread.run_sync(self.dataplane.start)
-            state.data_port = port
+            assert self.server_security is not None  # built for every serving role
+            self.dataplane = DataPlaneServer(transport, cfg.bind_addr, cfg.data_port, parse_devices(cfg.devices),
+                                             cfg.replace(node_id=state.local_node.node_id),
+                                             security=self.server_security)
+            await anyio.to_thread.run_sync(self.dataplane.start)
+            state.data_port = port = self.dataplane.port
             state.local_node = NodeInfo(state.local_node.node_id, state.local_node.hostname, role,
                                         cfg.bind_addr, port, state.local_node.gpus, state.local_node.backends)
+            self._make_monitors(state)
         if role == NodeRole.SERVER:
             from genie.cluster.master import ControlService
             from genie.cluster.membership import Membership
 
-            self.membership = Membership(cfg.heartbeat_timeout, self_id=state.local_node.node_id)
-            self.control_service = ControlService(self.membership, heartbeat_interval=cfg.heartbeat_interval,
-                                                  publish=self.bus.publish, recent_events=self.bus.recent,
-                                                  security=ServerSecurity.from_config(cfg))
+            assert self.server_security is not None
+            self.membership = Membership(cfg.heartbeat_timeout, self_id=state.local_node.node_id,
+                                         state_file=self.state_file)
+            self.control_service = ControlService(
+                self.membership, heartbeat_interval=cfg.heartbeat_interval, publish=self.bus.publish,
+                recent_events=self.bus.recent, security=self.server_security, monitor=self.monitor,
+                health=self.health, telemetry=self.telemetry, metrics_server=self.metrics_server)
             for event in self.membership.join(state.local_node):
                 self.bus.publish(event)
             return
         snapshot = await self._join(state)
         self._apply_snapshot(state, snapshot)
         if role == NodeRole.CLIENT:
-            self.table = await anyio.to_thread.run_sync(
-                lambda: connect_devices(self.pm, cfg, state, snapshot, self.bus.publish)
+            links: dict[str, float] = {}
+            state.stats["links"] = links
+            self.table = table = await anyio.to_thread.run_sync(
+                lambda: connect_devices(self.pm, cfg, self.security, state, snapshot, self.bus.publish, links)
             )
+            # The one place the backend in use is decided for a client: what its sessions negotiated
+            # (discovery's choice for nodes that serve).
+            state.backend = session_backend(table) or state.backend
             from genie.device import ensure_registered
-            from genie.device.registry import set_table
+            from genie.device.registry import set_default_index, set_table
 
             ensure_registered()
-            set_table(self.table)
+            set_table(table)
+            self._placement_view = (time.monotonic(), snapshot)
+            if len(table):
+                try:
+                    decision = self._decide(snapshot, None, None)
+                except GenieError as exc:
+                    log.warning("no device is fit for work yet: %s", exc)
+                else:
+                    set_default_index(decision.index)
 
     async def _join(self, state: ClusterState) -> dict[str, Any]:
         cfg = self.config
         try:
-            stream = await connect_control(cfg.master_addr, cfg.master_port, ClientSecurity.from_config(cfg),
+            stream = await connect_control(cfg.master_addr, cfg.master_port, self.security,
                                            role=cfg.node_role.value, node_id=state.local_node.node_id,
                                            connect_timeout=cfg.connect_timeout)
         except (OSError, TimeoutError) as exc:
@@ -239,8 +294,8 @@ class Runtime:
                     tg.start_soon(self._flush_loop)
                 task_status.started()
 
-    async def _start_monitors(self, tg: Any, state: ClusterState) -> None:
-        """Resource monitor, health checker and telemetry of a node that serves devices."""
+    def _make_monitors(self, state: ClusterState) -> None:
+        """Resource monitor, health checker and telemetry of a node that serves devices (started later)."""
         from genie.cluster.health import HealthChecker
         from genie.cluster.monitor import ResourceMonitor
         from genie.telemetry import MetricsServer, Telemetry
@@ -248,25 +303,21 @@ class Runtime:
         cfg, node = self.config, state.local_node
         self.monitor = ResourceMonitor.from_config(cfg, pm=self.pm, node=node, bus=self.bus)
         self.health = HealthChecker.from_config(cfg, pm=self.pm, node_id=node.node_id, bus=self.bus)
-        if self.control_service is not None:
-            self.control_service.monitor = self.monitor
-            self.control_service.health = self.health
-        if cfg.enable_gpu_monitoring:
-            await tg.start(self.monitor.run)
-        if cfg.enable_health_checks:
-            await tg.start(self.health.run)
         if cfg.enable_telemetry and cfg.metrics_port:
             self.telemetry = Telemetry(node_id=node.node_id)
             self.telemetry.watch_monitor(self.monitor)
             self.telemetry.follow_health(self.bus)
-            if self.membership is not None:
-                self.control_service.telemetry = self.telemetry
             self.metrics_server = MetricsServer(self.telemetry, host=cfg.bind_addr, port=cfg.metrics_port,
                                                 ready=lambda: self.phase == "running")
+
+    async def _start_monitors(self, tg: Any, state: ClusterState) -> None:
+        if self.config.enable_gpu_monitoring:
+            await tg.start(self.monitor.run)
+        if self.config.enable_health_checks:
+            await tg.start(self.health.run)
+        if self.metrics_server is not None:
             await tg.start(self.metrics_server.run)
             state.stats["metrics_port"] = self.metrics_server.port
-            if self.control_service is not None:
-                self.control_service.metrics_port = self.metrics_server.port
 
     async def _flush_loop(self) -> None:
         # Servers close sessions idle for their session_idle_timeout (told in WELCOME); a client that
@@ -325,9 +376,12 @@ class Runtime:
         while True:
             try:
                 async for event in follow_events(self.config.master_addr, self.config.master_port,
-                                                 timeout=self.config.connect_timeout):
+                                                 timeout=self.config.connect_timeout, security=self.security):
                     backoff = 0.1
                     self.bus.publish(event)
+            except AuthenticationError as exc:
+                # Not a passing outage: say so where people look, once per attempt at most every backoff.
+                log.warning("the master refused this process's event stream: %s", exc)
             except (GenieError, OSError, TimeoutError) as exc:
                 log.debug("event stream from the master ended: %s", exc)
             await anyio.sleep(backoff)
@@ -343,12 +397,11 @@ class Runtime:
         if "nodes" not in ack:
             return  # nothing changed since the version we applied
         self._known_version = ack.get("version", -1)
-        fresh = {n["node_id"]: n for n in ack.get("nodes", []) if isinstance(n, dict) and "node_id" in n}
-        statuses = {node_id: n.get("status") for node_id, n in fresh.items()}
-        for n in state.nodes:
-            n.update(fresh.get(n["node_id"], {}))  # a restarted node may listen on a new data port
+        fresh = [n for n in ack.get("nodes", []) if isinstance(n, dict) and isinstance(n.get("node_id"), str)]
+        merge_nodes(state, fresh)
         if self.table is None:
             return
+        statuses = {n["node_id"]: n.get("status") for n in fresh}
         for device in self.table.devices:
             status = statuses.get(device.node_id)
             if status in ("lost", "disconnected") and device.connection.lost is None:
@@ -356,13 +409,53 @@ class Runtime:
             elif status == "connected" and device.connection.lost is not None:
                 self._known_version = -1  # ask again next time, in case this attempt fails
                 self._tg.start_soon(anyio.to_thread.run_sync, self._reconnect_lost)
-                return
+                break
+        if len(state.devices) > len(self.table) and not self._growing:
+            self._growing = True
+            self._tg.start_soon(anyio.to_thread.run_sync, self._add_devices)
+
+    def _add_devices(self) -> None:
+        """Append the devices of nodes that joined after init (a worker thread: opens sessions)."""
+        try:
+            add_devices(self.pm, self.config, self.security, self.state, self.table, self.bus.publish,
+                        self.state.stats.get("links") if self.state is not None else None)
+        except Exception:
+            log.warning("could not add the devices of a new node", exc_info=True)
+            self._known_version = -1
+        finally:
+            self._growing = False
 
     def _reconnect_lost(self) -> None:
         """Open new sessions to nodes that came back (old tensors stay lost)."""
-        from genie.cluster.nodes import reconnect_lost
+        reconnect_lost(self.pm, self.config, self.security, self.state, self.table, self.bus.publish)
 
-        reconnect_lost(self.pm, self.config, self.state, self.table, self.bus.publish)
+    # -- placement (user threads) --------------------------------------------------------------------
+    def _decide(self, view: dict[str, Any], min_memory: int | None, prefer: str | int | None) -> Decision:
+        assert self.table is not None and self.state is not None
+        decision = choose(candidates(self.table, view, self.state.stats.get("links", {})), pm=self.pm,
+                          min_memory=min_memory, prefer=prefer)
+        self.state.stats["last_placement"] = decision.event(self.state.local_node.node_id).data
+        self.bus.publish(decision.event(self.state.local_node.node_id))
+        return decision
+
+    def place(self, *, min_memory: int | None = None, prefer: str | int | None = None) -> Decision:
+        """Choose the device for new work from the master's latest figures (see genie.cluster.placement).
+
+        The master's view is fetched at most once per heartbeat interval (one QUERY over this
+        process's security settings); when the master is unreachable, the last view is used.
+        """
+        from genie.cluster.query import query_master
+
+        when, view = self._placement_view
+        if time.monotonic() - when > min(self.config.heartbeat_interval, 1.0):
+            cfg = self.config
+            try:
+                view = self.portal.call(lambda: query_master(cfg.master_addr, cfg.master_port,
+                                                             timeout=cfg.connect_timeout, security=self.security))
+                self._placement_view = (time.monotonic(), view)
+            except (GenieError, OSError, TimeoutError) as exc:
+                log.info("placement uses the master's figures from %.1f s ago: %s", time.monotonic() - when, exc)
+        return self._decide(view, min_memory, prefer)
 
     async def _shutdown(self) -> None:
         if self._control is not None:

@@ -1,12 +1,16 @@
 """Which cluster device ``remote_accelerator:N`` is: node, local index, connection.
 
 ``genie.init()`` fills the table in the master's stable order; ``shutdown()``
-empties it. Looking up a device before init raises NotInitializedError.
+empties it. Looking up a device before init raises NotInitializedError. The
+table grows when a node joins after init (:meth:`DeviceTable.append`, at the end:
+existing indices never change); code that caches per-device state subscribes
+with :func:`on_devices_added`.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import attrs
 
@@ -35,6 +39,18 @@ class DeviceTable:
 
     def __init__(self, devices: list[RemoteDevice]) -> None:
         self.devices = devices
+        self._grow = threading.Lock()
+
+    def append(self, devices: list[RemoteDevice]) -> None:
+        """Add devices at the end (each ``index`` must be the next one); tells every listener."""
+        with self._grow:
+            for d in devices:
+                if d.index != len(self.devices):
+                    raise DeviceError(f"{d.label} cannot be appended as index {len(self.devices)}: the cluster "
+                                      "order only grows at its end")
+                self.devices.append(d)
+        for listener in list(_listeners):
+            listener(devices)
 
     def __len__(self) -> int:
         return len(self.devices)
@@ -57,11 +73,24 @@ class DeviceTable:
 
 _table: DeviceTable | None = None
 _local = threading.local()
+_default_index = 0
+_listeners: list[Callable[[list[RemoteDevice]], None]] = []
+
+
+def on_devices_added(listener: Callable[[list[RemoteDevice]], None]) -> Callable[[], None]:
+    """Call ``listener(new_devices)`` whenever the table grows (on the thread that grew it).
+
+    Returns a function that removes the listener.
+    """
+    _listeners.append(listener)
+    return lambda: _listeners.remove(listener) if listener in _listeners else None
 
 
 def set_table(table: DeviceTable | None) -> None:
-    global _table
+    global _table, _default_index
     _table = table
+    if table is None:
+        _default_index = 0
 
 
 def table() -> DeviceTable:
@@ -75,7 +104,17 @@ def table() -> DeviceTable:
 
 
 def current_index() -> int:
-    return getattr(_local, "index", 0)
+    """This thread's current device: set by ``set_device``, else the process default (see
+    :func:`set_default_index`; ``genie.init`` chooses it by placement)."""
+    return getattr(_local, "index", _default_index)
+
+
+def set_default_index(index: int) -> None:
+    """The current device of threads that never called ``set_device`` (``remote_accelerator`` with no index)."""
+    global _default_index
+    if _table is not None:
+        _table.get(index)
+    _default_index = index
 
 
 def set_current_index(index: int) -> None:

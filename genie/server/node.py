@@ -118,6 +118,7 @@ class DataPlaneServer:
         *,
         hello_timeout: float = 10.0,
         max_sessions: int = 1024,
+        security: ServerSecurity | None = None,
     ) -> None:
         if not devices:
             raise ConfigError("devices", devices, "argument devices", "at least one device")
@@ -136,7 +137,8 @@ class DataPlaneServer:
         self._stopping = threading.Event()
         self._ids = itertools.count(1)
         self._device_info = describe_devices(self.devices)
-        self.security = ServerSecurity.from_config(config)  # reads the token file and certificates once, now
+        # The embedding runtime passes the settings it built once; standalone, read them from config now.
+        self.security = security if security is not None else ServerSecurity.from_config(config)
         self.sessions_served = 0
 
     @property
