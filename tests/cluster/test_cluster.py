@@ -14,16 +14,8 @@ import pytest
 
 from genie.cluster.launch import NodeProcess
 from genie.cluster.query import follow_events, query_master_sync
+from tests.cluster.conftest import HB, node_status
 from tests.conftest import free_port, wait_until
-
-HB = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "1")
-
-
-def node_status(port: int, node_id: str) -> str | None:
-    for n in query_master_sync("127.0.0.1", port)["nodes"]:
-        if n["node_id"] == node_id:
-            return n["status"]
-    return None
 
 
 class EventWatcher:
