@@ -1,0 +1,73 @@
+"""The master's membership: stable device slots, acks with only what changed, the state file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from genie.cluster.master import ControlService
+from genie.cluster.membership import Membership
+from genie.errors import ConfigError
+from genie.security import ServerSecurity
+from genie.types import GPUInfo, NodeInfo, NodeRole, NodeStatus
+
+
+def node(node_id: str, gpus: int, role: NodeRole = NodeRole.WORKER) -> NodeInfo:
+    return NodeInfo(node_id, "host", role, "127.0.0.1", 7000, tuple(GPUInfo(i, f"cpu{i}", "cpu") for i in range(gpus)))
+
+
+def order(m: Membership) -> list[tuple[int, str, int]]:
+    return [(d["index"], d["node_id"], d["local_index"]) for d in m.devices()]
+
+
+def test_nodes_own_their_indices_from_their_first_join_and_clients_own_none() -> None:
+    m = Membership(5.0, self_id="master")
+    for info in (node("master", 1, NodeRole.SERVER), node("c", 0, NodeRole.CLIENT), node("w1", 2), node("w2", 1)):
+        m.join(info)
+    assert order(m) == [(0, "master", 0), (1, "w1", 0), (2, "w1", 1), (3, "w2", 0)]
+    m.join(node("w1", 1))  # came back with one device fewer: w2 keeps index 3
+    assert order(m) == [(0, "master", 0), (1, "w1", 0), (3, "w2", 0)]
+
+
+def test_an_ack_carries_only_the_serving_nodes_changed_since_the_clients_version() -> None:
+    m = Membership(5.0, self_id="master")
+    svc = ControlService(m, heartbeat_interval=1.0, publish=lambda e: None, security=ServerSecurity())
+    m.join(node("master", 1, NodeRole.SERVER))
+    m.join(node("w1", 1))
+    m.join(node("c", 0, NodeRole.CLIENT))
+    seen = m.version
+    assert svc._ack(None) == {"version": seen} and svc._ack(seen) == {"version": seen}
+    full = svc._ack(-1)
+    assert full["full"] and [n["node_id"] for n in full["nodes"]] == ["master", "w1"]
+    m.join(node("w2", 2))
+    delta = svc._ack(seen)
+    assert not delta["full"] and [n["node_id"] for n in delta["nodes"]] == ["w2"]
+    assert [d["index"] for d in delta["nodes"][0]["devices"]] == [2, 3]
+    assert svc._ack(seen) is delta  # built once per (known, current) version
+
+
+def test_the_state_file_restores_the_order_with_every_other_node_lost_until_it_rejoins(tmp_path: Path) -> None:
+    path = str(tmp_path / "m.json")
+    first = Membership(5.0, self_id="master", state_file=path)
+    for info in (node("master", 1, NodeRole.SERVER), node("c", 0, NodeRole.CLIENT), node("w1", 2), node("w2", 1)):
+        first.join(info)
+    again = Membership(5.0, self_id="master", state_file=path)
+    assert order(again) == order(first)
+    assert {i: mem.status for i, mem in again.members.items()} == {
+        "master": NodeStatus.CONNECTED, "w1": NodeStatus.LOST, "w2": NodeStatus.LOST}
+    events = again.join(node("w2", 1))
+    assert [e.type.value for e in events] == ["node_recovered"]
+    again.join(node("w3", 1))
+    assert order(again)[-1] == (4, "w3", 0)
+    assert [n["node"]["node_id"] for n in json.loads(Path(path).read_text())["nodes"]] == ["master", "w1", "w2", "w3"]
+
+
+@pytest.mark.parametrize("text", ["{not json", json.dumps({"genie_membership": 99, "nodes": []}),
+                                  json.dumps({"genie_membership": 1, "nodes": [{"node": {}}]})])
+def test_a_broken_state_file_is_refused_with_how_to_start_afresh(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "m.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="delete it to start afresh"):
+        Membership(5.0, state_file=str(path))
