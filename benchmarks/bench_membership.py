@@ -1,4 +1,5 @@
-"""One master, 1,000 simulated nodes heartbeating every second: master CPU, ack latency, false losses (issue 3).
+"""One master, 1,000 simulated nodes joining and heartbeating while 50 clients are connected: how soon every
+client sees every node, master CPU, ack latency, false losses, placement time (issues 3 and 13).
 
     .venv/bin/python benchmarks/bench_membership.py                  # about 1.5 minutes
     .venv/bin/python benchmarks/bench_membership.py --nodes 200 --seconds 20
@@ -11,6 +12,12 @@ control connection, sends JOIN (a worker ``NodeInfo`` with a fake data port and 
 on a timeout it reconnects and joins again, as the runtime does), sleep the interval.
 Nothing here is simulated on the master's side.
 
+``--clients`` (50) simulated clients JOIN before the nodes do and then behave like a
+client runtime: HEARTBEAT with ``known`` = the membership version they applied, and
+record when each node first appears in an ack (the master sends only the nodes changed
+since ``known``). A node's visibility delay at a client is that moment minus the moment
+its JOINED reply arrived; the target is 2 heartbeat intervals for every (client, node).
+
 Figures, over a steady window of ``--seconds`` after every node has joined:
 
 - master CPU: ``psutil`` cpu_times delta of the master process / wall, % of one core;
@@ -21,7 +28,9 @@ Figures, over a steady window of ``--seconds`` after every node has joined:
   counts simulated nodes the master does not hold as connected;
 - heartbeats acknowledged per second (the offered load is nodes / interval);
 - for diagnosis, the master's per-ack work measured in this process: ``Membership.snapshot()``
-  and ``ControlService._ack()`` with the same number of members.
+  and ``ControlService._ack()`` with the same number of members;
+- placement decision time: :func:`genie.cluster.placement.candidates` + ``choose`` over the
+  final QUERY reply (every node's reported figures) with a device table of every node.
 
 The simulator's own CPU is printed too: if it nears 100 % of a core, its own delays
 inflate the latencies. Asserts nothing; stops the master on exit, Ctrl-C included.
@@ -74,6 +83,9 @@ class Sim:
         self.events: dict[str, int] = {}
         self.lost_ids: set[str] = set()
         self.subscribed = anyio.Event()
+        self.joined_at: dict[str, float] = {}  #: node id -> when its JOINED arrived
+        self.seen_at: list[dict[str, float]] = []  #: per client: node id -> when an ack first listed it
+        self.clients_ready = 0
 
     async def subscriber(self) -> None:
         stream = await anyio.connect_tcp("127.0.0.1", self.port)
@@ -93,8 +105,32 @@ class Sim:
         stream = await anyio.connect_tcp("127.0.0.1", self.port)
         t0 = time.perf_counter()
         await control.request(stream, MsgKind.JOIN, {"node": node_info(i)}, MsgKind.JOINED)
-        self.join_latencies.append(time.perf_counter() - t0)
+        now = time.perf_counter()
+        self.join_latencies.append(now - t0)
+        self.joined_at.setdefault(node_info(i)["node_id"], now)
         return stream
+
+    async def client(self, c: int) -> None:
+        """A client's heartbeat loop as genie's runtime runs it: ``known`` = the version it applied."""
+        seen: dict[str, float] = {}
+        self.seen_at.append(seen)
+        node_id = f"client-{c:03d}"
+        stream = await anyio.connect_tcp("127.0.0.1", self.port)
+        info = {"node_id": node_id, "hostname": "sim", "role": "client", "address": "", "data_port": 0,
+                "gpus": [], "backends": ["tcp"], "status": "connected"}
+        async with stream:
+            await control.request(stream, MsgKind.JOIN, {"node": info}, MsgKind.JOINED)
+            self.clients_ready += 1
+            known = -1
+            while True:
+                await control.send_msg(stream, MsgKind.HEARTBEAT, {"node_id": node_id, "metrics": {}, "known": known})
+                kind, ack = await control.recv_msg(stream)
+                now = time.perf_counter()
+                if "nodes" in ack:
+                    known = ack.get("version", -1)
+                    for n in ack["nodes"]:
+                        seen.setdefault(n["node_id"], now)
+                await anyio.sleep(self.interval)
 
     async def node(self, i: int, join_limiter: anyio.CapacityLimiter, first_delay: float,
                    joined: anyio.Event | None = None) -> None:
@@ -155,6 +191,10 @@ async def simulate(args: argparse.Namespace, port: int, master: Any) -> dict[str
         tg.start_soon(sim.subscriber)
         await sim.subscribed.wait()
         limiter = anyio.CapacityLimiter(args.join_concurrency)
+        for k in range(args.clients):
+            tg.start_soon(sim.client, k)
+        while sim.clients_ready < args.clients:
+            await anyio.sleep(0.05)
 
         # Baseline: one node alone.
         first = anyio.Event()
@@ -205,8 +245,38 @@ async def simulate(args: argparse.Namespace, port: int, master: Any) -> dict[str
         out["query_ok"] = bool(snap)
         out["query_nodes"] = len(sims)
         out["query_not_connected"] = sum(1 for n in sims if n.get("status") != "connected")
+        out["reply"] = snap
+        delays = [seen[n] - t for seen in sim.seen_at for n, t in sim.joined_at.items() if n in seen]
+        out["visibility"] = delays
+        out["unseen"] = sum(1 for seen in sim.seen_at for n in sim.joined_at if n not in seen)
         tg.cancel_scope.cancel()
     return out
+
+
+def placement_cost(reply: dict[str, Any]) -> tuple[float, float, int]:
+    """Seconds per placement decision over ``reply``'s nodes (a device table of every device): with the
+    reply read afresh (a new view, at most once per heartbeat interval) and from the read view; and how many."""
+    from genie.cluster.nodes import _NoChannel
+    from genie.cluster.placement import ClusterFigures, candidates, choose
+    from genie.device.connection import NodeConnection
+    from genie.device.registry import DeviceTable, RemoteDevice
+
+    conns: dict[str, NodeConnection] = {}
+    devices = []
+    for d in reply.get("devices", []):
+        conn = conns.setdefault(d["node_id"], NodeConnection(_NoChannel(), node_id=d["node_id"], address="sim"))
+        devices.append(RemoteDevice(d["index"], d["node_id"], d["local_index"], d["kind"], d["name"], conn))
+    table = DeviceTable(devices)
+    reps = 20
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        choose(candidates(table, ClusterFigures.from_reply(reply), {}))
+    fresh = (time.perf_counter() - t0) / reps
+    figures = ClusterFigures.from_reply(reply)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        choose(candidates(table, figures, {}))
+    return fresh, (time.perf_counter() - t0) / reps, len(devices)
 
 
 def ack_cost(nodes: int) -> tuple[float, float, int]:
@@ -243,6 +313,7 @@ def _node_output(node: Any) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--clients", type=int, default=50, help="simulated clients connected while nodes join")
     parser.add_argument("--seconds", type=float, default=60.0, help="length of the measured steady window")
     parser.add_argument("--interval", type=float, default=1.0, help="heartbeat interval (master and nodes)")
     parser.add_argument("--timeout", type=float, default=5.0, help="heartbeat timeout (master and nodes)")
@@ -303,10 +374,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"final QUERY: no answer within {args.query_timeout:g} s; master {'alive' if master_alive else 'DEAD'}")
     print(load.report())
+    vis = res["visibility"]
+    vis_max = max(vis, default=float("nan"))
+    print(f"node visibility at {args.clients} clients: {len(vis)} (client, node) pairs seen, {res['unseen']} never; "
+          f"delay after JOINED p50 {pct(vis, 50) * 1e3:.0f} ms, p99 {pct(vis, 99) * 1e3:.0f} ms, "
+          f"max {vis_max * 1e3:.0f} ms (target: 2 heartbeat intervals = {2 * args.interval * 1e3:.0f} ms)")
+    fresh_s, place_s, place_n = placement_cost(res["reply"]) if res["query_ok"] else (float("nan"),) * 2 + (0,)
+    print(f"placement decision over {place_n} devices: {place_s * 1e3:.2f} ms ({fresh_s * 1e3:.2f} ms when it "
+          "also reads a new QUERY reply, at most once per heartbeat interval)")
     if res["errors"]:
         print("first errors: " + "; ".join(res["errors"]))
     table = c.Table()
-    table.add("master CPU", f"{res['master_cpu']:.1f} %", "-", "-", "report", None)
+    table.add("master CPU", f"{res['master_cpu']:.1f} %", "-", "-", "< 10 %", res["master_cpu"] < 10)
     table.add("heartbeat RTT p50", f"{p50 * 1e3:.2f} ms", f"1 node {single * 1e3:.2f} ms", f"{p50 / single:.1f}x",
               "report", None)
     table.add("heartbeat RTT p99", f"{p99 * 1e3:.2f} ms", f"1 node {single * 1e3:.2f} ms", f"{p99 / single:.1f}x",
@@ -322,6 +401,10 @@ def run(args: argparse.Namespace) -> int:
                   res["query_not_connected"] == 0)
     else:
         table.add("not connected at end", "no QUERY answer", "0", "-", "0", False)
+    table.add("client sees node (max)", f"{vis_max * 1e3:.0f} ms", f"2 intervals {2 * args.interval * 1e3:.0f} ms",
+              f"{vis_max / (2 * args.interval):.2f}x", "<= 1x", vis_max <= 2 * args.interval and res["unseen"] == 0)
+    table.add("placement decision", f"{place_s * 1e3:.2f} ms", f"{place_n} devices", "-", "report", None)
+    table.add("placement, new view", f"{fresh_s * 1e3:.2f} ms", f"{place_n} devices", "-", "report", None)
     table.print("bench_membership summary")
     if not master_alive:
         print("master output tail:\n" + "\n".join(output[-20:]))

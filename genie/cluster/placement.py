@@ -134,28 +134,46 @@ class Decision:
         })
 
 
-def candidates(table: DeviceTable, reply: Mapping[str, Any], links: Mapping[str, float]) -> list[Candidate]:
-    """Every device of ``table`` with the master's figures (``reply``: a QUERY or JOINED reply)."""
-    views = {v.node_id: v for v in overview.nodes(reply)}
-    figures = {(d.node_id, d.local_index): d for v in views.values() for d in v.devices}
+@attrs.frozen
+class ClusterFigures:
+    """What placement needs from a master's reply, read once per reply (the reply's parse is most of
+    a decision's cost at 1,000 nodes: ~23 of 30 ms)."""
+
+    nodes: Mapping[str, tuple[str, str | None]]  #: node id -> (status, health grade)
+    devices: Mapping[tuple[str, int], tuple[int | None, int | None, float | None]]
+    #: (node id, local index) -> (free bytes, total bytes, utilisation %)
+
+    @classmethod
+    def from_reply(cls, reply: Mapping[str, Any]) -> ClusterFigures:
+        """Read a QUERY or JOINED reply (nodes with their reported metrics and health)."""
+        nodes: dict[str, tuple[str, str | None]] = {}
+        devices: dict[tuple[str, int], tuple[int | None, int | None, float | None]] = {}
+        for view in overview.nodes(reply):
+            nodes[view.node_id] = (view.status, view.health)
+            for d in view.devices:
+                free = None
+                if d.memory_total is not None and d.memory_used is not None:
+                    free = max(0, d.memory_total - d.memory_used)
+                devices[(d.node_id, d.local_index)] = (free, d.memory_total, d.utilization)
+        return cls(nodes, devices)
+
+
+def candidates(table: DeviceTable, figures: ClusterFigures, links: Mapping[str, float]) -> list[Candidate]:
+    """Every device of ``table`` with the master's figures for it."""
     uploaded: dict[str, int] = {}
     for conn in table.connections():
         uploaded[conn.node_id] = uploaded.get(conn.node_id, 0) + int(getattr(conn, "stats", {}).get("bytes_up", 0))
     total = sum(uploaded.values())
+    unknown_node: tuple[str, str | None] = ("unknown", None)
+    unknown_device: tuple[int | None, int | None, float | None] = (None, None, None)
     out = []
     for dev in list(table.devices):
-        view = views.get(dev.node_id)
-        fig = figures.get((dev.node_id, dev.local_index))
-        free = None
-        if fig is not None and fig.memory_total is not None and fig.memory_used is not None:
-            free = max(0, fig.memory_total - fig.memory_used)
+        status, health = figures.nodes.get(dev.node_id, unknown_node)
+        free, total_memory, utilization = figures.devices.get((dev.node_id, dev.local_index), unknown_device)
         out.append(Candidate(
-            index=dev.index, node_id=dev.node_id, kind=dev.kind, name=dev.name,
-            status=view.status if view is not None else "unknown",
-            session_alive=dev.connection.lost is None,
-            health=view.health if view is not None else None,
-            memory_free=free, memory_total=fig.memory_total if fig is not None else None,
-            utilization=fig.utilization if fig is not None else None,
+            index=dev.index, node_id=dev.node_id, kind=dev.kind, name=dev.name, status=status,
+            session_alive=dev.connection.lost is None, health=health, memory_free=free,
+            memory_total=total_memory, utilization=utilization,
             local_share=uploaded.get(dev.node_id, 0) / total if total else 0.0,
             link_rtt=links.get(dev.node_id),
         ))

@@ -23,7 +23,7 @@ from anyio.abc import ByteStream
 
 from genie.cluster.events import EventBus
 from genie.cluster.nodes import add_devices, connect_devices, local_gpus, reconnect_lost, session_backend
-from genie.cluster.placement import Decision, candidates, choose, make_device_module_callable
+from genie.cluster.placement import ClusterFigures, Decision, candidates, choose, make_device_module_callable
 from genie.cluster.state import ClusterState
 from genie.config import ClusterConfig
 from genie.errors import AuthenticationError, ConnectError, GenieError, InitTimeoutError
@@ -112,7 +112,8 @@ class Runtime:
         self.metrics_server: Any = None
         self._background_future: Any = None
         self._growing = False  #: a thread is appending devices of late joiners
-        self._placement_view: tuple[float, dict[str, Any]] = (0.0, {})  #: (when, the master's QUERY reply)
+        #: (when, what the master reported): refreshed at most once per heartbeat interval by place()
+        self._placement_view: tuple[float, ClusterFigures] = (0.0, ClusterFigures({}, {}))
 
     # -- lifecycle (called from user threads) ---------------------------------------------------
     def start(self) -> ClusterState:
@@ -249,10 +250,10 @@ class Runtime:
 
             ensure_registered()
             set_table(table)
-            self._placement_view = (time.monotonic(), snapshot)
+            self._placement_view = (time.monotonic(), ClusterFigures.from_reply(snapshot))
             if len(table):
                 try:
-                    decision = self._decide(snapshot, None, None)
+                    decision = self._decide(self._placement_view[1], None, None)
                 except GenieError as exc:
                     log.warning("no device is fit for work yet: %s", exc)
                 else:
@@ -430,7 +431,7 @@ class Runtime:
         reconnect_lost(self.pm, self.config, self.security, self.state, self.table, self.bus.publish)
 
     # -- placement (user threads) --------------------------------------------------------------------
-    def _decide(self, view: dict[str, Any], min_memory: int | None, prefer: str | int | None) -> Decision:
+    def _decide(self, view: ClusterFigures, min_memory: int | None, prefer: str | int | None) -> Decision:
         assert self.table is not None and self.state is not None
         decision = choose(candidates(self.table, view, self.state.stats.get("links", {})), pm=self.pm,
                           min_memory=min_memory, prefer=prefer)
@@ -450,8 +451,9 @@ class Runtime:
         if time.monotonic() - when > min(self.config.heartbeat_interval, 1.0):
             cfg = self.config
             try:
-                view = self.portal.call(lambda: query_master(cfg.master_addr, cfg.master_port,
-                                                             timeout=cfg.connect_timeout, security=self.security))
+                reply = self.portal.call(lambda: query_master(cfg.master_addr, cfg.master_port,
+                                                              timeout=cfg.connect_timeout, security=self.security))
+                view = ClusterFigures.from_reply(reply)
                 self._placement_view = (time.monotonic(), view)
             except (GenieError, OSError, TimeoutError) as exc:
                 log.info("placement uses the master's figures from %.1f s ago: %s", time.monotonic() - when, exc)
