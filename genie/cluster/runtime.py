@@ -61,20 +61,26 @@ def merge_nodes(state: ClusterState, fresh: list[dict[str, Any]]) -> None:
     """Apply an ack's node entries: update known nodes (a restarted node may listen on a new data
     port), append new ones, and extend the device list with their devices (by cluster index)."""
     known = {n["node_id"]: n for n in state.nodes}
-    indices = {d["index"] for d in state.devices}
+    devices = {d["index"]: d for d in state.devices}
+    grown = False
     for entry in fresh:
-        devices = entry.pop("devices", None) if "devices" in entry else None
+        listed = entry.pop("devices", None)
         node = known.get(entry["node_id"])
         if node is None:
             state.nodes.append(entry)
             known[entry["node_id"]] = entry
         else:
             node.update(entry)
-        for d in devices or ():
-            if isinstance(d, dict) and isinstance(d.get("index"), int) and d["index"] not in indices:
-                state.devices.append(d)
-                indices.add(d["index"])
-    state.devices.sort(key=lambda d: d["index"])
+        for d in listed or ():
+            if isinstance(d, dict) and isinstance(d.get("index"), int):
+                if d["index"] in devices:
+                    devices[d["index"]].update(d)  # its node's status
+                else:
+                    devices[d["index"]], grown = d, True
+    if grown:
+        # Rebound, never sorted in place: other threads read the list meanwhile (an in-place sort
+        # shows them an empty list).
+        state.devices = [devices[i] for i in sorted(devices)]
 
 
 def make_node_id(role: NodeRole) -> str:
@@ -418,8 +424,10 @@ class Runtime:
     def _add_devices(self) -> None:
         """Append the devices of nodes that joined after init (a worker thread: opens sessions)."""
         try:
-            add_devices(self.pm, self.config, self.security, self.state, self.table, self.bus.publish,
-                        self.state.stats.get("links") if self.state is not None else None)
+            # Until nothing is left: nodes listed while this thread was opening sessions come too.
+            while add_devices(self.pm, self.config, self.security, self.state, self.table, self.bus.publish,
+                              self.state.stats.get("links") if self.state is not None else None):
+                pass
         except Exception:
             log.warning("could not add the devices of a new node", exc_info=True)
             self._known_version = -1
