@@ -200,7 +200,8 @@ class ControlService:
             await self.emit(event)
         # Clients need the whole view (nodes, devices, figures for placement); a worker never reads it,
         # and building it is O(members): at 1,000 members, 15 ms of the master's time per worker join.
-        reply = self.membership.snapshot() if info.role == NodeRole.CLIENT else {"version": self.membership.version}
+        reply: dict[str, Any] = (self.membership.snapshot() if info.role == NodeRole.CLIENT
+                                 else {"version": self.membership.version})
         reply["heartbeat_interval"] = self.heartbeat_interval
         reply["heartbeat_timeout"] = self.membership.heartbeat_timeout
         await control.send_msg(stream, MsgKind.JOINED, reply)
