@@ -71,3 +71,29 @@ def test_a_broken_state_file_is_refused_with_how_to_start_afresh(tmp_path: Path,
     path.write_text(text)
     with pytest.raises(ConfigError, match="delete it to start afresh"):
         Membership(5.0, state_file=str(path))
+
+
+def test_a_heartbeat_report_is_parsed_once_into_a_typed_value_and_written_back_unchanged() -> None:
+    from genie.cluster.report import NodeReport
+
+    sent = {"node_id": "spoofed", "timestamp": 5.0, "metrics": {"host": {"cpu_percent": 3.0}, "gpus": []},
+            "health": {"node_id": "w1", "status": "degraded", "failing": ["disk"], "timestamp": 6.0,
+                       "results": [{"name": "disk", "status": "degraded", "message": "90 % full", "details": {}}]}}
+    report = NodeReport.from_dict(sent, node_id="w1")
+    assert report.snapshot is not None and report.snapshot.node_id == "w1"  # the connection's id wins
+    assert report.grade == NodeStatus.DEGRADED and report.health is not None
+    assert report.health.failing == ("disk",)
+    assert report.to_dict() == {**sent, "node_id": "w1", "health": {**sent["health"]}}
+    m = Membership(5.0)
+    m.join(node("w1", 1))
+    m.heartbeat("w1", report)
+    assert m.snapshot()["nodes"][0]["metrics"]["health"]["status"] == "degraded"
+
+
+def test_a_malformed_heartbeat_report_is_dropped_and_the_heartbeat_still_counts() -> None:
+    m = Membership(5.0)
+    m.join(node("w1", 1))
+    assert ControlService._report("w1", {"metrics": {"gpus": "many"}}) is None
+    assert ControlService._report("w1", {"health": {"status": "splendid"}}) is None
+    m.heartbeat("w1", None)
+    assert m.members["w1"].heartbeats == 1 and m.members["w1"].report is None
