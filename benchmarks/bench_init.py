@@ -63,6 +63,7 @@ def child_genie(port: int, rounds: int, preimport: bool) -> int:
     import torch  # noqa: F401
 
     import genie
+    import genie.api  # noqa: F401 - the face is lazy; its first use would load this inside the timed init
 
     if preimport:
         import genie.cluster.master  # noqa: F401

@@ -20,6 +20,7 @@ import importlib_metadata
 import pluggy
 
 from genie import hookspecs
+from genie._version import __version__
 from genie.errors import DuplicateTransportError, PluginError
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ class PluginManager:
         dist_name = distribution.name if distribution is not None else ("genie" if builtin else "")
         version = distribution.version if distribution is not None else ""
         if builtin:
-            version = _core_version()
+            version = __version__
         path = getattr(plugin, "__file__", "") or ""
         self.records[name] = PluginRecord(name, dist_name, version, path, builtin)
         self._transports = None
@@ -170,12 +171,6 @@ class PluginManager:
 
     def event_sinks(self) -> list[Any]:
         return [s for sinks in self._pm.hook.genie_event_sinks() for s in (sinks or [])]
-
-
-def _core_version() -> str:
-    from genie import __version__
-
-    return __version__
 
 
 _default: PluginManager | None = None
