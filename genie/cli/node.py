@@ -8,12 +8,18 @@ ready line (see :mod:`genie.cluster.launch`) and stop cleanly on SIGTERM/SIGINT.
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from genie.config import env_name
+from genie.config import ClusterConfig, env_name
+
+if TYPE_CHECKING:
+    from genie.cluster.state import ClusterState
+
+log = logging.getLogger("genie.node")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -35,7 +41,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def register(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run the master node (registry, control service, its own GPUs)")
-    serve.add_argument("--port", type=int, default=None, help=f"control-plane port (default 5555; {env_name('master_port')})")
+    serve.add_argument("--port", type=int, default=None, help=f"control-plane port (default 5555; 0: any free port, shown in the ready line; "
+                            f"{env_name('master_port')})")
     _common(serve)
     serve.set_defaults(func=run_serve)
     worker = sub.add_parser("worker", help="run a worker node that joins a master and serves its GPUs")
@@ -64,9 +71,24 @@ def run_worker(args: argparse.Namespace) -> int:
                 insecure=args.insecure)
 
 
+def ready_line(role: str, config: ClusterConfig, state: ClusterState) -> str:
+    """The line a launcher waits for, with the ports actually bound (``--port 0`` and ``--data-port 0``
+    mean any free port): ``genie ROLE ready: control=HOST:PORT data=HOST:PORT devices=N node=ID
+    [metrics=PORT]``. :data:`genie.cluster.launch.READY` parses it; it is logged as well."""
+    control = f"{config.bind_addr}:{state.master_port or config.master_port}"
+    if role == "worker":
+        control = f"{config.master_addr}:{config.master_port}"
+    line = (f"genie {role} ready: control={control} data={config.bind_addr}:{state.data_port} "
+            f"devices={len(state.local_node.gpus)} node={state.local_node.node_id}")
+    metrics_port = state.stats.get("metrics_port")
+    if metrics_port:
+        line += f" metrics={metrics_port}"
+    log.info("%s", line)
+    return line
+
+
 def _run(role: str, options: dict[str, Any], *, insecure: bool = False) -> int:
     from genie.cluster.runtime import Runtime
-    from genie.config import ClusterConfig
     from genie.security import check_exposure
 
     config = ClusterConfig.from_sources(node_role=role, **options)
@@ -77,11 +99,7 @@ def _run(role: str, options: dict[str, Any], *, insecure: bool = False) -> int:
     runtime = Runtime(config)
     state = runtime.start()
     try:
-        control = f"{config.bind_addr}:{state.master_port or config.master_port}"
-        if role == "worker":
-            control = f"{config.master_addr}:{config.master_port}"
-        print(f"genie {role} ready: control={control} data={config.bind_addr}:{state.data_port} "
-              f"devices={len(state.local_node.gpus)} node={state.local_node.node_id}", flush=True)
+        print(ready_line(role, config, state), flush=True)
         stop.wait()
     finally:
         runtime.stop()
