@@ -24,7 +24,8 @@ Servers and clusters (real processes on loopback, always stopped, even when a te
   and ``genie worker`` processes joined to it.
 
 Helpers: :func:`wait_until` (poll a predicate), :func:`refused_port` (a port where connections are
-refused for as long as it is held), :class:`NodeProcess` (one node process).
+refused for as long as it is held), :func:`announce_node` (a ``node_joined`` event on demand, to see
+that a subscription is live), :class:`NodeProcess` (one node process).
 
 Quick start, in a plugin's test::
 
@@ -52,6 +53,7 @@ from genie.cluster.events import EventBus, Subscription
 from genie.cluster.launch import NodeProcess
 from genie.errors import GenieError
 from genie.plugins import PluginManager, get_plugin_manager
+from genie.security import ClientSecurity
 from genie.types import ClusterEvent, EventType
 
 if TYPE_CHECKING:
@@ -63,6 +65,7 @@ __all__ = [
     "LocalCluster",
     "NodeProcess",
     "ServerProcess",
+    "announce_node",
     "refused_port",
     "serve_subprocess",
     "wait_until",
@@ -100,6 +103,29 @@ def refused_port(host: str = "127.0.0.1") -> Iterator[int]:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         sock.bind((host, 0))
         yield sock.getsockname()[1]
+
+
+def announce_node(host: str, port: int, node_id: str, *, security: ClientSecurity | None = None,
+                  timeout: float = 5.0) -> None:
+    """Join the master at ``host:port`` as a client ``node_id`` and leave again at once (blocking).
+
+    The master publishes ``node_joined`` for it and nothing when it leaves: a cheap event to
+    trigger again and again until a subscriber shows it received one (its subscription is live).
+    """
+    from genie.types import NodeInfo, NodeRole
+    from genie.wire import control
+    from genie.wire.frame import MsgKind
+    from genie.wire.handshake import connect_control
+
+    async def run() -> None:
+        with anyio.fail_after(timeout):
+            stream = await connect_control(host, port, security or ClientSecurity(), role="client", node_id=node_id)
+            async with stream:
+                node = NodeInfo(node_id, socket.gethostname(), NodeRole.CLIENT)
+                await control.request(stream, MsgKind.JOIN, {"node": node.to_dict()}, MsgKind.JOINED)
+                await control.send_msg(stream, MsgKind.GOODBYE, {})
+
+    anyio.run(run)
 
 
 # -- plugins -------------------------------------------------------------------------------------
