@@ -336,9 +336,9 @@ def _remote_square(a: Any, dev: str) -> Any:
 def measure_memory(kids: c.Children) -> dict[str, Any]:
     from genie.cluster.launch import NodeProcess
 
-    port = c.free_port()
-    with NodeProcess("serve", "--port", str(port), "--devices", "cpu") as server:
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu") as server:
         c.quiet(server)
+        port = server.control_port  # --port 0: any free port, bound
         client = kids.start([sys.executable, os.path.abspath(__file__), "--role", "memclient",
                              "--genie-port", str(port)])
         try:
@@ -414,9 +414,9 @@ def run_parent(kids: c.Children, args: argparse.Namespace, samples: int, rounds:
               f"= {rpc_rate / raw_bulk_rate:.2f}x raw{'' if rpc['bulk_ok'] else '  (CONTENT MISMATCH)'}  (anchor)")
 
         # -- genie --------------------------------------------------------------------------------
-        port = c.free_port()
-        with NodeProcess("serve", "--port", str(port), "--devices", "cpu") as server:
+        with NodeProcess("serve", "--port", "0", "--devices", "cpu") as server:
             c.quiet(server)
+            port = server.control_port  # --port 0: any free port, bound
             g = measure_genie(port, raw, samples, 20_000 if not args.quick else 5_000, rounds)
     finally:
         raw.close()
