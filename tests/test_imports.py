@@ -176,3 +176,15 @@ def test_the_lazy_face_resolves_every_public_name() -> None:
         assert "no_such_name" in str(exc)
     else:
         raise AssertionError("genie.no_such_name did not raise AttributeError")
+
+
+def test_docs_architecture_md_names_every_module_of_the_package() -> None:
+    layout = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        # a module is named by its path, or by its file name on a line of its package's other modules
+        if rel not in layout and not any(path.name in line and f"{path.parent.relative_to(PACKAGE.parent).as_posix()}/"
+                                         in line for line in layout.splitlines()):
+            missing.append(rel)
+    assert not missing, f"docs/architecture.md's layout does not name: {missing}"
