@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -151,9 +150,9 @@ def test_a_killed_worker_shows_lost_in_status_health_metrics_and_events(cluster:
         assert problems["w2"][0].startswith("node lost (no heartbeat for ")
 
         counts = node_counts(metrics.stdout)
-        if counts["lost"] != 1:  # the sweep counts just after it publishes node_lost: one more look at most
-            time.sleep(0.5)
-            counts = node_counts(genie("metrics", "--master", cluster.master_addr).stdout)
+        if counts["lost"] != 1:  # the sweep counts just after it publishes node_lost: look again until it has
+            counts = wait_until(lambda: (c := node_counts(genie("metrics", "--master", cluster.master_addr).stdout))
+                                ["lost"] == 1 and c, 3)
         assert counts["lost"] == 1 and counts["connected"] == 2
 
         assert any(e["type"] == "node_lost" and e["source"] == "w2" for e in map(json.loads, events.stdout.splitlines()))
