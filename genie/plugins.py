@@ -59,7 +59,7 @@ class PluginManager:
         self.records: dict[str, PluginRecord] = {}
         self._transports: dict[str, type[Transport]] | None = None
         #: hook name -> per-plugin hook callers (see :meth:`_each_plugin`); rebuilt when plugins change
-        self._callers: dict[str, list[tuple[str, Any]]] = {}
+        self._callers: dict[str, list[tuple[str, pluggy.HookCaller]]] = {}
         #: transport name -> the plugin that offers it (filled by :meth:`transports`)
         self.transport_owners: dict[str, str] = {}
         if env.get("GENIE_TRACE_PLUGINS", "") not in ("", "0"):
@@ -132,7 +132,7 @@ class PluginManager:
         return sorted(c.name for c in callers)
 
     # -- typed hook calls ---------------------------------------------------------------------
-    def _each_plugin(self, hook_name: str) -> list[tuple[str, Any]]:
+    def _each_plugin(self, hook_name: str) -> list[tuple[str, pluggy.HookCaller]]:
         """(plugin name, a hook caller for that plugin's implementation alone), in the order pluggy calls them.
 
         Going through pluggy one plugin at a time keeps per-plugin attribution (which plugin
