@@ -160,7 +160,7 @@ def test_a_killed_worker_shows_lost_in_status_health_metrics_and_events(cluster:
         assert len([e for e in streamed if e["type"] == "node_joined" and e["source"] == "w1"]) == 1  # printed once
 
         follow.send_signal(signal.SIGINT)
-        assert follow.wait(5) == 130
+        assert follow.wait(15) == 130  # a bound for a loaded machine, not a speed check
         assert "Traceback" not in follow.stderr.read()
     finally:
         if follow.poll() is None:
