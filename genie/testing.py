@@ -44,7 +44,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
 import pytest
@@ -77,7 +77,8 @@ _names = itertools.count()
 
 # -- waiting -------------------------------------------------------------------------------------
 
-def wait_until(predicate: Callable[[], T], timeout: float, step: float = 0.02, *, what: str = "") -> T:
+def wait_until(predicate: Callable[[], T | Literal[False] | None], timeout: float, step: float = 0.02, *,
+               what: str = "") -> T:
     """Poll ``predicate`` until it returns something true, and return that; AssertionError after ``timeout`` s.
 
     ``what`` names the awaited state in the failure message. Poll only observable state (a log
