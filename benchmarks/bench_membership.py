@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         port = server.control_port  # --port 0: any free port, bound
         master = psutil.Process(server.pid)
         res = anyio.run(simulate, args, port, master)
-        master_alive = server.proc.poll() is None
+        master_alive = server.alive()
         output = _node_output(server)
 
     single = statistics.median(res["single"]) if res["single"] else float("nan")

@@ -111,9 +111,9 @@ def shared_cluster() -> Iterator[Cluster]:
         c.stop()
 
 
-TMUX = shutil.which("tmux")
+TMUX = shutil.which("tmux") or "tmux"  # where missing, needs_tmux skips the tests before it is run
 _terminals = itertools.count()
-needs_tmux = pytest.mark.skipif(TMUX is None, reason="tmux is not installed: run scripts/install-system-deps tmux")
+needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed: run scripts/install-system-deps tmux")
 
 
 class Terminal:

@@ -24,7 +24,14 @@ def read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str:
     and select() then sees nothing left on the pipe.
     """
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    stdout = proc.stdout
+    assert stdout is not None
+
+    def pump() -> None:
+        for line in stdout:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
     out, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

@@ -128,7 +128,9 @@ def test_a_killed_worker_shows_lost_in_status_health_metrics_and_events(cluster:
     follow = subprocess.Popen([sys.executable, "-m", "genie.cli", "events", "--follow", "--json", "--master",
                                cluster.master_addr], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     streamed: list[dict] = []
-    reader = threading.Thread(target=lambda: streamed.extend(json.loads(line) for line in follow.stdout), daemon=True)
+    out = follow.stdout
+    assert out is not None and follow.stderr is not None
+    reader = threading.Thread(target=lambda: streamed.extend(json.loads(line) for line in out), daemon=True)
     reader.start()
     try:
         wait_until(lambda: {e["source"] for e in streamed if e["type"] == "node_joined"} >= {"w1", "w2"}, 5)
@@ -208,6 +210,7 @@ def test_a_master_with_a_cluster_token_answers_only_commands_that_have_it() -> N
         assert status.returncode == 0 and json.loads(status.stdout)["nodes"][0]["node_id"] == "master"
         follow = subprocess.Popen([sys.executable, "-m", "genie.cli", "events", "--follow", "--json", "--master",
                                    addr], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert follow.stdout is not None
         first = json.loads(follow.stdout.readline())  # the subscription was accepted: the recent events follow
         assert first["type"] == "node_joined" and first["source"] == "master"
     finally:

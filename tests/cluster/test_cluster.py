@@ -71,7 +71,7 @@ def test_master_two_workers_and_a_client_run_work_on_every_node(cluster) -> None
         serving = [n for n in state.nodes if n["role"] in ("server", "worker")]
         assert sorted(n["node_id"] for n in serving) == ["master", "w1", "w2"]
         assert [d["node_id"] for d in state.devices] == ["master", "w1", "w2"]
-        assert torch.remote_accelerator.device_count() == 3
+        assert torch.remote_accelerator.device_count() == 3  # type: ignore[attr-defined]  # added by genie
         a = torch.randn(32, 32)
         for i in range(3):
             r = a.to(f"remote_accelerator:{i}")
@@ -121,12 +121,20 @@ CLIENT = textwrap.dedent("""
 _TAGS = ("READY", "LOST", "NO ERROR", "OTHERS", "BACK", "NEVER BACK", "NEVER SAW LOST")
 
 
-def tagged_line(proc: subprocess.Popen) -> str:
+def tagged_line(proc: subprocess.Popen[str]) -> str:
     """The client's next protocol line, skipping its log output (which shares the pipe)."""
+    assert proc.stdout is not None
     while True:
         line = proc.stdout.readline()
         if not line or line.startswith(_TAGS):
             return line.strip()
+
+
+def tell(proc: subprocess.Popen[str]) -> None:
+    """Wake the client up: one line on its stdin."""
+    assert proc.stdin is not None
+    proc.stdin.write("\n")
+    proc.stdin.flush()
 
 
 def test_killed_worker_is_declared_lost_others_go_on_and_it_comes_back(cluster, tmp_path) -> None:
@@ -142,8 +150,7 @@ def test_killed_worker_is_declared_lost_others_go_on_and_it_comes_back(cluster, 
         # declared lost within heartbeat_timeout + interval (+ sweep slack)
         wait_until(lambda: node_status(port, "w1") == "lost", 1 + 0.2 + 1.0)
         wait_until(lambda: watcher.seen("node_lost", "w1"), 2)
-        client.stdin.write("\n")
-        client.stdin.flush()
+        tell(client)
         lost = tagged_line(client)
         assert lost.startswith("LOST") and "w1" in lost, lost
         assert tagged_line(client).split() == ["OTHERS", "3.0", "3.0"]
@@ -151,8 +158,7 @@ def test_killed_worker_is_declared_lost_others_go_on_and_it_comes_back(cluster, 
                                "--node-id", "w1", *HB).start()
         wait_until(lambda: node_status(port, "w1") == "connected", 5)
         wait_until(lambda: watcher.seen("node_recovered", "w1"), 2)
-        client.stdin.write("\n")
-        client.stdin.flush()
+        tell(client)
         assert tagged_line(client).split() == ["BACK", "10.0"]
         assert client.wait(20) == 0
     finally:

@@ -25,9 +25,9 @@ HB = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "2")
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("GENIE_")}
 
 
-def node(*args: str, env: dict[str, str], **kwargs: float) -> NodeProcess:
+def node(*args: str, env: dict[str, str], ready_timeout: float = 60.0) -> NodeProcess:
     """A node process whose environment is exactly ``env`` plus this one's non-GENIE variables."""
-    proc = NodeProcess(*args, **kwargs)
+    proc = NodeProcess(*args, ready_timeout=ready_timeout)
     proc.env = {**CLEAN_ENV, **env}
     return proc
 
