@@ -45,7 +45,7 @@ def enter_private_netns(argv: Sequence[str] | None = None) -> None:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             ok = subprocess.run([unshare, "-n", ip, "link", "set", "lo", "up"], capture_output=True,
                                 timeout=10).returncode == 0
-    if not ok:
+    if not ok or unshare is None:
         print("note: cannot enter a private network namespace (needs root, unshare and ip); running in place",
               file=sys.stderr)
         os.environ[NETNS_ENV] = "0"
@@ -60,6 +60,7 @@ def enter_private_netns(argv: Sequence[str] | None = None) -> None:
 
 
 def free_port() -> int:
+    """A port found free and released, for torch.distributed's anchors only (genie's nodes bind port 0)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -63,6 +63,7 @@ def child_genie(port: int, rounds: int, preimport: bool) -> int:
     import torch  # noqa: F401
 
     import genie
+    import genie.api  # noqa: F401 - the face is lazy; its first use would load this inside the timed init
 
     if preimport:
         import genie.cluster.master  # noqa: F401
@@ -226,9 +227,9 @@ def run_parent(kids: c.Children, args: argparse.Namespace) -> int:
           f"bytecode: {'as the environment has it' if args.as_is else 'private pre-warmed cache'} "
           f"(PYTHONDONTWRITEBYTECODE={os.environ.get('PYTHONDONTWRITEBYTECODE', 'unset')})")
     load = c.MachineLoad()
-    port = c.free_port()
-    with NodeProcess("serve", "--port", str(port), "--devices", "cpu") as server:
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu") as server:
         c.quiet(server)
+        port = server.control_port  # --port 0: any free port, bound
         # The first run on an empty capability cache probes every backend for real (DPDK starts an
         # EAL in a subprocess): a once-per-host cost, reported apart. It also fills the bytecode cache.
         first_ever, _, _, first_ever_phases = run_genie_cold(kids, port, 1)

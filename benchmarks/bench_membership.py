@@ -345,13 +345,13 @@ def run(args: argparse.Namespace) -> int:
           f"at {args.nodes / args.interval:.0f} heartbeats/s that is {100 * ack_s * args.nodes / args.interval:.0f} % "
           f"of one core")
     load = c.MachineLoad()
-    port = c.free_port()
-    with NodeProcess("serve", "--port", str(port), "--devices", "cpu", "--heartbeat-interval", str(args.interval),
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--heartbeat-interval", str(args.interval),
                      "--heartbeat-timeout", str(args.timeout)) as server:
         c.quiet(server)
+        port = server.control_port  # --port 0: any free port, bound
         master = psutil.Process(server.pid)
         res = anyio.run(simulate, args, port, master)
-        master_alive = server.proc.poll() is None
+        master_alive = server.alive()
         output = _node_output(server)
 
     single = statistics.median(res["single"]) if res["single"] else float("nan")

@@ -169,7 +169,7 @@ def child_memclient(port: int) -> int:
         reset = c.reset_peak_rss()
         t0 = time.perf_counter()
         x = t.to(dev)
-        torch.remote_accelerator.synchronize()
+        torch.remote_accelerator.synchronize()  # type: ignore[attr-defined]  # added by genie
         upload_s = time.perf_counter() - t0
         hwm = c.vm_status()["VmHWM"]
         c.emit({"rss_before": rss_before, "rss_with_tensor": rss_with_tensor, "hwm_after": hwm,
@@ -312,7 +312,7 @@ def measure_genie(port: int, raw: RawPeer, samples: int, pipelined_ops: int, rou
             raw_s = raw.bulk(BULK_BYTES)
             t0 = time.perf_counter()
             rx = big.to(dev)
-            torch.remote_accelerator.synchronize()
+            torch.remote_accelerator.synchronize()  # type: ignore[attr-defined]  # added by genie
             t1 = time.perf_counter()
             back = rx.cpu()
             t2 = time.perf_counter()
@@ -336,9 +336,9 @@ def _remote_square(a: Any, dev: str) -> Any:
 def measure_memory(kids: c.Children) -> dict[str, Any]:
     from genie.cluster.launch import NodeProcess
 
-    port = c.free_port()
-    with NodeProcess("serve", "--port", str(port), "--devices", "cpu") as server:
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu") as server:
         c.quiet(server)
+        port = server.control_port  # --port 0: any free port, bound
         client = kids.start([sys.executable, os.path.abspath(__file__), "--role", "memclient",
                              "--genie-port", str(port)])
         try:
@@ -414,9 +414,9 @@ def run_parent(kids: c.Children, args: argparse.Namespace, samples: int, rounds:
               f"= {rpc_rate / raw_bulk_rate:.2f}x raw{'' if rpc['bulk_ok'] else '  (CONTENT MISMATCH)'}  (anchor)")
 
         # -- genie --------------------------------------------------------------------------------
-        port = c.free_port()
-        with NodeProcess("serve", "--port", str(port), "--devices", "cpu") as server:
+        with NodeProcess("serve", "--port", "0", "--devices", "cpu") as server:
             c.quiet(server)
+            port = server.control_port  # --port 0: any free port, bound
             g = measure_genie(port, raw, samples, 20_000 if not args.quick else 5_000, rounds)
     finally:
         raw.close()

@@ -1,25 +1,18 @@
 """The genie demo: a local server process, and this client doing real work on remote_accelerator:0.
 
-Run it with ``scripts/demo``. It starts ``genie serve`` on a free port, connects,
+Run it with ``scripts/demo``. It starts ``genie serve --port 0`` (any free port), connects,
 multiplies matrices and trains a small model on the remote device, and checks
 every result against the same work done on the local CPU.
 """
 
 from __future__ import annotations
 
-import socket
 import time
 
 import torch
+from _nodes import Node  # examples/_nodes.py: the genie command as a child process
 
 import genie
-from genie.cluster.launch import NodeProcess
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train(device: str, steps: int = 5) -> tuple[torch.nn.Module, list[float]]:
@@ -40,8 +33,9 @@ def train(device: str, steps: int = 5) -> tuple[torch.nn.Module, list[float]]:
 
 
 def main() -> None:
-    port = free_port()
-    with NodeProcess("serve", "--port", str(port), "--devices", "cpu") as server:
+    server = Node("serve", "--port", "0", "--devices", "cpu")
+    try:
+        port = server.control_port
         print(f"started genie server (pid {server.pid}) on 127.0.0.1:{port}")
         t0 = time.perf_counter()
         state = genie.init_sync(master_addr="127.0.0.1", master_port=port)
@@ -65,6 +59,8 @@ def main() -> None:
             print("demo OK: remote results match the CPU")
         finally:
             genie.shutdown_sync()
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":

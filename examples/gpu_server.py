@@ -11,10 +11,10 @@ the same on every node, client and operator command); ``genie serve`` refuses wi
 one unless ``--insecure`` is given (passed through here).
 
 It starts ``genie serve --port PORT --metrics-port MPORT --devices DEVICES`` as a
-child process (exactly what you would type yourself), waits for its ready line,
-prints how clients, workers and operators reach it, and passes the server's log
-through until Ctrl-C, which stops the server and exits 0. ``--devices auto`` serves
-every CUDA GPU, or one CPU device on a machine without one.
+child process (exactly what you would type yourself; ``--port 0`` takes any free port),
+waits for its ready line, prints how clients, workers and operators reach it, and
+leaves the server's log on stderr until Ctrl-C, which stops the server and exits 0.
+``--devices auto`` serves every CUDA GPU, or one CPU device on a machine without one.
 """
 
 from __future__ import annotations
@@ -25,14 +25,13 @@ import signal
 import sys
 import threading
 
-from genie.cluster.launch import NodeProcess
-from genie.errors import GenieError
+from _nodes import Node  # examples/_nodes.py: the genie command as a child process
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=int, default=5555, help="control-plane port (default 5555)")
+    parser.add_argument("--port", type=int, default=5555, help="control-plane port (default 5555; 0: any free port)")
     parser.add_argument("--metrics-port", type=int, default=9400, help="/metrics, /healthz, /readyz (default 9400)")
     parser.add_argument("--devices", default="auto", help="'auto' (every CUDA GPU, else one CPU device) or 'cpu,cpu'")
     parser.add_argument("--insecure", action="store_true", help="serve a non-loopback --host without a token")
@@ -41,35 +40,30 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    server = NodeProcess("serve", "--host", args.host, "--port", str(args.port), "--metrics-port",
-                         str(args.metrics_port), "--devices", args.devices,
-                         *(["--insecure"] if args.insecure else []), ready_timeout=60)
     try:
-        server.start()
-    except GenieError as exc:  # e.g. a non-loopback --host without a token: the server says why
+        server = Node("serve", "--host", args.host, "--port", str(args.port), "--metrics-port",
+                      str(args.metrics_port), "--devices", args.devices, *(["--insecure"] if args.insecure else []))
+    except RuntimeError as exc:  # e.g. a non-loopback --host without a token: the server said why on stderr
         print(f"gpu_server: {exc}", file=sys.stderr)
         return 1
     try:
         reach = "THIS-HOST" if args.host in ("0.0.0.0", "::") else args.host
+        port = server.control_port
         token = "GENIE_AUTH_TOKEN=<the token> " if os.environ.get("GENIE_AUTH_TOKEN") or os.environ.get(
             "GENIE_AUTH_TOKEN_FILE") else ""
         print(f"genie server ready: pid {server.pid}, {server.devices} device(s), node {server.node_id}\n"
-              f"  clients:   genie.init_sync(master_addr={reach!r}, master_port={server.control_port})\n"
-              f"             or {token}GENIE_MASTER_ADDR={reach} GENIE_MASTER_PORT={server.control_port}\n"
+              f"  clients:   genie.init_sync(master_addr={reach!r}, master_port={port})\n"
+              f"             or {token}GENIE_MASTER_ADDR={reach} GENIE_MASTER_PORT={port}\n"
               f"             then torch.randn(4, 4, device='remote_accelerator:0')\n"
-              f"  try:       python examples/basic_client.py --master {reach}:{server.control_port}\n"
-              f"  workers:   genie worker --master {reach}:{server.control_port}\n"
-              f"  operators: genie status --master {reach}:{server.control_port}   (also health, events, dashboard)\n"
-              f"  metrics:   http://{reach}:{args.metrics_port}/metrics  (/healthz, /readyz)\n"
+              f"  try:       python examples/basic_client.py --master {reach}:{port}\n"
+              f"  workers:   genie worker --master {reach}:{port}\n"
+              f"  operators: genie status --master {reach}:{port}   (also health, events, dashboard)\n"
+              f"  metrics:   http://{reach}:{server.metrics_port}/metrics  (/healthz, /readyz)\n"
               f"Ctrl-C stops the server.", flush=True)
-        with open(server.log_path, encoding="utf-8", errors="replace") as log:  # the server's output, passed on
-            log.seek(0, os.SEEK_END)
-            while not stop.wait(0.5):
-                sys.stdout.write(log.read())
-                sys.stdout.flush()
-                if server.proc is None or server.proc.poll() is not None:
-                    print("the genie server exited", file=sys.stderr)
-                    return 1
+        while not stop.wait(0.5):  # the server's log goes straight to stderr; watch that it lives
+            if not server.alive():
+                print("the genie server exited", file=sys.stderr)
+                return 1
         print("stopping the genie server", flush=True)
     finally:
         server.stop()

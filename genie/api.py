@@ -10,26 +10,30 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import anyio.to_thread
 
 # Imported with genie, not inside init(): the runtime's modules (device, wire, transports) are
 # init's own cost, and paying them at ``import genie`` keeps init() itself in the tens of ms.
+from genie.cluster.events import EventHandler, Subscription
 from genie.cluster.runtime import Runtime
+from genie.cluster.state import ClusterState
 from genie.config import ClusterConfig
 from genie.device.registry import set_table
 from genie.errors import AlreadyInitializedError, NotInitializedError
+from genie.types import EventType
 
 log = logging.getLogger("genie")
 
 _lock = threading.Lock()
-_runtime: Any = None
+_runtime: Runtime | None = None
 
 
 def init_sync(master_addr: str | None = None, master_port: int | None = None, backend: str | None = None,
               node_id: str | None = None, node_role: str | None = None, timeout: float | None = None,
-              **options: Any) -> Any:
+              **options: Any) -> ClusterState:
     """Connect this process to a genie cluster (blocking). Returns the ClusterState.
 
     Arguments win over ``GENIE_*`` environment variables; see :class:`genie.config.ClusterConfig`
@@ -59,7 +63,7 @@ def init_sync(master_addr: str | None = None, master_port: int | None = None, ba
 
 async def init(master_addr: str | None = None, master_port: int | None = None, backend: str | None = None,
                node_id: str | None = None, node_role: str | None = None, timeout: float | None = None,
-               **options: Any) -> Any:
+               **options: Any) -> ClusterState:
     """Async twin of :func:`init_sync`: the work runs on genie's runtime thread; your loop stays free."""
     return await anyio.to_thread.run_sync(
         lambda: init_sync(master_addr, master_port, backend, node_id, node_role, timeout, **options)
@@ -83,10 +87,11 @@ async def shutdown() -> None:
 
 
 def is_initialized() -> bool:
+    """True between a successful :func:`init` and :func:`shutdown`."""
     return _runtime is not None
 
 
-def get_cluster_state() -> Any:
+def get_cluster_state() -> ClusterState:
     """The live ClusterState; NotInitializedError before init."""
     runtime = _runtime
     if runtime is None or runtime.state is None:
@@ -94,7 +99,7 @@ def get_cluster_state() -> Any:
     return runtime.state
 
 
-def subscribe(handler: Any, types: Any = None) -> Any:
+def subscribe(handler: EventHandler, types: Iterable[EventType] | None = None) -> Subscription:
     """Call ``handler(event)`` for every cluster event (of ``types``, or all) from now on.
 
     Sync or async handlers; they run on genie's runtime thread and must be quick. The
@@ -108,7 +113,8 @@ def subscribe(handler: Any, types: Any = None) -> Any:
     return runtime.bus.subscribe(handler, types)
 
 
-def current_runtime() -> Any:
+def current_runtime() -> Runtime | None:
+    """The process's runtime, or None before init (for genie's own modules and tests)."""
     return _runtime
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from genie.hookspecs import hookimpl
-from genie.types import ClusterEvent
+from genie.hookspecs import EventSink, HealthCheck, hookimpl
+from genie.types import ClusterEvent, NodeInfo
 
 event_log = logging.getLogger("genie.events")
 
@@ -25,13 +25,13 @@ class LoggingEventSink:
 
 
 @hookimpl
-def genie_event_sinks() -> list[Any]:
+def genie_event_sinks() -> list[EventSink]:
     return [LoggingEventSink()]
 
 
 # -- host metrics and health checks ------------------------------------------------------------
 @hookimpl
-def genie_node_metrics(node: Any) -> dict[str, Any]:
+def genie_node_metrics(node: NodeInfo) -> dict[str, Any]:
     """The host's figures (CPU, load, memory, disk of /, network counters) under ``"host"``."""
     from genie.cluster.host import host_metrics
 
@@ -39,7 +39,7 @@ def genie_node_metrics(node: Any) -> dict[str, Any]:
 
 
 @hookimpl
-def genie_health_checks() -> list[Any]:
+def genie_health_checks() -> list[HealthCheck]:
     """Host memory pressure and disk space of /."""
     from genie.cluster.checks import DiskSpaceCheck, MemoryPressureCheck
 

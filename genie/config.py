@@ -69,10 +69,13 @@ def _positive(value: float) -> bool:
     return value > 0
 
 
+_PORT_TEXT = "an integer port from 1 to 65535 (0: any free port, for the master itself only)"
+
 # name -> (type, default, validator or None, allowed text)
 _OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
     "master_addr": (str, "127.0.0.1", lambda v: bool(v.strip()), "a host name or IP address"),
-    "master_port": (int, 5555, lambda v: 1 <= v <= 65535, "an integer port from 1 to 65535"),
+    "master_port": (int, 5555, lambda v: 0 <= v <= 65535,
+                    _PORT_TEXT),
     "node_id": (str, "", lambda v: re.fullmatch(r"[A-Za-z0-9_.:-]{0,128}", v) is not None,
                 "letters, digits, '_', '.', ':' or '-' (at most 128), or empty for a generated id"),
     "node_role": (str, "client", lambda v: v in {r.value for r in NodeRole}, "client, server or worker"),
@@ -191,6 +194,7 @@ class ClusterConfig:
             name = sorted(unknown)[0]
             raise ConfigError(name, arguments[name], f"argument {name}", "one of " + ", ".join(sorted(_OPTIONS)))
         values: dict[str, Any] = {}
+        raws: dict[str, Any] = {}
         sources: dict[str, str] = {}
         for name, (kind, default, check, allowed) in _OPTIONS.items():
             if name in arguments and arguments[name] is not None:
@@ -202,15 +206,19 @@ class ClusterConfig:
             value = _coerce(name, kind, raw, source, allowed)
             if check is not None and not check(value):
                 raise ConfigError(name, raw, source, allowed)
-            values[name], sources[name] = value, source
+            values[name], raws[name], sources[name] = value, raw, source
         values["node_role"] = NodeRole(values["node_role"])
         values["log_level"] = values["log_level"].upper()
         values["backend"] = BackendSpec.parse(values["backend"], source=sources["backend"])
-        cls._check_relations(values, sources)
+        cls._check_relations(values, raws, sources)
         return cls(**values, sources=sources)
 
     @staticmethod
-    def _check_relations(values: dict[str, Any], sources: dict[str, str]) -> None:
+    def _check_relations(values: dict[str, Any], raws: dict[str, Any], sources: dict[str, str]) -> None:
+        # Port 0 means "bind any free port": only the master binds master_port; everyone else dials it.
+        if values["master_port"] == 0 and values["node_role"] != NodeRole.SERVER:
+            raise ConfigError("master_port", raws["master_port"], sources["master_port"],
+                              f"{_PORT_TEXT}; a {values['node_role'].value} needs the port the master reported")
         if values["heartbeat_timeout"] <= values["heartbeat_interval"]:
             raise ConfigError(
                 "heartbeat_timeout", values["heartbeat_timeout"], sources["heartbeat_timeout"],

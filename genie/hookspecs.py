@@ -10,14 +10,15 @@ keyword arguments through :class:`genie.plugins.PluginManager`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import pluggy
 
 if TYPE_CHECKING:
     from genie.cluster.placement import Candidate
     from genie.config import ClusterConfig
-    from genie.types import NodeInfo, ProbeResult
+    from genie.transport.base import Transport
+    from genie.types import ClusterEvent, HealthResult, NodeInfo, ProbeResult
 
 PROJECT_NAME = "genie"
 
@@ -25,8 +26,29 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
+@runtime_checkable
+class HealthCheck(Protocol):
+    """What ``genie_health_checks`` returns: a named, blocking check (any class with these two members)."""
+
+    #: Unique among all checks of a node; the name the node's health report shows.
+    name: str
+
+    def check(self) -> HealthResult:
+        """Run the check (blocking is fine: it runs in a worker thread, with a timeout)."""
+        ...
+
+
+@runtime_checkable
+class EventSink(Protocol):
+    """What ``genie_event_sinks`` returns: receives every cluster event, in order, on the bus's loop."""
+
+    def handle(self, event: ClusterEvent) -> None:
+        """Take one event; must return quickly (hand slow work to a thread or a queue)."""
+        ...
+
+
 @hookspec
-def genie_transports() -> list[type]:
+def genie_transports() -> list[type[Transport]]:
     """Return the transport classes this plugin provides.
 
     Called once, when the plugin manager first builds its transport table
@@ -74,26 +96,26 @@ def genie_node_metrics(node: NodeInfo) -> dict[str, Any] | None:
 
 
 @hookspec
-def genie_health_checks() -> list[Any]:
+def genie_health_checks() -> list[HealthCheck]:
     """Return health check objects.
 
     Called once when the health checker starts.
 
-    :return: a list of objects with a ``name`` attribute and a blocking
-        ``check() -> HealthResult`` method. The checker runs each in a worker
+    :return: a list of :class:`HealthCheck` objects: a ``name`` attribute and a
+        blocking ``check() -> HealthResult`` method. The checker runs each in a worker
         thread every ``health_check_interval`` with a timeout; a check that
         hangs or raises is itself reported as failing, never blocks the others.
     """
 
 
 @hookspec
-def genie_event_sinks() -> list[Any]:
+def genie_event_sinks() -> list[EventSink]:
     """Return event sinks.
 
     Called once when the event bus starts.
 
-    :return: a list of objects with a ``handle(event: ClusterEvent) -> None``
-        method. Each receives every event in order; a sink that raises is
+    :return: a list of :class:`EventSink` objects: a
+        ``handle(event: ClusterEvent) -> None`` method. Each receives every event in order; a sink that raises is
         logged and never stops the others.
     """
 

@@ -20,7 +20,9 @@ import importlib_metadata
 import pluggy
 
 from genie import hookspecs
+from genie._version import __version__
 from genie.errors import DuplicateTransportError, PluginError
+from genie.hookspecs import EventSink, HealthCheck
 
 if TYPE_CHECKING:
     from genie.config import ClusterConfig
@@ -56,6 +58,8 @@ class PluginManager:
         self._pm.add_hookspecs(hookspecs)
         self.records: dict[str, PluginRecord] = {}
         self._transports: dict[str, type[Transport]] | None = None
+        #: hook name -> per-plugin hook callers (see :meth:`_each_plugin`); rebuilt when plugins change
+        self._callers: dict[str, list[tuple[str, pluggy.HookCaller]]] = {}
         #: transport name -> the plugin that offers it (filled by :meth:`transports`)
         self.transport_owners: dict[str, str] = {}
         if env.get("GENIE_TRACE_PLUGINS", "") not in ("", "0"):
@@ -108,16 +112,18 @@ class PluginManager:
         dist_name = distribution.name if distribution is not None else ("genie" if builtin else "")
         version = distribution.version if distribution is not None else ""
         if builtin:
-            version = _core_version()
+            version = __version__
         path = getattr(plugin, "__file__", "") or ""
         self.records[name] = PluginRecord(name, dist_name, version, path, builtin)
         self._transports = None
+        self._callers.clear()
 
     def unregister(self, name: str) -> None:
         """Remove the plugin registered under ``name``."""
         self._pm.unregister(name=name)
         self.records.pop(name, None)
         self._transports = None
+        self._callers.clear()
 
     def hooks_of(self, name: str) -> list[str]:
         """The hook names the plugin registered under ``name`` implements."""
@@ -126,43 +132,62 @@ class PluginManager:
         return sorted(c.name for c in callers)
 
     # -- typed hook calls ---------------------------------------------------------------------
+    def _each_plugin(self, hook_name: str) -> list[tuple[str, pluggy.HookCaller]]:
+        """(plugin name, a hook caller for that plugin's implementation alone), in the order pluggy calls them.
+
+        Going through pluggy one plugin at a time keeps per-plugin attribution (which plugin
+        offered a transport, which one failed its metrics) while every call is still a pluggy
+        hook call, traced under ``GENIE_TRACE_PLUGINS`` like the others.
+        """
+        if hook_name not in self._callers:
+            impls = list(reversed(getattr(self._pm.hook, hook_name).get_hookimpls()))
+            plugins = [impl.plugin for impl in impls]
+            self._callers[hook_name] = [
+                (impl.plugin_name,
+                 self._pm.subset_hook_caller(hook_name, remove_plugins=[p for p in plugins if p is not impl.plugin]))
+                for impl in impls
+            ]
+        return self._callers[hook_name]
+
     def transports(self) -> dict[str, type[Transport]]:
         """Every transport class by name; two plugins claiming a name raise DuplicateTransportError."""
         if self._transports is not None:
             return self._transports
         table: dict[str, type[Transport]] = {}
         owners: dict[str, str] = {}
-        for impl in reversed(self._pm.hook.genie_transports.get_hookimpls()):
-            for cls in cast("list[type[Transport]]", impl.function() or []):
-                name = getattr(cls, "name", None)
-                if not isinstance(name, str) or not name:
-                    raise PluginError(f"plugin {impl.plugin_name!r} offers a transport {cls!r} without a name")
-                if name in table:
-                    raise DuplicateTransportError(
-                        f"transport {name!r} is claimed by two plugins: {owners[name]!r} and "
-                        f"{impl.plugin_name!r}; uninstall one or limit loading with GENIE_PLUGINS"
-                    )
-                table[name], owners[name] = cls, impl.plugin_name
+        for plugin_name, call in self._each_plugin("genie_transports"):
+            for classes in call():
+                for cls in cast("list[type[Transport]]", classes or []):
+                    name = getattr(cls, "name", None)
+                    if not isinstance(name, str) or not name:
+                        raise PluginError(f"plugin {plugin_name!r} offers a transport {cls!r} without a name")
+                    if name in table:
+                        raise DuplicateTransportError(
+                            f"transport {name!r} is claimed by two plugins: {owners[name]!r} and "
+                            f"{plugin_name!r}; uninstall one or limit loading with GENIE_PLUGINS"
+                        )
+                    table[name], owners[name] = cls, plugin_name
         self._transports = table
         self.transport_owners = owners
         return table
 
     def backend_priority(self, *, result: ProbeResult, config: ClusterConfig) -> int | None:
-        return self._pm.hook.genie_backend_priority(result=result, config=config)
+        """The first plugin's override of ``result``'s rank, or None (``genie_backend_priority``, firstresult)."""
+        answer: int | None = self._pm.hook.genie_backend_priority(result=result, config=config)
+        return answer
 
     def node_metrics(self, *, node: NodeInfo) -> list[dict[str, Any]]:
         """Each plugin's fragment. Implementations are called one by one, so one that raises costs
         only its own fragment (reported as ``{"errors": {plugin: reason}}``), not the whole poll."""
         fragments: list[dict[str, Any]] = []
-        for impl in reversed(self._pm.hook.genie_node_metrics.get_hookimpls()):
+        for plugin_name, call in self._each_plugin("genie_node_metrics"):
             try:
-                fragment: Any = impl.function(**{name: node for name in impl.argnames if name == "node"})
+                answers: list[dict[str, Any] | None] = call(node=node)
             except Exception as exc:
-                log.debug("genie_node_metrics of plugin %r failed", impl.plugin_name, exc_info=True)
-                fragments.append({"errors": {impl.plugin_name: f"{type(exc).__name__}: {exc}"}})
+                log.debug("genie_node_metrics of plugin %r failed", plugin_name, exc_info=True)
+                fragments.append({"errors": {plugin_name: f"{type(exc).__name__}: {exc}"}})
                 continue
-            if fragment:
-                fragments.append(fragment)
+            fragments.extend(fragment for fragment in answers if fragment)
         return fragments
 
     def placement_hook(self) -> Callable[..., float | None] | None:
@@ -170,17 +195,13 @@ class PluginManager:
         caller = self._pm.hook.genie_placement_score
         return caller if caller.get_hookimpls() else None
 
-    def health_checks(self) -> list[Any]:
+    def health_checks(self) -> list[HealthCheck]:
+        """Every plugin's health checks (``genie_health_checks``), most recently registered plugin first."""
         return [c for checks in self._pm.hook.genie_health_checks() for c in (checks or [])]
 
-    def event_sinks(self) -> list[Any]:
+    def event_sinks(self) -> list[EventSink]:
+        """Every plugin's event sinks (``genie_event_sinks``), most recently registered plugin first."""
         return [s for sinks in self._pm.hook.genie_event_sinks() for s in (sinks or [])]
-
-
-def _core_version() -> str:
-    from genie import __version__
-
-    return __version__
 
 
 _default: PluginManager | None = None

@@ -54,6 +54,7 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.resources import Resource
 
+from genie._version import __version__
 from genie.errors import ConfigError
 from genie.types import ClusterEvent, EventType, NodeStatus
 
@@ -73,12 +74,6 @@ DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 GpuSource = Callable[[], Mapping[str, Iterable[Mapping[str, Any]]]]
 
 
-def _core_version() -> str:
-    from genie import __version__
-
-    return __version__
-
-
 class Telemetry:
     """genie's meters on a private MeterProvider, readable as Prometheus text.
 
@@ -88,13 +83,13 @@ class Telemetry:
 
     def __init__(self, *, node_id: str = "", service_name: str = "genie") -> None:
         self.reader = InMemoryMetricReader()
-        attributes: dict[str, Any] = {"service.name": service_name, "service.version": _core_version()}
+        attributes: dict[str, Any] = {"service.name": service_name, "service.version": __version__}
         if node_id:
             attributes["genie.node.id"] = node_id
         # Never set as the global provider: the application's own telemetry stays its own.
         self.provider = MeterProvider(metric_readers=[self.reader], resource=Resource.create(attributes),
                                       shutdown_on_exit=False)
-        meter = self.provider.get_meter("genie", _core_version())
+        meter = self.provider.get_meter("genie", __version__)
         self._lock = threading.Lock()
         self._gpu_source: GpuSource | None = None
         self._node_counts: dict[str, int] = {}

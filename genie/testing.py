@@ -1,24 +1,135 @@
-"""pytest plugin for genie and its plugins (registered through the ``pytest11`` entry point).
+"""The test kit of genie and its plugins: a pytest plugin (``pytest11`` entry point) and helpers.
 
-Fixtures:
+Third-party plugin authors get it with ``pip install genie``; pytest loads the fixtures by
+itself. Everything here waits on observable state within a bounded time (never a bare sleep)
+and binds port 0 (never "find a free port, release it, hope nobody takes it"): each server
+reports the port it bound.
 
-- ``genie_pm``: a :class:`~genie.plugins.PluginManager` without entry-point autoload
-  (built-ins only), so a test sees exactly the plugins it registers.
-- ``register_plugin``: registers an inline plugin object on ``genie_pm`` and always
-  unregisters it at teardown.
+Plugins:
+
+- ``genie_pm``: a :class:`~genie.plugins.PluginManager` with the built-ins only (no entry points).
+- ``register_plugin(plugin, name=None)``: registers an inline plugin on ``genie_pm``, unregistered at teardown.
+
+Events:
+
+- ``event_recorder(bus, types=None)``: an :class:`EventRecorder` attached to an
+  :class:`~genie.cluster.events.EventBus`; ``wait_for(type)`` waits for an event, failing with what it saw.
+
+Servers and clusters (real processes on loopback, always stopped, even when a test fails):
+
+- ``genie_serve``: one bare data-plane server process (``python -m genie.server``) per test session.
+- ``genie_inproc_server(devices=2, transport=None, **options)``: an in-process
+  :class:`~genie.server.DataPlaneServer` (TCP unless told otherwise) on port 0; ``.port`` is bound.
+- ``genie_cluster(workers=("w1",), ...)``: a :class:`LocalCluster`, a ``genie serve`` master on port 0
+  and ``genie worker`` processes joined to it.
+
+Helpers: :func:`wait_until` (poll a predicate), :func:`refused_port` (a port where connections are
+refused for as long as it is held), :func:`announce_node` (a ``node_joined`` event on demand, to see
+that a subscription is live), :class:`NodeProcess` (one node process).
+
+Quick start, in a plugin's test::
+
+    from genie.testing import wait_until
+
+    def test_my_backend_reaches_a_real_cluster(genie_cluster):
+        cluster = genie_cluster(workers=("w1",), env={"GENIE_BACKEND": "mine"})
+        wait_until(lambda: cluster.worker("w1").alive(), 5)
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+import anyio
 import pytest
 
-from genie.plugins import PluginManager
+from genie.cluster.events import EventBus, Subscription
+from genie.cluster.launch import NodeProcess
+from genie.errors import GenieError
+from genie.plugins import PluginManager, get_plugin_manager
+from genie.security import ClientSecurity
+from genie.types import ClusterEvent, EventType
 
+if TYPE_CHECKING:
+    from genie.server import DataPlaneServer
+    from genie.transport.base import Transport
+
+__all__ = [
+    "EventRecorder",
+    "LocalCluster",
+    "NodeProcess",
+    "ServerProcess",
+    "announce_node",
+    "refused_port",
+    "serve_subprocess",
+    "wait_until",
+]
+
+T = TypeVar("T")
 _names = itertools.count()
 
+
+# -- waiting -------------------------------------------------------------------------------------
+
+def wait_until(predicate: Callable[[], T | Literal[False] | None], timeout: float, step: float = 0.02, *,
+               what: str = "") -> T:
+    """Poll ``predicate`` until it returns something true, and return that; AssertionError after ``timeout`` s.
+
+    ``what`` names the awaited state in the failure message. Poll only observable state (a log
+    line, a query's answer, a process's exit), never elapsed time.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what or 'condition'} not met within {timeout:g} s")
+        time.sleep(step)
+
+
+@contextlib.contextmanager
+def refused_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A port on ``host`` where every connection is refused, for as long as the block runs.
+
+    The port is bound but never listened on, so the kernel refuses connections to it and no
+    other process can take it meanwhile (unlike a port found free and released).
+    """
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        yield sock.getsockname()[1]
+
+
+def announce_node(host: str, port: int, node_id: str, *, security: ClientSecurity | None = None,
+                  timeout: float = 5.0) -> None:
+    """Join the master at ``host:port`` as a client ``node_id`` and leave again at once (blocking).
+
+    The master publishes ``node_joined`` for it and nothing when it leaves: a cheap event to
+    trigger again and again until a subscriber shows it received one (its subscription is live).
+    """
+    from genie.types import NodeInfo, NodeRole
+    from genie.wire import control
+    from genie.wire.frame import MsgKind
+    from genie.wire.handshake import connect_control
+
+    async def run() -> None:
+        with anyio.fail_after(timeout):
+            stream = await connect_control(host, port, security or ClientSecurity(), role="client", node_id=node_id)
+            async with stream:
+                node = NodeInfo(node_id, socket.gethostname(), NodeRole.CLIENT)
+                await control.request(stream, MsgKind.JOIN, {"node": node.to_dict()}, MsgKind.JOINED)
+                await control.send_msg(stream, MsgKind.GOODBYE, {})
+
+    anyio.run(run)
+
+
+# -- plugins -------------------------------------------------------------------------------------
 
 @pytest.fixture
 def genie_pm() -> PluginManager:
@@ -43,17 +154,7 @@ def register_plugin(genie_pm: PluginManager) -> Iterator[Callable[..., str]]:
             genie_pm.unregister(name)
 
 
-# -- event recorder ------------------------------------------------------------------------------
-# Imported here, not at the top: this section is appended to the module as a unit.
-import threading  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Iterable  # noqa: E402
-
-import anyio  # noqa: E402
-
-from genie.cluster.events import EventBus, Subscription  # noqa: E402
-from genie.types import ClusterEvent, EventType  # noqa: E402
-
+# -- events --------------------------------------------------------------------------------------
 
 class EventRecorder:
     """Records every event a :class:`~genie.cluster.events.EventBus` delivers.
@@ -141,11 +242,7 @@ def event_recorder() -> Iterator[Callable[..., EventRecorder]]:
         recorder.detach()
 
 
-# -- data-plane server processes ---------------------------------------------------------------
-
-import contextlib  # noqa: E402
-
-from genie.cluster.launch import NodeProcess  # noqa: E402
+# -- servers -------------------------------------------------------------------------------------
 
 #: The bare data-plane server process (``python -m genie.server``): ``.port``, ``.log()``, ``.alive()``, ``.process``.
 ServerProcess = NodeProcess
@@ -164,3 +261,126 @@ def genie_serve() -> Iterator[NodeProcess]:
     """One data-plane server process (``--port 0 --devices cpu,cpu``) shared by a test session, killed at the end."""
     with serve_subprocess("--port", "0", "--devices", "cpu,cpu") as server:
         yield server
+
+
+@pytest.fixture
+def genie_inproc_server() -> Iterator[Callable[..., DataPlaneServer]]:
+    """``start(devices=2, *, transport=None, hello_timeout=5.0, **options)`` -> a started in-process
+    :class:`~genie.server.DataPlaneServer` on ``127.0.0.1`` port 0 with CPU devices.
+
+    ``options`` are :class:`~genie.config.ClusterConfig` options (the environment is ignored);
+    ``transport`` defaults to the installed ``tcp`` transport. Every server is stopped at teardown.
+    """
+    import torch
+
+    from genie.config import ClusterConfig
+    from genie.server import DataPlaneServer
+
+    servers: list[DataPlaneServer] = []
+
+    def start(devices: int = 2, *, transport: Transport | None = None, hello_timeout: float = 5.0,
+              **options: Any) -> DataPlaneServer:
+        chosen = transport if transport is not None else get_plugin_manager().transports()["tcp"]()
+        server = DataPlaneServer(chosen, "127.0.0.1", 0, [torch.device("cpu")] * devices,
+                                 ClusterConfig.from_sources({}, **options), hello_timeout=hello_timeout)
+        servers.append(server)
+        server.start()
+        return server
+
+    yield start
+    for server in servers:
+        server.stop(timeout=5)
+
+
+# -- clusters ------------------------------------------------------------------------------------
+
+class LocalCluster:
+    """A ``genie serve`` master on port 0 and ``genie worker`` processes joined to it, on loopback.
+
+    :param workers: the node ids of the workers to start with the master.
+    :param devices: the ``--devices`` of every node.
+    :param master_args: more ``genie serve`` arguments (``--metrics-port``, intervals...).
+    :param worker_args: more ``genie worker`` arguments, for every worker.
+    :param env: environment variables added for every node.
+
+    A context manager; :meth:`stop` stops every node (also the ones a failed start left).
+    """
+
+    def __init__(self, workers: Iterable[str] = ("w1",), *, devices: str = "cpu", master_args: Iterable[str] = (),
+                 worker_args: Iterable[str] = (), env: dict[str, str] | None = None,
+                 ready_timeout: float = 60.0) -> None:
+        self.worker_ids = tuple(workers)
+        self.devices = devices
+        self.master_args = tuple(master_args)
+        self.worker_args = tuple(worker_args)
+        self.env = dict(env or {})
+        self.ready_timeout = ready_timeout
+        self.master: NodeProcess | None = None
+        self.workers: dict[str, NodeProcess] = {}
+
+    @property
+    def port(self) -> int:
+        """The master's control port (bound; known once started)."""
+        if self.master is None:
+            raise GenieError("LocalCluster.port is known only after start()")
+        return self.master.control_port
+
+    @property
+    def master_addr(self) -> str:
+        """``127.0.0.1:PORT`` of the master's control plane, as ``genie worker --master`` takes it."""
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> LocalCluster:
+        """Start the master, then every worker, each until its ready line."""
+        try:
+            self.master = NodeProcess("serve", "--port", "0", "--devices", self.devices, "--node-id", "master",
+                                      *self.master_args, env=self.env, ready_timeout=self.ready_timeout).start()
+            for node_id in self.worker_ids:
+                self.add_worker(node_id)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def add_worker(self, node_id: str, *args: str) -> NodeProcess:
+        """Start one more worker ``node_id`` (with ``worker_args`` and ``args``) until it is ready."""
+        proc = NodeProcess("worker", "--master", self.master_addr, "--devices", self.devices, "--node-id", node_id,
+                           *self.worker_args, *args, env=self.env, ready_timeout=self.ready_timeout)
+        self.workers[node_id] = proc
+        return proc.start()
+
+    def worker(self, node_id: str) -> NodeProcess:
+        """The worker process started as ``node_id``."""
+        return self.workers[node_id]
+
+    def nodes(self) -> list[NodeProcess]:
+        """The master, then the workers in start order."""
+        return ([self.master] if self.master is not None else []) + list(self.workers.values())
+
+    def stop(self) -> None:
+        """Stop every node, workers first (so none reports the master lost on the way out)."""
+        for proc in [*reversed(self.workers.values()), *([self.master] if self.master else [])]:
+            proc.stop()
+            proc.cleanup()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@pytest.fixture
+def genie_cluster() -> Iterator[Callable[..., LocalCluster]]:
+    """``genie_cluster(workers=("w1",), **LocalCluster options)`` -> a started :class:`LocalCluster`;
+    every cluster started is stopped at teardown."""
+    clusters: list[LocalCluster] = []
+
+    def start(workers: Iterable[str] = ("w1",), **options: Any) -> LocalCluster:
+        cluster = LocalCluster(workers, **options)
+        clusters.append(cluster)
+        return cluster.start()
+
+    yield start
+    for cluster in clusters:
+        cluster.stop()

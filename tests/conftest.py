@@ -1,39 +1,25 @@
-"""Shared fixtures: real genie node processes on loopback, always stopped."""
+"""Shared fixtures: real genie node processes on loopback, always stopped.
+
+The kit itself (``wait_until``, ``refused_port``, ``LocalCluster`` and the ``genie_*`` fixtures)
+is :mod:`genie.testing`, which third-party plugins use too; this file only adds this suite's own.
+"""
 
 from __future__ import annotations
 
-import socket
-import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 
 from genie.cluster.launch import NodeProcess
+from genie.testing import refused_port, wait_until
 
-
-def wait_until(predicate: Callable[[], Any], timeout: float, step: float = 0.05) -> Any:
-    """Poll ``predicate`` until it returns something true (returned), or fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(step)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["refused_port", "wait_until"]  # re-exported for the suite's modules
 
 
 @pytest.fixture(scope="session")
 def cpu_server() -> Iterator[NodeProcess]:
-    """A real `genie serve` process exposing two CPU devices (remote_accelerator:0 and :1)."""
-    with NodeProcess("serve", "--port", str(free_port()), "--devices", "cpu,cpu",
+    """A real `genie serve` process exposing two CPU devices (remote_accelerator:0 and :1), on any free port."""
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu,cpu",
                      "--heartbeat-interval", "0.2", "--heartbeat-timeout", "2") as server:
         yield server
 

@@ -7,6 +7,7 @@ so tests pin the server's behaviour on the wire rather than the real client's.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -56,11 +57,11 @@ def spec(handle: int, t: torch.Tensor) -> list[Any]:
     return [handle, dtype_code(t.dtype), list(t.shape), list(t.stride()), t.storage_offset()]
 
 
-def op(name: str, args: list[Any], kwargs: dict[str, Any] | None = None, outs: list[Any] = ()) -> bytes:
+def op(name: str, args: list[Any], kwargs: dict[str, Any] | None = None, outs: Sequence[Any] = ()) -> bytes:
     return pack([CMD_OP, name, args, kwargs or {}, list(outs)])
 
 
-def call(req: int, name: str, args: list[Any], kwargs: dict[str, Any] | None = None, outs: list[int] = ()) -> bytes:
+def call(req: int, name: str, args: list[Any], kwargs: dict[str, Any] | None = None, outs: Sequence[int] = ()) -> bytes:
     return pack([CMD_CALL, req, name, args, kwargs or {}, list(outs)])
 
 
@@ -128,7 +129,7 @@ class RawClient:
         self.welcome = body
         return body
 
-    def send_batch(self, cmds: list[bytes], uploads: list[tuple[int, int, torch.Tensor]] = ()) -> None:
+    def send_batch(self, cmds: list[bytes], uploads: Sequence[tuple[int, int, torch.Tensor]] = ()) -> None:
         """Send a BATCH: ``uploads`` are ``(handle, device index, CPU tensor)``."""
         tensors = [t.contiguous() for _, _, t in uploads]
         ups = [[h, d, dtype_code(t.dtype), list(t.shape), t.numel() * t.element_size()]
@@ -149,7 +150,7 @@ class RawClient:
         assert kind == MsgKind.REPLY, (kind, body)
         return Reply(body, payload)
 
-    def request(self, cmds: list[bytes], uploads: list[tuple[int, int, torch.Tensor]] = ()) -> Reply:
+    def request(self, cmds: list[bytes], uploads: Sequence[tuple[int, int, torch.Tensor]] = ()) -> Reply:
         """Send a batch whose last command is a request and return its reply."""
         self.send_batch(cmds, uploads)
         return self.reply()

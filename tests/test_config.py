@@ -123,7 +123,7 @@ def _refused(environ: dict[str, str] | None = None, **arguments) -> ConfigError:
     return info.value
 
 
-@pytest.mark.parametrize("port", [70000, 0, "abc", 5555.5, float("inf"), True])
+@pytest.mark.parametrize("port", [70000, -1, "abc", 5555.5, float("inf"), True])
 def test_bad_master_port_argument_names_option_value_source_and_allowed(port):
     err = _refused(master_port=port)
     assert err.option == "master_port"
@@ -136,15 +136,26 @@ def test_bad_master_port_argument_names_option_value_source_and_allowed(port):
     assert "an integer port from 1 to 65535" in message
 
 
-@pytest.mark.parametrize("text", ["70000", "0", "abc", "", "5555.0", "-1"])
+@pytest.mark.parametrize("text", ["70000", "abc", "", "5555.0", "-1"])
 def test_bad_master_port_in_environment_names_the_variable(text):
     err = _refused({"GENIE_MASTER_PORT": text})
     assert (err.option, err.value) == ("master_port", text)
     assert err.source == "environment variable GENIE_MASTER_PORT"
     assert str(err) == (
         f"invalid value {text!r} for option 'master_port' (from environment variable GENIE_MASTER_PORT); "
-        "allowed: an integer port from 1 to 65535"
+        "allowed: an integer port from 1 to 65535 (0: any free port, for the master itself only)"
     )
+
+
+@pytest.mark.parametrize("role", ["client", "worker"])
+def test_master_port_0_is_refused_for_a_node_that_dials_the_master(role):
+    err = _refused({"GENIE_MASTER_PORT": "0"}, node_role=role)
+    assert (err.option, err.value, err.source) == ("master_port", "0", "environment variable GENIE_MASTER_PORT")
+    assert f"a {role} needs the port the master reported" in str(err)
+
+
+def test_master_port_0_lets_the_master_bind_any_free_port():
+    assert ClusterConfig.from_sources({}, node_role="server", master_port=0).master_port == 0
 
 
 def test_bad_environment_value_is_refused_even_when_an_argument_overrides_another_option():

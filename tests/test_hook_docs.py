@@ -48,3 +48,24 @@ def test_hook_is_documented_under_its_own_heading(name: str) -> None:
     firstresult = getattr(hook_specs()[name], SPEC_MARK).get("firstresult", False)
     assert ("firstresult" in body.lower()) or not firstresult, f"docs/hooks.md must say {name} is firstresult"
     assert len(body.split()) >= 20, f"the section on {name} in docs/hooks.md is too short to document it"
+
+
+def test_the_types_docs_hooks_md_names_exist_and_hookspecs_return_them() -> None:
+    """Every ``list[X]`` a hook returns in docs/hooks.md is a real type, and the spec's own annotation."""
+    from genie.transport import base
+
+    text = DOCS.read_text(encoding="utf-8")
+    named = dict(re.findall(r"def (genie_\w+)\(.*?\) -> list\[(?:type\[)?(\w+)\]?\]", text))
+    assert set(named) == {"genie_transports", "genie_health_checks", "genie_event_sinks"}, named
+    for hook, type_name in named.items():
+        assert getattr(hookspecs, type_name, None) or getattr(base, type_name, None), \
+            f"docs/hooks.md says {hook} returns {type_name}, which genie does not define"
+        assert type_name in hook_specs()[hook].__annotations__["return"], (hook, type_name)
+
+
+def test_health_check_and_event_sink_are_protocols_that_the_builtins_satisfy() -> None:
+    from genie import builtin
+
+    assert all(isinstance(c, hookspecs.HealthCheck) for c in builtin.genie_health_checks())
+    assert all(isinstance(s, hookspecs.EventSink) for s in builtin.genie_event_sinks())
+    assert not isinstance(object(), hookspecs.EventSink)

@@ -320,6 +320,49 @@ def test_trace_plugins_logs_every_hook_call_on_the_trace_logger(caplog: pytest.L
     assert all(r.levelno == logging.DEBUG for r in caplog.records if r.name == "genie.plugins.trace")
 
 
+class EveryHookPlugin:
+    """An inline plugin implementing all five hooks, one of them failing."""
+
+    @hookimpl
+    def genie_transports(self):
+        return []
+
+    @hookimpl
+    def genie_backend_priority(self, result):
+        return None
+
+    @hookimpl
+    def genie_node_metrics(self, node):
+        raise RuntimeError("sensor gone")
+
+    @hookimpl
+    def genie_health_checks(self):
+        return []
+
+    @hookimpl
+    def genie_event_sinks(self):
+        return []
+
+
+def test_trace_plugins_traces_all_five_hooks_each_through_pluggy(caplog: pytest.LogCaptureFixture):
+    pm = PluginManager(environ={"GENIE_TRACE_PLUGINS": "1", "GENIE_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    pm.register(EveryHookPlugin(), name="every_hook")
+    node = NodeInfo("n1", "host", NodeRole.WORKER)
+    with caplog.at_level(logging.DEBUG, logger="genie.plugins.trace"):
+        pm.transports()
+        pm.backend_priority(result=probe_result(), config=ClusterConfig.from_sources({}))
+        fragments = pm.node_metrics(node=node)
+        pm.health_checks()
+        pm.event_sinks()
+    traced = " ".join(r.getMessage() for r in caplog.records if r.name == "genie.plugins.trace")
+    for hook in ("genie_transports", "genie_backend_priority", "genie_node_metrics", "genie_health_checks",
+                 "genie_event_sinks"):
+        assert f"finish {hook} -->" in traced, (hook, traced)
+    # the failing plugin costs only its own fragment; the built-in's host figures still come
+    assert {"errors": {"every_hook": "RuntimeError: sensor gone"}} in fragments
+    assert any("host" in f for f in fragments)
+
+
 @pytest.mark.parametrize("environ", [{}, {"GENIE_TRACE_PLUGINS": "0"}, {"GENIE_TRACE_PLUGINS": ""}])
 def test_no_trace_without_genie_trace_plugins(caplog: pytest.LogCaptureFixture, environ: dict[str, str]):
     pm = PluginManager(environ={**environ, "GENIE_DISABLE_PLUGIN_AUTOLOAD": "1"})

@@ -8,13 +8,19 @@ ready line (see :mod:`genie.cluster.launch`) and stop cleanly on SIGTERM/SIGINT.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from genie.config import env_name
+from genie.config import ClusterConfig, env_name
+
+if TYPE_CHECKING:
+    from genie.cluster.state import ClusterState
+
+log = logging.getLogger("genie.node")
 
 #: The environment variable behind ``genie serve --state-file``.
 STATE_FILE_ENV = "GENIE_STATE_FILE"
@@ -39,7 +45,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def register(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run the master node (registry, control service, its own GPUs)")
-    serve.add_argument("--port", type=int, default=None, help=f"control-plane port (default 5555; {env_name('master_port')})")
+    serve.add_argument("--port", type=int, default=None, help=f"control-plane port (default 5555; 0: any free port, shown in the ready line; "
+                            f"{env_name('master_port')})")
     serve.add_argument("--state-file", default=None,
                        help="keep the cluster's device order in this file, so it survives a restart of the master "
                             f"(default: none; {STATE_FILE_ENV}); use it with a fixed --node-id")
@@ -77,9 +84,24 @@ def run_worker(args: argparse.Namespace) -> int:
     return _run("worker", {"master_addr": host, "master_port": port, **_options(args)}, insecure=args.insecure)
 
 
+def ready_line(role: str, config: ClusterConfig, state: ClusterState) -> str:
+    """The line a launcher waits for, with the ports actually bound (``--port 0`` and ``--data-port 0``
+    mean any free port): ``genie ROLE ready: control=HOST:PORT data=HOST:PORT devices=N node=ID
+    [metrics=PORT]``. :data:`genie.cluster.launch.READY` parses it; it is logged as well."""
+    control = f"{config.bind_addr}:{state.master_port or config.master_port}"
+    if role == "worker":
+        control = f"{config.master_addr}:{config.master_port}"
+    line = (f"genie {role} ready: control={control} data={config.bind_addr}:{state.data_port} "
+            f"devices={len(state.local_node.gpus)} node={state.local_node.node_id}")
+    metrics_port = state.stats.get("metrics_port")
+    if metrics_port:
+        line += f" metrics={metrics_port}"
+    log.info("%s", line)
+    return line
+
+
 def _run(role: str, options: dict[str, Any], *, insecure: bool = False, state_file: str = "") -> int:
     from genie.cluster.runtime import Runtime
-    from genie.config import ClusterConfig
     from genie.security import check_exposure
 
     config = ClusterConfig.from_sources(node_role=role, **options)
@@ -90,11 +112,7 @@ def _run(role: str, options: dict[str, Any], *, insecure: bool = False, state_fi
     runtime = Runtime(config, state_file=state_file)
     state = runtime.start()
     try:
-        control = f"{config.bind_addr}:{state.master_port or config.master_port}"
-        if role == "worker":
-            control = f"{config.master_addr}:{config.master_port}"
-        print(f"genie {role} ready: control={control} data={config.bind_addr}:{state.data_port} "
-              f"devices={len(state.local_node.gpus)} node={state.local_node.node_id}", flush=True)
+        print(ready_line(role, config, state), flush=True)
         stop.wait()
     finally:
         runtime.stop()

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
+from genie import _version
+from genie._version import __version__
 from genie.errors import GenieError
 from genie.plugins import PluginManager
 
 
 def version_lines(pm: PluginManager) -> list[str]:
-    import genie
-
-    lines = [f"genie {genie.__version__} at {genie.__file__.rsplit('/', 1)[0]}"]
+    lines = [f"genie {__version__} at {os.path.dirname(os.path.abspath(_version.__file__))}"]
     for record in pm.records.values():
         if record.builtin:
             continue

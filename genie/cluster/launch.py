@@ -1,11 +1,13 @@
-"""Start genie node processes and wait until they are ready.
+"""Start genie node processes and wait until they are ready (for tests and benchmarks).
 
-Used by the demo, the benchmarks and the tests. ``genie serve`` / ``genie worker``
-print one ready line (``genie server ready: control=HOST:PORT data=HOST:PORT
-devices=N node=ID``); the bare data-plane server (``python -m genie.server``) prints
-``genie data plane listening on HOST:PORT devices=N``. :class:`NodeProcess` sends
-the child's output to a log file (a pipe nobody drains would block a chatty child),
-watches it for the ready line within a bounded wait, and always stops the child.
+``genie serve`` / ``genie worker`` print one ready line with the ports actually bound
+(``--port 0`` and ``--data-port 0`` mean any free port): ``genie server ready:
+control=HOST:PORT data=HOST:PORT devices=N node=ID [metrics=PORT]``; the bare data-plane
+server (``python -m genie.server``) prints ``genie data plane listening on HOST:PORT
+devices=N``. :class:`NodeProcess` sends the child's output to a log file (a pipe nobody
+drains would block a chatty child), watches it for the ready line within a bounded wait,
+and always stops the child. Applications run nodes with the ``genie`` CLI instead;
+test suites use the fixtures of :mod:`genie.testing`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from genie.errors import GenieError
 
 READY = re.compile(
     r"genie (?:server|worker) ready: control=(?P<control_host>\S+):(?P<control_port>\d+) "
-    r"data=(?P<host>\S+):(?P<port>\d+) devices=(?P<devices>\d+) node=(?P<node>\S+)"
+    r"data=(?P<host>\S+):(?P<port>\d+) devices=(?P<devices>\d+) node=(?P<node>\S+)(?: metrics=(?P<metrics>\d+))?"
     r"|genie data plane listening on (?P<dp_host>\S+):(?P<dp_port>\d+) devices=(?P<dp_devices>\d+)"
 )
 
@@ -57,6 +59,7 @@ class NodeProcess:
         self.data_port = 0
         self.devices = 0
         self.node_id = ""
+        self.metrics_port = 0  #: where /metrics is served, 0 when it is not
         self.log_path = ""
 
     @classmethod
@@ -94,6 +97,7 @@ class NodeProcess:
                     self.host, self.control_port = m.group("control_host"), int(m.group("control_port"))
                     self.data_port, self.devices, self.node_id = int(m.group("port")), int(m.group("devices")), \
                         m.group("node")
+                    self.metrics_port = int(m.group("metrics") or 0)
                 return self
             if self.proc.poll() is not None:
                 break

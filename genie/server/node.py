@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from genie import __version__
+from genie._version import __version__
 from genie.config import ClusterConfig
 from genie.errors import ConfigError, ConnectionClosedError
 from genie.security import ServerSecurity

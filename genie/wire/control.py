@@ -19,7 +19,8 @@ from genie.wire import frame as wf
 MAX_CONTROL_BODY = 4 << 20
 
 
-async def _receive_exactly(stream: ByteStream, n: int) -> bytes:
+async def receive_exactly(stream: ByteStream, n: int) -> bytes:
+    """Read exactly ``n`` bytes; ConnectionClosedError when the peer goes away first."""
     chunks = bytearray()
     try:
         while len(chunks) < n:
@@ -30,6 +31,7 @@ async def _receive_exactly(stream: ByteStream, n: int) -> bytes:
 
 
 async def send_msg(stream: ByteStream, kind: wf.MsgKind, body: dict[str, Any]) -> None:
+    """Send one control message (a map) as a frame without payload."""
     data = wf.pack_body(body)
     try:
         await stream.send(wf.encode_header(kind, len(data), 0) + data)
@@ -37,14 +39,25 @@ async def send_msg(stream: ByteStream, kind: wf.MsgKind, body: dict[str, Any]) -
         raise ConnectionClosedError(f"control connection closed: {type(exc).__name__} {exc}".strip()) from None
 
 
-async def recv_msg(stream: ByteStream) -> tuple[wf.MsgKind, dict[str, Any]]:
-    header = wf.decode_header(await _receive_exactly(stream, wf.HEADER.size), max_payload=0)
+async def recv_msg_raw(stream: ByteStream) -> tuple[wf.MsgKind, bytes, dict[str, Any]]:
+    """Receive one control message: its kind, its body's bytes as sent, and the body.
+
+    The bytes are for the handshake, whose proofs bind the HELLO exactly as it was sent.
+    """
+    header = wf.decode_header(await receive_exactly(stream, wf.HEADER.size), max_payload=0)
     if header.body_len > MAX_CONTROL_BODY:
         raise FrameError(f"control message of {header.body_len} bytes exceeds {MAX_CONTROL_BODY}")
-    body = wf.unpack_body(await _receive_exactly(stream, header.body_len)) if header.body_len else {}
+    raw = await receive_exactly(stream, header.body_len) if header.body_len else b""
+    body = wf.unpack_body(raw) if raw else {}
     if not isinstance(body, dict):
         raise FrameError(f"control message body must be a map, got {type(body).__name__}")
-    return header.kind, body
+    return header.kind, raw, body
+
+
+async def recv_msg(stream: ByteStream) -> tuple[wf.MsgKind, dict[str, Any]]:
+    """Receive one control message: its kind and body (a map); FrameError when malformed."""
+    kind, _, body = await recv_msg_raw(stream)
+    return kind, body
 
 
 async def request(stream: ByteStream, kind: wf.MsgKind, body: dict[str, Any], expect: wf.MsgKind) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from anyio.abc import ByteStream
 from anyio.streams.tls import TLSStream
 
 from genie import security as sec
+from genie._version import __version__
 from genie.errors import AuthenticationError, ConnectionClosedError, FrameError, HandshakeError
 from genie.transport.base import Channel
 from genie.wire import control
@@ -243,17 +244,6 @@ class _Replay(ByteStream):
         return self._stream.extra_attributes
 
 
-async def _recv_raw(stream: ByteStream) -> tuple[wf.MsgKind, bytes, dict[str, Any]]:
-    header = wf.decode_header(await control._receive_exactly(stream, wf.HEADER.size), max_payload=0)
-    if header.body_len > control.MAX_CONTROL_BODY:
-        raise FrameError(f"control message of {header.body_len} bytes exceeds {control.MAX_CONTROL_BODY}")
-    raw = await control._receive_exactly(stream, header.body_len) if header.body_len else b""
-    body = wf.unpack_body(raw) if raw else {}
-    if not isinstance(body, dict):
-        raise FrameError(f"control message body must be a map, got {type(body).__name__}")
-    return header.kind, raw, body
-
-
 async def accept_control(stream: ByteStream, security: sec.ServerSecurity, *, peer: str, timeout: float = 10.0,
                          refusals: sec.RefusalLog = sec.REFUSALS
                          ) -> tuple[ByteStream, tuple[wf.MsgKind, dict[str, Any]] | None] | None:
@@ -266,7 +256,7 @@ async def accept_control(stream: ByteStream, security: sec.ServerSecurity, *, pe
     try:
         with anyio.fail_after(timeout):
             if security.tls is not None:
-                head = await control._receive_exactly(stream, len(wf.MAGIC))
+                head = await control.receive_exactly(stream, len(wf.MAGIC))
                 if head == wf.MAGIC:
                     refusals.warning("refused plain (non-TLS) control connection from %s: this master requires TLS",
                                      peer)
@@ -278,7 +268,7 @@ async def accept_control(stream: ByteStream, security: sec.ServerSecurity, *, pe
                 except (ssl.SSLError, OSError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
                     refusals.warning("TLS handshake with control peer %s failed: %s", peer, exc)
                     return None
-            kind, raw, body = await _recv_raw(stream)
+            kind, raw, body = await control.recv_msg_raw(stream)
             if kind != wf.MsgKind.HELLO:
                 if security.token:
                     refusals.warning("refused control connection from %s: %s (sent %s without authenticating)",
@@ -296,7 +286,7 @@ async def accept_control(stream: ByteStream, security: sec.ServerSecurity, *, pe
                 return None
             server_nonce = sec.new_nonce()
             await control.send_msg(stream, wf.MsgKind.CHALLENGE, {"alg": sec.MAC_ALG, "server_nonce": server_nonce})
-            kind, _, answer = await _recv_raw(stream)
+            kind, _, answer = await control.recv_msg_raw(stream)
             mac = answer.get("mac") if kind == wf.MsgKind.AUTH else None
             expected = sec.proof(security.token, sec.CONTEXT_CONTROL, sec.CLIENT, raw, server_nonce, client_nonce)
             if not sec.proof_matches(expected, mac):
@@ -365,7 +355,7 @@ async def _control_handshake(stream: ByteStream, security: sec.ClientSecurity, *
             raise HandshakeError(f"TLS handshake with {where} failed: {exc}; check that it serves TLS and that "
                                  "its certificate is signed by GENIE_TLS_CA and names this address") from None
     client_nonce = sec.new_nonce()
-    raw = wf.pack_body({"genie": _version(), "protocol": wf.PROTOCOL_VERSION, "role": role, "node_id": node_id,
+    raw = wf.pack_body({"genie": __version__, "protocol": wf.PROTOCOL_VERSION, "role": role, "node_id": node_id,
                         "auth": _auth_offer(client_nonce)})
     try:
         await stream.send(wf.encode_header(wf.MsgKind.HELLO, len(raw), 0) + raw)
@@ -397,9 +387,3 @@ async def _control_handshake(stream: ByteStream, security: sec.ClientSecurity, *
         if not isinstance(auth, dict) or not sec.proof_matches(expected, auth.get("mac")):
             raise _bad_server_proof(where)
     return stream
-
-
-def _version() -> str:
-    from genie import __version__
-
-    return __version__

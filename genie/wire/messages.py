@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from genie import __version__
+from genie._version import __version__
 from genie.wire.frame import PROTOCOL_VERSION
 
 CMD_OP = 1

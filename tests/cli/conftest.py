@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,7 +18,7 @@ import pytest
 from genie.cluster.launch import NodeProcess
 from genie.cluster.overview import nodes
 from genie.cluster.query import query_master_sync
-from tests.conftest import free_port, wait_until  # noqa: F401 - re-exported for the cli tests
+from genie.testing import LocalCluster, refused_port, wait_until  # noqa: F401 - re-exported for the cli tests
 
 #: Short intervals so joins, losses and health reports show within a second or two.
 FAST = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "1", "--gpu-poll-interval", "0.2",
@@ -48,23 +50,32 @@ def genie_many(*commands: tuple[str, ...], timeout: float = 15) -> list[subproce
     return out
 
 
-class Cluster:
-    """A master (``--metrics-port`` unless told otherwise) and workers, each its own process."""
+def metrics_port() -> int:
+    """A port for ``--metrics-port``, found free and released.
+
+    The one bind-release-reuse left in the suite: ``--metrics-port 0`` means "no metrics
+    endpoint", so a metrics server cannot be asked for any free port (yet).
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Cluster(LocalCluster):
+    """A master (``--metrics-port`` unless told otherwise) and workers, each its own process, on any free ports."""
 
     def __init__(self, workers: tuple[str, ...] = ("w1", "w2"), *, metrics: bool = True) -> None:
-        self.port = free_port()
-        self.metrics_port = free_port() if metrics else 0
-        self.master_addr = f"127.0.0.1:{self.port}"
-        self.worker_ids = workers
-        self.procs: dict[str, NodeProcess] = {}
+        self.metrics_port = metrics_port() if metrics else 0
+        extra = ("--metrics-port", str(self.metrics_port)) if self.metrics_port else ()
+        super().__init__(workers, master_args=(*extra, *FAST), worker_args=FAST, ready_timeout=20)
+
+    @property
+    def procs(self) -> dict[str, NodeProcess]:
+        """Every node process by name: ``master`` and the worker ids."""
+        return {"master": self.master, **self.workers} if self.master is not None else dict(self.workers)
 
     def start(self) -> Cluster:
-        extra = ("--metrics-port", str(self.metrics_port)) if self.metrics_port else ()
-        self.procs["master"] = NodeProcess("serve", "--port", str(self.port), "--devices", "cpu", "--node-id",
-                                           "master", *extra, *FAST, ready_timeout=20).start()
-        for name in self.worker_ids:
-            self.procs[name] = NodeProcess("worker", "--master", self.master_addr, "--devices", "cpu",
-                                           "--node-id", name, *FAST, ready_timeout=20).start()
+        super().start()
         # every node joined, and every serving node has sent a health report
         wait_until(lambda: self._reported(len(self.worker_ids) + 1), 10)
         return self
@@ -78,10 +89,6 @@ class Cluster:
 
     def status_of(self, node_id: str) -> str | None:
         return next((n["status"] for n in self.query()["nodes"] if n["node_id"] == node_id), None)
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            proc.stop()
 
 
 @pytest.fixture
@@ -104,15 +111,16 @@ def shared_cluster() -> Iterator[Cluster]:
         c.stop()
 
 
-TMUX = shutil.which("tmux")
-needs_tmux = pytest.mark.skipif(TMUX is None, reason="tmux is not installed: run scripts/install-system-deps tmux")
+TMUX = shutil.which("tmux") or "tmux"  # where missing, needs_tmux skips the tests before it is run
+_terminals = itertools.count()
+needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed: run scripts/install-system-deps tmux")
 
 
 class Terminal:
     """A detached tmux session of its own server (socket), 160x50, running one command."""
 
     def __init__(self, tmp_path: Path, command: list[str]) -> None:
-        self.socket = f"genie-test-{free_port()}"
+        self.socket = f"genie-test-{os.getpid()}-{next(_terminals)}"
         self.rc_file = tmp_path / f"{self.socket}.rc"
         # the exit code, and whether the terminal's settings (cbreak, echo) came back as they were
         line = (f"before=$(stty -g); {shlex.join(command)}; rc=$?; "

@@ -6,8 +6,7 @@ import re
 import sys
 import time
 
-from tests.cli.conftest import Cluster, needs_tmux
-from tests.conftest import free_port
+from tests.cli.conftest import Cluster, needs_tmux, refused_port
 
 pytestmark = needs_tmux
 BAR = re.compile(r"\[[#.]{20}\] +\d+%")
@@ -39,15 +38,17 @@ def test_dashboard_shows_the_cluster_a_lost_worker_and_quits_on_q(cluster: Clust
 
 
 def test_dashboard_of_an_unreachable_master_retries_and_still_quits(terminal) -> None:
-    term = terminal(dashboard(f"127.0.0.1:{free_port()}"))
-    screen = term.wait_for("master unreachable, retrying", 8)
-    assert "waiting for the master" in screen and "Traceback" not in screen
-    term.press("q")
-    assert term.exited(3) == (0, "restored")
+    with refused_port() as port:
+        term = terminal(dashboard(f"127.0.0.1:{port}"))
+        screen = term.wait_for("master unreachable, retrying", 8)
+        assert "waiting for the master" in screen and "Traceback" not in screen
+        term.press("q")
+        assert term.exited(3) == (0, "restored")
 
 
 def test_dashboard_interrupted_with_ctrl_c_exits_130_and_restores_the_terminal(terminal) -> None:
-    term = terminal(dashboard(f"127.0.0.1:{free_port()}"))
-    term.wait_for("master unreachable, retrying", 8)
-    term.press("C-c")
-    assert term.exited(3) == (130, "restored")
+    with refused_port() as port:
+        term = terminal(dashboard(f"127.0.0.1:{port}"))
+        term.wait_for("master unreachable, retrying", 8)
+        term.press("C-c")
+        assert term.exited(3) == (130, "restored")

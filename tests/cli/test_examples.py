@@ -12,8 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.cli.conftest import Cluster, genie, needs_tmux, wait_until
-from tests.conftest import free_port
+from tests.cli.conftest import Cluster, genie, metrics_port, needs_tmux, refused_port, wait_until
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -25,7 +24,14 @@ def read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str:
     and select() then sees nothing left on the pipe.
     """
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    stdout = proc.stdout
+    assert stdout is not None
+
+    def pump() -> None:
+        for line in stdout:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
     out, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -39,14 +45,16 @@ def read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str:
 
 
 def test_gpu_server_prints_where_to_point_clients_and_stops_on_ctrl_c() -> None:
-    port, metrics_port = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, str(EXAMPLES / "gpu_server.py"), "--port", str(port), "--metrics-port",
-                             str(metrics_port), "--devices", "cpu"], stdout=subprocess.PIPE,
+    metrics = metrics_port()
+    proc = subprocess.Popen([sys.executable, str(EXAMPLES / "gpu_server.py"), "--port", "0", "--metrics-port",
+                             str(metrics), "--devices", "cpu"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         text = read_until(proc, "Ctrl-C stops the server.", 15)
-        assert f"genie.init_sync(master_addr='127.0.0.1', master_port={port})" in text
-        assert f"http://127.0.0.1:{metrics_port}/metrics" in text
+        found = re.search(r"genie\.init_sync\(master_addr='127\.0\.0\.1', master_port=(\d+)\)", text)
+        assert found, text
+        port = int(found.group(1))
+        assert port != 0 and f"http://127.0.0.1:{metrics}/metrics" in text
         status = genie("status", "--json", "--master", f"127.0.0.1:{port}")
         assert status.returncode == 0 and '"role": "server"' in status.stdout
         proc.send_signal(signal.SIGINT)
@@ -72,8 +80,9 @@ def test_basic_client_runs_a_matmul_remotely_and_matches_the_cpu() -> None:
 
 
 def test_basic_client_without_a_master_says_so() -> None:
-    result = subprocess.run([sys.executable, str(EXAMPLES / "basic_client.py"), "--master",
-                             f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60)
+    with refused_port() as port:
+        result = subprocess.run([sys.executable, str(EXAMPLES / "basic_client.py"), "--master",
+                                 f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "cannot reach the genie master" in result.stderr
     assert "Traceback" not in result.stderr
 

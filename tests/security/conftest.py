@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from genie_tcp import TcpTransport
 
 from genie.config import ClusterConfig
@@ -36,20 +35,10 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> TestPKI:
 
 
 @pytest.fixture
-def dp_server() -> Iterator[Callable[..., DataPlaneServer]]:
-    """Start in-process DataPlaneServers (two CPU devices) with config options; all stopped at teardown."""
-    servers: list[DataPlaneServer] = []
-
-    def start(*, hello_timeout: float = 5.0, **options: Any) -> DataPlaneServer:
-        server = DataPlaneServer(TcpTransport(), "127.0.0.1", 0, [torch.device("cpu")] * 2,
-                                 ClusterConfig.from_sources({}, **options), hello_timeout=hello_timeout)
-        server.start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.stop(timeout=5)
+def dp_server(genie_inproc_server: Callable[..., DataPlaneServer]) -> Callable[..., DataPlaneServer]:
+    """``start(*, hello_timeout=5.0, **options)``: in-process servers with two CPU devices
+    (:func:`genie.testing.genie_inproc_server`), all stopped at teardown."""
+    return genie_inproc_server
 
 
 @pytest.fixture
@@ -113,6 +102,9 @@ class RecordingProxy:
             dst.shutdown(socket.SHUT_WR)
 
     def close(self) -> None:
+        # close() alone does not wake a thread blocked in accept() (Linux); shutdown() does, at once.
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         for s in self._sockets:
             with contextlib.suppress(OSError):

@@ -18,7 +18,6 @@ from genie.config import ClusterConfig
 from genie.errors import AuthenticationError
 from genie.wire import control
 from genie.wire.frame import MsgKind
-from tests.conftest import free_port
 from tests.security.conftest import TOKEN
 
 HB = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "2")
@@ -26,9 +25,9 @@ HB = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "2")
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("GENIE_")}
 
 
-def node(*args: str, env: dict[str, str], **kwargs: float) -> NodeProcess:
+def node(*args: str, env: dict[str, str], ready_timeout: float = 60.0) -> NodeProcess:
     """A node process whose environment is exactly ``env`` plus this one's non-GENIE variables."""
-    proc = NodeProcess(*args, **kwargs)
+    proc = NodeProcess(*args, ready_timeout=ready_timeout)
     proc.env = {**CLEAN_ENV, **env}
     return proc
 
@@ -36,7 +35,7 @@ def node(*args: str, env: dict[str, str], **kwargs: float) -> NodeProcess:
 @pytest.fixture(scope="module")
 def master() -> Iterator[NodeProcess]:
     """A `genie serve` with a cluster token and two CPU devices."""
-    with node("serve", "--port", str(free_port()), "--devices", "cpu,cpu", "--node-id", "sec-master", *HB,
+    with node("serve", "--port", "0", "--devices", "cpu,cpu", "--node-id", "sec-master", *HB,
               env={"GENIE_AUTH_TOKEN": TOKEN}) as proc:
         yield proc
 

@@ -16,7 +16,6 @@ from genie.cluster.launch import NodeProcess
 from genie.cluster.query import query_master_sync
 from genie.config import ClusterConfig
 from genie.errors import AuthenticationError, HandshakeError
-from tests.conftest import free_port
 from tests.security.conftest import TOKEN
 
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("GENIE_")}
@@ -72,7 +71,7 @@ def test_mutual_tls_requires_a_client_certificate(dp_server, connect, pki, caplo
 
 @pytest.fixture(scope="module")
 def tls_master(pki) -> Iterator[NodeProcess]:
-    proc = NodeProcess("serve", "--port", str(free_port()), "--devices", "cpu", "--node-id", "tls-master",
+    proc = NodeProcess("serve", "--port", "0", "--devices", "cpu", "--node-id", "tls-master",
                        "--heartbeat-interval", "0.2", "--heartbeat-timeout", "2")
     proc.env = {**CLEAN_ENV, "GENIE_AUTH_TOKEN": TOKEN, "GENIE_TLS_CERT": pki.server_cert,
                 "GENIE_TLS_KEY": pki.server_key, "GENIE_TLS_CA": pki.ca}

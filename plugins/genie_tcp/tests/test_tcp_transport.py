@@ -12,6 +12,7 @@ import torch
 from genie_tcp import TcpTransport
 
 from genie.errors import ConnectError, ConnectionClosedError
+from genie.testing import refused_port
 from genie.transport.base import PRIORITY_TCP, Channel, Listener, ProbeTarget
 from genie.wire.buffers import tensor_bytes
 
@@ -29,10 +30,6 @@ def pair():
     listener.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_hook_exports_the_transport_class():
@@ -171,8 +168,7 @@ def test_send_to_a_dead_peer_raises_connection_closed(pair):
 
 
 def test_connect_to_closed_port_raises_connect_error():
-    port = _free_port()
-    with pytest.raises(ConnectError, match=f"127.0.0.1:{port}"):
+    with refused_port() as port, pytest.raises(ConnectError, match=f"127.0.0.1:{port}"):
         TcpTransport().connect("127.0.0.1", port, timeout=2)
 
 
@@ -229,8 +225,8 @@ def test_probe_measures_rtt_against_a_listener():
 
 
 def test_probe_of_unreachable_peer_is_unavailable_with_os_error():
-    port = _free_port()
-    result = anyio.run(TcpTransport().probe, ProbeTarget("127.0.0.1", port, 2.0))
+    with refused_port() as port:
+        result = anyio.run(TcpTransport().probe, ProbeTarget("127.0.0.1", port, 2.0))
     assert not result.available
     assert result.reason_code == "unreachable"
     assert f"127.0.0.1:{port}" in result.reason
