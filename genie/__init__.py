@@ -16,16 +16,18 @@ no import circle (``tests/test_imports.py``).
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 from genie._version import __version__
 
 if TYPE_CHECKING:
-    from genie.api import get_cluster_state, init, init_sync, is_initialized, shutdown, shutdown_sync, subscribe
+    from genie.api import device, get_cluster_state, init, init_sync, is_initialized, shutdown, shutdown_sync, subscribe
     from genie.hookspecs import hookimpl
 
 __all__ = [
     "__version__",
+    "device",
     "get_cluster_state",
     "hookimpl",
     "init",
@@ -39,8 +41,13 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # Resolved once: the value is stored in the module's namespace, so later lookups are plain attribute reads.
+    value: Any
     if name == "hookimpl":
         from genie.hookspecs import hookimpl as value
+    elif name == "device":  # the device package, callable once genie.api has loaded: genie.device(min_memory=...)
+        import genie.api  # noqa: F401  (makes the package callable)
+
+        value = sys.modules["genie.device"]
     elif name in __all__:
         from genie import api
 

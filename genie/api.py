@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import threading
+import types
 from collections.abc import Iterable
 from typing import Any
 
 import anyio.to_thread
+import torch
 
 # Imported with genie, not inside init(): the runtime's modules (device, wire, transports) are
 # init's own cost, and paying them at ``import genie`` keeps init() itself in the tens of ms.
@@ -111,6 +114,33 @@ def subscribe(handler: EventHandler, types: Iterable[EventType] | None = None) -
     if runtime is None:
         raise NotInitializedError("genie is not initialised: call genie.init(master_addr=...) before subscribe()")
     return runtime.bus.subscribe(handler, types)
+
+
+def device(min_memory: int | None = None, prefer: str | int | None = None) -> torch.device:
+    """The best ``remote_accelerator`` device for new work (``genie.device(...)``; the score is in
+    :mod:`genie.cluster.placement` and docs/placement.md).
+
+    :param min_memory: bytes the device must have free (where its node reports memory).
+    :param prefer: a node id, a device index or a device kind to prefer while it is eligible.
+    :raises NotInitializedError: before ``genie.init()``.
+    :raises DeviceError: when no device is eligible, naming each one's reason.
+    """
+    runtime = _runtime
+    if runtime is None or runtime.table is None:
+        raise NotInitializedError("genie is not initialised as a client: call genie.init(master_addr=...) "
+                                  "before genie.device()")
+    return runtime.place(min_memory=min_memory, prefer=prefer).device
+
+
+class _CallableDeviceModule(types.ModuleType):
+    """``genie.device`` is both the device package and ``genie.device(min_memory=, prefer=)``."""
+
+    def __call__(self, min_memory: int | None = None, prefer: str | int | None = None) -> torch.device:
+        return device(min_memory=min_memory, prefer=prefer)
+
+
+# The package's class changes once, here: ``genie.device.*`` stays the package, ``genie.device(...)`` places.
+sys.modules["genie.device"].__class__ = _CallableDeviceModule
 
 
 def current_runtime() -> Runtime | None:

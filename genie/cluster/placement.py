@@ -29,9 +29,7 @@ published as a ``placement`` event with the winner and the best candidates' scor
 from __future__ import annotations
 
 import math
-import sys
 import time
-import types
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +37,7 @@ import attrs
 import torch
 
 from genie.cluster import overview
-from genie.errors import DeviceError, NotInitializedError
+from genie.errors import DeviceError
 from genie.types import ClusterEvent, EventType
 
 if TYPE_CHECKING:
@@ -209,36 +207,3 @@ def choose(cands: list[Candidate], *, pm: PluginManager | None = None, min_memor
     scored.sort(key=lambda item: (-item[1], item[0]))
     best, score = scored[0]
     return Decision(best, score, policy, tuple(scored), excluded, time.perf_counter() - start)
-
-
-def device(min_memory: int | None = None, prefer: str | int | None = None) -> torch.device:
-    """The best ``remote_accelerator`` device for new work (see the module docstring for the score).
-
-    :param min_memory: bytes the device must have free (where its node reports memory).
-    :param prefer: a node id, a device index or a device kind to prefer while it is eligible.
-    :raises NotInitializedError: before ``genie.init()``.
-    :raises DeviceError: when no device is eligible, naming each one's reason.
-    """
-    from genie.api import current_runtime
-
-    runtime = current_runtime()
-    if runtime is None or runtime.table is None:
-        raise NotInitializedError("genie is not initialised as a client: call genie.init(master_addr=...) "
-                                  "before genie.device()")
-    return runtime.place(min_memory=min_memory, prefer=prefer).device
-
-
-class _CallableDeviceModule(types.ModuleType):
-    """``genie.device`` is both the device package and ``genie.device(min_memory=, prefer=)``."""
-
-    def __call__(self, min_memory: int | None = None, prefer: str | int | None = None) -> torch.device:
-        return device(min_memory=min_memory, prefer=prefer)
-
-
-def make_device_module_callable() -> None:
-    """Let ``genie.device(...)`` call :func:`device` while ``genie.device.*`` stays the package."""
-    import genie.device  # noqa: F401  (loads the package before its class is changed)
-
-    module = sys.modules["genie.device"]
-    if not isinstance(module, _CallableDeviceModule):
-        module.__class__ = _CallableDeviceModule

@@ -23,7 +23,7 @@ from anyio.abc import ByteStream
 
 from genie.cluster.events import EventBus
 from genie.cluster.nodes import add_devices, connect_devices, local_gpus, reconnect_lost, session_backend
-from genie.cluster.placement import ClusterFigures, Decision, candidates, choose, make_device_module_callable
+from genie.cluster.placement import ClusterFigures, Decision, candidates, choose
 from genie.cluster.state import ClusterState
 from genie.config import ClusterConfig
 from genie.errors import AuthenticationError, ConnectError, GenieError, InitTimeoutError
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("genie.runtime")
 
-make_device_module_callable()  # genie.device(min_memory=..., prefer=...) is placement
 
 #: How often the runtime thread sends batches a user thread left waiting. Shorter costs the user's
 #: thread GIL hand-offs on every wake-up (2 ms measured 2.5x slower round trips); 20 ms costs nothing.

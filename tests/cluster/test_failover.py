@@ -15,8 +15,8 @@ import pytest
 
 from genie.cluster.launch import NodeProcess
 from genie.cluster.query import query_master_sync
+from genie.testing import wait_until
 from tests.cluster.conftest import HB, HB_INIT, node_status
-from tests.conftest import free_port, wait_until
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "failover_training.py"
 
@@ -24,13 +24,16 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "failover_training.
 @pytest.fixture
 def three_nodes(tmp_path: Path) -> Iterator[dict]:
     """master, w1, w2 (one CPU device each); the master keeps its membership in a state file."""
-    port = free_port()
     state_file = str(tmp_path / "membership.json")
-    master_args = ("serve", "--port", str(port), "--devices", "cpu", "--node-id", "master",
-                   "--state-file", state_file, *HB)
+    master_args: tuple[str, ...] = ("serve", "--port", "0", "--devices", "cpu", "--node-id", "master",
+                                    "--state-file", state_file, *HB)
     procs: dict[str, NodeProcess] = {}
     try:
         procs["master"] = NodeProcess(*master_args).start()
+        port = procs["master"].control_port
+        # a restarted master must come back on the same port (its workers and clients know that one)
+        master_args = tuple(str(port) if a == "0" and master_args[i - 1] == "--port" else a
+                            for i, a in enumerate(master_args))
         for name in ("w1", "w2"):
             procs[name] = NodeProcess("worker", "--master", f"127.0.0.1:{port}", "--devices", "cpu",
                                       "--node-id", name, *HB).start()

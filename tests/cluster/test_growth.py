@@ -8,8 +8,8 @@ import json
 import pytest
 
 from genie.cluster.launch import NodeProcess
+from genie.testing import refused_port, wait_until
 from tests.cluster.conftest import HB, HB_INIT, node_status, run_genie
-from tests.conftest import free_port, wait_until
 
 TOKEN = "growth-test-token"
 
@@ -20,9 +20,9 @@ def test_a_worker_that_joins_after_init_is_appended_at_the_end_and_usable() -> N
     import genie
     from genie.types import EventType
 
-    port = free_port()
     added: list = []
-    with NodeProcess("serve", "--port", str(port), "--devices", "cpu", "--node-id", "master", *HB):
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--node-id", "master", *HB) as master:
+        port = master.control_port
         genie.init_sync(master_addr="127.0.0.1", master_port=port, **HB_INIT)
         try:
             genie.subscribe(added.append, types=[EventType.DEVICES_ADDED])
@@ -53,10 +53,10 @@ def test_the_event_relay_and_new_sessions_use_the_token_given_to_init(monkeypatc
 
     monkeypatch.delenv("GENIE_AUTH_TOKEN", raising=False)
     monkeypatch.delenv("GENIE_AUTH_TOKEN_FILE", raising=False)
-    port = free_port()
     secured = {"GENIE_AUTH_TOKEN": TOKEN}
     seen: list = []
-    with NodeProcess("serve", "--port", str(port), "--devices", "cpu", "--node-id", "master", *HB, env=secured):
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--node-id", "master", *HB, env=secured) as master:
+        port = master.control_port
         genie.init_sync(master_addr="127.0.0.1", master_port=port, auth_token=TOKEN, **HB_INIT)
         try:
             genie.subscribe(seen.append, types=[EventType.NODE_JOINED, EventType.NODE_LOST,
@@ -79,10 +79,11 @@ def test_the_event_relay_and_new_sessions_use_the_token_given_to_init(monkeypatc
 
 
 def test_genie_worker_finds_the_master_through_GENIE_MASTER_variables_and_arguments_win() -> None:
-    port = free_port()
-    to_master = {"GENIE_MASTER_ADDR": "127.0.0.1", "GENIE_MASTER_PORT": str(port)}
-    elsewhere = {"GENIE_MASTER_ADDR": "127.0.0.1", "GENIE_MASTER_PORT": str(free_port())}
-    with NodeProcess("serve", "--port", str(port), "--devices", "cpu", "--node-id", "master", *HB):
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--node-id", "master", *HB) as master, \
+            refused_port() as nowhere:
+        port = master.control_port
+        to_master = {"GENIE_MASTER_ADDR": "127.0.0.1", "GENIE_MASTER_PORT": str(port)}
+        elsewhere = {"GENIE_MASTER_ADDR": "127.0.0.1", "GENIE_MASTER_PORT": str(nowhere)}
         with NodeProcess("worker", "--devices", "cpu", "--node-id", "by-env", *HB, env=to_master), \
                 NodeProcess("worker", "--master", f"127.0.0.1:{port}", "--devices", "cpu", "--node-id", "by-arg",
                             *HB, env=elsewhere):
@@ -91,13 +92,13 @@ def test_genie_worker_finds_the_master_through_GENIE_MASTER_variables_and_argume
 
 
 def test_genie_discover_probes_the_master_of_GENIE_MASTER_variables_unless_told_otherwise() -> None:
-    port = free_port()
-    env = {"GENIE_MASTER_ADDR": "127.0.0.1", "GENIE_MASTER_PORT": str(port)}
-    with NodeProcess("serve", "--port", str(port), "--devices", "cpu", "--node-id", "master", *HB):
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--node-id", "master", *HB) as master, \
+            refused_port() as other:
+        port = master.control_port
+        env = {"GENIE_MASTER_ADDR": "127.0.0.1", "GENIE_MASTER_PORT": str(port)}
         by_env = run_genie("discover", "--json", env=env)
         assert by_env.returncode == 0, by_env.stderr
         target = json.loads(by_env.stdout)["target"]
         assert (target["host"], target["port"]) == ("127.0.0.1", port)
-        other = free_port()
         by_arg = json.loads(run_genie("discover", "--json", "--master", f"127.0.0.1:{other}", env=env).stdout)
         assert by_arg["target"]["port"] == other

@@ -13,8 +13,8 @@ from genie.cluster.launch import NodeProcess
 from genie.cluster.placement import Candidate, choose, default_score
 from genie.errors import DeviceError
 from genie.plugins import PluginManager
+from genie.testing import wait_until
 from tests.cluster.conftest import HB, HB_INIT
-from tests.conftest import free_port, wait_until
 
 GIB = 1 << 30
 
@@ -77,12 +77,12 @@ def test_genie_device_and_the_initial_current_device_follow_placement_on_a_real_
     from genie.plugins import get_plugin_manager
     from genie.types import EventType
 
-    port = free_port()
     decisions: list = []
-    with NodeProcess("serve", "--port", str(port), "--devices", "cpu", "--node-id", "master", *HB,
-                     "--gpu-poll-interval", "0.2"), \
-            NodeProcess("worker", "--master", f"127.0.0.1:{port}", "--devices", "cpu,cpu", "--node-id", "w1", *HB,
-                        "--gpu-poll-interval", "0.2"):
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--node-id", "master", *HB,
+                     "--gpu-poll-interval", "0.2") as master, \
+            NodeProcess("worker", "--master", f"127.0.0.1:{master.control_port}", "--devices", "cpu,cpu",
+                        "--node-id", "w1", *HB, "--gpu-poll-interval", "0.2"):
+        port = master.control_port
         state = genie.init_sync(master_addr="127.0.0.1", master_port=port, **HB_INIT)
         try:
             genie.subscribe(decisions.append, types=[EventType.PLACEMENT])
