@@ -39,6 +39,7 @@ class ControlService:
         self.monitor: Any = None  #: the master's ResourceMonitor: ingests every node's heartbeat metrics
         self.health: Any = None  #: the master's own HealthChecker
         self.telemetry: Any = None
+        self.server_metrics: Any = None  #: the master's own data plane (genie.server.metrics.ServerMetrics)
         self.metrics_port = 0  #: where /metrics is served (0: nowhere)
         self._ack_cache: tuple[int, dict[str, Any]] = (-1, {})
         #: token and TLS every control connection must pass (genie.wire.handshake.accept_control)
@@ -59,18 +60,13 @@ class ControlService:
             self._refresh_self()
             for event in self.membership.sweep():
                 await self.emit(event)
-            if self.telemetry is not None:
-                counts: dict[str, int] = {}
-                for member in self.membership.members.values():
-                    counts[member.status.value] = counts.get(member.status.value, 0) + 1
-                self.telemetry.set_node_counts(counts)
 
     def _refresh_self(self) -> None:
         """The master's own metrics and health, as its heartbeat would carry them."""
         me = self.membership.members.get(self.membership.self_id)
         if me is None:
             return
-        me.metrics = node_report(self.monitor, self.health, me.info.node_id)
+        me.metrics = node_report(self.monitor, self.health, me.info.node_id, server_metrics=self.server_metrics)
 
     async def emit(self, event: ClusterEvent) -> None:
         self.publish(event)

@@ -243,24 +243,28 @@ class Runtime:
         """Resource monitor, health checker and telemetry of a node that serves devices."""
         from genie.cluster.health import HealthChecker
         from genie.cluster.monitor import ResourceMonitor
-        from genie.telemetry import MetricsServer, Telemetry
+        from genie.telemetry import MetricsServer, Telemetry, otlp_configured
 
         cfg, node = self.config, state.local_node
         self.monitor = ResourceMonitor.from_config(cfg, pm=self.pm, node=node, bus=self.bus)
         self.health = HealthChecker.from_config(cfg, pm=self.pm, node_id=node.node_id, bus=self.bus)
+        server_metrics = self.dataplane.server.metrics if self.dataplane is not None else None
         if self.control_service is not None:
             self.control_service.monitor = self.monitor
             self.control_service.health = self.health
+            self.control_service.server_metrics = server_metrics
         if cfg.enable_gpu_monitoring:
             await tg.start(self.monitor.run)
         if cfg.enable_health_checks:
             await tg.start(self.health.run)
-        if cfg.enable_telemetry and cfg.metrics_port:
+        if cfg.enable_telemetry and (cfg.metrics_port or otlp_configured()):
             self.telemetry = Telemetry(node_id=node.node_id)
-            self.telemetry.watch_monitor(self.monitor)
+            self.telemetry.watch_node(monitor=self.monitor, server=server_metrics)
             self.telemetry.follow_health(self.bus)
             if self.membership is not None:
+                self.telemetry.watch_membership(self.membership)
                 self.control_service.telemetry = self.telemetry
+        if self.telemetry is not None and cfg.metrics_port:
             self.metrics_server = MetricsServer(self.telemetry, host=cfg.bind_addr, port=cfg.metrics_port,
                                                 ready=lambda: self.phase == "running")
             await tg.start(self.metrics_server.run)
@@ -337,7 +341,8 @@ class Runtime:
         """What a heartbeat carries: the latest metrics snapshot and health report."""
         from genie.cluster.monitor import node_report
 
-        return node_report(self.monitor, self.health)
+        return node_report(self.monitor, self.health,
+                           server_metrics=self.dataplane.server.metrics if self.dataplane is not None else None)
 
     def _on_ack(self, state: ClusterState, ack: dict[str, Any]) -> None:
         if "nodes" not in ack:
