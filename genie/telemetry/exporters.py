@@ -19,13 +19,12 @@ from collections.abc import Mapping
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("genie.telemetry")
 
-#: The content type of :meth:`PrometheusExport.text`.
-PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+#: The content type of :meth:`PrometheusExport.text` (the classic text format every Prometheus reads).
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: Variables that switch the OTLP exporter on.
 OTLP_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
 

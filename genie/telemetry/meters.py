@@ -253,6 +253,8 @@ class Telemetry:
         for attrs, gpu in self._gpus():
             for key, kind in (("ecc_corrected_volatile", "ecc_corrected"), ("ecc_uncorrected_volatile", "ecc_uncorrected"),
                               ("xid_errors", "xid")):
+                if kind == "ecc_uncorrected" and "ecc_uncorrected_aggregate" in gpu:
+                    key = "ecc_uncorrected_aggregate"  # lifetime count: survives driver reloads, as a counter should
                 if (v := _finite(gpu.get(key))) is not None:
                     out.append(Observation(v, {**attrs, "error.type": kind}))
         return out
