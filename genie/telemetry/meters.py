@@ -368,9 +368,12 @@ class LatencyCollector(Collector):
         self.server = server
 
     def collect(self) -> Iterable[Metric]:
+        latencies = sorted(self.server.totals().latency.items())
+        if not latencies:
+            return  # no op ran yet: no family, as the OpenTelemetry reader does for instruments without points
         family = HistogramMetricFamily("genie_server_op_duration_seconds", "Time to execute one op, by status.",
                                        labels=["genie_op_status"], unit="seconds")
-        for status, latency in sorted(self.server.totals().latency.items()):
+        for status, latency in latencies:
             buckets = latency.cumulative()
             family.add_metric([status], [(le, float(n)) for le, n in buckets], latency.sum)
         yield family
