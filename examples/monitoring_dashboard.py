@@ -18,7 +18,7 @@ import argparse
 import socket
 import sys
 
-from genie import dashboard
+from genie.cli import dashboard
 from genie.cluster.launch import NodeProcess
 
 FAST = ("--heartbeat-interval", "0.5", "--heartbeat-timeout", "2", "--gpu-poll-interval", "0.5",
