@@ -39,18 +39,21 @@ class SessionSource(Protocol):
 class Latency:
     """A latency histogram with fixed buckets (seconds), cheap to record into."""
 
-    __slots__ = ("counts", "sum", "count")
+    __slots__ = ("counts", "sum")
 
     def __init__(self) -> None:
         self.counts = [0] * (len(DURATION_BUCKETS) + 1)
         self.sum = 0.0
-        self.count = 0
+
+    @property
+    def count(self) -> int:
+        """Observations so far (the buckets' total: always consistent with them)."""
+        return sum(self.counts)
 
     def record(self, seconds: float) -> None:
         """Add one observation."""
         self.counts[bisect.bisect_left(DURATION_BUCKETS, seconds)] += 1
         self.sum += seconds
-        self.count += 1
 
     def cumulative(self) -> list[tuple[str, int]]:
         """``[(le, cumulative count), ...]`` ending with ``("+Inf", count)``, as Prometheus buckets read."""
@@ -83,7 +86,6 @@ class Tally:
             mine = self.latency.setdefault(status, Latency())
             mine.counts = [a + b for a, b in zip(mine.counts, list(lat.counts), strict=True)]
             mine.sum += lat.sum
-            mine.count += lat.count
         for direction, n in list(other.bytes.items()):
             self.bytes[direction] = self.bytes.get(direction, 0) + n
         for key, n in list(other.device_io.items()):
@@ -99,9 +101,7 @@ class SessionMetrics:
         self.session_id = session_id
         self.source = source
         self.tally = Tally()
-        self.ops = 0
-        self.errors = 0
-        self.op_seconds = 0.0
+        self._ok = self.tally.latency["ok"] = Latency()
         #: commands of the batch being run that have not run yet
         self.queue_depth = 0
 
@@ -118,21 +118,33 @@ class SessionMetrics:
 
     def record_op(self, op: str, status: str, seconds: float) -> None:
         """One op ran (``status`` ``ok`` or ``error``) in ``seconds``."""
-        self.ops += 1
-        self.op_seconds += seconds
-        if status != "ok":
-            self.errors += 1
+        # The hot path of every op: few attribute lookups, no allocation but the key tuple.
+        latency = self._ok if status == "ok" else self.tally.latency.setdefault(status, Latency())
+        latency.counts[bisect.bisect_left(DURATION_BUCKETS, seconds)] += 1
+        latency.sum += seconds
         ops = self.tally.ops
         key = (op, status)
         count = ops.get(key)
-        if count is None and len(ops) >= MAX_OP_NAMES:
-            key = ("<other>", status)
-            count = ops.get(key)
-        ops[key] = (count or 0) + 1
-        latency = self.tally.latency.get(status)
-        if latency is None:
-            latency = self.tally.latency[status] = Latency()
-        latency.record(seconds)
+        if count is None:
+            if len(ops) >= MAX_OP_NAMES:
+                key = ("<other>", status)
+            count = ops.get(key, 0)
+        ops[key] = count + 1
+
+    @property
+    def ops(self) -> int:
+        """Ops this session ran."""
+        return sum(list(self.tally.ops.values()))
+
+    @property
+    def errors(self) -> int:
+        """Ops of this session that failed."""
+        return sum(n for (_, status), n in list(self.tally.ops.items()) if status != "ok")
+
+    @property
+    def op_seconds(self) -> float:
+        """Time this session's ops took."""
+        return sum(lat.sum for lat in list(self.tally.latency.values()))
 
     def record_bytes(self, direction: str, nbytes: int, device: Any = None) -> None:
         """Tensor bytes received (``in``: uploads) or sent (``out``: fetches) by this session."""
