@@ -20,6 +20,7 @@ from typing import Any
 import msgpack
 import torch
 
+from genie.device.stats import STATS
 from genie.errors import (
     ConnectionClosedError,
     FrameError,
@@ -30,7 +31,6 @@ from genie.errors import (
     RemoteExecutionError,
     TransportError,
 )
-from genie.device.stats import STATS
 from genie.transport.base import Channel
 from genie.wire import frame as wf
 from genie.wire import messages as wm

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -96,7 +97,7 @@ class Telemetry:
                  environ: Mapping[str, str] | None = None) -> None:
         self.node_id = node_id
         self.prometheus = PrometheusExport()
-        readers = [self.prometheus.reader]
+        readers: list[MetricReader] = [self.prometheus.reader]
         otlp = otlp_reader(environ)
         if otlp is not None:
             readers.append(otlp)

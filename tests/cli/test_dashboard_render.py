@@ -6,9 +6,9 @@ import re
 
 from rich.console import Console
 
-from genie.cluster.overview import nodes, verdict
 from genie.cli.dashboard import Feed, Keys, Snapshot, render
 from genie.cli.tables import bar
+from genie.cluster.overview import nodes, verdict
 
 NOW = 1_800_000_000.0
 
