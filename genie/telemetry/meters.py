@@ -124,58 +124,56 @@ class Telemetry:
     def watch_node(self, *, monitor: ResourceMonitor | None = None, server: ServerMetrics | None = None) -> None:
         """Export this node's hardware and system figures (from ``monitor``) and its data plane (``server``)."""
         self._monitor, self._server = monitor, server
-        m = self.meter
         gpu = self._gpu_observer
-        m.create_observable_gauge("hw.gpu.utilization", [gpu(lambda g: _pct(g.get("utilization")))], unit="1",
-                                  description="Fraction of time the GPU ran kernels.")
-        m.create_observable_up_down_counter("hw.gpu.memory.usage", [gpu(lambda g: _finite(g.get("memory_used")))],
-                                            unit="By", description="GPU memory used.")
-        m.create_observable_up_down_counter("hw.gpu.memory.limit", [gpu(lambda g: _finite(g.get("memory_total")))],
-                                            unit="By", description="Size of the GPU memory.")
-        m.create_observable_gauge("hw.gpu.memory.utilization", [gpu(_memory_ratio)], unit="1",
-                                  description="Fraction of GPU memory used.")
-        m.create_observable_gauge("hw.temperature", [gpu(lambda g: _finite(g.get("temperature")))], unit="Cel",
-                                  description="GPU temperature.")
-        m.create_observable_gauge("hw.power", [gpu(lambda g: _finite(g.get("power_watts")))], unit="W",
-                                  description="Power drawn by the GPU.")
-        m.create_observable_counter("hw.errors", [self._observe_hw_errors], unit="{error}",
-                                    description="GPU errors: ECC corrected / uncorrected, Xid events.")
-        m.create_observable_up_down_counter("hw.status", [self._observe_hw_status], unit="1",
-                                            description="1 for the GPU's current hw.state (ok, degraded, failed), 0 for the others.")
-        m.create_observable_gauge("system.cpu.utilization", [self._observe_cpu], unit="1",
-                                  description="Fraction of CPU time in use, over every core.")
-        m.create_observable_up_down_counter("system.memory.usage", [self._observe_memory], unit="By",
-                                            description="Host memory in use and free.")
-        m.create_observable_counter("system.network.io", [self._observe_network], unit="By",
-                                    description="Bytes the host sent and received on every interface.")
+        self._declare([
+            ("gauge", "hw.gpu.utilization", gpu(lambda g: _pct(g.get("utilization"))), "1",
+             "Fraction of time the GPU ran kernels."),
+            ("updown", "hw.gpu.memory.usage", gpu(lambda g: _finite(g.get("memory_used"))), "By", "GPU memory used."),
+            ("updown", "hw.gpu.memory.limit", gpu(lambda g: _finite(g.get("memory_total"))), "By",
+             "Size of the GPU memory."),
+            ("gauge", "hw.gpu.memory.utilization", gpu(_memory_ratio), "1", "Fraction of GPU memory used."),
+            ("gauge", "hw.temperature", gpu(lambda g: _finite(g.get("temperature"))), "Cel", "GPU temperature."),
+            ("gauge", "hw.power", gpu(lambda g: _finite(g.get("power_watts"))), "W", "Power drawn by the GPU."),
+            ("counter", "hw.errors", self._observe_hw_errors, "{error}",
+             "GPU errors: ECC corrected / uncorrected, Xid events."),
+            ("updown", "hw.status", self._observe_hw_status, "1",
+             "1 for the GPU's current hw.state (ok, degraded, failed), 0 for the others."),
+            ("gauge", "system.cpu.utilization", self._observe_cpu, "1", "Fraction of CPU time in use, over every core."),
+            ("updown", "system.memory.usage", self._observe_memory, "By", "Host memory in use and free."),
+            ("counter", "system.network.io", self._observe_network, "By",
+             "Bytes the host sent and received on every interface."),
+        ])
         if server is None:
             return
-        m.create_observable_counter("hw.gpu.io", [self._observe_device_io], unit="By",
-                                    description="Tensor bytes genie moved to (receive) and from (transmit) each device.")
-        m.create_observable_up_down_counter("genie.server.sessions", [self._observe_sessions], unit="{session}",
-                                            description="Data-plane sessions open on this node.")
-        m.create_observable_counter("genie.server.sessions.opened", [
-            lambda o: [Observation(server.sessions_opened)]], unit="{session}",
-            description="Data-plane sessions opened since the node started.")
-        m.create_observable_counter("genie.server.ops", [self._observe_ops], unit="{operation}",
-                                    description="Ops executed, by op and status.")
-        m.create_observable_counter("genie.server.op.time", [self._observe_op_time], unit="s",
-                                    description="Time spent executing ops, by status.")
-        m.create_observable_counter("genie.server.io", [self._observe_io], unit="By",
-                                    description="Tensor bytes received (uploads) and sent (fetches), by backend.")
-        m.create_observable_gauge("genie.server.queue.depth", [
-            lambda o: [Observation(server.queue_depth())]], unit="{command}",
-            description="Commands received in batches and not yet run.")
-        m.create_observable_up_down_counter("genie.server.storage.usage", [
-            lambda o: [Observation(server.storage_bytes())]], unit="By",
-            description="Bytes held by every session's tensors.")
-        m.create_observable_up_down_counter("genie.session.memory.usage", [self._observe_session_memory], unit="By",
-                                            description="Bytes one session's tensors hold on one device.")
-        m.create_observable_counter("genie.session.ops", [self._observe_session_ops], unit="{operation}",
-                                    description="Ops one session executed.")
-        m.create_observable_counter("genie.session.op.time", [self._observe_session_time], unit="s",
-                                    description="Time spent executing one session's ops.")
+        self._declare([
+            ("counter", "hw.gpu.io", self._observe_device_io, "By",
+             "Tensor bytes genie moved to (receive) and from (transmit) each device."),
+            ("updown", "genie.server.sessions", self._observe_sessions, "{session}",
+             "Data-plane sessions open on this node."),
+            ("counter", "genie.server.sessions.opened", lambda o: [Observation(server.sessions_opened)], "{session}",
+             "Data-plane sessions opened since the node started."),
+            ("counter", "genie.server.ops", self._observe_ops, "{operation}", "Ops executed, by op and status."),
+            ("counter", "genie.server.op.time", self._observe_op_time, "s", "Time spent executing ops, by status."),
+            ("counter", "genie.server.io", self._observe_io, "By",
+             "Tensor bytes received (uploads) and sent (fetches), by backend."),
+            ("gauge", "genie.server.queue.depth", lambda o: [Observation(server.queue_depth())], "{command}",
+             "Commands received in batches and not yet run."),
+            ("updown", "genie.server.storage.usage", lambda o: [Observation(server.storage_bytes())], "By",
+             "Bytes held by every session's tensors."),
+            ("updown", "genie.session.memory.usage", self._observe_session_memory, "By",
+             "Bytes one session's tensors hold on one device."),
+            ("counter", "genie.session.ops", self._observe_session_ops, "{operation}", "Ops one session executed."),
+            ("counter", "genie.session.op.time", self._observe_session_time, "s",
+             "Time spent executing one session's ops."),
+        ])
         self.prometheus.add(LatencyCollector(server))
+
+    def _declare(self, specs: list[tuple[str, str, Observe, str, str]]) -> None:
+        """Create observable instruments from ``(kind, name, callback, unit, description)``."""
+        create = {"gauge": self.meter.create_observable_gauge, "counter": self.meter.create_observable_counter,
+                  "updown": self.meter.create_observable_up_down_counter}
+        for kind, name, callback, unit, description in specs:
+            create[kind](name, [callback], unit=unit, description=description)
 
     def watch_membership(self, membership: Membership) -> None:
         """The master's cluster view: nodes by connection state and by health grade."""

@@ -36,7 +36,7 @@ def core_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_core_install_has_no_test_tools(core_venv: Path) -> None:
     listed = subprocess.run([str(core_venv / "bin" / "python"), "-m", "pip", "list", "--format=freeze"],
                             capture_output=True, text=True, timeout=120).stdout.lower()
-    names = {line.split("==")[0] for line in listed.splitlines()}
+    names = {line.split("==")[0].replace("_", "-") for line in listed.splitlines()}
     assert {"genie", "genie-tcp", "rich", "prometheus-client", "opentelemetry-exporter-prometheus"} <= names
     assert not {"pytest", "hypothesis", "genie-nvml", "genie-rdma"} & names
 
