@@ -171,17 +171,43 @@ def test_cluster_nodes_keep_connection_state_and_health_apart(telemetry: Telemet
     assert grades == {"healthy": 1, "degraded": 0, "unhealthy": 0, "critical": 0, "unknown": 1}
 
 
-def test_otlp_reader_only_when_an_endpoint_is_set() -> None:
-    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+def test_otlp_exports_to_the_configured_endpoint_and_only_then() -> None:
+    """A real OTLP/HTTP POST to a collector stand-in on loopback, decoded with the OTLP protobufs."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
     from genie.telemetry import otlp_configured, otlp_reader
 
     assert otlp_reader({}) is None and not otlp_configured({"OTEL_EXPORTER_OTLP_ENDPOINT": " "})
-    t = Telemetry(node_id="n1", environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"})
-    try:
-        assert isinstance(t.otlp, PeriodicExportingMetricReader)
-    finally:
-        t.provider.shutdown(timeout_millis=100)
+    posts: list[tuple[str, bytes]] = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            posts.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Collector) as collector:
+        threading.Thread(target=collector.serve_forever, daemon=True).start()
+        try:
+            t = Telemetry(node_id="n1", environ={
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.server_address[1]}/"})
+            t.record_heartbeat(node_id="w1", direction="received")
+            assert t.provider.force_flush(timeout_millis=10_000)
+            t.shutdown()
+        finally:
+            collector.shutdown()
+    path, body = posts[0]
+    assert path == "/v1/metrics"
+    request = ExportMetricsServiceRequest.FromString(body)
+    names = {m.name for rm in request.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    assert "genie.heartbeats" in names
 
 
 def test_endpoint_serves_metrics_health_and_readiness(telemetry: Telemetry, server: MetricsServer) -> None:

@@ -59,6 +59,8 @@ def otlp_reader(environ: Mapping[str, str] | None = None) -> MetricReader | None
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
     env = os.environ if environ is None else environ
-    endpoint = env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    endpoint = env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "").strip()
+    if not endpoint:  # the generic endpoint is a base URL: the signal's path goes after it (OTLP spec)
+        endpoint = env["OTEL_EXPORTER_OTLP_ENDPOINT"].strip().rstrip("/") + "/v1/metrics"
     log.info("exporting metrics over OTLP/HTTP to %s", endpoint)
-    return PeriodicExportingMetricReader(OTLPMetricExporter())
+    return PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=endpoint))
