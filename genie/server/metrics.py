@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 #: Bucket limits of the op latency histogram, in seconds (10 µs to 60 s).
@@ -155,8 +156,15 @@ class SessionMetrics:
             tally.device_io[key] = tally.device_io.get(key, 0) + nbytes
 
     def memory_by_device(self) -> dict[str, int]:
-        """Bytes this session's live tensors hold, per device (``cuda:0``, ``cpu``), each storage once."""
+        """Bytes this session's live tensors hold, per device (``cuda:0``, ``cpu``), each storage once.
+
+        On a node whose devices are one torch device (one GPU, or CPU devices) that is the store's
+        own count, O(1); otherwise every live tensor is visited (O(handles), at scrape time only).
+        """
         store = self.source.store if self.source is not None else None
+        devices = self.server.devices if self.server is not None else ()
+        if len(set(devices)) == 1:
+            return {devices[0]: int(getattr(store, "bytes_used", 0))}
         tensors = list(getattr(store, "_tensors", {}).values())  # one C-level copy: safe beside the session thread
         seen: dict[int, tuple[str, int]] = {}
         for t in tensors:
@@ -199,10 +207,14 @@ class ServerMetrics:
     :param backend: the data-plane backend (``genie.backend`` of the byte counters).
     :param authenticated: whether clients must prove the cluster token (``genie.client.identity``).
     :param enabled: False records nothing (every session gets :data:`NULL_SESSION_METRICS`).
+    :param devices: the node's devices (``torch.device`` or names), for per-device memory.
     """
 
-    def __init__(self, *, backend: str = "tcp", authenticated: bool = False, enabled: bool = True) -> None:
+    def __init__(self, *, backend: str = "tcp", authenticated: bool = False, enabled: bool = True,
+                 devices: Sequence[Any] = ()) -> None:
         self.backend = backend
+        #: the node's devices as torch names (``cuda:0``, ``cpu``), by local index
+        self.devices = tuple(str(d) for d in devices)
         self.identity = "cluster-token" if authenticated else "anonymous"
         self.enabled = enabled
         self._lock = threading.Lock()

@@ -140,7 +140,7 @@ class DataPlaneServer:
         self.security = ServerSecurity.from_config(config)  # reads the token file and certificates once, now
         self.sessions_served = 0
         self.metrics = ServerMetrics(backend=getattr(transport, "name", "tcp"), authenticated=bool(self.security.token),
-                                     enabled=config.enable_telemetry)  # metrics
+                                     enabled=config.enable_telemetry, devices=self.devices)  # metrics
 
     @property
     def port(self) -> int:
