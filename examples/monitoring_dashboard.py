@@ -20,7 +20,7 @@ import sys
 
 from _nodes import Node  # examples/_nodes.py: the genie command as a child process
 
-from genie import dashboard
+from genie.cli import dashboard
 
 FAST = ("--heartbeat-interval", "0.5", "--heartbeat-timeout", "2", "--gpu-poll-interval", "0.5",
         "--health-check-interval", "2")

@@ -14,11 +14,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from genie.cluster.monitor import MetricsSnapshot, ResourceMonitor
 from genie.errors import ConfigError
-from genie.telemetry import MetricsServer, Telemetry, prometheus_name
+from genie.telemetry import MetricsServer, Telemetry
 from genie.types import NodeInfo, NodeRole, NodeStatus
 
 GPU = {"index": 0, "name": "Fake GPU", "uuid": "GPU-abc", "utilization": 42.0, "memory_used": 1 << 30,
-       "memory_total": 16 << 30, "temperature": 61.0, "power_watts": 180.5}
+       "memory_total": 16 << 30, "temperature": 61.0, "power_watts": 180.5, "ecc_uncorrected_aggregate": 2}
 
 
 @pytest.fixture
@@ -64,75 +64,150 @@ def test_provider_is_private_and_global_state_is_untouched(telemetry: Telemetry)
     assert set(REGISTRY._names_to_collectors) == before, "prometheus-client's global registry is not used"
 
 
-def test_gpu_gauges_use_semantic_convention_names_from_monitor_snapshots(telemetry: Telemetry) -> None:
+def test_gpu_and_host_gauges_use_semantic_convention_names_from_the_local_snapshot(telemetry: Telemetry) -> None:
     monitor = ResourceMonitor(pm=None, node=NodeInfo("n1", "h", NodeRole.WORKER))
-    monitor.ingest("w1", MetricsSnapshot("w1", 1.0, {"gpus": [GPU, {"index": 1, "name": "no figures"}]}))
-    telemetry.watch_monitor(monitor)
+    host = {"cpu_percent": 25.0, "memory_used": 3 << 30, "memory_total": 8 << 30, "net_bytes_sent": 10,
+            "net_bytes_recv": 20}
+    monitor.ingest("n1", MetricsSnapshot("n1", 1.0, {"gpus": [GPU, {"index": 1, "name": "no figures"}], "host": host}))
+    monitor.ingest("w9", MetricsSnapshot("w9", 1.0, {"gpus": [{**GPU, "uuid": "GPU-other"}]}))  # another node's
+    telemetry.watch_node(monitor=monitor)
     text = telemetry.prometheus_text()
     fams = families(text)
-    assert fams["hw_gpu_utilization_ratio"].type == "gauge"
-    (util,) = samples(text, "hw_gpu_utilization_ratio")
+    assert fams["hw_gpu_utilization"].type == "gauge"
+    (util,) = samples(text, "hw_gpu_utilization")
     assert util.value == pytest.approx(0.42)
-    assert util.labels == {"hw_id": "GPU-abc", "hw_name": "Fake GPU", "hw_type": "gpu", "genie_node_id": "w1",
-                           "genie_gpu_index": "0"}
+    assert util.labels == {"hw_id": "GPU-abc", "hw_name": "Fake GPU", "hw_type": "gpu", "genie_gpu_index": "0"}
     assert samples(text, "hw_gpu_memory_usage_bytes")[0].value == 1 << 30
     assert samples(text, "hw_gpu_memory_limit_bytes")[0].value == 16 << 30
+    assert samples(text, "hw_gpu_memory_utilization")[0].value == pytest.approx(1 / 16)
     assert samples(text, "hw_temperature_celsius")[0].value == 61.0
     assert samples(text, "hw_power_watts")[0].value == 180.5
+    states = {s.labels["hw_state"]: s.value for s in samples(text, "hw_status")}
+    assert states == {"ok": 1, "degraded": 0, "failed": 0}
+    errors = {s.labels["error_type"]: s.value for s in samples(text, "hw_errors_total")}
+    assert errors == {"ecc_uncorrected": 2}
+    assert samples(text, "system_cpu_utilization")[0].value == 0.25
+    memory = {s.labels["system_memory_state"]: s.value for s in samples(text, "system_memory_usage_bytes")}
+    assert memory == {"used": 3 << 30, "free": 5 << 30}
+    net = {s.labels["network_io_direction"]: s.value for s in samples(text, "system_network_io_bytes_total")}
+    assert net == {"transmit": 10, "receive": 20}
 
 
-def test_remote_counters_histogram_and_heartbeats(telemetry: Telemetry) -> None:
+def test_a_gpu_with_uncorrected_errors_is_degraded_and_a_lost_one_failed(telemetry: Telemetry) -> None:
+    monitor = ResourceMonitor(pm=None, node=NodeInfo("n1", "h", NodeRole.WORKER))
+    monitor.ingest("n1", MetricsSnapshot("n1", 1.0, {"gpus": [
+        {**GPU, "ecc_uncorrected_volatile": 1}, {"index": 1, "name": "gone", "uuid": "GPU-lost", "lost": True}]}))
+    telemetry.watch_node(monitor=monitor)
+    now = {(s.labels["hw_id"], s.labels["hw_state"]) for s in samples(telemetry.prometheus_text(), "hw_status")
+           if s.value == 1}
+    assert now == {("GPU-abc", "degraded"), ("GPU-lost", "failed")}
+
+
+def test_server_counters_histogram_and_per_session_use(telemetry: Telemetry) -> None:
+    import torch
+
+    from genie.server.metrics import ServerMetrics
+    from genie.server.store import TensorStore
+
+    class FakeSession:  # the attributes SessionMetrics reads (genie.server.metrics.SessionSource)
+        def __init__(self, client: str) -> None:
+            self.client, self.serving, self.store = {"node_id": client}, True, TensorStore()
+
+    server = ServerMetrics(backend="tcp", authenticated=True)
+    telemetry.watch_node(server=server)
+    a, b = FakeSession("alice"), FakeSession("bob")
+    ma, mb = server.open_session(1, a), server.open_session(2, b)
+    a.store.put(1, torch.zeros(256))  # 1 KiB
     for d in (0.0003, 0.002, 0.2):
-        telemetry.record_remote_op(d, op="aten::mm", node_id="w1")
-    telemetry.record_remote_op(0.01, op="aten::add", node_id="w1", ok=False)
-    telemetry.record_remote_bytes(4096, "upload", node_id="w1", backend="tcp")
-    telemetry.record_remote_bytes(1024, "download", node_id="w1", backend="tcp")
-    telemetry.record_heartbeat(node_id="w1", direction="received")
-    with pytest.raises(ValueError):
-        telemetry.record_remote_bytes(1, "sideways")  # type: ignore[arg-type]
+        ma.record_op("aten::mm", "ok", d)
+    mb.record_op("aten::add.Tensor", "error", 0.01)
+    ma.record_bytes("in", 4096, torch.device("cpu"))
+    mb.record_bytes("out", 1024, torch.device("cpu"))
     text = telemetry.prometheus_text()
-    fams = families(text)
-    assert fams["genie_remote_ops"].type == "counter"
-    ops = {s.labels["genie_op_name"]: s.value for s in samples(text, "genie_remote_ops_total")}
-    assert ops == {"aten::mm": 3, "aten::add": 1}
-    by_dir = {s.labels["direction"]: s.value for s in samples(text, "genie_remote_bytes_total")}
-    assert by_dir == {"upload": 4096, "download": 1024}
-    assert fams["genie_remote_op_duration_seconds"].type == "histogram"
-    count = [s for s in samples(text, "genie_remote_op_duration_seconds_count")
-             if s.labels["genie_op_name"] == "aten::mm"]
-    assert count[0].value == 3
-    buckets = {s.labels["le"]: s.value for s in samples(text, "genie_remote_op_duration_seconds_bucket")
-               if s.labels["genie_op_name"] == "aten::mm"}
+    ops = {(s.labels["genie_op_name"], s.labels["genie_op_status"]): s.value
+           for s in samples(text, "genie_server_ops_total")}
+    assert ops == {("aten::mm", "ok"): 3, ("aten::add.Tensor", "error"): 1}
+    io = {s.labels["network_io_direction"]: s.value for s in samples(text, "genie_server_io_bytes_total")}
+    assert io == {"receive": 4096, "transmit": 1024}
+    assert all(s.labels["genie_backend"] == "tcp" for s in samples(text, "genie_server_io_bytes_total"))
+    buckets = {s.labels["le"]: s.value for s in samples(text, "genie_server_op_duration_seconds_bucket")
+               if s.labels["genie_op_status"] == "ok"}
     assert buckets["0.0005"] == 1 and buckets["0.0025"] == 2 and buckets["+Inf"] == 3
-    assert samples(text, "genie_heartbeats_total")[0].labels["direction"] == "received"
-
-
-def test_node_counts_and_health_gauges(telemetry: Telemetry) -> None:
-    telemetry.set_node_counts({NodeStatus.CONNECTED: 3, "lost": 1})
-    telemetry.set_health("n1", NodeStatus.DEGRADED)
-    telemetry.set_health("w2", NodeStatus.CRITICAL)
+    assert samples(text, "genie_server_sessions")[0].value == 2
+    assert samples(text, "genie_server_storage_usage_bytes")[0].value == 1024
+    memory = {s.labels["genie_client_id"]: s.value for s in samples(text, "genie_session_memory_usage_bytes")}
+    assert memory == {"alice": 1024}
+    per_ops = {s.labels["genie_client_id"]: s.value for s in samples(text, "genie_session_ops_total")}
+    assert per_ops == {"alice": 3, "bob": 1}
+    assert {s.labels["genie_client_identity"] for s in samples(text, "genie_session_ops_total")} == {"cluster-token"}
+    server.end_session(2)
     text = telemetry.prometheus_text()
-    nodes = {s.labels["status"]: s.value for s in samples(text, "genie_cluster_nodes")}
-    assert nodes["connected"] == 3 and nodes["lost"] == 1 and nodes["healthy"] == 0
-    health = {s.labels["genie_node_id"]: s.value for s in samples(text, "genie_health_status")}
-    assert health == {"n1": 1, "w2": 3}
-    telemetry.set_health("w2", None)
-    assert {s.labels["genie_node_id"] for s in samples(telemetry.prometheus_text(), "genie_health_status")} \
-        == {"n1"}
+    assert {s.labels["genie_client_id"] for s in samples(text, "genie_session_ops_total")} == {"alice"}
+    ops = {(s.labels["genie_op_name"], s.labels["genie_op_status"]): s.value
+           for s in samples(text, "genie_server_ops_total")}
+    assert ops[("aten::add.Tensor", "error")] == 1, "an ended session's counts stay in the node's totals"
 
 
-@pytest.mark.parametrize(
-    "name,unit,kind,expected",
-    [
-        ("hw.gpu.memory.usage", "By", "gauge", "hw_gpu_memory_usage_bytes"),
-        ("hw.gpu.utilization", "1", "gauge", "hw_gpu_utilization_ratio"),
-        ("genie.remote.ops", "{operation}", "counter", "genie_remote_ops_total"),
-        ("genie.remote.op.duration", "s", "histogram", "genie_remote_op_duration_seconds"),
-        ("x.bytes", "By", "counter", "x_bytes_total"),
-    ],
-)
-def test_prometheus_names_follow_the_otel_translation_rules(name: str, unit: str, kind: str, expected: str) -> None:
-    assert prometheus_name(name, unit, kind) == expected
+def test_heartbeats_are_counted_by_direction(telemetry: Telemetry) -> None:
+    telemetry.record_heartbeat(node_id="w1", direction="received")
+    (hb,) = samples(telemetry.prometheus_text(), "genie_heartbeats_total")
+    assert hb.labels == {"genie_node_id": "w1", "network_io_direction": "receive"} and hb.value == 1
+
+
+def test_cluster_nodes_keep_connection_state_and_health_apart(telemetry: Telemetry) -> None:
+    from genie.cluster.membership import Membership
+
+    membership = Membership(heartbeat_timeout=10.0, self_id="m")
+    membership.join(NodeInfo("m", "h", NodeRole.SERVER))
+    membership.join(NodeInfo("w1", "h", NodeRole.WORKER))
+    membership.join(NodeInfo("c1", "h", NodeRole.CLIENT))
+    membership.members["m"].metrics = {"health": {"status": "healthy"}}
+    membership.members["w1"].status = NodeStatus.LOST
+    telemetry.watch_membership(membership)
+    text = telemetry.prometheus_text()
+    states = {s.labels["genie_node_state"]: s.value for s in samples(text, "genie_cluster_nodes")}
+    assert states == {"connecting": 0, "connected": 2, "disconnected": 0, "lost": 1}
+    grades = {s.labels["genie_health_grade"]: s.value for s in samples(text, "genie_cluster_nodes_health")}
+    assert grades == {"healthy": 1, "degraded": 0, "unhealthy": 0, "critical": 0, "unknown": 1}
+
+
+def test_otlp_exports_to_the_configured_endpoint_and_only_then() -> None:
+    """A real OTLP/HTTP POST to a collector stand-in on loopback, decoded with the OTLP protobufs."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+    from genie.telemetry import otlp_configured, otlp_reader
+
+    assert otlp_reader({}) is None and not otlp_configured({"OTEL_EXPORTER_OTLP_ENDPOINT": " "})
+    posts: list[tuple[str, bytes]] = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            posts.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Collector) as collector:
+        threading.Thread(target=collector.serve_forever, daemon=True).start()
+        try:
+            t = Telemetry(node_id="n1", environ={
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.server_address[1]}/"})
+            t.record_heartbeat(node_id="w1", direction="received")
+            assert t.provider.force_flush(timeout_millis=10_000)
+            t.shutdown()
+        finally:
+            collector.shutdown()
+    path, body = posts[0]
+    assert path == "/v1/metrics"
+    request = ExportMetricsServiceRequest.FromString(body)
+    names = {m.name for rm in request.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    assert "genie.heartbeats" in names
 
 
 def test_endpoint_serves_metrics_health_and_readiness(telemetry: Telemetry, server: MetricsServer) -> None:
@@ -190,7 +265,7 @@ def test_shutdown_empties_the_exposition(telemetry: Telemetry) -> None:
     assert telemetry.prometheus_text() == ""
 
 
-def test_health_gauge_follows_health_changed_events(telemetry: Telemetry) -> None:
+def test_health_gauge_follows_this_nodes_health_changed_events(telemetry: Telemetry) -> None:
     from genie.cluster.events import EventBus
     from genie.types import ClusterEvent, EventType
 
@@ -199,10 +274,11 @@ def test_health_gauge_follows_health_changed_events(telemetry: Telemetry) -> Non
         telemetry.follow_health(bus)
         async with anyio.create_task_group() as tg:
             await tg.start(bus.run)
-            await bus.apublish(ClusterEvent(EventType.HEALTH_CHANGED, "w3", {"status": "unhealthy"}))
-            await bus.apublish(ClusterEvent(EventType.HEALTH_CHANGED, "w4", {"status": "bogus"}))
+            await bus.apublish(ClusterEvent(EventType.HEALTH_CHANGED, "n1", {"status": "unhealthy"}))
+            await bus.apublish(ClusterEvent(EventType.HEALTH_CHANGED, "w4", {"status": "healthy"}))  # another node
+            await bus.apublish(ClusterEvent(EventType.HEALTH_CHANGED, "n1", {"status": "bogus"}))
             bus.close()
 
     anyio.run(main, backend="asyncio")
-    health = {s.labels["genie_node_id"]: s.value for s in samples(telemetry.prometheus_text(), "genie_health_status")}
-    assert health == {"w3": 2}
+    (health,) = samples(telemetry.prometheus_text(), "genie_health_status")
+    assert health.value == 2 and health.labels == {"genie_health_grade": "unhealthy"}

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from genie.cli._master import add_master_arguments, operator_command, query
+from genie.cli.tables import format_age
 from genie.cluster import overview
 
 
@@ -34,11 +35,11 @@ def text_report(views: list[overview.NodeView], *, show_all: bool) -> list[str]:
             lines.append(f"{v.node_id} ({v.role}): {v.status}, not judged")
             continue
         grade = (v.health or "no report").upper()
-        age = f", reported {overview.format_age(v.health_age)} ago" if v.health_age is not None else ""
+        age = f", reported {format_age(v.health_age)} ago" if v.health_age is not None else ""
         state = v.status if v.status == "connected" else v.status.upper()
         lines.append(f"{v.node_id} ({v.role}): {state}, {grade}{age}")
         if v.status != "connected":
-            lines.append(f"  node {v.status}: no heartbeat for {overview.format_age(v.last_heartbeat_age)}"
+            lines.append(f"  node {v.status}: no heartbeat for {format_age(v.last_heartbeat_age)}"
                          " (the checks below are its last report)")
         for c in v.checks:
             bad = c.get("status") != "healthy"

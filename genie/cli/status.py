@@ -1,7 +1,7 @@
 """``genie status``: every node of a running cluster, its devices' figures, health and backend.
 
 Asks the master once (``--master HOST:PORT``, default the configured master) and
-prints a table, or with ``--json`` one JSON document: ``{"master": {...}, "nodes":
+prints tables (nodes, devices, sessions per client and device, failing checks), or with ``--json`` one JSON document: ``{"master": {...}, "nodes":
 [...]}`` where each node is :meth:`genie.cluster.overview.NodeView.to_dict`.
 Exit code 0, or 2 when the master cannot be reached.
 """
@@ -16,7 +16,6 @@ from typing import Any
 from genie.cli._master import add_master_arguments, master_address, operator_command, query
 from genie.cluster import overview
 from genie.cluster.overview import mapping
-from genie.errors import GenieError
 
 
 def register(sub: Any) -> None:
@@ -42,11 +41,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"master": master, "nodes": [v.to_dict() for v in views]}, indent=2))
         return 0
-    try:
-        from rich.console import Console
-    except ImportError:
-        raise GenieError("the table needs rich: pip install 'genie[dashboard]' (or use --json)") from None
-    from genie.dashboard import devices_table, health_table, nodes_table
+    from rich.console import Console
+
+    from genie.cli.tables import devices_table, health_table, nodes_table, sessions_table
 
     console = Console()
     if not console.is_terminal:  # a file or a pipe: no terminal to fit, keep rows on one line
@@ -59,5 +56,6 @@ def run(args: argparse.Namespace) -> int:
                   + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())), highlight=False)
     console.print(nodes_table(views))
     console.print(devices_table(views))
+    console.print(sessions_table(views))
     console.print(health_table(views))
     return 0

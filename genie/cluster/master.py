@@ -27,6 +27,7 @@ from genie.wire.handshake import accept_control
 if TYPE_CHECKING:
     from genie.cluster.health import HealthChecker
     from genie.cluster.monitor import ResourceMonitor
+    from genie.server.metrics import ServerMetrics
     from genie.telemetry import MetricsServer, Telemetry
 
 log = logging.getLogger("genie.master")
@@ -38,7 +39,8 @@ class ControlService:
     def __init__(self, membership: Membership, *, heartbeat_interval: float, publish: Callable[[ClusterEvent], None],
                  security: ServerSecurity, recent_events: Callable[[], list[ClusterEvent]] | None = None,
                  monitor: ResourceMonitor | None = None, health: HealthChecker | None = None,
-                 telemetry: Telemetry | None = None, metrics_server: MetricsServer | None = None) -> None:
+                 telemetry: Telemetry | None = None, metrics_server: MetricsServer | None = None,
+                 server_metrics: ServerMetrics | None = None) -> None:
         self.membership = membership
         self.heartbeat_interval = heartbeat_interval
         self.publish = publish
@@ -48,6 +50,7 @@ class ControlService:
         self.monitor = monitor  #: the master's ResourceMonitor: ingests every node's heartbeat metrics
         self.health = health  #: the master's own HealthChecker
         self.telemetry = telemetry
+        self.server_metrics = server_metrics  #: the master's own data plane (genie.server.metrics.ServerMetrics)
         self.metrics_server = metrics_server  #: where /metrics is served (None: nowhere)
         #: ack bodies per (version a client applied, current version): one build per membership change
         self._acks: dict[tuple[int, int], dict[str, Any]] = {}
@@ -74,18 +77,14 @@ class ControlService:
             self._refresh_self()
             for event in self.membership.sweep():
                 await self.emit(event)
-            if self.telemetry is not None:
-                counts: dict[str, int] = {}
-                for member in self.membership.members.values():
-                    counts[member.status.value] = counts.get(member.status.value, 0) + 1
-                self.telemetry.set_node_counts(counts)
 
     def _refresh_self(self) -> None:
         """The master's own metrics and health, as its heartbeat would carry them."""
         me = self.membership.members.get(self.membership.self_id)
         if me is None:
             return
-        me.report = NodeReport.from_dict(node_report(self.monitor, self.health, me.info.node_id),
+        me.report = NodeReport.from_dict(node_report(self.monitor, self.health, me.info.node_id,
+                                                     server_metrics=self.server_metrics),
                                          node_id=me.info.node_id)
 
     async def emit(self, event: ClusterEvent) -> None:

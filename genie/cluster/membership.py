@@ -114,7 +114,8 @@ class Membership:
             return []
         member.last_seen = self.clock()
         member.heartbeats += 1
-        if report is not None and (report.snapshot is not None or report.health is not None):
+        if report is not None and (report.snapshot is not None or report.health is not None
+                                   or report.sessions is not None):
             member.report = report
         if member.status == NodeStatus.LOST:
             member.status = NodeStatus.CONNECTED

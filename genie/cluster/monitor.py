@@ -337,9 +337,11 @@ class ResourceMonitor:
             self._gpu_states.pop(node_id, None)
 
 
-def node_report(monitor: ResourceMonitor | None, health: Any, node_id: str | None = None) -> dict[str, Any]:
+def node_report(monitor: ResourceMonitor | None, health: Any, node_id: str | None = None, *,
+                server_metrics: Any = None) -> dict[str, Any]:
     """What a node's heartbeat carries (and the master records for itself): its latest metrics
-    snapshot and its latest health report, each left out until there is one."""
+    snapshot and its latest health report, each left out until there is one, and the use of its
+    data-plane sessions (``sessions``: :meth:`genie.server.metrics.ServerMetrics.summary`)."""
     out: dict[str, Any] = {}
     latest = monitor.latest(node_id) if monitor is not None else None
     if latest is not None:
@@ -347,4 +349,6 @@ def node_report(monitor: ResourceMonitor | None, health: Any, node_id: str | Non
     report = health.last_report if health is not None else None
     if report is not None:
         out["health"] = report.to_dict()
+    if server_metrics is not None and server_metrics.enabled:
+        out["sessions"] = server_metrics.summary()
     return out

@@ -2,7 +2,7 @@
 
 Pure functions over the plain dict that :func:`genie.cluster.query.query_master`
 returns, shared by ``genie status``, ``genie health`` and ``genie dashboard`` so the
-three always agree. Nothing here does I/O.
+three always agree. Nothing here does I/O or drawing (that is :mod:`genie.cli.tables`).
 
 A device's figures come from the freshest source that has them: the node's NVML
 metrics (matched by uuid, else index) for GPUs; for a CPU device, which runs its
@@ -59,6 +59,23 @@ class DeviceView:
 
 
 @attrs.frozen
+class SessionUse:
+    """What one client's data-plane session uses on one device of a node (from the node's heartbeat)."""
+
+    node_id: str
+    client: str  #: the client's node id (its HELLO)
+    identity: str  #: how it authenticated: ``cluster-token`` or ``anonymous``
+    device: str  #: the node's torch device (``cuda:0``, ``cpu``)
+    device_label: str  #: ``remote_accelerator:N`` when the master orders that device, else ``NODE/DEVICE``
+    memory: int  #: bytes its tensors hold there
+    ops: int  #: ops it ran on the node (every device)
+    op_seconds: float  #: time those ops took
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
 class NodeView:
     """One node of the QUERY reply, summarised."""
 
@@ -75,6 +92,7 @@ class NodeView:
     health_age: float | None  #: seconds since the health report (None: unknown)
     host: Mapping[str, Any]
     devices: tuple[DeviceView, ...]
+    sessions: tuple[SessionUse, ...] = ()
 
     @property
     def serving(self) -> bool:
@@ -105,6 +123,7 @@ class NodeView:
             "last_heartbeat_age": self.last_heartbeat_age, "health": self.health, "failing": list(self.failing),
             "checks": [dict(c) for c in self.checks], "health_age": self.health_age, "problems": list(self.problems),
             "host": dict(self.host), "devices": [d.to_dict() for d in self.devices],
+            "sessions": [s.to_dict() for s in self.sessions],
         }
 
 
@@ -159,6 +178,24 @@ def _devices(node: Mapping[str, Any], order: Mapping[tuple[str, int], int]) -> t
     return tuple(out)
 
 
+def _sessions(node: Mapping[str, Any], devices: tuple[DeviceView, ...]) -> tuple[SessionUse, ...]:
+    node_id = str(node.get("node_id", ""))
+    labels: dict[str, str] = {}
+    for d in devices:
+        key = f"cuda:{d.local_index}" if d.kind == "cuda" else d.kind
+        labels.setdefault(key, d.label)  # several CPU devices share the one "cpu": the first names them
+    out = []
+    for s in mapping(mapping(node.get("metrics")).get("sessions")).get("sessions") or ():
+        s = mapping(s)
+        memory = mapping(s.get("memory")) or {"-": 0}
+        for device, nbytes in sorted(memory.items()):
+            out.append(SessionUse(node_id=node_id, client=str(s.get("client", "?")), identity=str(s.get("identity", "")),
+                                  device=str(device), device_label=labels.get(str(device), f"{node_id}/{device}"),
+                                  memory=_int(nbytes) or 0, ops=_int(s.get("ops")) or 0,
+                                  op_seconds=_number(s.get("op_seconds")) or 0.0))
+    return tuple(out)
+
+
 def node_view(node: Mapping[str, Any], *, order: Mapping[tuple[str, int], int] | None = None,
               now: float | None = None) -> NodeView:
     """Summarise one entry of the reply's ``nodes``."""
@@ -176,7 +213,8 @@ def node_view(node: Mapping[str, Any], *, order: Mapping[tuple[str, int], int] |
         failing=tuple(str(f) for f in health.get("failing") or ()), checks=checks,
         health_age=None if stamp is None or now is None else max(0.0, now - stamp),
         host=mapping(figures.get("host")),
-        devices=_devices(node, order or {}),
+        devices=(devices := _devices(node, order or {})),
+        sessions=_sessions(node, devices),
     )
 
 
@@ -195,27 +233,3 @@ def verdict(views: Iterable[NodeView]) -> tuple[bool, dict[str, tuple[str, ...]]
     views = list(views)
     problems = {v.node_id: v.problems for v in views if v.problems}
     return any(v.serving for v in views) and not problems, problems
-
-
-def format_bytes(n: float | None) -> str:
-    """``12.3 GiB`` style (binary units); ``-`` for unknown."""
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
-
-
-def format_age(seconds: float | None) -> str:
-    """``0.2 s``, ``12 s``, ``3 min``, ``2.0 h``; ``-`` for unknown."""
-    if seconds is None:
-        return "-"
-    if seconds < 10:
-        return f"{seconds:.1f} s"
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"

@@ -48,6 +48,9 @@ class NodeReport:
     node_id: str
     snapshot: MetricsSnapshot | None = None
     health: HealthReport | None = None
+    #: the node's data-plane use per client session (:meth:`genie.server.metrics.ServerMetrics.summary`),
+    #: kept as the node sent it: only the dashboard and ``genie status`` read it (leniently)
+    sessions: Mapping[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, data: Any, *, node_id: str) -> NodeReport:
@@ -61,7 +64,10 @@ class NodeReport:
             raise ProtocolError(f"heartbeat metrics must be a map, got {type(data).__name__}")
         snapshot = MetricsSnapshot.from_dict(data, node_id=node_id) if "metrics" in data else None
         health = _health_from_dict(data["health"], node_id) if data.get("health") is not None else None
-        return cls(node_id, snapshot, health)
+        sessions = data.get("sessions")
+        if sessions is not None and not isinstance(sessions, Mapping):
+            raise ProtocolError(f"heartbeat field 'sessions' must be a map, got {type(sessions).__name__}")
+        return cls(node_id, snapshot, health, sessions)
 
     @classmethod
     def lenient(cls, data: Any, *, node_id: str) -> NodeReport:
@@ -78,6 +84,8 @@ class NodeReport:
             out.update(self.snapshot.to_dict())
         if self.health is not None:
             out["health"] = self.health.to_dict()
+        if self.sessions is not None:
+            out["sessions"] = dict(self.sessions)
         return out
 
     @property

@@ -235,7 +235,10 @@ class Runtime:
             self.control_service = ControlService(
                 self.membership, heartbeat_interval=cfg.heartbeat_interval, publish=self.bus.publish,
                 recent_events=self.bus.recent, security=self.server_security, monitor=self.monitor,
-                health=self.health, telemetry=self.telemetry, metrics_server=self.metrics_server)
+                health=self.health, telemetry=self.telemetry, metrics_server=self.metrics_server,
+                server_metrics=self.dataplane.metrics if self.dataplane is not None else None)
+            if self.telemetry is not None:
+                self.telemetry.watch_membership(self.membership)
             for event in self.membership.join(state.local_node):
                 self.bus.publish(event)
             return
@@ -304,15 +307,17 @@ class Runtime:
         """Resource monitor, health checker and telemetry of a node that serves devices (started later)."""
         from genie.cluster.health import HealthChecker
         from genie.cluster.monitor import ResourceMonitor
-        from genie.telemetry import MetricsServer, Telemetry
+        from genie.telemetry import MetricsServer, Telemetry, otlp_configured
 
         cfg, node = self.config, state.local_node
         self.monitor = ResourceMonitor.from_config(cfg, pm=self.pm, node=node, bus=self.bus)
         self.health = HealthChecker.from_config(cfg, pm=self.pm, node_id=node.node_id, bus=self.bus)
-        if cfg.enable_telemetry and cfg.metrics_port:
+        server_metrics = self.dataplane.metrics if self.dataplane is not None else None
+        if cfg.enable_telemetry and (cfg.metrics_port or otlp_configured()):
             self.telemetry = Telemetry(node_id=node.node_id)
-            self.telemetry.watch_monitor(self.monitor)
+            self.telemetry.watch_node(monitor=self.monitor, server=server_metrics)
             self.telemetry.follow_health(self.bus)
+        if self.telemetry is not None and cfg.metrics_port:
             self.metrics_server = MetricsServer(self.telemetry, host=cfg.bind_addr, port=cfg.metrics_port,
                                                 ready=lambda: self.phase == "running")
 
@@ -397,7 +402,8 @@ class Runtime:
         """What a heartbeat carries: the latest metrics snapshot and health report."""
         from genie.cluster.monitor import node_report
 
-        return node_report(self.monitor, self.health)
+        return node_report(self.monitor, self.health,
+                           server_metrics=self.dataplane.metrics if self.dataplane is not None else None)
 
     def _on_ack(self, state: ClusterState, ack: dict[str, Any]) -> None:
         if "nodes" not in ack:

@@ -20,6 +20,7 @@ from typing import Any
 import msgpack
 import torch
 
+from genie.device.stats import STATS
 from genie.errors import (
     ConnectionClosedError,
     FrameError,
@@ -142,6 +143,7 @@ class NodeConnection:
             self.check_alive()
             self._append(cmd)
             self.stats["ops"] += 1
+            STATS.op_queued()  # stats
 
     def upload(self, handle: int, device: int, tensor: torch.Tensor) -> None:
         """Queue a CPU tensor's bytes under ``handle`` on local device ``device`` of the node."""
@@ -158,6 +160,7 @@ class NodeConnection:
             self._payload.append(view)
             self._keepalive.append(src)
             self.stats["bytes_up"] += view.nbytes
+            STATS.uploaded(view.nbytes)  # stats
             self._cmd_bytes += view.nbytes
             if self._cmd_bytes >= MAX_BATCH_BYTES:
                 self._flush_locked()
@@ -229,6 +232,7 @@ class NodeConnection:
             self._cmd_bytes = 0
         self.last_send = time.monotonic()
         self.stats["batches"] += 1
+        STATS.batch_sent()  # stats
 
     # -- sync points ---------------------------------------------------------------------------
     def _request(self, build: Callable[[int], list[Any]], default: Callable[[Any], Any] | None = None,
@@ -236,7 +240,8 @@ class NodeConnection:
         with self.lock:
             self.check_alive(device)
             req = next(self._requests)
-            self._cmds.append(msgpack.packb(build(req), use_bin_type=True, default=default))
+            started, command = time.perf_counter(), build(req)  # stats
+            self._cmds.append(msgpack.packb(command, use_bin_type=True, default=default))
             self._pending_request = True
             try:
                 self._flush_locked()
@@ -267,6 +272,7 @@ class NodeConnection:
                 self.mark_lost(f"no answer: {exc}")
                 raise self._device_lost(device) from exc
             self.stats["round_trips"] += 1
+            STATS.round_trip(command, started, header.payload_len)  # stats
         if deferred:
             raise _execution_error(deferred[0], more=len(deferred) - 1)
         if error is not None:

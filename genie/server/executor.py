@@ -18,6 +18,7 @@ with the command's output handles poisoned so later uses name the root cause.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from genie.errors import (
 )
 from genie.server import codec
 from genie.server.codec import OutSpec, check_dtype, check_handle, check_ints, is_int, numel_of
+from genie.server.metrics import NULL_SESSION_METRICS, SessionMetrics
 from genie.server.ops import resolve_op
 from genie.server.store import TensorStore, UnknownHandleError
 from genie.transport.base import Channel
@@ -133,6 +135,7 @@ class Executor:
         #: Most commands plus uploads one batch may carry (``max_session_inflight``): everything a client can
         #: make the server hold or queue at once without waiting for an answer.
         self.max_inflight = MAX_COMMANDS
+        self.metrics: SessionMetrics = NULL_SESSION_METRICS  # metrics: the server sets each session's
 
     # -- batches ------------------------------------------------------------------------------
 
@@ -154,10 +157,12 @@ class Executor:
                 f"session in-flight limit exceeded: a batch of {inflight} commands and uploads, limit "
                 f"{self.max_inflight} (max_session_inflight); send smaller batches")
         self._receive_uploads(header, msg.get("uploads", []))
+        self.metrics.queue_depth = len(cmds)  # metrics
         for cmd in cmds:
             if not isinstance(cmd, bytes):
                 raise FrameError(f"each command must be msgpack bytes, got {type(cmd).__name__}")
             self._run_command(codec.decode(cmd))
+            self.metrics.queue_depth -= 1  # metrics
 
     def _receive_uploads(self, header: FrameHeader, uploads: list[Any]) -> None:
         specs = []
@@ -197,6 +202,7 @@ class Executor:
             tensor = raw.view(dtype).reshape(shape) if raw.numel() else torch.empty(shape, dtype=dtype)
             if device.type != "cpu":
                 tensor = tensor.to(device)
+            self.metrics.record_bytes("in", raw.numel(), device)  # metrics
             try:
                 self.store.put(handle, tensor)
             except (QuotaExceededError, ProtocolError) as exc:
@@ -270,6 +276,7 @@ class Executor:
         except Exception as exc:
             self._reply(req, _error("fetch", [], _kind_of(exc), _message(exc), [handle]), None)
             return
+        self.metrics.record_bytes("out", out.nbytes, tensor.device)  # metrics
         self._reply(req, None, codec.describe(handle, out)[1:3], [tensor_bytes(out)], keep=out)
 
     def _cmd_sync(self, req: Any) -> None:
@@ -301,11 +308,14 @@ class Executor:
         inputs = tensor_leaves((args, kwargs))
         self._precheck_outputs(label, outs, specs)
         sizes_before = {id(t): t.untyped_storage().nbytes() for t in inputs} if label in _RESIZING else {}
+        started = time.perf_counter()  # metrics
         try:
             result = op(*args, **kwargs)  # grad mode is off on this thread (run_batch)
         except Exception as exc:
+            self.metrics.record_op(label, "error", time.perf_counter() - started)  # metrics
             raise _CommandFailed(_error(label, _shapes((args, kwargs)), "execution", _message(exc), outs)) from None
         self.ops_run += 1
+        self.metrics.record_op(label, "ok", time.perf_counter() - started)  # metrics
         if label in _UNINITIALISED:
             for t in tensor_leaves(result):
                 if isinstance(t, torch.Tensor) and t.layout == torch.strided:

@@ -35,6 +35,7 @@ from genie._version import __version__
 from genie.config import ClusterConfig
 from genie.errors import ConfigError, ConnectionClosedError
 from genie.security import ServerSecurity
+from genie.server.metrics import ServerMetrics
 from genie.server.session import Session
 from genie.transport.base import Listener, Transport
 from genie.wire.frame import MAX_BODY_BYTES, PROTOCOL_VERSION
@@ -140,6 +141,8 @@ class DataPlaneServer:
         # The embedding runtime passes the settings it built once; standalone, read them from config now.
         self.security = security if security is not None else ServerSecurity.from_config(config)
         self.sessions_served = 0
+        self.metrics = ServerMetrics(backend=getattr(transport, "name", "tcp"), authenticated=bool(self.security.token),
+                                     enabled=config.enable_telemetry, devices=self.devices)  # metrics
 
     @property
     def port(self) -> int:
@@ -256,6 +259,7 @@ class DataPlaneServer:
             hello_timeout=self.hello_timeout,
             on_end=self._session_ended,
         )
+        session.executor.metrics = self.metrics.open_session(session.session_id, session)  # metrics
         session.thread = threading.Thread(target=session.run, name=f"genie-session-{session.session_id}", daemon=True)
         with self._lock:
             self._sessions[session.session_id] = session
@@ -266,4 +270,5 @@ class DataPlaneServer:
         with self._lock:
             self._sessions.pop(session.session_id, None)
             live = len(self._sessions)
+        self.metrics.end_session(session.session_id)  # metrics
         log.info("%d sessions live", live)

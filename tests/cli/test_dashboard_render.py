@@ -6,8 +6,9 @@ import re
 
 from rich.console import Console
 
+from genie.cli.dashboard import Feed, Keys, Snapshot, render
+from genie.cli.tables import bar
 from genie.cluster.overview import nodes, verdict
-from genie.dashboard import Feed, Keys, Snapshot, bar, render
 
 NOW = 1_800_000_000.0
 
@@ -142,3 +143,20 @@ def test_keys_without_a_terminal_read_nothing_and_change_nothing() -> None:
     with Keys(io.StringIO()) as keys:
         assert keys.fd is None
         assert keys.read(0.01) == ""
+
+
+def test_sessions_show_which_client_uses_which_device() -> None:
+    w1 = node("w1", gpus=[H100])
+    w1["metrics"]["sessions"] = {"sessions": [
+        {"session": 1, "client": "alice", "identity": "cluster-token", "memory": {"cuda:0": 3 << 30}, "ops": 120,
+         "op_seconds": 1.5},
+        {"session": 2, "client": "bob", "identity": "cluster-token", "memory": {"cuda:0": 1 << 20}, "ops": 7,
+         "op_seconds": 0.01}]}
+    text = screen(render(Snapshot(master="m:5555", reply=reply(node("master"), w1), updated=NOW, now=NOW)))
+    rows = [line for line in text.splitlines() if "alice" in line or "bob" in line]
+    assert "sessions (per client, per device)" in text
+    assert len(rows) == 2 and "remote_accelerator:1" in rows[0] and "alice" in rows[0] and "3.0 GiB" in rows[0]
+    assert "bob" in rows[1] and "1.0 MiB" in rows[1] and "cluster-token" in rows[1]
+    (view,) = [v for v in nodes(reply(node("master"), w1), now=NOW) if v.node_id == "w1"]
+    assert [(s.client, s.device_label, s.memory) for s in view.sessions] == [
+        ("alice", "remote_accelerator:1", 3 << 30), ("bob", "remote_accelerator:1", 1 << 20)]

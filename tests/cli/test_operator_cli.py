@@ -17,11 +17,11 @@ from tests.cli.conftest import Cluster, genie, genie_many, refused_port, wait_un
 
 
 def node_counts(prometheus_text: str) -> dict[str, float]:
-    """``genie_cluster_nodes`` by status, parsed with prometheus-client."""
+    """``genie_cluster_nodes`` by connection state, parsed with prometheus-client."""
     for family in text_string_to_metric_families(prometheus_text):
         if family.name == "genie_cluster_nodes":
             assert family.type == "gauge"
-            return {s.labels["status"]: s.value for s in family.samples}
+            return {s.labels["genie_node_state"]: s.value for s in family.samples}
     raise AssertionError("no genie_cluster_nodes gauge in:\n" + prometheus_text)
 
 

@@ -1,0 +1,214 @@
+"""What this client process asked of remote devices: ops queued, round trips and what caused them, bytes.
+
+A remote training loop is fast when it rarely waits: ops are queued fire-and-forget
+and only *sync points* (``.item()``, ``.cpu()``, printing, a data-dependent shape)
+block for a round trip. This module counts both, and for each round trip the op that
+needed it and the line of the user's code that triggered it (the first frame outside
+genie and torch), so the slow spot of a loop has a file name and a line number.
+
+:func:`genie.stats` returns :meth:`ClientStats.snapshot`; :func:`genie.profile` is a
+context manager that prints :func:`format_table` of what happened inside it.
+:class:`~genie.device.connection.NodeConnection` records with one-line calls
+(marked ``# stats:``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import IO, Any
+
+import attrs
+
+from genie.wire import messages as wm
+
+#: Frames in these directories are genie's or torch's, not the user's.
+_SKIP_DIRS: tuple[str, ...] = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+#: How many sync-point sources the table lists.
+TOP_SYNC_POINTS = 10
+
+
+def _skip_dirs() -> tuple[str, ...]:
+    global _SKIP_DIRS
+    if len(_SKIP_DIRS) == 1:
+        import torch
+
+        _SKIP_DIRS = (*_SKIP_DIRS, os.path.dirname(torch.__file__) + os.sep, "<frozen ", os.path.dirname(
+            contextlib.__file__) + os.sep + "contextlib.py")
+    return _SKIP_DIRS
+
+
+def caller_line() -> str:
+    """``file.py:LINE (function)`` of the first frame outside genie and torch (``?`` when none)."""
+    skip = _skip_dirs()
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(skip):
+            return f"{os.path.basename(filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back  # type: ignore[assignment]
+    return "?"
+
+
+def command_reason(command: list[Any]) -> str:
+    """What a request command asks for: the op of a CALL, or ``fetch`` / ``sync``."""
+    code = command[0] if command else None
+    if code == wm.CMD_CALL and len(command) > 2:
+        return str(command[2])
+    if code == wm.CMD_FETCH:
+        return "fetch (.cpu(), .item(), print)"
+    if code == wm.CMD_SYNC:
+        return "sync"
+    return "request"
+
+
+@attrs.frozen
+class SyncPoint:
+    """Round trips caused by one line of user code for one reason."""
+
+    line: str
+    reason: str
+    count: int
+    seconds: float
+
+
+class ClientStats:
+    """Process-wide counters of this client's data-plane traffic (every node, every thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        """Start counting from zero."""
+        with self._lock:
+            self.ops_queued = 0
+            self.round_trips = 0
+            self.batches = 0
+            self.bytes_up = 0
+            self.bytes_down = 0
+            self.wait_seconds = 0.0
+            self._sync: dict[tuple[str, str], list[float]] = {}
+
+    # -- recording (NodeConnection, under its lock) ----------------------------------------------
+    def op_queued(self) -> None:
+        self.ops_queued += 1
+
+    def uploaded(self, nbytes: int) -> None:
+        self.bytes_up += nbytes
+
+    def batch_sent(self) -> None:
+        self.batches += 1
+
+    def round_trip(self, command: list[Any], started: float, bytes_down: int) -> None:
+        """One blocking request answered: ``started`` is its ``time.perf_counter()`` at the start."""
+        seconds = time.perf_counter() - started
+        key = (caller_line(), command_reason(command))
+        with self._lock:
+            self.round_trips += 1
+            self.bytes_down += bytes_down
+            self.wait_seconds += seconds
+            entry = self._sync.get(key)
+            if entry is None:
+                self._sync[key] = [1, seconds]
+            else:
+                entry[0] += 1
+                entry[1] += seconds
+
+    # -- reading --------------------------------------------------------------------------------
+    def sync_points(self) -> list[SyncPoint]:
+        """Every (line, reason) that caused round trips, most round trips first."""
+        with self._lock:
+            items = [SyncPoint(line, reason, int(c), s) for (line, reason), (c, s) in self._sync.items()]
+        return sorted(items, key=lambda p: (-p.count, -p.seconds, p.line))
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counters as a plain map (what :func:`genie.stats` returns)."""
+        with self._lock:
+            out: dict[str, Any] = {
+                "ops_queued": self.ops_queued, "round_trips": self.round_trips, "batches": self.batches,
+                "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
+                "wait_seconds": self.wait_seconds,
+            }
+        out["sync_points"] = [attrs.asdict(p) for p in self.sync_points()]
+        return out
+
+
+#: The process's counters.
+STATS = ClientStats()
+
+
+def diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """What happened between two snapshots."""
+    out = {k: after[k] - before.get(k, 0) for k in after if k != "sync_points"}
+    earlier = {(p["line"], p["reason"]): p for p in before.get("sync_points", [])}
+    points = []
+    for p in after.get("sync_points", []):
+        old = earlier.get((p["line"], p["reason"]), {"count": 0, "seconds": 0.0})
+        if p["count"] > old["count"]:
+            points.append({**p, "count": p["count"] - old["count"], "seconds": p["seconds"] - old["seconds"]})
+    out["sync_points"] = sorted(points, key=lambda p: (-p["count"], -p["seconds"], p["line"]))
+    return out
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def format_table(stats: dict[str, Any], *, top: int = TOP_SYNC_POINTS) -> str:
+    """A plain-text table of a :func:`diff` (or snapshot) with ``wall_seconds``."""
+    wall = stats.get("wall_seconds")
+    wait = stats["wait_seconds"]
+    rows = [("ops queued", f"{stats['ops_queued']}"), ("round trips", f"{stats['round_trips']}"),
+            ("batches sent", f"{stats['batches']}"), ("bytes up", _bytes(stats["bytes_up"])),
+            ("bytes down", _bytes(stats["bytes_down"])),
+            ("waiting on servers", f"{wait * 1e3:.1f} ms (round trips: network + server)")]
+    if wall is not None:
+        rows.insert(0, ("wall time", f"{wall * 1e3:.1f} ms"))
+        rows.append(("client time", f"{max(wall - wait, 0.0) * 1e3:.1f} ms (your code + genie's dispatch)"))
+    width = max(len(k) for k, _ in rows)
+    lines = ["genie profile", *(f"  {k:<{width}}  {v}" for k, v in rows)]
+    points = stats.get("sync_points", [])[:top]
+    if points:
+        lines.append(f"  top sync points ({len(points)} of {len(stats.get('sync_points', []))}):")
+        lw = max(len(p["line"]) for p in points)
+        for p in points:
+            lines.append(f"    {p['count']:>6} x  {p['seconds'] * 1e3:8.2f} ms  {p['line']:<{lw}}  {p['reason']}")
+    else:
+        lines.append("  no sync points")
+    return "\n".join(lines) + "\n"
+
+
+@attrs.define
+class Profile:
+    """What :func:`profile` measured: ``stats`` is filled when the block ends."""
+
+    stats: dict[str, Any] = attrs.field(factory=dict)
+
+    def table(self) -> str:
+        """The printed table."""
+        return format_table(self.stats)
+
+
+@contextlib.contextmanager
+def profile(*, file: IO[str] | None = None, print_table: bool = True) -> Iterator[Profile]:
+    """Count what the block asks of remote devices; print the table to ``file`` (stdout) at the end."""
+    result = Profile()
+    before = STATS.snapshot()
+    started = time.perf_counter()
+    try:
+        yield result
+    finally:
+        result.stats = diff(STATS.snapshot(), before)
+        result.stats["wall_seconds"] = time.perf_counter() - started
+        if print_table:
+            out = file if file is not None else sys.stdout
+            out.write(result.table())  # the table is what the caller asked for, not a log line

@@ -1,0 +1,59 @@
+"""``genie status`` and ``genie dashboard`` on the core install: a fresh venv with `pip install genie` only.
+
+The venv is real: built with ``python -m venv`` and ``pip install`` of this repository (its
+``genie-tcp`` dependency from plugins/, torch==2.13.0 from the local wheel pip is configured
+with); no test extras, no ``--no-deps``. Slow (about a minute or more): marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from genie.cluster.launch import NodeProcess
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def core_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    venv = tmp_path_factory.mktemp("core") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    # genie pins genie-tcp==<same version>, which lives in this repository, not on an index.
+    done = subprocess.run([*pip, "torch==2.13.0", str(ROOT / "plugins" / "genie_tcp"), str(ROOT)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return venv
+
+
+def test_the_core_install_has_no_test_tools(core_venv: Path) -> None:
+    listed = subprocess.run([str(core_venv / "bin" / "python"), "-m", "pip", "list", "--format=freeze"],
+                            capture_output=True, text=True, timeout=120).stdout.lower()
+    names = {line.split("==")[0].replace("_", "-") for line in listed.splitlines()}
+    assert {"genie", "genie-tcp", "rich", "prometheus-client", "opentelemetry-exporter-prometheus"} <= names
+    assert not {"pytest", "hypothesis", "genie-nvml", "genie-rdma"} & names
+
+
+def test_genie_status_prints_tables_on_the_core_install(core_venv: Path) -> None:
+    with NodeProcess("serve", "--port", str(free_port()), "--devices", "cpu") as master:
+        result = subprocess.run([str(core_venv / "bin" / "genie"), "status", "--master",
+                                 f"127.0.0.1:{master.control_port}"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "1 nodes" in result.stdout and "devices (# is N of remote_accelerator:N)" in result.stdout
+    assert "sessions" in result.stdout and "needs rich" not in result.stderr
+
+
+def test_genie_dashboard_renders_on_the_core_install(core_venv: Path) -> None:
+    script = ("from rich.console import Console\n"
+              "from genie.cli.dashboard import Snapshot, render\n"
+              "Console(width=120, record=True).print(render(Snapshot(master='m:1')))\n")
+    result = subprocess.run([str(core_venv / "bin" / "python"), "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "waiting for the master at m:1" in result.stdout, result.stderr
