@@ -60,7 +60,7 @@ def enter_private_netns(argv: Sequence[str] | None = None) -> None:
 
 
 def free_port() -> int:
-    """A port found free and released, for torch.distributed's anchors only (genie's nodes bind port 0)."""
+    """A port found free and released: torch.distributed's anchors and --metrics-port (0 means off there); genie's nodes bind port 0."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -64,8 +64,8 @@ def main() -> int:
     from genie.cluster.launch import NodeProcess
 
     quiet = ("--heartbeat-interval", "1", "--gpu-poll-interval", "5")
-    mport = free_port()
-    with NodeProcess("serve", "--port", str(free_port()), "--devices", "cpu", *quiet,
+    mport = free_port()  # --metrics-port 0 means off
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu", *quiet,
                      env={"GENIE_ENABLE_TELEMETRY": "false"}) as master, \
             NodeProcess("worker", "--master", f"127.0.0.1:{master.control_port}", "--devices", "cpu",
                         "--metrics-port", str(mport), *quiet):

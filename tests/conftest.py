@@ -6,6 +6,7 @@ is :mod:`genie.testing`, which third-party plugins use too; this file only adds 
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -13,7 +14,19 @@ import pytest
 from genie.cluster.launch import NodeProcess
 from genie.testing import refused_port, wait_until
 
-__all__ = ["refused_port", "wait_until"]  # re-exported for the suite's modules
+__all__ = ["refused_port", "unused_port", "wait_until"]  # re-exported for the suite's modules
+
+
+def unused_port() -> int:
+    """A port found free and released, for the two places port 0 cannot serve.
+
+    ``--metrics-port 0`` means "no metrics endpoint", so a metrics server cannot be asked for any
+    free port (yet); and a command line that must name the master's port before the master runs
+    (the README's two-machines commands). Everything else binds port 0 and reads the port back.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ import attrs
 import pytest
 
 from genie.cluster.launch import NodeProcess
-from tests.conftest import free_port
+from tests.conftest import unused_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -56,7 +56,7 @@ def run_python(code: str, env: dict[str, str], cwd: Path, timeout: float = 120) 
 @pytest.fixture(scope="module")
 def master() -> Iterator[NodeProcess]:
     """The local server the README's first script expects (``genie serve --devices auto``)."""
-    with NodeProcess("serve", "--port", str(free_port()), "--devices", "auto") as node:
+    with NodeProcess("serve", "--port", "0", "--devices", "auto") as node:
         yield node
 
 
@@ -96,7 +96,7 @@ def test_the_two_machines_section_runs_on_loopback(tmp_path: Path) -> None:
     """Both "machines" are this one: gpu-a and gpu-b become 127.0.0.1, ports free ones; the commands
     are otherwise the README's, --host 0.0.0.0 and the token included."""
     token, nodes, client = _two_machines_commands()
-    control, metrics = free_port(), [free_port(), free_port()]
+    control, metrics = unused_port(), [unused_port(), unused_port()]  # the commands name them up front
     shell = "\n".join(token) + "\necho GENIE_AUTH_TOKEN_FILE=$GENIE_AUTH_TOKEN_FILE\n"
     made = subprocess.run(["bash", "-ec", shell], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr

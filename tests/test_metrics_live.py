@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from genie.cluster.launch import NodeProcess
-from tests.conftest import free_port, wait_until
+from tests.conftest import unused_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "docs" / "grafana" / "genie-dashboard.json"
@@ -72,9 +72,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         "from fake_pynvml import *  # noqa: F401,F403 - FAKE NVML: this machine has no GPU\n"
         "from fake_pynvml import FakeGpu, reset\nreset([FakeGpu()])\n")
     quick = ("--heartbeat-interval", "0.2", "--gpu-poll-interval", "0.2", "--health-check-interval", "0.2")
-    mport, wport = free_port(), free_port()
+    mport, wport = unused_port(), unused_port()  # --metrics-port 0 means off
     clients: list[subprocess.Popen[str]] = []
-    with NodeProcess("serve", "--port", str(free_port()), "--devices", "cpu", "--metrics-port", str(mport),
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--metrics-port", str(mport),
                      *quick) as master, \
             NodeProcess("worker", "--master", f"127.0.0.1:{master.control_port}", "--devices", "cpu",
                         "--metrics-port", str(wport), *quick,

@@ -156,12 +156,13 @@ def test_heartbeats_are_counted_by_direction(telemetry: Telemetry) -> None:
 
 def test_cluster_nodes_keep_connection_state_and_health_apart(telemetry: Telemetry) -> None:
     from genie.cluster.membership import Membership
+    from genie.cluster.report import NodeReport
 
     membership = Membership(heartbeat_timeout=10.0, self_id="m")
     membership.join(NodeInfo("m", "h", NodeRole.SERVER))
     membership.join(NodeInfo("w1", "h", NodeRole.WORKER))
     membership.join(NodeInfo("c1", "h", NodeRole.CLIENT))
-    membership.members["m"].metrics = {"health": {"status": "healthy"}}
+    membership.members["m"].report = NodeReport.from_dict({"health": {"status": "healthy"}}, node_id="m")
     membership.members["w1"].status = NodeStatus.LOST
     telemetry.watch_membership(membership)
     text = telemetry.prometheus_text()

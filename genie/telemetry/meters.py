@@ -192,8 +192,7 @@ class Telemetry:
             for member in members():
                 if member.info.role.value == "client":
                     continue  # clients are never judged
-                health = member.metrics.get("health") if isinstance(member.metrics, dict) else None
-                grade = health.get("status") if isinstance(health, dict) else None
+                grade = member.report.grade.value if member.report is not None and member.report.grade else None
                 counts[grade if grade in HEALTH_GRADES else "unknown"] += 1
             return [Observation(n, {"genie.health.grade": g}) for g, n in counts.items()]
 

@@ -6,7 +6,6 @@ import itertools
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from genie.cluster.launch import NodeProcess
 from genie.cluster.overview import nodes
 from genie.cluster.query import query_master_sync
 from genie.testing import LocalCluster, refused_port, wait_until  # noqa: F401 - re-exported for the cli tests
+from tests.conftest import unused_port as metrics_port
 
 #: Short intervals so joins, losses and health reports show within a second or two.
 FAST = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "1", "--gpu-poll-interval", "0.2",
@@ -48,17 +48,6 @@ def genie_many(*commands: tuple[str, ...], timeout: float = 15) -> list[subproce
                 p.kill()
                 p.wait()
     return out
-
-
-def metrics_port() -> int:
-    """A port for ``--metrics-port``, found free and released.
-
-    The one bind-release-reuse left in the suite: ``--metrics-port 0`` means "no metrics
-    endpoint", so a metrics server cannot be asked for any free port (yet).
-    """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Cluster(LocalCluster):
