@@ -57,7 +57,7 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BULK_BUFFER)
 
 
-def _kernel_timeouts(sock: socket.socket, seconds: float | None) -> None:
+def kernel_timeouts(sock: socket.socket, seconds: float | None) -> None:
     """Send/receive timeouts enforced by the kernel, so the socket stays in blocking mode.
 
     Python's own timeouts switch the socket to non-blocking and poll before every call,
@@ -102,7 +102,7 @@ class TcpChannel:
             self._sock.settimeout(seconds)
         else:
             self._sock.settimeout(None)
-            _kernel_timeouts(self._sock, seconds)
+            kernel_timeouts(self._sock, seconds)
 
     def sendv(self, buffers: Sequence[Buffer]) -> None:
         """Send every byte of ``buffers`` in order with scatter/gather ``sendmsg``, never joining them."""

@@ -1,0 +1,201 @@
+"""The ``shm`` transport: same-host shared memory, chosen over every network when the peer is local.
+
+Its listener is a TCP listener that serves both kinds of client: a peer that
+opens with the shm preamble (``GSHM``, version, boot id, network namespace) gets
+an :class:`~genie_shm.channel.ShmChannel` when its identity equals ours (one
+kernel, one network namespace) and a refusal naming the difference otherwise;
+any other peer (plain genie over TCP, TLS) gets a plain
+:class:`~genie_tcp.TcpChannel`. So a node that selects shm still serves remote
+clients, which connect with ``tcp``.
+
+The preamble is read by a short-lived thread per connection (bounded by
+``PREAMBLE_TIMEOUT``), never by :meth:`ShmListener.accept`'s caller: a peer that
+connects and says nothing cannot stall the accept loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import struct
+import threading
+from typing import Any
+
+from genie.errors import BackendUnavailableError, ConnectError, ConnectionClosedError
+from genie.transport.base import PRIORITY_SHM, ProbeTarget, Transport
+from genie.types import Figure, ProbeResult
+from genie_shm.channel import ShmChannel
+from genie_shm.host import host_identity, is_local_address
+from genie_shm.ring import ring_bytes_from_env
+from genie_tcp import TcpChannel, TcpListener, TcpTransport
+
+log = logging.getLogger("genie.transport.shm")
+
+PREAMBLE = struct.Struct("<4sB16sQ")
+MAGIC = b"GSHM"
+VERSION = 1
+REPLY = struct.Struct("<BH")
+#: How long an accepted connection has to say what it is.
+PREAMBLE_TIMEOUT = 10.0
+
+
+class ShmListener:
+    """Accepts shm peers on one host and plain TCP peers from anywhere; see the module docstring."""
+
+    def __init__(self, host: str, port: int, ring_bytes: int) -> None:
+        self._tcp = TcpListener(host, port)
+        self.host, self.port = self._tcp.host, self._tcp.port
+        self._ring_bytes = ring_bytes
+        self._ready: queue.Queue[TcpChannel | ShmChannel] = queue.Queue()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name=f"genie-shm-accept-{self.port}",
+                                        daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"<ShmListener {self.host}:{self.port}>"
+
+    def accept(self, timeout: float | None = None) -> TcpChannel | ShmChannel:
+        """The next peer whose preamble was read; TimeoutError when ``timeout`` passes first."""
+        if self._closed.is_set():
+            raise ConnectionClosedError(f"listener on {self.host}:{self.port} is closed")
+        try:
+            channel = self._ready.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no connection to {self.host}:{self.port} within {timeout:g} s") from None
+        if channel is None:  # close() wakes waiters with None
+            raise ConnectionClosedError(f"listener on {self.host}:{self.port} is closed")
+        return channel
+
+    def close(self) -> None:
+        """Stop listening (idempotent); waiting accepts wake, queued channels are closed."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._tcp.close()
+        self._ready.put(None)  # type: ignore[arg-type]
+        self._thread.join(2.0)
+        while True:
+            try:
+                item = self._ready.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                tcp = self._tcp.accept(timeout=0.5)
+            except TimeoutError:
+                continue
+            except ConnectionClosedError:
+                return
+            threading.Thread(target=self._greet, args=(tcp,), name="genie-shm-greet", daemon=True).start()
+
+    def _greet(self, tcp: TcpChannel) -> None:
+        """Read the first bytes: an shm preamble (check the host), or anything else (plain TCP)."""
+        try:
+            tcp.settimeout(PREAMBLE_TIMEOUT)
+            head = tcp.peek(len(MAGIC))
+            if head != MAGIC:
+                channel: TcpChannel | ShmChannel = tcp
+                if not head:
+                    tcp.close()
+                    return
+            else:
+                raw = bytearray(PREAMBLE.size)
+                tcp.recv_into(memoryview(raw))
+                _, version, boot, netns = PREAMBLE.unpack(raw)
+                reason = _refusal(version, boot, netns)
+                data = reason.encode()[:4096]
+                tcp.sendv([REPLY.pack(0 if reason else 1, len(data)), data])
+                if reason:
+                    log.info("refused shm peer %s: %s", tcp.peer, reason)
+                    tcp.close()
+                    return
+                channel = ShmChannel(tcp, server_side=True, ring_bytes=self._ring_bytes)
+            tcp.settimeout(None)
+        except ConnectionClosedError as exc:
+            log.debug("connection from %s ended before it said what it is: %s", tcp.peer, exc)
+            tcp.close()
+            return
+        if self._closed.is_set():
+            channel.close()
+            return
+        self._ready.put(channel)
+
+
+def _refusal(version: int, boot: bytes, netns: int) -> str:
+    """Why a peer with this identity cannot share memory with us ("" when it can)."""
+    if version != VERSION:
+        return f"shm protocol version {version} is not supported (this node speaks {VERSION})"
+    my_boot, my_netns = host_identity()
+    if boot != my_boot:
+        return "the peer runs under another kernel (boot id differs): it is on another host"
+    if netns != my_netns:
+        return "the peer is in another network namespace: shm's hand-over sockets cannot reach it"
+    return ""
+
+
+class ShmTransport(Transport):
+    """Shared-memory rings between two processes on one host; refused across hosts."""
+
+    name = "shm"
+    default_priority = PRIORITY_SHM
+
+    DECLARED = {
+        "host_copies": Figure(2, "copies", measured=False),  # into the ring, out of the ring; no kernel
+        "gpu_direct": Figure(0, "bool", measured=False),
+    }
+
+    async def probe(self, target: ProbeTarget) -> ProbeResult:
+        """Available when the peer's address is one of this host's (or, without a peer, on Linux with memfd)."""
+        import os
+
+        declared: dict[str, Any] = dict(self.DECLARED)
+        if not hasattr(os, "memfd_create"):
+            return ProbeResult(self.name, False, "unsupported", "memfd_create is not available on this platform",
+                               self.default_priority, declared)
+        if not target.host:
+            return ProbeResult(self.name, True, "ok", "local capabilities only (peers on this host)",
+                               self.default_priority, declared, details={"same_host_only": True})
+        local, why = is_local_address(target.host)
+        if not local:
+            return ProbeResult(self.name, False, "not_same_host", why, self.default_priority, declared,
+                               details={"same_host_only": True})
+        return ProbeResult(self.name, True, "ok", f"{target.host} is on this host", self.default_priority,
+                           declared, details={"same_host_only": True})
+
+    def connect(self, host: str, port: int, *, timeout: float) -> ShmChannel:
+        """Open TCP to a local listener and agree on shared memory; BackendUnavailableError across hosts."""
+        local, why = is_local_address(host)
+        if not local:
+            raise BackendUnavailableError(f"shm cannot reach {host}:{port}: {why}")
+        ring_bytes = ring_bytes_from_env()
+        tcp = TcpTransport().connect(host, port, timeout=timeout)
+        try:
+            tcp.settimeout(timeout)
+            boot, netns = host_identity()
+            tcp.sendv([PREAMBLE.pack(MAGIC, VERSION, boot, netns)])
+            head = bytearray(REPLY.size)
+            tcp.recv_into(memoryview(head))
+            ok, length = REPLY.unpack(head)
+            reason = bytearray(length)
+            if length:
+                tcp.recv_into(memoryview(reason))
+        except ConnectionClosedError as exc:
+            tcp.close()
+            raise ConnectError(f"{host}:{port} did not answer the shm preamble ({exc}); is it a genie node "
+                               "listening with the shm backend?") from exc
+        if not ok:
+            tcp.close()
+            raise BackendUnavailableError(f"{host}:{port} refused shared memory: {reason.decode('utf-8', 'replace')}")
+        tcp.settimeout(None)
+        log.debug("shm channel to %s:%d (segments follow the handshake)", host, port)
+        return ShmChannel(tcp, server_side=False, ring_bytes=ring_bytes)
+
+    def listen(self, host: str, port: int) -> ShmListener:
+        """Listen on ``host:port`` for shm peers (this host) and plain TCP peers (anywhere)."""
+        return ShmListener(host, port, ring_bytes_from_env())
