@@ -30,6 +30,7 @@ breaks the protocol raises ConnectionClosedError and closes the channel.
 from __future__ import annotations
 
 import array
+import contextlib
 import hmac
 import logging
 import mmap
@@ -147,6 +148,7 @@ class ShmChannel:
         self._tx_freed = 0  # bytes the peer has given back
         self._credit_buf = b""
         self._rx_mv: memoryview | None = None
+        self._rx_ring: mmap.mmap | None = None
         self._rx_size = 0
         self._rx_pos = 0  # bytes ever consumed from the peer's ring
         self._rx_record_len = 0
@@ -222,6 +224,21 @@ class ShmChannel:
             if sock is not None:
                 _shut(sock)
         self.inner.close()
+        self._unmap()
+
+    def _unmap(self) -> None:
+        """Unmap both rings now (a server must not hold segments of ended sessions until GC).
+
+        A thread copying at this very moment keeps the mapping alive (BufferError): it is then
+        unmapped when the last view goes, and that thread's next step fails as closed.
+        """
+        for view in (self._tx_mv, self._rx_mv):
+            if view is not None:
+                view.release()
+        for ring in (self._tx_ring, self._rx_ring):
+            if ring is not None:
+                with contextlib.suppress(BufferError):
+                    ring.close()
 
     # -- TLS and peeking, before any record (what the server's TLS sniffing needs) ------------
     def start_tls(self, context: ssl.SSLContext, *, server_side: bool, server_hostname: str | None = None) -> None:
@@ -410,7 +427,7 @@ class ShmChannel:
         self._unix, self._credit = unix, credit
         self._reader = _Reader(unix)
         self._tx_ring, self._tx_mv = ring, memoryview(ring)
-        self._rx_mv, self._rx_size = memoryview(peer_ring), len(peer_ring)
+        self._rx_ring, self._rx_mv, self._rx_size = peer_ring, memoryview(peer_ring), len(peer_ring)
         self.settimeout(self._timeout)
 
     # -- records -----------------------------------------------------------------------------
