@@ -18,12 +18,12 @@ import shutil
 
 import nox
 
-nox.options.sessions = ["lint", "tcp", "dpdk", "gpudev", "rdma", "nvml"]
+nox.options.sessions = ["lint", "tcp", "shm", "dpdk", "gpudev", "rdma", "nvml"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
 CORE = ("-e", ".[test]", "-e", "plugins/genie_tcp")
-PLUGINS = ("tcp", "dpdk", "gpudev", "rdma", "nvml")
+PLUGINS = ("tcp", "shm", "dpdk", "gpudev", "rdma", "nvml")
 #: Plugins a plugin depends on (installed from this repository, not from an index).
 PLUGIN_DEPENDS = {"gpudev": ("dpdk",)}
 #: Debian packages (scripts/install-system-deps groups) a plugin's real probe paths need.
@@ -60,6 +60,12 @@ def plugin_session(session: nox.Session, plugin: str) -> None:
 def tcp(session: nox.Session) -> None:
     """genie + genie-tcp: the TCP transport's tests."""
     plugin_session(session, "tcp")
+
+
+@nox.session
+def shm(session: nox.Session) -> None:
+    """genie + genie-shm: conformance on the rings, same-host checks, a real server end to end."""
+    plugin_session(session, "shm")
 
 
 @nox.session
