@@ -9,17 +9,14 @@ any other peer (plain genie over TCP, TLS) gets a plain
 clients, which connect with ``tcp``.
 
 The preamble is read by a short-lived thread per connection (bounded by
-``PREAMBLE_TIMEOUT``), never by :meth:`ShmListener.accept`'s caller: a peer that
-connects and says nothing cannot stall the accept loop.
+``PREAMBLE_TIMEOUT``; see :class:`genie_tcp.sniff.SniffingListener`), never by the
+accept loop: a peer that connects and says nothing cannot stall it.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import socket
 import struct
-import threading
 from typing import Any
 
 from genie.errors import BackendUnavailableError, ConnectError, ConnectionClosedError
@@ -28,7 +25,8 @@ from genie.types import Figure, ProbeResult
 from genie_shm.channel import ShmChannel
 from genie_shm.host import host_identity, is_local_address
 from genie_shm.ring import ring_bytes_from_env
-from genie_tcp import TcpChannel, TcpListener, TcpTransport
+from genie_tcp import TcpChannel, TcpTransport
+from genie_tcp.sniff import SniffingListener
 
 log = logging.getLogger("genie.transport.shm")
 
@@ -40,91 +38,25 @@ REPLY = struct.Struct("<BH")
 PREAMBLE_TIMEOUT = 10.0
 
 
-class ShmListener:
+class ShmListener(SniffingListener):
     """Accepts shm peers on one host and plain TCP peers from anywhere; see the module docstring."""
 
     def __init__(self, host: str, port: int, ring_bytes: int) -> None:
-        self._tcp = TcpListener(host, port)
-        self.host, self.port = self._tcp.host, self._tcp.port
         self._ring_bytes = ring_bytes
-        self._ready: queue.Queue[TcpChannel | ShmChannel] = queue.Queue()
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._accept_loop, name=f"genie-shm-accept-{self.port}",
-                                        daemon=True)
-        self._thread.start()
+        super().__init__(host, port, MAGIC, self._greet_shm, greet_timeout=PREAMBLE_TIMEOUT, name="shm")
 
-    def __repr__(self) -> str:
-        return f"<ShmListener {self.host}:{self.port}>"
-
-    def accept(self, timeout: float | None = None) -> TcpChannel | ShmChannel:
-        """The next peer whose preamble was read; TimeoutError when ``timeout`` passes first."""
-        if self._closed.is_set():
-            raise ConnectionClosedError(f"listener on {self.host}:{self.port} is closed")
-        try:
-            channel = self._ready.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no connection to {self.host}:{self.port} within {timeout:g} s") from None
-        if channel is None:  # close() wakes waiters with None
-            raise ConnectionClosedError(f"listener on {self.host}:{self.port} is closed")
-        return channel
-
-    def close(self) -> None:
-        """Stop listening (idempotent); waiting accepts wake, queued channels are closed."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        self._tcp.close()
-        self._ready.put(None)  # type: ignore[arg-type]
-        self._thread.join(2.0)
-        while True:
-            try:
-                item = self._ready.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item.close()
-
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                tcp = self._tcp.accept(timeout=0.5)
-            except TimeoutError:
-                continue
-            except ConnectionClosedError:
-                return
-            threading.Thread(target=self._greet, args=(tcp,), name="genie-shm-greet", daemon=True).start()
-
-    def _greet(self, tcp: TcpChannel) -> None:
-        """Read the first bytes: an shm preamble (check the host), or anything else (plain TCP)."""
-        try:
-            tcp.settimeout(PREAMBLE_TIMEOUT)
-            head = tcp.peek(len(MAGIC))
-            if head != MAGIC:
-                channel: TcpChannel | ShmChannel = tcp
-                if not head:
-                    tcp.close()
-                    return
-            else:
-                raw = bytearray(PREAMBLE.size)
-                tcp.recv_into(memoryview(raw))
-                _, version, boot, netns = PREAMBLE.unpack(raw)
-                reason = _refusal(version, boot, netns)
-                data = reason.encode()[:4096]
-                tcp.sendv([REPLY.pack(0 if reason else 1, len(data)), data])
-                if reason:
-                    log.info("refused shm peer %s: %s", tcp.peer, reason)
-                    tcp.close()
-                    return
-                channel = ShmChannel(tcp, server_side=True, ring_bytes=self._ring_bytes)
-            tcp.settimeout(None)
-        except ConnectionClosedError as exc:
-            log.debug("connection from %s ended before it said what it is: %s", tcp.peer, exc)
-            tcp.close()
-            return
-        if self._closed.is_set():
-            channel.close()
-            return
-        self._ready.put(channel)
+    def _greet_shm(self, tcp: TcpChannel) -> ShmChannel | None:
+        """Read the shm preamble, check the peer shares our kernel and network namespace, answer."""
+        raw = bytearray(PREAMBLE.size)
+        tcp.recv_into(memoryview(raw))
+        _, version, boot, netns = PREAMBLE.unpack(raw)
+        reason = _refusal(version, boot, netns)
+        data = reason.encode()[:4096]
+        tcp.sendv([REPLY.pack(0 if reason else 1, len(data)), data])
+        if reason:
+            log.info("refused shm peer %s: %s", tcp.peer, reason)
+            return None
+        return ShmChannel(tcp, server_side=True, ring_bytes=self._ring_bytes)
 
 
 def _refusal(version: int, boot: bytes, netns: int) -> str:
