@@ -164,3 +164,59 @@ def genie_serve() -> Iterator[NodeProcess]:
     """One data-plane server process (``--port 0 --devices cpu,cpu``) shared by a test session, killed at the end."""
     with serve_subprocess("--port", "0", "--devices", "cpu,cpu") as server:
         yield server
+
+
+# -- network namespaces --------------------------------------------------------------------------
+
+import os  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import uuid  # noqa: E402
+
+import attrs  # noqa: E402
+
+
+@attrs.frozen
+class VethPair:
+    """Two network namespaces joined by a veth pair: as far as the network goes, two hosts."""
+
+    ns_a: str
+    addr_a: str
+    ns_b: str
+    addr_b: str
+
+    def argv(self, ns: str, *command: str) -> list[str]:
+        """``command`` run inside namespace ``ns`` (``ip netns exec``)."""
+        return ["ip", "netns", "exec", ns, *command]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
+
+
+@pytest.fixture
+def veth_namespaces() -> Iterator[VethPair]:
+    """Fresh namespaces named for this test (``genie-<tag>-a/-b``), joined by veth, always deleted.
+
+    Skips with the reason where they cannot be made (not root, no iproute2).
+    """
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2 (ip)")
+    tag = uuid.uuid4().hex[:6]
+    ns_a, ns_b = f"genie-{tag}-a", f"genie-{tag}-b"
+    octet = int(tag[:2], 16) % 250 + 1
+    addr_a, addr_b = f"10.231.{octet}.1", f"10.231.{octet}.2"
+    created = []
+    try:
+        for ns in (ns_a, ns_b):
+            _ip("netns", "add", ns)
+            created.append(ns)
+        _ip("link", "add", f"gv{tag}a", "netns", ns_a, "type", "veth", "peer", "name", f"gv{tag}b", "netns", ns_b)
+        for ns, dev, addr in ((ns_a, f"gv{tag}a", addr_a), (ns_b, f"gv{tag}b", addr_b)):
+            _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield VethPair(ns_a, addr_a, ns_b, addr_b)
+    finally:
+        for ns in created:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import subprocess
+import sys
+import textwrap
 
 import anyio
 import genie_shm
@@ -179,3 +182,19 @@ def test_ring_size_option_is_checked(monkeypatch):
     with pytest.raises(ConfigError, match="GENIE_SHM_RING_MB"):
         ShmTransport().connect("127.0.0.1", 1, timeout=1)
 
+
+def test_shm_is_refused_from_another_network_namespace(veth_namespaces):
+    """A peer in another network namespace (veth between them) is another host to shm: refused with why."""
+    ns_a, addr_a, ns_b = veth_namespaces.ns_a, veth_namespaces.addr_a, veth_namespaces.ns_b
+    probe = textwrap.dedent("""
+        import sys
+        from genie_shm import ShmTransport
+        from genie.errors import BackendUnavailableError
+        try:
+            ShmTransport().connect(sys.argv[1], 5555, timeout=5)
+        except BackendUnavailableError as exc:
+            print("refused:", exc)
+    """)
+    result = subprocess.run(["ip", "netns", "exec", ns_b, sys.executable, "-c", probe, addr_a],
+                            capture_output=True, text=True, timeout=60)
+    assert "refused:" in result.stdout and "not an address of this host" in result.stdout, result.stderr
