@@ -220,3 +220,27 @@ def veth_namespaces() -> Iterator[VethPair]:
     finally:
         for ns in created:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+# -- client processes ------------------------------------------------------------------------------
+
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+
+
+def run_client(control_port: int, body: str, *, env: dict[str, str] | None = None, host: str = "127.0.0.1",
+               timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """Run ``body`` in a fresh interpreter after ``genie.init_sync`` against a master (one init per process).
+
+    ``body`` sees ``genie``, ``torch`` and ``state`` (init's ClusterState); genie is shut down after it.
+    """
+    script = "\n".join([
+        "import genie, torch",
+        f"state = genie.init_sync(master_addr={host!r}, master_port={int(control_port)}, timeout=30)",
+        "try:",
+        textwrap.indent(textwrap.dedent(body).strip(), "    "),
+        "finally:",
+        "    genie.shutdown_sync()",
+    ])
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})

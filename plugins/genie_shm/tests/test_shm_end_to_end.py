@@ -8,17 +8,15 @@ its /proc/PID/maps). With a wrong token no ring is ever handed over.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
-import sys
-import textwrap
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from genie.cluster.launch import NodeProcess
+from genie.testing import run_client
 
 TOKEN = "shm-e2e-token"
 
@@ -41,18 +39,8 @@ def server() -> Iterator[NodeProcess]:
         yield node
 
 
-def _client(server: NodeProcess, body: str, token: str = TOKEN, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run ``body`` in a fresh interpreter after genie.init_sync against ``server`` (one init per process)."""
-    script = "\n".join([
-        "import genie, torch",
-        f"state = genie.init_sync(master_addr='127.0.0.1', master_port={server.control_port}, timeout=30)",
-        "try:",
-        textwrap.indent(textwrap.dedent(body).strip(), "    "),
-        "finally:",
-        "    genie.shutdown_sync()",
-    ])
-    env = {**os.environ, "GENIE_AUTH_TOKEN": token}
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env)
+def _client(server: NodeProcess, body: str, token: str = TOKEN) -> subprocess.CompletedProcess:
+    return run_client(server.control_port, body, env={"GENIE_AUTH_TOKEN": token})
 
 
 def test_remote_tensor_work_runs_over_shm(server: NodeProcess):
