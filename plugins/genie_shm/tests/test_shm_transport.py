@@ -47,6 +47,11 @@ def test_hook_exports_the_transport_ranked_above_every_network():
 def test_probe_is_available_for_this_host_and_refuses_another():
     here = anyio.run(ShmTransport().probe, ProbeTarget("127.0.0.1", 1, 2.0))
     assert here.available and here.reason_code == "ok"
+    # The peer's host is this host: the probe measures shm here (bounded), then serves it from the cache.
+    assert here.figures["bandwidth"].measured and here.figures["bandwidth"].value > 0
+    assert here.figures["latency"].measured and not here.figures["host_copies"].measured
+    again = anyio.run(ShmTransport().probe, ProbeTarget("127.0.0.1", 1, 2.0))
+    assert again.details["figures_cached"] and again.figures["bandwidth"] == here.figures["bandwidth"]
     away = anyio.run(ShmTransport().probe, ProbeTarget(OTHER_HOST, 1, 2.0))
     assert not away.available and away.reason_code == "not_same_host"
     assert "not an address of this host" in away.reason

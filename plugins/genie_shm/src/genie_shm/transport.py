@@ -97,8 +97,30 @@ class ShmTransport(Transport):
         if not local:
             return ProbeResult(self.name, False, "not_same_host", why, self.default_priority, declared,
                                details={"same_host_only": True})
+        figures, cached = await self.run_measurement(target)
         return ProbeResult(self.name, True, "ok", f"{target.host} is on this host", self.default_priority,
-                           declared, details={"same_host_only": True})
+                           {**declared, **figures}, details={"same_host_only": True, "figures_cached": cached,
+                                                             "measured_on": "a loopback pair on this host"})
+
+    async def run_measurement(self, target: ProbeTarget) -> tuple[dict[str, Figure], bool]:
+        """Bandwidth and latency of shm on this host (the peer's host), cached per host pair; bounded."""
+        import anyio.to_thread
+
+        from genie.transport.measure import measured_figures
+
+        def opener() -> tuple[Any, Any, Any]:
+            listener = self.listen("127.0.0.1", 0)
+            try:
+                client = self.connect("127.0.0.1", listener.port, timeout=2.0)
+                server = listener.accept(timeout=2.0)
+            except BaseException:
+                listener.close()
+                raise
+            return client, server, listener.close
+
+        budget = max(0.2, min(1.5, target.timeout * 0.6))
+        return await anyio.to_thread.run_sync(
+            lambda: measured_figures(self.name, "this host", opener, budget=budget), abandon_on_cancel=True)
 
     def connect(self, host: str, port: int, *, timeout: float) -> ShmChannel:
         """Open TCP to a local listener and agree on shared memory; BackendUnavailableError across hosts."""
