@@ -11,7 +11,8 @@ process connecting with its ``connect``; then
   of ``--repeat`` (GB/s counts both directions);
 
 against **raw TCP** (plain sockets, ``sendall``/``recv_into``, same sizes) measured in
-the same run. Each backend's channel is told its handshake is complete right after
+the same run (``rdma`` runs NIXL over whatever ``UCX_TLS`` says: run the script once with
+``UCX_TLS=tcp`` and once with ``UCX_TLS=shm,self`` for both figures). Each backend's channel is told its handshake is complete right after
 connecting (there is no genie handshake here), so shm moves to its rings at once.
 A backend named in ``--backend`` that cannot work here is reported with its reason
 and makes the run exit 1 (never a silent skip); without ``--backend`` every
@@ -201,6 +202,11 @@ def main() -> int:
         try:
             if name not in installed:
                 raise RuntimeError(f"no installed plugin provides backend {name!r} (installed: {installed})")
+            from genie.transport.base import ProbeOnlyTransport
+
+            cls = PluginManager().transports()[name]
+            if issubclass(cls, ProbeOnlyTransport):
+                raise RuntimeError(cls.no_data_path)
             r = run_backend(name, args)
         except Exception as exc:
             print(f"{name:10} cannot run here: {type(exc).__name__}: {exc}")

@@ -438,6 +438,12 @@ class ShmChannel:
 
     def _send_shared(self, views: list[memoryview]) -> None:
         assert self._unix is not None
+        total = sum(v.nbytes for v in views)
+        if total < INLINE_MAX and len(views) < _MAX_IOV:  # the small-frame fast path: one record, one call
+            head = memoryview(RECORD.pack(INLINE, total))
+            if self._unix.sendmsg([head, *views]) != total + RECORD.size:
+                raise BlockingIOError("send timed out part way")  # SO_SNDTIMEO cut it short: the stream is broken
+            return
         small: list[memoryview] = []
         for view in views:
             if view.nbytes < INLINE_MAX and len(small) < _MAX_IOV - 1:
@@ -491,8 +497,12 @@ class ShmChannel:
             self._next_record()
         n = min(self._rec_left, view.nbytes)
         if self._rec_type == INLINE:
-            if self._reader is not None:
-                self._reader.read_into(view[:n])
+            reader = self._reader
+            if reader is not None and reader.end - reader.pos >= n:  # already buffered: one copy, no call
+                view[:n] = reader.mv[reader.pos:reader.pos + n]
+                reader.pos += n
+            elif reader is not None:
+                reader.read_into(view[:n])
             else:
                 self.inner.recv_into(view[:n])
         else:  # RING: copy out of the peer's ring, then give the space back when the record is done
@@ -506,12 +516,17 @@ class ShmChannel:
         return n
 
     def _next_record(self) -> None:
-        head = bytearray(RECORD.size)
-        if self._reader is not None:
-            self._reader.read_into(memoryview(head))
+        reader = self._reader
+        if reader is not None and reader.end - reader.pos >= RECORD.size:  # usually: parse it in the buffer
+            kind, length = RECORD.unpack_from(reader.buf, reader.pos)
+            reader.pos += RECORD.size
         else:
-            self.inner.recv_into(memoryview(head))
-        kind, length = RECORD.unpack(head)
+            head = bytearray(RECORD.size)
+            if reader is not None:
+                reader.read_into(memoryview(head))
+            else:
+                self.inner.recv_into(memoryview(head))
+            kind, length = RECORD.unpack(head)
         if kind == INLINE:
             self._rec_type, self._rec_left = INLINE, length
         elif kind == RING and self._reader is not None:
