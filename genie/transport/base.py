@@ -24,6 +24,7 @@ backend runs.
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -239,6 +240,61 @@ def handshake_complete(channel: Channel, welcome: dict[str, Any]) -> None:
     hook = getattr(channel, "handshake_complete", None)
     if hook is not None:
         hook(welcome)
+
+
+def flat_views(buffers: Sequence[Buffer]) -> list[memoryview]:
+    """The non-empty buffers as flat byte views (``"B"`` format, one dimension), in order."""
+    out = []
+    for b in buffers:
+        view = memoryview(b)
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        if view.nbytes:
+            out.append(view)
+    return out
+
+
+class ChannelLifecycle:
+    """Closing once, refusing use after close, failing by closing: what every channel needs.
+
+    Subclasses call :meth:`_init_lifecycle` in ``__init__``, start ``close()`` with
+    ``if not self._begin_close(): return`` and raise ``self._failed(message)`` when the
+    stream can no longer be trusted.
+    """
+
+    peer: str
+
+    def _init_lifecycle(self) -> None:
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran or the stream failed."""
+        return self._closed
+
+    def close(self) -> None:  # pragma: no cover - every channel defines its own
+        raise NotImplementedError
+
+    def _begin_close(self) -> bool:
+        """Mark closed; False when another call got there first (close is idempotent)."""
+        with self._close_lock:
+            if self._closed:
+                return False
+            self._closed = True
+            return True
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            from genie.errors import ConnectionClosedError
+
+            raise ConnectionClosedError(f"cannot {what} {self.peer}: the channel is closed")
+
+    def _failed(self, message: str) -> Exception:
+        """Close and return the ConnectionClosedError to raise."""
+        from genie.errors import ConnectionClosedError
+
+        self.close()
+        return ConnectionClosedError(message)
 
 
 @runtime_checkable

@@ -171,7 +171,8 @@ class TransportConformance:
     def test_sendv_keeps_order_and_recv_into_fills_across_other_boundaries(
             self, pair: tuple[Channel, Channel]) -> None:
         client, server = pair
-        parts = [b"a", _pattern(1000, 1), b"", bytearray(_pattern(70_000, 2)), memoryview(_pattern(5, 3))]
+        parts: list[bytes | bytearray | memoryview] = [
+            b"a", _pattern(1000, 1), b"", bytearray(_pattern(70_000, 2)), memoryview(_pattern(5, 3))]
         whole = b"".join(bytes(p) for p in parts)
         client.sendv(parts)
         got = _recv(server, 7) + _recv(server, len(whole) - 8) + _recv(server, 1)

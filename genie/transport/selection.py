@@ -124,7 +124,7 @@ def by_measured_bandwidth(ranked: list[Candidate]) -> list[Candidate]:
     slots = [i for i, c in enumerate(ranked) if measured_bandwidth(c) is not None]
     fastest = sorted((ranked[i] for i in slots), key=lambda c: (-(measured_bandwidth(c) or 0.0), c.name))
     out = list(ranked)
-    for i, candidate in zip(slots, fastest):
+    for i, candidate in zip(slots, fastest, strict=True):
         out[i] = candidate
     return out
 

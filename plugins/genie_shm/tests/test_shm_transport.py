@@ -12,12 +12,13 @@ import textwrap
 import anyio
 import genie_shm
 import pytest
-from genie_shm import ShmChannel, ShmTransport
+from genie_shm import ShmTransport
 from genie_shm.channel import RECORD, UPGRADE
 from genie_shm.host import host_identity, is_local_address
 from genie_shm.ring import create_ring, map_peer_ring
-from genie_shm.transport import MAGIC, PREAMBLE, REPLY, VERSION
+from genie_shm.transport import MAGIC, PREAMBLE, VERSION
 from genie_tcp import TcpChannel, TcpTransport
+from genie_tcp.sniff import REPLY
 
 from genie.errors import BackendUnavailableError, ConfigError, ConnectionClosedError, TransportError
 from genie.transport.base import PRIORITY_SHM, PRIORITY_TCP, ProbeTarget, capabilities_of, handshake_complete
@@ -190,7 +191,7 @@ def test_ring_size_option_is_checked(monkeypatch):
 
 def test_shm_is_refused_from_another_network_namespace(veth_namespaces):
     """A peer in another network namespace (veth between them) is another host to shm: refused with why."""
-    ns_a, addr_a, ns_b = veth_namespaces.ns_a, veth_namespaces.addr_a, veth_namespaces.ns_b
+    addr_a, ns_b = veth_namespaces.addr_a, veth_namespaces.ns_b
     probe = textwrap.dedent("""
         import sys
         from genie_shm import ShmTransport

@@ -37,7 +37,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from genie.errors import BackendUnavailableError, ConnectionClosedError, TransportError
-from genie.transport.base import Buffer, Capabilities, MemoryRegion, host_view, region_view
+from genie.transport.base import (
+    Buffer,
+    Capabilities,
+    ChannelLifecycle,
+    MemoryRegion,
+    flat_views,
+    host_view,
+    region_view,
+)
 
 if TYPE_CHECKING:
     from genie_tcp import TcpChannel
@@ -100,7 +108,7 @@ class Agent:
         config = api.nixl_agent_config(enable_prog_thread=True, backends=[],
                                        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         # NIXL logs every agent and backend at INFO; genie's own log says what matters.
-        logging.getLogger("NIXL").setLevel(logging.WARNING)
+        logging.getLogger("nixl").setLevel(logging.WARNING)
         try:
             self.nixl = api.nixl_agent(self.name, config)
             params = {"ucx_error_handling_mode": "none"} if shared_memory_only(os.environ.get("UCX_TLS", "")) else {}
@@ -129,17 +137,7 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
 
-def _views(buffers: Sequence[Buffer]) -> list[memoryview]:
-    out = []
-    for b in buffers:
-        v = memoryview(b)
-        v = v.cast("B") if v.format != "B" or v.ndim != 1 else v
-        if v.nbytes:
-            out.append(v)
-    return out
-
-
-class RdmaChannel:
+class RdmaChannel(ChannelLifecycle):
     """A NIXL-backed channel (see the module docstring); also a :class:`~genie.transport.base.BulkChannel`."""
 
     def __init__(self, inner: TcpChannel, agent: Agent, *, server_side: bool) -> None:
@@ -150,8 +148,7 @@ class RdmaChannel:
         self.upgraded = False
         self._peer_agent: str | None = None
         self._timeout: float | None = None
-        self._closed = False
-        self._close_lock = threading.Lock()
+        self._init_lifecycle()
         self._send_lock = threading.Lock()
         self._rec_left = 0
         self._pending = bytearray()
@@ -159,10 +156,6 @@ class RdmaChannel:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("nixl" if self.upgraded else "stream")
         return f"<RdmaChannel peer={self.peer} {state}>"
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     # -- Channel -----------------------------------------------------------------------------
     def settimeout(self, seconds: float | None) -> None:
@@ -173,7 +166,7 @@ class RdmaChannel:
     def sendv(self, buffers: Sequence[Buffer]) -> None:
         """Small buffers inline on the stream; each large one by RDMA READ from its own memory."""
         self._check_open("send to")
-        views = _views(buffers)
+        views = flat_views(buffers)
         with self._send_lock:
             small: list[memoryview] = []
             for view in views:
@@ -198,10 +191,8 @@ class RdmaChannel:
             raise self._failed(f"connection to {self.peer} failed while receiving: {exc}") from exc
 
     def close(self) -> None:
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
+        if not self._begin_close():
+            return
         self.inner.close()
         self.agent.close(self._peer_agent)
 
@@ -448,11 +439,3 @@ class RdmaChannel:
     def _require_upgraded(self, what: str) -> None:
         if not self.upgraded:
             raise TransportError(f"{what} can cross only after the handshake (NIXL metadata not exchanged yet)")
-
-    def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise ConnectionClosedError(f"cannot {what} {self.peer}: the channel is closed")
-
-    def _failed(self, message: str) -> ConnectionClosedError:
-        self.close()
-        return ConnectionClosedError(message)

@@ -22,13 +22,14 @@ import os
 import struct
 from typing import Any
 
-from genie.errors import BackendUnavailableError, ConnectError, ConnectionClosedError
+from genie_tcp import TcpChannel
+from genie_tcp.sniff import SniffingListener, answer_preamble, connect_with_preamble
+
+from genie.errors import BackendUnavailableError
 from genie.transport.base import PRIORITY_RDMA, ProbeOnlyTransport, ProbeTarget, Transport
 from genie.types import Figure, ProbeResult
 from genie_rdma import verbs
 from genie_rdma.nixl_path import INSTALL_HINT, Agent, RdmaChannel
-from genie_tcp import TcpChannel, TcpTransport
-from genie_tcp.sniff import SniffingListener
 
 log = logging.getLogger("genie.transport.rdma")
 
@@ -36,7 +37,6 @@ INSTALL_PYVERBS = "install python3-pyverbs and rdma-core (Debian: apt install py
 MAGIC = b"GRDM"
 PREAMBLE = struct.Struct("<4sB")
 VERSION = 1
-REPLY = struct.Struct("<BH")
 
 
 def declared_figures() -> dict[str, Figure]:
@@ -101,8 +101,7 @@ def _greet(tcp: TcpChannel) -> RdmaChannel | None:
             agent = Agent()
         except BackendUnavailableError as exc:
             reason = str(exc)
-    data = reason.encode()[:4096]
-    tcp.sendv([REPLY.pack(0 if reason else 1, len(data)), data])
+    answer_preamble(tcp, reason)
     if agent is None:
         log.warning("refused rdma peer %s: %s", tcp.peer, reason)
         return None
@@ -128,24 +127,7 @@ class RdmaTransport(Transport):
     def connect(self, host: str, port: int, *, timeout: float) -> RdmaChannel:
         """TCP for control, then a NIXL agent; metadata is exchanged after the handshake."""
         agent = Agent()  # BackendUnavailableError naming the fix when NIXL is missing
-        tcp = TcpTransport().connect(host, port, timeout=timeout)
-        try:
-            tcp.settimeout(timeout)
-            tcp.sendv([PREAMBLE.pack(MAGIC, VERSION)])
-            head = bytearray(REPLY.size)
-            tcp.recv_into(memoryview(head))
-            ok, length = REPLY.unpack(head)
-            reason = bytearray(length)
-            if length:
-                tcp.recv_into(memoryview(reason))
-        except ConnectionClosedError as exc:
-            tcp.close()
-            raise ConnectError(f"{host}:{port} did not answer the rdma preamble ({exc}); is it a genie node "
-                               "listening with the rdma backend?") from exc
-        if not ok:
-            tcp.close()
-            raise BackendUnavailableError(f"{host}:{port} refused rdma: {reason.decode('utf-8', 'replace')}")
-        tcp.settimeout(None)
+        tcp = connect_with_preamble(host, port, PREAMBLE.pack(MAGIC, VERSION), timeout=timeout, backend="rdma")
         return RdmaChannel(tcp, agent, server_side=False)
 
     def listen(self, host: str, port: int) -> SniffingListener:

@@ -46,7 +46,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from genie.errors import ConnectionClosedError, TransportError
-from genie.transport.base import Buffer, Capabilities, MemoryRegion, host_view, region_view
+from genie.transport.base import (
+    Buffer,
+    Capabilities,
+    ChannelLifecycle,
+    MemoryRegion,
+    flat_views,
+    host_view,
+    region_view,
+)
 from genie_shm.ring import create_ring, map_peer_ring
 
 if TYPE_CHECKING:
@@ -64,16 +72,6 @@ _SECRET = 16
 _NAME = re.compile(rb"genie-shm-[0-9a-f]{32}")
 _UPGRADE_BODY = struct.Struct("<42s16sQ")  # socket name, secret, the client's ring size
 _READ_BUFFER = 256 << 10
-
-
-def _views(buffers: Sequence[Buffer]) -> list[memoryview]:
-    out = []
-    for b in buffers:
-        v = memoryview(b)
-        v = v.cast("B") if v.format != "B" or v.ndim != 1 else v
-        if v.nbytes:
-            out.append(v)
-    return out
 
 
 def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
@@ -121,7 +119,7 @@ class _Reader:
             self.pos, self.end = take, n
 
 
-class ShmChannel:
+class ShmChannel(ChannelLifecycle):
     """A shared-memory channel (see the module docstring); also a :class:`~genie.transport.base.BulkChannel`."""
 
     def __init__(self, inner: TcpChannel, *, server_side: bool, ring_bytes: int) -> None:
@@ -130,8 +128,7 @@ class ShmChannel:
         self.server_side = server_side
         self.ring_bytes = ring_bytes
         self._timeout: float | None = None
-        self._closed = False
-        self._close_lock = threading.Lock()
+        self._init_lifecycle()
         self._send_lock = threading.Lock()
         # Receive state: the record being read, and bytes already read on the client's upgrade path.
         self._rec_type = 0
@@ -158,10 +155,6 @@ class ShmChannel:
         state = "closed" if self._closed else ("shared memory" if self.upgraded else "stream")
         return f"<ShmChannel peer={self.peer} {state}>"
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     # -- Channel -----------------------------------------------------------------------------
     def settimeout(self, seconds: float | None) -> None:
         """Bound each blocking send or receive (None: forever); applies to every socket underneath."""
@@ -179,7 +172,7 @@ class ShmChannel:
     def sendv(self, buffers: Sequence[Buffer]) -> None:
         """Send every byte of ``buffers`` in order: small ones inline, large ones through the ring."""
         self._check_open("send to")
-        views = _views(buffers)
+        views = flat_views(buffers)
         if not views:
             return
         with self._send_lock:
@@ -216,10 +209,8 @@ class ShmChannel:
 
     def close(self) -> None:
         """Close every socket underneath (idempotent); blocked threads wake with ConnectionClosedError."""
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
+        if not self._begin_close():
+            return
         for sock in (self._unix, self._credit):
             if sock is not None:
                 _shut(sock)
@@ -540,13 +531,6 @@ class ShmChannel:
             raise self._failed(f"{self.peer} sent an unexpected record (type {kind}, {length} bytes): "
                                "it does not speak genie's shm protocol")
 
-    def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise ConnectionClosedError(f"cannot {what} {self.peer}: the channel is closed")
-
-    def _failed(self, message: str) -> ConnectionClosedError:
-        self.close()
-        return ConnectionClosedError(message)
 
 
 def _recv_fds(sock: socket.socket, count: int, deadline: float) -> tuple[list[int], bytes]:

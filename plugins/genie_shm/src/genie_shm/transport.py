@@ -19,21 +19,21 @@ import logging
 import struct
 from typing import Any
 
-from genie.errors import BackendUnavailableError, ConnectError, ConnectionClosedError
+from genie_tcp import TcpChannel
+from genie_tcp.sniff import SniffingListener, answer_preamble, connect_with_preamble
+
+from genie.errors import BackendUnavailableError
 from genie.transport.base import PRIORITY_SHM, ProbeTarget, Transport
 from genie.types import Figure, ProbeResult
 from genie_shm.channel import ShmChannel
 from genie_shm.host import host_identity, is_local_address
 from genie_shm.ring import ring_bytes_from_env
-from genie_tcp import TcpChannel, TcpTransport
-from genie_tcp.sniff import SniffingListener
 
 log = logging.getLogger("genie.transport.shm")
 
 PREAMBLE = struct.Struct("<4sB16sQ")
 MAGIC = b"GSHM"
 VERSION = 1
-REPLY = struct.Struct("<BH")
 #: How long an accepted connection has to say what it is.
 PREAMBLE_TIMEOUT = 10.0
 
@@ -51,8 +51,7 @@ class ShmListener(SniffingListener):
         tcp.recv_into(memoryview(raw))
         _, version, boot, netns = PREAMBLE.unpack(raw)
         reason = _refusal(version, boot, netns)
-        data = reason.encode()[:4096]
-        tcp.sendv([REPLY.pack(0 if reason else 1, len(data)), data])
+        answer_preamble(tcp, reason)
         if reason:
             log.info("refused shm peer %s: %s", tcp.peer, reason)
             return None
@@ -128,25 +127,9 @@ class ShmTransport(Transport):
         if not local:
             raise BackendUnavailableError(f"shm cannot reach {host}:{port}: {why}")
         ring_bytes = ring_bytes_from_env()
-        tcp = TcpTransport().connect(host, port, timeout=timeout)
-        try:
-            tcp.settimeout(timeout)
-            boot, netns = host_identity()
-            tcp.sendv([PREAMBLE.pack(MAGIC, VERSION, boot, netns)])
-            head = bytearray(REPLY.size)
-            tcp.recv_into(memoryview(head))
-            ok, length = REPLY.unpack(head)
-            reason = bytearray(length)
-            if length:
-                tcp.recv_into(memoryview(reason))
-        except ConnectionClosedError as exc:
-            tcp.close()
-            raise ConnectError(f"{host}:{port} did not answer the shm preamble ({exc}); is it a genie node "
-                               "listening with the shm backend?") from exc
-        if not ok:
-            tcp.close()
-            raise BackendUnavailableError(f"{host}:{port} refused shared memory: {reason.decode('utf-8', 'replace')}")
-        tcp.settimeout(None)
+        boot, netns = host_identity()
+        tcp = connect_with_preamble(host, port, PREAMBLE.pack(MAGIC, VERSION, boot, netns), timeout=timeout,
+                                    backend="shm")
         log.debug("shm channel to %s:%d (segments follow the handshake)", host, port)
         return ShmChannel(tcp, server_side=False, ring_bytes=ring_bytes)
 

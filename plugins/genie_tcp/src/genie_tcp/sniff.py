@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import struct
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -110,3 +111,43 @@ class SniffingListener:
             channel.close()
             return
         self._ready.put(channel)
+
+
+#: A greeter's answer to a preamble: ok (1) or not (0), then a UTF-8 reason of that many bytes.
+REPLY = struct.Struct("<BH")
+
+
+def answer_preamble(tcp: TcpChannel, reason: str) -> None:
+    """Answer a peer's preamble: accepted when ``reason`` is empty, else refused with it."""
+    data = reason.encode()[:4096]
+    tcp.sendv([REPLY.pack(0 if reason else 1, len(data)), data])
+
+
+def connect_with_preamble(host: str, port: int, preamble: bytes, *, timeout: float, backend: str) -> TcpChannel:
+    """Open TCP, send ``preamble`` and wait for the listener's answer (:func:`answer_preamble`).
+
+    :raises ConnectError: nothing listens there, or it does not answer like a ``backend`` listener.
+    :raises BackendUnavailableError: the listener refused; the message carries its reason.
+    """
+    from genie.errors import BackendUnavailableError, ConnectError
+    from genie_tcp.transport import TcpTransport
+
+    tcp = TcpTransport().connect(host, port, timeout=timeout)
+    try:
+        tcp.settimeout(timeout)
+        tcp.sendv([preamble])
+        head = bytearray(REPLY.size)
+        tcp.recv_into(memoryview(head))
+        ok, length = REPLY.unpack(head)
+        reason = bytearray(length)
+        if length:
+            tcp.recv_into(memoryview(reason))
+    except ConnectionClosedError as exc:
+        tcp.close()
+        raise ConnectError(f"{host}:{port} did not answer the {backend} preamble ({exc}); is it a genie node "
+                           f"listening with the {backend} backend?") from exc
+    if not ok:
+        tcp.close()
+        raise BackendUnavailableError(f"{host}:{port} refused {backend}: {reason.decode('utf-8', 'replace')}")
+    tcp.settimeout(None)
+    return tcp
