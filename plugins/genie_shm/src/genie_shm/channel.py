@@ -45,6 +45,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from genie_tcp.transport import sendmsg_all
+
 from genie.errors import ConnectionClosedError, TransportError
 from genie.transport.base import (
     Buffer,
@@ -72,20 +74,6 @@ _SECRET = 16
 _NAME = re.compile(rb"genie-shm-[0-9a-f]{32}")
 _UPGRADE_BODY = struct.Struct("<42s16sQ")  # socket name, secret, the client's ring size
 _READ_BUFFER = 256 << 10
-
-
-def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
-    """sendmsg every view, resuming after partial sends (a send timeout can cut one short)."""
-    while views:
-        sent = sock.sendmsg(views[:_MAX_IOV])
-        while sent and views:
-            head = views[0].nbytes
-            if sent >= head:
-                sent -= head
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
 
 
 class _Reader:
@@ -441,14 +429,14 @@ class ShmChannel(ChannelLifecycle):
                 small.append(view)
                 continue
             if small:
-                _send_all(self._unix, [memoryview(RECORD.pack(INLINE, sum(v.nbytes for v in small))), *small])
+                sendmsg_all(self._unix, [memoryview(RECORD.pack(INLINE, sum(v.nbytes for v in small))), *small])
                 small = []
             if view.nbytes < INLINE_MAX:
                 small.append(view)
             else:
                 self._send_ring(view)
         if small:
-            _send_all(self._unix, [memoryview(RECORD.pack(INLINE, sum(v.nbytes for v in small))), *small])
+            sendmsg_all(self._unix, [memoryview(RECORD.pack(INLINE, sum(v.nbytes for v in small))), *small])
 
     def _send_ring(self, view: memoryview) -> None:
         assert self._unix is not None and self._tx_mv is not None

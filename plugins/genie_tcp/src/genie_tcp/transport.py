@@ -68,6 +68,21 @@ def kernel_timeouts(sock: socket.socket, seconds: float | None) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, packed)
 
 
+def sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Scatter/gather ``sendmsg`` of every view (consumed), resuming after partial sends (a timeout, a signal)."""
+    while views:
+        sent = sock.sendmsg(views[:_MAX_IOV])
+        # Drop what went out; keep the unsent tail of a partly sent buffer.
+        while sent and views:
+            head = views[0].nbytes
+            if sent >= head:
+                sent -= head
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
 class TcpChannel(ChannelLifecycle):
     """A connected TCP stream; see :class:`genie.transport.base.Channel`.
 
@@ -107,17 +122,7 @@ class TcpChannel(ChannelLifecycle):
                 for view in views:
                     self._sock.sendall(view)
                 return
-            while views:
-                sent = self._sock.sendmsg(views[:_MAX_IOV])
-                # Drop what went out; keep the unsent tail of a partly sent buffer.
-                while sent and views:
-                    head = views[0].nbytes
-                    if sent >= head:
-                        sent -= head
-                        views.pop(0)
-                    else:
-                        views[0] = views[0][sent:]
-                        sent = 0
+            sendmsg_all(self._sock, views)
         except (TimeoutError, BlockingIOError) as exc:  # BlockingIOError: SO_SNDTIMEO expired
             cause = exc if isinstance(exc, TimeoutError) else TimeoutError(*exc.args)
             raise self._failed(f"send to {self.peer} timed out after {self._timeout:g} s") from cause
