@@ -204,3 +204,38 @@ def test_shm_is_refused_from_another_network_namespace(veth_namespaces):
     result = subprocess.run(["ip", "netns", "exec", ns_b, sys.executable, "-c", probe, addr_a],
                             capture_output=True, text=True, timeout=60)
     assert "refused:" in result.stdout and "not an address of this host" in result.stdout, result.stderr
+
+
+def test_tls_wraps_the_stream_then_the_rings_take_over_after_the_handshake(listener, tmp_path):
+    """With TLS configured, the handshake's bytes cross encrypted on TCP; the segments follow as usual."""
+    import ssl
+    import threading
+
+    certs = pytest.importorskip("tests.security.certs", reason="the repository's test certificates helper")
+    pki = certs.make_pki(tmp_path)
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(pki.server_cert, pki.server_key)
+    client_ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=pki.ca)
+    client = ShmTransport().connect("127.0.0.1", listener.port, timeout=5)
+    server = listener.accept(timeout=5)
+    try:
+        client.settimeout(10)
+        server.settimeout(10)
+        tls_server = threading.Thread(target=lambda: server.start_tls(server_ctx, server_side=True))
+        tls_server.start()
+        client.start_tls(client_ctx, server_side=False, server_hostname="127.0.0.1")
+        tls_server.join(10)
+        assert client.tls_version and server.tls_version
+        client.sendv([b"HELLO"])
+        got = bytearray(5)
+        server.recv_into(memoryview(got))
+        assert got == b"HELLO"
+        reader = threading.Thread(target=lambda: server.recv_into(memoryview(bytearray(4 << 20))))
+        reader.start()
+        handshake_complete(client, {})
+        client.sendv([bytes(4 << 20)])
+        reader.join(10)
+        assert client.upgraded and server.upgraded
+    finally:
+        client.close()
+        server.close()

@@ -311,8 +311,8 @@ class ShmChannel(ChannelLifecycle):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ConnectionClosedError(f"shared-memory upgrade with {self.peer}: no answer in time")
-            ready, _, _ = select.select([listener, tcp], [], [], left)
-            if tcp in ready and listener not in ready:
+            ready, _, _ = select.select([listener, tcp], [], [], min(left, 0.05))
+            if listener not in ready and tcp in ready and self._refusal_waiting(tcp):
                 # The server refused on the stream instead of connecting: read why.
                 kind, body = self._read_tcp_record()
                 reason = body.decode("utf-8", "replace") if kind == UPGRADE_NO else f"record {kind}"
@@ -332,6 +332,17 @@ class ShmChannel(ChannelLifecycle):
             log.warning("a local process that did not know the secret connected to the shm hand-over socket "
                         "for %s; ignored", self.peer)
             conn.close()
+
+    @staticmethod
+    def _refusal_waiting(tcp: socket.socket) -> bool:
+        """Whether a whole record header waits on the stream (TLS: decrypted bytes; a TLS 1.3 session
+        ticket makes the socket readable without any record, so readability alone proves nothing)."""
+        if isinstance(tcp, ssl.SSLSocket):
+            return tcp.pending() >= RECORD.size
+        try:
+            return len(tcp.recv(RECORD.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)) >= RECORD.size
+        except (BlockingIOError, InterruptedError):
+            return False
 
     def _await_upgrade_ok(self, deadline: float) -> None:
         """Read the stream up to UPGRADE_OK, keeping any data the server sent before it."""
