@@ -58,6 +58,7 @@ from genie.transport.base import (
     region_view,
 )
 from genie_shm.ring import create_ring, map_peer_ring
+from genie_shm.sockets import Reader, recv_fd, recv_fds, shut
 
 if TYPE_CHECKING:
     from genie_tcp import TcpChannel
@@ -73,38 +74,6 @@ _MAX_IOV = 512
 _SECRET = 16
 _NAME = re.compile(rb"genie-shm-[0-9a-f]{32}")
 _UPGRADE_BODY = struct.Struct("<42s16sQ")  # socket name, secret, the client's ring size
-_READ_BUFFER = 256 << 10
-
-
-class _Reader:
-    """Buffered exact reads from a stream socket: one recv brings a small record's header and body."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buf = bytearray(_READ_BUFFER)
-        self.mv = memoryview(self.buf)
-        self.pos = self.end = 0
-
-    def read_into(self, view: memoryview) -> None:
-        want, got = view.nbytes, 0
-        if self.pos < self.end:
-            got = min(want, self.end - self.pos)
-            view[:got] = self.mv[self.pos:self.pos + got]
-            self.pos += got
-        while got < want:
-            if want - got >= len(self.buf):  # large: straight into the caller's memory
-                n = self.sock.recv_into(view[got:], want - got, socket.MSG_WAITALL)
-                if n == 0:
-                    raise EOFError(got, want)
-                got += n
-                continue
-            n = self.sock.recv_into(self.mv, len(self.buf))
-            if n == 0:
-                raise EOFError(got, want)
-            take = min(n, want - got)
-            view[got:got + take] = self.mv[:take]
-            got += take
-            self.pos, self.end = take, n
 
 
 class ShmChannel(ChannelLifecycle):
@@ -126,7 +95,7 @@ class ShmChannel(ChannelLifecycle):
         self.upgraded = False
         self._unix: socket.socket | None = None
         self._credit: socket.socket | None = None
-        self._reader: _Reader | None = None
+        self._reader: Reader | None = None
         self._tx_ring: mmap.mmap | None = None
         self._tx_mv: memoryview | None = None
         self._tx_pos = 0  # bytes ever written to our ring
@@ -201,7 +170,7 @@ class ShmChannel(ChannelLifecycle):
             return
         for sock in (self._unix, self._credit):
             if sock is not None:
-                _shut(sock)
+                shut(sock)
         self.inner.close()
         self._unmap()
 
@@ -280,7 +249,7 @@ class ShmChannel(ChannelLifecycle):
             try:
                 unix.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                        array.array("i", [ring_fd, credit_theirs.fileno()]))])
-                peer_fd, peer_size = _recv_fd(unix, deadline)
+                peer_fd, peer_size = recv_fd(unix, deadline)
                 peer_ring = map_peer_ring(peer_fd, peer_size)
             except BaseException:
                 unix.close()
@@ -387,7 +356,7 @@ class ShmChannel(ChannelLifecycle):
             unix.settimeout(max(0.01, deadline - time.monotonic()))
             unix.connect(b"\0" + name)
             unix.sendall(secret)
-            fds, _ = _recv_fds(unix, 2, deadline)
+            fds, _ = recv_fds(unix, 2, deadline)
             peer_ring = map_peer_ring(fds[0], peer_size)
             credit = socket.socket(fileno=fds[1])
             ring_fd, ring = create_ring(self.ring_bytes)
@@ -415,7 +384,7 @@ class ShmChannel(ChannelLifecycle):
 
     def _install(self, unix: socket.socket, credit: socket.socket, ring: mmap.mmap, peer_ring: mmap.mmap) -> None:
         self._unix, self._credit = unix, credit
-        self._reader = _Reader(unix)
+        self._reader = Reader(unix)
         self._tx_ring, self._tx_mv = ring, memoryview(ring)
         self._rx_ring, self._rx_mv, self._rx_size = peer_ring, memoryview(peer_ring), len(peer_ring)
         self.settimeout(self._timeout)
@@ -529,36 +498,3 @@ class ShmChannel(ChannelLifecycle):
         else:
             raise self._failed(f"{self.peer} sent an unexpected record (type {kind}, {length} bytes): "
                                "it does not speak genie's shm protocol")
-
-
-
-def _recv_fds(sock: socket.socket, count: int, deadline: float) -> tuple[list[int], bytes]:
-    """Receive ``count`` file descriptors (SCM_RIGHTS) and the bytes sent with them."""
-    sock.settimeout(max(0.01, deadline - time.monotonic()))
-    fds = array.array("i")
-    data, ancdata, flags, _ = sock.recvmsg(64, socket.CMSG_SPACE(count * fds.itemsize))
-    for level, kind, payload in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
-    if len(fds) != count or flags & socket.MSG_CTRUNC:
-        for fd in fds:
-            os.close(fd)
-        raise TransportError(f"expected {count} file descriptors in the shm hand-over, got {len(fds)}")
-    return list(fds), data
-
-
-def _recv_fd(sock: socket.socket, deadline: float) -> tuple[int, int]:
-    """The server's ring: its fd and announced size."""
-    fds, data = _recv_fds(sock, 1, deadline)
-    if len(data) != 8:
-        os.close(fds[0])
-        raise TransportError("malformed shm hand-over from the server")
-    return fds[0], struct.unpack("<Q", data)[0]
-
-
-def _shut(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
