@@ -18,14 +18,18 @@ import shutil
 
 import nox
 
-nox.options.sessions = ["lint", "tcp", "dpdk", "gpudev", "rdma", "nvml"]
+nox.options.sessions = ["lint", "tcp", "shm", "dpdk", "gpudev", "rdma", "nvml"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
 CORE = ("-e", ".[test]", "-e", "plugins/genie_tcp")
-PLUGINS = ("tcp", "dpdk", "gpudev", "rdma", "nvml")
+PLUGINS = ("tcp", "shm", "dpdk", "gpudev", "rdma", "nvml")
 #: Plugins a plugin depends on (installed from this repository, not from an index).
 PLUGIN_DEPENDS = {"gpudev": ("dpdk",)}
+#: Python packages installed with --no-deps for a plugin (NIXL would otherwise pull another torch and GBs of
+#: CUDA), and what they need in their place.
+NO_DEPS = {"rdma": ("nixl-cu12==1.5.1",)}
+NO_DEPS_NEEDS = {"rdma": ("numpy",)}
 #: Debian packages (scripts/install-system-deps groups) a plugin's real probe paths need.
 SYSTEM_DEPS = {"dpdk": "dpdk", "gpudev": "dpdk", "rdma": "rdma"}
 
@@ -49,7 +53,9 @@ def plugin_session(session: nox.Session, plugin: str) -> None:
     extra = [arg for dep in PLUGIN_DEPENDS.get(plugin, ()) for arg in ("-e", f"plugins/genie_{dep}")]
     if plugin != "tcp":  # CORE already has genie-tcp
         extra += ["-e", f"plugins/genie_{plugin}"]
-    session.install(TORCH, *CORE, *extra)
+    session.install(TORCH, *CORE, *extra, *NO_DEPS_NEEDS.get(plugin, ()))
+    if plugin in NO_DEPS:
+        session.install("--no-deps", *NO_DEPS[plugin])
     # Entry points of other plugins must not leak in from elsewhere.
     session.run("python", "-c", "import importlib.metadata as m; "
                 "print('genie entry points:', sorted(e.name for e in m.entry_points(group='genie')))")
@@ -60,6 +66,12 @@ def plugin_session(session: nox.Session, plugin: str) -> None:
 def tcp(session: nox.Session) -> None:
     """genie + genie-tcp: the TCP transport's tests."""
     plugin_session(session, "tcp")
+
+
+@nox.session
+def shm(session: nox.Session) -> None:
+    """genie + genie-shm: conformance on the rings, same-host checks, a real server end to end."""
+    plugin_session(session, "shm")
 
 
 @nox.session
@@ -76,7 +88,7 @@ def gpudev(session: nox.Session) -> None:
 
 @nox.session
 def rdma(session: nox.Session) -> None:
-    """genie + genie-rdma, with Debian's pyverbs so the no-device path runs for real."""
+    """genie + genie-rdma + NIXL (--no-deps): the data path over UCX tcp/shm, across namespaces when root."""
     plugin_session(session, "rdma")
 
 
@@ -92,7 +104,8 @@ def tests(session: nox.Session) -> None:
     for group in sorted(set(SYSTEM_DEPS.values())):
         install_system_deps(session, group)
     plugins = [arg for p in PLUGINS for arg in ("-e", f"plugins/genie_{p}")]
-    session.install(TORCH, "-e", ".[test]", *plugins)
+    session.install(TORCH, "-e", ".[test]", *plugins, *(n for p in PLUGINS for n in NO_DEPS_NEEDS.get(p, ())))
+    session.install("--no-deps", *(n for p in PLUGINS for n in NO_DEPS.get(p, ())))
     session.run("python", "-m", "pytest", "-q", *session.posargs)
 
 

@@ -40,13 +40,20 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
+import shutil
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
+import attrs
 import pytest
 
 from genie.cluster.events import EventBus, Subscription
@@ -384,3 +391,76 @@ def genie_cluster() -> Iterator[Callable[..., LocalCluster]]:
     yield start
     for cluster in clusters:
         cluster.stop()
+
+
+# -- network namespaces --------------------------------------------------------------------------
+
+
+
+
+@attrs.frozen
+class VethPair:
+    """Two network namespaces joined by a veth pair: as far as the network goes, two hosts."""
+
+    ns_a: str
+    addr_a: str
+    ns_b: str
+    addr_b: str
+
+    def argv(self, ns: str, *command: str) -> list[str]:
+        """``command`` run inside namespace ``ns`` (``ip netns exec``)."""
+        return ["ip", "netns", "exec", ns, *command]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
+
+
+@pytest.fixture
+def veth_namespaces() -> Iterator[VethPair]:
+    """Fresh namespaces named for this test (``genie-<tag>-a/-b``), joined by veth, always deleted.
+
+    Skips with the reason where they cannot be made (not root, no iproute2).
+    """
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2 (ip)")
+    tag = uuid.uuid4().hex[:6]
+    ns_a, ns_b = f"genie-{tag}-a", f"genie-{tag}-b"
+    octet = int(tag[:2], 16) % 250 + 1
+    addr_a, addr_b = f"10.231.{octet}.1", f"10.231.{octet}.2"
+    created = []
+    try:
+        for ns in (ns_a, ns_b):
+            _ip("netns", "add", ns)
+            created.append(ns)
+        _ip("link", "add", f"gv{tag}a", "netns", ns_a, "type", "veth", "peer", "name", f"gv{tag}b", "netns", ns_b)
+        for ns, dev, addr in ((ns_a, f"gv{tag}a", addr_a), (ns_b, f"gv{tag}b", addr_b)):
+            _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield VethPair(ns_a, addr_a, ns_b, addr_b)
+    finally:
+        for ns in created:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+# -- client processes ------------------------------------------------------------------------------
+
+
+
+def run_client(control_port: int, body: str, *, env: dict[str, str] | None = None, host: str = "127.0.0.1",
+               timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """Run ``body`` in a fresh interpreter after ``genie.init_sync`` against a master (one init per process).
+
+    ``body`` sees ``genie``, ``torch`` and ``state`` (init's ClusterState); genie is shut down after it.
+    """
+    script = "\n".join([
+        "import genie, torch",
+        f"state = genie.init_sync(master_addr={host!r}, master_port={int(control_port)}, timeout=30)",
+        "try:",
+        textwrap.indent(textwrap.dedent(body).strip(), "    "),
+        "finally:",
+        "    genie.shutdown_sync()",
+    ])
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import socket
 import subprocess
 import sys
@@ -57,7 +58,8 @@ def test_init_twice_is_refused_and_async_api_works_from_an_asyncio_loop(cpu_serv
             assert genie.is_initialized()
             assert genie.get_cluster_state() is state
             assert set(state.phase_durations) == {"config", "local_node", "discovery", "connect", "monitoring"}
-            assert state.backend == "tcp"
+            # Client and server share this host: shm when genie-shm is installed, else tcp.
+            assert state.backend == ("shm" if importlib.util.find_spec("genie_shm") else "tcp")
             with pytest.raises(AlreadyInitializedError):
                 await genie.init(master_addr="127.0.0.1", master_port=cpu_server.control_port)
         finally:

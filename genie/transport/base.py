@@ -9,11 +9,22 @@ scatter/gather sends and receives straight into caller-owned memory.
 Channels are blocking on purpose: the data plane's fast path runs on the thread
 that needs the answer (the user's thread at a sync point, a session thread on the
 server), which saves two thread hand-offs per round trip. See docs/architecture.md.
+
+Beside the byte stream a channel may offer a **bulk path** for tensor bytes
+(:class:`BulkChannel`): register a memory region, send a region, receive into a
+region. Backends with their own memory (shared-memory rings, RDMA memory regions)
+implement it natively; :func:`bulk_path` gives every other channel the same API
+over its stream, so a caller never needs two code paths. A channel may also want
+to know when the peers' handshake is done (:func:`handshake_complete`): the
+shared-memory backend hands its segments over only then. docs/backends.md is the
+guide for transport authors; :mod:`genie.transport.conformance` the tests every
+backend runs.
 """
 
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -23,7 +34,9 @@ from genie.types import ProbeResult
 
 Buffer = bytes | bytearray | memoryview
 
-#: Default ranks (higher wins): dpdk_gpudev > rdma > dpdk > tcp.
+#: Default ranks (higher wins): shm > dpdk_gpudev > rdma > dpdk > tcp. Shared memory
+#: between processes on one host beats any network; its probe refuses other hosts.
+PRIORITY_SHM = 500
 PRIORITY_DPDK_GPUDEV = 400
 PRIORITY_RDMA = 300
 PRIORITY_DPDK = 200
@@ -60,6 +73,228 @@ class Channel(Protocol):
 
     def close(self) -> None:
         """Close the stream; further use raises ConnectionClosedError."""
+
+
+@attrs.frozen(eq=False)
+class MemoryRegion:
+    """A buffer registered with a channel's bulk path (see :class:`BulkChannel`).
+
+    ``view`` is the registered bytes (a flat ``"B"`` memoryview over host memory, or
+    over a CUDA tensor's storage where the backend takes device memory); ``device``
+    is ``"cpu"`` or ``"cuda:N"``; ``handle`` is whatever the backend needs to find
+    its registration again (an RDMA memory key, a NIXL descriptor list; None for
+    stream backends). Regions belong to the channel that registered them.
+    """
+
+    view: memoryview
+    device: str = "cpu"
+    handle: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.view.nbytes
+
+
+@attrs.frozen
+class Capabilities:
+    """What a channel's bulk path can do; exchanged between peers in the handshake.
+
+    ``bulk``: the channel has a native bulk path (not the stream fallback).
+    ``device_memory``: memory kinds a region may live in (``("cpu",)``; ``("cpu", "cuda")``
+    for GPUDirect-capable backends). ``same_host_only``: the backend refuses peers on
+    other hosts. ``zero_copy``: a region crosses without a copy through the kernel.
+    """
+
+    backend: str
+    bulk: bool = False
+    device_memory: tuple[str, ...] = ("cpu",)
+    same_host_only: bool = False
+    zero_copy: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """A msgpack-able dict for the handshake's backend fields."""
+        return {"backend": self.backend, "bulk": self.bulk, "device_memory": list(self.device_memory),
+                "same_host_only": self.same_host_only, "zero_copy": self.zero_copy}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Capabilities:
+        """Read a peer's capabilities; unknown or malformed fields read as the conservative default."""
+        if not isinstance(data, dict) or not isinstance(data.get("backend"), str):
+            return cls("unknown")
+        memory = data.get("device_memory")
+        kinds = tuple(k for k in memory if isinstance(k, str)) if isinstance(memory, list) else ("cpu",)
+        return cls(data["backend"], data.get("bulk") is True, kinds or ("cpu",),
+                   data.get("same_host_only") is True, data.get("zero_copy") is True)
+
+
+@runtime_checkable
+class BulkChannel(Channel, Protocol):
+    """A channel with a bulk path for tensor bytes.
+
+    Bulk transfers are ordered with the stream: ``send_region`` on one side is
+    matched by ``recv_region`` of the same size on the other, at the same point of
+    the stream (exactly as if the bytes went through ``sendv``/``recv_into``). A
+    backend may move them differently (shared-memory rings, one-sided RDMA reads).
+    """
+
+    def capabilities(self) -> Capabilities:
+        """What this channel's bulk path supports."""
+
+    def register(self, buffer: Any) -> MemoryRegion:
+        """Register host memory (anything with the buffer protocol) or, where supported, a CUDA tensor."""
+
+    def deregister(self, region: MemoryRegion) -> None:
+        """Release a registration; the region must not be used afterwards."""
+
+    def send_region(self, region: MemoryRegion, offset: int = 0, nbytes: int | None = None) -> None:
+        """Send ``nbytes`` of ``region`` from ``offset`` (default: to its end); returns when it may be reused."""
+
+    def recv_region(self, region: MemoryRegion, offset: int = 0, nbytes: int | None = None) -> None:
+        """Receive exactly ``nbytes`` into ``region`` at ``offset`` (default: to its end)."""
+
+
+def region_view(region: MemoryRegion, offset: int, nbytes: int | None) -> memoryview:
+    """The slice of ``region`` a bulk call names; ValueError naming the bounds when it falls outside."""
+    end = region.nbytes if nbytes is None else offset + nbytes
+    if offset < 0 or end < offset or end > region.nbytes:
+        raise ValueError(f"region slice [{offset}:{end}] is outside the registered {region.nbytes} bytes")
+    return region.view[offset:end]
+
+
+def host_view(buffer: Any) -> memoryview:
+    """A flat byte view of host memory: a buffer-protocol object or a CPU tensor (contiguous)."""
+    if hasattr(buffer, "untyped_storage") and hasattr(buffer, "device"):  # a torch.Tensor, without importing torch
+        if buffer.device.type != "cpu":
+            raise ValueError(f"this channel's bulk path takes host memory only, not a {buffer.device} tensor; "
+                             "copy it to the CPU first or use a backend with device memory (rdma)")
+        if not buffer.is_contiguous():
+            raise ValueError("register a contiguous tensor (call .contiguous() first)")
+        from genie.wire.buffers import tensor_bytes
+
+        return tensor_bytes(buffer)
+    view = memoryview(buffer)
+    if not view.contiguous:
+        raise ValueError("register contiguous memory")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class StreamBulk:
+    """The bulk path over a plain channel's stream: what TCP (and any stream-only backend) offers.
+
+    Registration only remembers the view; sending and receiving a region are
+    ``sendv``/``recv_into`` of its bytes. Use it through :func:`bulk_path`.
+    """
+
+    def __init__(self, channel: Channel, backend: str = "stream") -> None:
+        self.channel = channel
+        self.peer = channel.peer
+        self._backend = backend
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(self._backend)
+
+    def register(self, buffer: Any) -> MemoryRegion:
+        return MemoryRegion(host_view(buffer))
+
+    def deregister(self, region: MemoryRegion) -> None:
+        """Nothing to release: the stream never pinned anything."""
+
+    def send_region(self, region: MemoryRegion, offset: int = 0, nbytes: int | None = None) -> None:
+        self.channel.sendv([region_view(region, offset, nbytes)])
+
+    def recv_region(self, region: MemoryRegion, offset: int = 0, nbytes: int | None = None) -> None:
+        self.channel.recv_into(region_view(region, offset, nbytes))
+
+    def sendv(self, buffers: Sequence[Buffer]) -> None:
+        self.channel.sendv(buffers)
+
+    def recv_into(self, view: memoryview) -> None:
+        self.channel.recv_into(view)
+
+    def settimeout(self, seconds: float | None) -> None:
+        self.channel.settimeout(seconds)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def bulk_path(channel: Channel) -> BulkChannel:
+    """``channel`` itself when it has a native bulk path, else the :class:`StreamBulk` over its stream."""
+    if isinstance(channel, BulkChannel):
+        return channel
+    return StreamBulk(channel)
+
+
+def capabilities_of(channel: Channel) -> Capabilities:
+    """The channel's capabilities (a stream-only channel: ``Capabilities("stream")``), for the handshake."""
+    return bulk_path(channel).capabilities()
+
+
+def handshake_complete(channel: Channel, welcome: dict[str, Any]) -> None:
+    """Tell a channel that the client's handshake succeeded (the server authenticated and proved itself).
+
+    Called by the client after it checked WELCOME; a channel that wants the moment
+    (``handshake_complete(welcome)`` method) gets it, others nothing. The
+    shared-memory backend hands its segments over here, never before.
+    """
+    hook = getattr(channel, "handshake_complete", None)
+    if hook is not None:
+        hook(welcome)
+
+
+def flat_views(buffers: Sequence[Buffer]) -> list[memoryview]:
+    """The non-empty buffers as flat byte views (``"B"`` format, one dimension), in order."""
+    out = []
+    for b in buffers:
+        view = memoryview(b)
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        if view.nbytes:
+            out.append(view)
+    return out
+
+
+class ChannelLifecycle:
+    """Closing once, refusing use after close, failing by closing: what every channel needs.
+
+    Subclasses call :meth:`_init_lifecycle` in ``__init__``, start ``close()`` with
+    ``if not self._begin_close(): return`` and raise ``self._failed(message)`` when the
+    stream can no longer be trusted.
+    """
+
+    peer: str
+
+    def _init_lifecycle(self) -> None:
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran or the stream failed."""
+        return self._closed
+
+    def close(self) -> None:  # pragma: no cover - every channel defines its own
+        raise NotImplementedError
+
+    def _begin_close(self) -> bool:
+        """Mark closed; False when another call got there first (close is idempotent)."""
+        with self._close_lock:
+            if self._closed:
+                return False
+            self._closed = True
+            return True
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            from genie.errors import ConnectionClosedError
+
+            raise ConnectionClosedError(f"cannot {what} {self.peer}: the channel is closed")
+
+    def _failed(self, message: str) -> Exception:
+        """Close and return the ConnectionClosedError to raise."""
+        from genie.errors import ConnectionClosedError
+
+        self.close()
+        return ConnectionClosedError(message)
 
 
 @runtime_checkable

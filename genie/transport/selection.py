@@ -5,9 +5,12 @@ The rules, in order:
 1. Only available probe results are candidates, and only those whose plugin can
    carry data: a probe-only plugin marks its result ``details["data_path"] = False``
    (genie-dpdk, genie-rdma and genie-gpudev in this release).
-2. Each candidate's rank is ``ProbeResult.priority`` (by default dpdk_gpudev 400 >
-   rdma 300 > dpdk 200 > tcp 100) unless a ``genie_backend_priority`` hook returns
-   another int for it. Ties break by name, so the order is deterministic.
+2. Each candidate's rank is ``ProbeResult.priority`` (by default shm 500 > dpdk_gpudev
+   400 > rdma 300 > dpdk 200 > tcp 100) unless a ``genie_backend_priority`` hook returns
+   another int for it. Ties break by name, so the order is deterministic. Then the
+   candidates whose probe *measured* a bandwidth are reordered by it, within the places
+   they hold (:func:`by_measured_bandwidth`): measured beats declared only where both
+   sides were measured.
 3. The ``backend`` option (:class:`~genie.config.BackendSpec`, ``GENIE_BACKEND``):
    ``auto`` keeps every candidate in rank order; ``^dpdk`` drops the named ones;
    ``rdma`` keeps only that one; ``rdma,tcp`` keeps those, in the order written
@@ -100,7 +103,30 @@ def rank(results: Mapping[str, ProbeResult] | Sequence[ProbeResult], *, pm: Plug
             continue
         priority, overridden = effective_priority(result, pm=pm, config=config)
         out.append(Candidate(result.name, priority, result, overridden))
-    return sorted(out, key=lambda c: (-c.priority, c.name))
+    return by_measured_bandwidth(sorted(out, key=lambda c: (-c.priority, c.name)))
+
+
+def measured_bandwidth(candidate: Candidate) -> float | None:
+    """The candidate's measured ``bandwidth`` figure in Gbit/s, or None (none, declared only, or overridden)."""
+    figure = candidate.result.figures.get("bandwidth")
+    if candidate.overridden or figure is None or not figure.measured or figure.unit != "Gbit/s":
+        return None
+    return float(figure.value)
+
+
+def by_measured_bandwidth(ranked: list[Candidate]) -> list[Candidate]:
+    """Reorder the candidates that carry a measured bandwidth by it, within the places they hold.
+
+    A measured figure beats a priority only against another measured figure: candidates
+    without one (declared figures, a hook's override) keep their places, so a measurement
+    never lifts a backend above one it was not compared with.
+    """
+    slots = [i for i, c in enumerate(ranked) if measured_bandwidth(c) is not None]
+    fastest = sorted((ranked[i] for i in slots), key=lambda c: (-(measured_bandwidth(c) or 0.0), c.name))
+    out = list(ranked)
+    for i, candidate in zip(slots, fastest, strict=True):
+        out[i] = candidate
+    return out
 
 
 def has_data_path(result: ProbeResult) -> bool:

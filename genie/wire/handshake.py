@@ -37,7 +37,7 @@ from anyio.streams.tls import TLSStream
 from genie import security as sec
 from genie._version import __version__
 from genie.errors import AuthenticationError, ConnectionClosedError, FrameError, HandshakeError
-from genie.transport.base import Channel
+from genie.transport.base import Channel, handshake_complete
 from genie.wire import control
 from genie.wire import frame as wf
 
@@ -103,6 +103,8 @@ def client_handshake(channel: Channel, hello: dict[str, Any], *, token: bytes, w
         expected = sec.proof(token, sec.CONTEXT_DATA, sec.SERVER, hello_bytes, server_nonce, client_nonce)
         if not isinstance(auth, dict) or not sec.proof_matches(expected, auth.get("mac")):
             raise _bad_server_proof(where)
+    # Only now may a backend hand over what must never reach an unauthenticated peer (shm segments).
+    handshake_complete(channel, reply)
     return reply
 
 

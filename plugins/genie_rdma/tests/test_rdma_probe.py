@@ -62,11 +62,23 @@ def test_active_and_inactive_ports_are_told_apart():
     # Canned reports (fake devices): this host has no RDMA hardware to show either case for real.
     port = {"port": 1, "state": "PORT_DOWN", "active": False, "gid": "fe80::1", "link_layer": "Ethernet"}
     down = verbs.VerbsReport("done", devices=({"name": "fake_mlx5_0", "ports": [port]},))
-    assert result_from_report(down).reason_code == "no_active_ports"
+    assert result_from_report(down, nixl=True, ucx_tls="").reason_code == "no_active_ports"
     up = verbs.VerbsReport("done", devices=({"name": "fake_mlx5_0", "ports": [dict(port, active=True)]},))
-    result = result_from_report(up)
+    result = result_from_report(up, nixl=True, ucx_tls="")
     assert (result.available, result.reason) == (True, "1 active port(s): fake_mlx5_0:1")
-    assert result.details["data_path"] is False
+    assert result.details.get("data_path", True) is True
+    without_nixl = result_from_report(up, nixl=False, ucx_tls="")
+    assert without_nixl.details["data_path"] is False and "nixl-cu12" in without_nixl.details["data_path_note"]
+
+
+def test_without_devices_ucx_tls_makes_nixl_over_ucx_available():
+    none = verbs.VerbsReport("list", error="no devices")
+    assert result_from_report(none, nixl=True, ucx_tls="").reason_code == "no_devices"
+    assert "UCX_TLS" in result_from_report(none, nixl=True, ucx_tls="").reason
+    over_tcp = result_from_report(none, nixl=True, ucx_tls="tcp")
+    assert over_tcp.available and over_tcp.details["ucx_tls"] == "tcp"
+    assert not over_tcp.figures  # nothing declared for UCX over tcp: only measurements may say how fast
+    assert not result_from_report(none, nixl=False, ucx_tls="tcp").available
 
 
 def test_the_fingerprint_lists_devices_and_pyverbs():
@@ -74,8 +86,18 @@ def test_the_fingerprint_lists_devices_and_pyverbs():
     assert set(fingerprint) >= {"interpreter", "pyverbs", "libibverbs", "devices", "ports"}
 
 
-def test_connect_says_the_data_path_is_not_implemented():
-    with pytest.raises(BackendUnavailableError, match="not implemented"):
+def test_connect_without_nixl_names_the_install_line(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_nixl(name, *args, **kwargs):
+        if name.startswith("nixl_cu12"):
+            raise ImportError("No module named 'nixl_cu12'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_nixl)
+    with pytest.raises(BackendUnavailableError, match="pip install --no-deps nixl-cu12"):
         RdmaTransport().connect("127.0.0.1", 1, timeout=1.0)
 
 

@@ -16,9 +16,10 @@ rdma-core``), ``no_devices`` (``ibv_get_device_list`` found none, as on any host
 without an RDMA NIC or soft-RoCE), ``no_active_ports``, ``ok`` (with devices,
 ports and GIDs in ``details``).
 
-Honest limits: the RDMA data path is not implemented in this release;
-``connect()``/``listen()`` raise ``BackendUnavailableError`` and the probe result
-carries ``details["data_path"] = False``.
+The data path runs on NIXL (:mod:`genie_rdma.nixl_path`): tensors are registered
+as memory regions and cross by one-sided RDMA READ. Without an RDMA device it runs
+over UCX's tcp or shared-memory transports when ``UCX_TLS`` says so (how it is
+tested here); verbs and GPUDirect RDMA are hardware-only.
 """
 
 from __future__ import annotations

@@ -22,14 +22,13 @@ import socket
 import ssl
 import statistics
 import struct
-import threading
 import time
 from collections.abc import Sequence
 
 import anyio
 
 from genie.errors import ConnectError, ConnectionClosedError
-from genie.transport.base import PRIORITY_TCP, Buffer, ProbeTarget, Transport
+from genie.transport.base import PRIORITY_TCP, Buffer, ChannelLifecycle, ProbeTarget, Transport, flat_views
 from genie.types import Figure, ProbeResult
 
 log = logging.getLogger("genie.transport.tcp")
@@ -57,7 +56,7 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BULK_BUFFER)
 
 
-def _kernel_timeouts(sock: socket.socket, seconds: float | None) -> None:
+def kernel_timeouts(sock: socket.socket, seconds: float | None) -> None:
     """Send/receive timeouts enforced by the kernel, so the socket stays in blocking mode.
 
     Python's own timeouts switch the socket to non-blocking and poll before every call,
@@ -69,7 +68,22 @@ def _kernel_timeouts(sock: socket.socket, seconds: float | None) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, packed)
 
 
-class TcpChannel:
+def sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Scatter/gather ``sendmsg`` of every view (consumed), resuming after partial sends (a timeout, a signal)."""
+    while views:
+        sent = sock.sendmsg(views[:_MAX_IOV])
+        # Drop what went out; keep the unsent tail of a partly sent buffer.
+        while sent and views:
+            head = views[0].nbytes
+            if sent >= head:
+                sent -= head
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+class TcpChannel(ChannelLifecycle):
     """A connected TCP stream; see :class:`genie.transport.base.Channel`.
 
     One thread sends and one thread receives at a time; :meth:`close` may be
@@ -79,19 +93,13 @@ class TcpChannel:
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self._sock = sock
         self.peer = peer
-        self._closed = False
+        self._init_lifecycle()
         self._timeout: float | None = None
-        self._close_lock = threading.Lock()
         sock.settimeout(None)
         _tune(sock)
 
     def __repr__(self) -> str:
         return f"<TcpChannel peer={self.peer} {'closed' if self._closed else 'open'}>"
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` ran or the stream failed."""
-        return self._closed
 
     def settimeout(self, seconds: float | None) -> None:
         """Bound each blocking send or receive (None: block forever)."""
@@ -102,30 +110,19 @@ class TcpChannel:
             self._sock.settimeout(seconds)
         else:
             self._sock.settimeout(None)
-            _kernel_timeouts(self._sock, seconds)
+            kernel_timeouts(self._sock, seconds)
 
     def sendv(self, buffers: Sequence[Buffer]) -> None:
         """Send every byte of ``buffers`` in order with scatter/gather ``sendmsg``, never joining them."""
         self._check_open("send to")
-        views = [memoryview(b).cast("B") for b in buffers]
-        views = [v for v in views if v.nbytes]
+        views = flat_views(buffers)
         try:
             if isinstance(self._sock, ssl.SSLSocket):
                 # SSLSocket has no sendmsg: each buffer goes through sendall in turn, still never joined.
                 for view in views:
                     self._sock.sendall(view)
                 return
-            while views:
-                sent = self._sock.sendmsg(views[:_MAX_IOV])
-                # Drop what went out; keep the unsent tail of a partly sent buffer.
-                while sent and views:
-                    head = views[0].nbytes
-                    if sent >= head:
-                        sent -= head
-                        views.pop(0)
-                    else:
-                        views[0] = views[0][sent:]
-                        sent = 0
+            sendmsg_all(self._sock, views)
         except (TimeoutError, BlockingIOError) as exc:  # BlockingIOError: SO_SNDTIMEO expired
             cause = exc if isinstance(exc, TimeoutError) else TimeoutError(*exc.args)
             raise self._failed(f"send to {self.peer} timed out after {self._timeout:g} s") from cause
@@ -196,19 +193,8 @@ class TcpChannel:
 
     def close(self) -> None:
         """Close the stream (idempotent); a thread blocked receiving wakes with ConnectionClosedError."""
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-        _shut(self._sock)
-
-    def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise ConnectionClosedError(f"cannot {what} {self.peer}: the channel is closed")
-
-    def _failed(self, message: str) -> ConnectionClosedError:
-        self.close()
-        return ConnectionClosedError(message)
+        if self._begin_close():
+            _shut(self._sock)
 
 
 class TcpListener:
