@@ -31,7 +31,7 @@ from genie.errors import FrameError
 from genie.transport.base import Buffer, Channel
 
 MAGIC = b"GN"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct("<2sBBIQ")
 
 #: A body (msgpack) larger than this is refused before it is read.
