@@ -29,7 +29,7 @@ every bound of a tensor descriptor against its own storages, see
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -199,10 +199,9 @@ def _small_int(data: bytes) -> int:
     return value
 
 
-def tensor_ext(storage_id: int, dtype: int, sizes: list[int], strides: list[int], offset: int,
-               storage_nbytes: int) -> msgpack.ExtType:
-    """A tensor descriptor tag: ``dtype`` is a dtype code (:func:`dtype_code`), ``offset`` in elements."""
-    return msgpack.ExtType(EXT_TENSOR, msgpack.packb([storage_id, dtype, sizes, strides, offset, storage_nbytes]))
+def tensor_ext(desc: Sequence[Any]) -> msgpack.ExtType:
+    """A tensor tag from ``[storage_id, dtype code, sizes, strides, storage_offset, storage_nbytes]``."""
+    return msgpack.ExtType(EXT_TENSOR, msgpack.packb(list(desc)))
 
 
 def generator_ext(generator_id: int) -> msgpack.ExtType:
