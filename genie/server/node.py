@@ -155,7 +155,7 @@ class DataPlaneServer:
             "torch": torch.__version__,
             "devices": self._device_info,
             "limits": {
-                "max_session_handles": self.config.max_session_handles,
+                "max_session_handles": self.config.max_session_handles,  # storages per session
                 "max_session_bytes": self.config.max_session_bytes,
                 "max_frame_bytes": self.config.max_frame_bytes,
                 "max_session_inflight": self.config.max_session_inflight,
@@ -196,14 +196,18 @@ class DataPlaneServer:
             log.info("data plane of node %s stopped", self.node_id)
 
     def stats(self) -> dict[str, Any]:
-        """Live sessions and what they hold: ``{"sessions", "handles", "bytes", "per_session"}``."""
+        """Live sessions and what they hold: ``{"sessions", "storages", "bytes", "per_session"}``.
+
+        ``handles`` is the same count as ``storages`` (protocol 1 counted handles), kept for older readers.
+        """
         with self._lock:
             sessions = list(self._sessions.values())
         per = {s.session_id: s.stats() for s in sessions}
         return {
             "sessions": len(per),
             "sessions_served": self.sessions_served,
-            "handles": sum(p["handles"] + p["poisoned"] for p in per.values()),
+            "storages": sum(p["storages"] + p["poisoned"] for p in per.values()),
+            "handles": sum(p["storages"] + p["poisoned"] for p in per.values()),
             "bytes": sum(p["bytes"] for p in per.values()),
             "per_session": per,
         }
