@@ -382,7 +382,7 @@ class Executor:
         if label in _UNINITIALISED:
             for t in tensor_leaves(result):
                 if t.layout == torch.strided:
-                    t.zero_()
+                    _zero_from(t.untyped_storage(), 0)  # the whole storage: a strided result has gaps
         return result, inputs
 
     def _account_resizes(self, used: dict[int, torch.UntypedStorage]) -> None:

@@ -6,8 +6,8 @@ For each output descriptor of a ``CMD_OP`` (see :mod:`genie.wire.messages`):
   the result in the described tensor: nothing to do when the result already is
   that tensor, else the result is copied in;
 - an unknown storage adopts the result's storage when the result is fresh (no
-  storage of the session), has exactly ``storage_nbytes`` bytes and the described
-  layout; else a zeroed storage of ``storage_nbytes`` is made and the result
+  storage of the session), fills every byte of it, has exactly ``storage_nbytes``
+  bytes and the described layout; else a zeroed storage of ``storage_nbytes`` is made and the result
   copied into the described tensor.
 
 dtype or size disagreement between the result and the descriptor is a
@@ -99,7 +99,10 @@ def _place(i: int, t: torch.Tensor, desc: Descriptor, store: StorageStore, held:
         return
     fresh = t.untyped_storage()
     key = _storage_key(fresh)
-    if key not in held and fresh.nbytes() == desc.storage_nbytes and desc.matches(t):
+    # Adopt only a result that covers every byte of its storage: gaps in a strided result could hold
+    # memory nobody wrote (another session's, once freed).
+    dense = t.numel() * t.element_size() == fresh.nbytes()
+    if key not in held and dense and fresh.nbytes() == desc.storage_nbytes and desc.matches(t):
         store.put(desc.storage_id, fresh)
         held.add(key)  # a second output over the same fresh storage must not adopt it again
         return
