@@ -11,7 +11,7 @@ Public API::
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from genie._version import __version__
 
 from genie.api import get_cluster_state, init, init_sync, is_initialized, shutdown, shutdown_sync, subscribe
 from genie.hookspecs import hookimpl

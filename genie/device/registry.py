@@ -1,15 +1,16 @@
 """Which cluster device ``remote_accelerator:N`` is: node, local index, connection.
 
 ``genie.init()`` fills the table in the master's stable order; ``shutdown()``
-empties it. Looking up a device before init raises NotInitializedError.
+empties it. Looking up a device before init raises NotInitializedError. The C++
+device count (genie._C, what the device guard and ``torch.accelerator`` report)
+follows the current table whenever it is set or grows.
 """
 
 from __future__ import annotations
 
-import threading
-
 import attrs
 
+from genie import _C
 from genie.device.connection import NodeConnection
 from genie.errors import DeviceError, NotInitializedError
 
@@ -48,6 +49,14 @@ class DeviceTable:
             )
         return self.devices[idx]
 
+    def add(self, device: RemoteDevice) -> None:
+        """Append a device that joined late (its index must be the next one)."""
+        if device.index != len(self.devices):
+            raise DeviceError(f"device index {device.index} does not follow the table's {len(self.devices)} devices")
+        self.devices.append(device)
+        if _table is self:
+            _C.set_device_count(len(self.devices))
+
     def connections(self) -> list[NodeConnection]:
         seen: dict[int, NodeConnection] = {}
         for d in self.devices:
@@ -56,12 +65,12 @@ class DeviceTable:
 
 
 _table: DeviceTable | None = None
-_local = threading.local()
 
 
 def set_table(table: DeviceTable | None) -> None:
     global _table
     _table = table
+    _C.set_device_count(len(table) if table is not None else 0)
 
 
 def table() -> DeviceTable:
@@ -75,9 +84,10 @@ def table() -> DeviceTable:
 
 
 def current_index() -> int:
-    return getattr(_local, "index", 0)
+    """This thread's current remote device (``torch.accelerator.current_device_index()`` too)."""
+    return _C.current_device()
 
 
 def set_current_index(index: int) -> None:
     table().get(index)
-    _local.index = index
+    _C.set_current_device(index)
