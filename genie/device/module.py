@@ -178,6 +178,23 @@ def current_stream(device: Any = None) -> torch.Stream:
     return torch.Stream(device=torch.device(BACKEND, _index(device)))
 
 
+class device:  # noqa: N801 - torch's device modules spell it so
+    """Context manager that makes ``device`` current on this thread (like ``torch.cuda.device``)."""
+
+    def __init__(self, device: Any) -> None:
+        self.index = -1 if device is None else _index(device)
+        self.previous = -1
+
+    def __enter__(self) -> None:
+        if self.index >= 0:
+            self.previous = _C.current_device()
+            _C.set_current_device(self.index)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.previous >= 0:
+            _C.set_current_device(self.previous)
+
+
 def make_module() -> types.ModuleType:
     """The module object registered as ``torch.remote_accelerator``."""
     mod = types.ModuleType(f"torch.{BACKEND}", "genie's remote_accelerator device module")
@@ -191,6 +208,7 @@ def make_module() -> types.ModuleType:
     mod.current_device = registry.current_index  # type: ignore[attr-defined]
     mod.set_device = lambda d: registry.set_current_index(_index(d))  # type: ignore[attr-defined]
     mod._is_in_bad_fork = lambda: False  # type: ignore[attr-defined]
+    mod.device = device  # type: ignore[attr-defined]
     mod.Stream = torch.Stream  # type: ignore[attr-defined]
     mod.Event = torch.Event  # type: ignore[attr-defined]
     mod.DeviceProperties = DeviceProperties  # type: ignore[attr-defined]

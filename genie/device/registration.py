@@ -42,6 +42,18 @@ def _route_frees() -> None:
             tbl.devices[index].connection.frees.append(sid)
 
 
+#: Ops whose composite kernels pick a backend-specific path PrivateUse1 lacks
+#: (``convolution_overrideable``): sent to the server whole instead.
+WHOLE_OPS = ("convolution", "convolution_backward")
+
+
+def _whole(op: Any) -> Any:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return dispatch.run_op(op, args, kwargs)
+
+    return kernel
+
+
 def _prime_autograd() -> None:
     """Run a tiny CPU backward while the guard reports the maximum device count.
 
@@ -77,7 +89,10 @@ def ensure_registered() -> None:
         torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
         lib = torch.library.Library("_", "IMPL")  # noqa: TOR901 - the fallback needs the catch-all library
         lib.fallback(dispatch.fallback, "PrivateUse1")
-        _libraries.append(lib)
+        aten = torch.library.Library("aten", "IMPL")  # noqa: TOR901
+        for op_name in WHOLE_OPS:
+            aten.impl(op_name, _whole(getattr(torch.ops.aten, op_name).default), "PrivateUse1")
+        _libraries.extend([lib, aten])
         _C.set_sync_hook(module._sync_hook)
         dconn.free_router = _route_frees
         _prime_autograd()
