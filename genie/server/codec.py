@@ -22,6 +22,7 @@ import msgpack
 import torch
 
 from genie.errors import FrameError, ProtocolError
+from genie.server.store import StorageError
 from genie.wire.frame import unpack_body
 from genie.wire.values import DTYPES, dtype_code, dtype_from_code, encode_common, make_ext_hook
 
@@ -46,60 +47,85 @@ class GeneratorRef:
     generator_id: int
 
 
-@attrs.frozen
-class Descriptor:
-    """A tensor over one of the session's storages: ``[storage_id, dtype, sizes, strides, offset, storage_nbytes]``."""
+def _valid_ints(values: Any) -> bool:
+    # type() is int, not isinstance: bools are ints to isinstance. A plain loop: this runs for every tensor.
+    if type(values) is not list or len(values) > MAX_DIMS:
+        return False
+    for v in values:
+        if type(v) is not int or v < 0 or v > MAX_NBYTES:
+            return False
+    return True
 
-    storage_id: int
-    dtype: torch.dtype
-    sizes: tuple[int, ...]
-    strides: tuple[int, ...]
-    offset: int
-    storage_nbytes: int
+
+class Descriptor:
+    """A tensor over one of the session's storages: ``[storage_id, dtype, sizes, strides, offset, storage_nbytes]``.
+
+    A plain slotted class, not attrs: one is parsed for every tensor of every command.
+    """
+
+    __slots__ = ("dtype", "numel", "offset", "sizes", "span", "storage_id", "storage_nbytes", "strides")
+
+    def __init__(self, storage_id: int, dtype: torch.dtype, sizes: tuple[int, ...], strides: tuple[int, ...],
+                 offset: int, storage_nbytes: int) -> None:
+        self.storage_id = storage_id
+        self.dtype = dtype
+        self.sizes = sizes
+        self.strides = strides
+        self.offset = offset
+        self.storage_nbytes = storage_nbytes
+        numel, last = 1, offset
+        for n, st in zip(sizes, strides):  # same lengths: checked by parse
+            numel *= n
+            last += (n - 1) * st
+        self.numel = numel
+        #: Bytes from the storage's start to the end of the last element (0 for an empty tensor).
+        self.span = 0 if numel == 0 else (last + 1) * dtype.itemsize
+
+    def __repr__(self) -> str:
+        return (f"Descriptor({self.storage_id}, {self.dtype}, {list(self.sizes)}, {list(self.strides)}, "
+                f"{self.offset}, {self.storage_nbytes})")
 
     @classmethod
     def parse(cls, value: Any, what: str = "tensor descriptor") -> Descriptor:
         """Check the structure (types, signs, at most 64 dims); FrameError if malformed."""
-        if not isinstance(value, (list, tuple)) or len(value) != 6:
+        if type(value) is list and len(value) == 6:
+            storage_id, code, sizes, strides, offset, nbytes = value
+            if (type(storage_id) is int and 0 <= storage_id <= MAX_ID and type(code) is int
+                    and 0 <= code < len(DTYPES) and DTYPES[code] is not None
+                    and type(offset) is int and 0 <= offset <= MAX_NBYTES
+                    and type(nbytes) is int and 0 <= nbytes <= MAX_NBYTES
+                    and _valid_ints(sizes) and _valid_ints(strides) and len(sizes) == len(strides)):
+                return cls(storage_id, DTYPES[code], tuple(sizes), tuple(strides), offset, nbytes)
+        cls._explain(value, what)
+        raise AssertionError("unreachable: _explain raises")
+
+    @staticmethod
+    def _explain(value: Any, what: str) -> None:
+        """Raise the FrameError that says what is wrong with a descriptor that failed the fast check."""
+        if not isinstance(value, list) or len(value) != 6:
             raise FrameError(f"a {what} must be [storage_id, dtype, sizes, strides, offset, storage_nbytes], "
                              f"got {_preview(value)}")
         storage_id = check_id(value[0], f"{what} storage id")
-        dtype = check_dtype(value[1], f"{what} dtype")
+        check_dtype(value[1], f"{what} dtype")
         sizes = check_ints(value[2], f"{what} sizes")
         strides = check_ints(value[3], f"{what} strides")
         if len(strides) != len(sizes):
             raise FrameError(f"{what} of storage {storage_id} has {len(sizes)} sizes but {len(strides)} strides")
-        offset, nbytes = value[4], value[5]
-        if not is_int(offset) or not 0 <= offset <= MAX_NBYTES:
-            raise FrameError(f"{what} of storage {storage_id} has a bad storage offset {_preview(offset)}")
-        if not is_int(nbytes) or not 0 <= nbytes <= MAX_NBYTES:
-            raise FrameError(f"{what} of storage {storage_id} has a bad storage_nbytes {_preview(nbytes)}")
-        return cls(storage_id, dtype, tuple(sizes), tuple(strides), offset, nbytes)
-
-    @property
-    def numel(self) -> int:
-        return numel_of(self.sizes)
-
-    def span_bytes(self) -> int:
-        """Bytes from the storage's start to the end of the last element (0 for an empty tensor)."""
-        if self.numel == 0:
-            return 0
-        last = self.offset + sum((s - 1) * st for s, st in zip(self.sizes, self.strides, strict=True))
-        return (last + 1) * self.dtype.itemsize
+        if not is_int(value[4]) or not 0 <= value[4] <= MAX_NBYTES:
+            raise FrameError(f"{what} of storage {storage_id} has a bad storage offset {_preview(value[4])}")
+        raise FrameError(f"{what} of storage {storage_id} has a bad storage_nbytes {_preview(value[5])}")
 
     def check(self, actual_nbytes: int | None) -> None:
         """ProtocolError unless the tensor lies inside ``storage_nbytes`` (and that equals ``actual_nbytes``)."""
+        if self.span > self.storage_nbytes:
+            raise ProtocolError(
+                f"tensor of sizes {list(self.sizes)}, strides {list(self.strides)} and offset {self.offset} "
+                f"({self.dtype}) reaches byte {self.span} of storage {self.storage_id}, which has "
+                f"{self.storage_nbytes}")
         if self.storage_id == 0 and self.storage_nbytes != 0:
             raise ProtocolError(f"storage id 0 means an empty storage, but the descriptor says {self.storage_nbytes} "
                                 "bytes")
-        span = self.span_bytes()
-        if span > self.storage_nbytes:
-            raise ProtocolError(
-                f"tensor of sizes {list(self.sizes)}, strides {list(self.strides)} and offset {self.offset} "
-                f"({self.dtype}) reaches byte {span} of storage {self.storage_id}, which has {self.storage_nbytes}")
         if actual_nbytes is not None and actual_nbytes != self.storage_nbytes:
-            from genie.server.store import StorageError
-
             raise StorageError(f"storage {self.storage_id} has {actual_nbytes} bytes on the server but the client "
                                f"described it with {self.storage_nbytes}; resize it with CMD_RESIZE first")
 
@@ -110,7 +136,7 @@ class Descriptor:
 
     def matches(self, t: torch.Tensor) -> bool:
         """True when ``t`` has exactly this dtype, sizes, strides and offset."""
-        return (t.dtype == self.dtype and tuple(t.shape) == self.sizes and tuple(t.stride()) == self.strides
+        return (t.dtype == self.dtype and t.shape == self.sizes and t.stride() == self.strides
                 and t.storage_offset() == self.offset)
 
 
@@ -163,8 +189,9 @@ def check_id(value: Any, what: str) -> int:
 
 
 def check_ints(value: Any, what: str, *, max_len: int = MAX_DIMS) -> list[int]:
-    """A list of non-negative ints (a shape or strides)."""
-    if not isinstance(value, list) or len(value) > max_len or not all(is_int(v) and v >= 0 for v in value):
+    """A list of non-negative ints (a shape or strides), each at most 2**62."""
+    if not isinstance(value, list) or len(value) > max_len or not all(
+            is_int(v) and 0 <= v <= MAX_NBYTES for v in value):
         raise FrameError(f"{what} must be a list of at most {max_len} non-negative integers, got {_preview(value)}")
     return value
 

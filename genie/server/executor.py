@@ -350,7 +350,7 @@ class Executor:
         self._used = {}
 
     def _execute(self, device_index: Any, name: Any, args: Any, kwargs: Any, storage_ids: list[int],
-                 outs: Sequence[Descriptor | None] = ()) -> tuple[Any, list[torch.Tensor]]:
+                 outs: Sequence[Descriptor | None] = ()) -> tuple[Any, Any]:
         """Resolve and run an op; raise _CommandFailed with a deferred-error record on any failure."""
         label = _label(name)
         try:
@@ -369,7 +369,7 @@ class Executor:
             self._precheck_outputs(label, storage_ids, outs)
         except (GenieError, IndexError) as exc:
             raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
-        inputs = tensor_leaves((args, kwargs))
+        inputs = (args, kwargs)  # for error messages only: _shapes() walks it when something fails
         used = self._used
         try:
             result = runner(args, kwargs) if runner is not None else run_op(op, args, kwargs)
@@ -397,7 +397,8 @@ class Executor:
 
     def _precheck_outputs(self, label: str, storage_ids: list[int], outs: Sequence[Descriptor | None]) -> None:
         """Refuse before running what can never fit: too many storages, or one output above the byte limit."""
-        self.store.check_room(len([s for s in storage_ids if s not in self.store]))
+        if self.store.count + len(storage_ids) > self.store.max_storages:
+            self.store.check_room(len([s for s in storage_ids if s not in self.store]))
         limit = self.store.max_bytes
         for desc in outs:
             if desc is not None and limit and desc.storage_id not in self.store and desc.storage_nbytes > limit:

@@ -25,19 +25,20 @@ from genie.errors import QuotaExceededError
 MAX_GENERATORS = 4096
 
 _NO_GENERATOR = (-1, "")
-#: op -> (index of its generator argument, its name), or _NO_GENERATOR.
-_generator_args: dict[torch._ops.OpOverload, tuple[int, str]] = {}
+#: id(op) -> (index of its generator argument, its name), or _NO_GENERATOR. Keyed by id: OpOverloads are
+#: process-lifetime singletons, and an int hashes faster than an OpOverload on this per-op path.
+_generator_args: dict[int, tuple[int, str]] = {}
 
 
 def _generator_arg(op: torch._ops.OpOverload) -> tuple[int, str]:
-    found = _generator_args.get(op)
+    found = _generator_args.get(id(op))
     if found is None:
         found = _NO_GENERATOR
         for i, arg in enumerate(op._schema.arguments):
             if "Generator" in str(arg.type):
                 found = (-1 if arg.kwarg_only else i, arg.name)
                 break
-        _generator_args[op] = found
+        _generator_args[id(op)] = found
     return found
 
 
