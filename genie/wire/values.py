@@ -212,7 +212,3 @@ def generator_ext(generator_id: int) -> msgpack.ExtType:
 def device_ext(index: int) -> msgpack.ExtType:
     return msgpack.ExtType(EXT_DEVICE, msgpack.packb(index))
 
-
-def handle_ext(handle: int) -> msgpack.ExtType:
-    """Retired protocol-1 handle tag (the server refuses it); kept only while the client migrates. Do not use."""
-    return msgpack.ExtType(1, msgpack.packb(handle))
