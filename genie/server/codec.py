@@ -74,7 +74,7 @@ class Descriptor:
         self.offset = offset
         self.storage_nbytes = storage_nbytes
         numel, last = 1, offset
-        for n, st in zip(sizes, strides):  # same lengths: checked by parse
+        for n, st in zip(sizes, strides, strict=False):  # same lengths: checked by parse
             numel *= n
             last += (n - 1) * st
         self.numel = numel

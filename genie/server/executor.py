@@ -264,8 +264,8 @@ class Executor:
                 self.store.poison(storage_id, f"{failed.record['op']}: {failed.record['message']}")
             self._defer(failed.record)
             return
-        for exc in failures:
-            self._defer(_error(label, _shapes(inputs), _kind_of(exc), _message(exc), storage_ids))
+        for failure in failures:
+            self._defer(_error(label, _shapes(inputs), _kind_of(failure), _message(failure), storage_ids))
 
     def _cmd_call(self, cmd: list[Any]) -> None:
         if len(cmd) != 7 or not isinstance(cmd[5], dict) or not isinstance(cmd[6], list):
