@@ -62,7 +62,7 @@ def descriptor(t: torch.Tensor) -> list[Any]:
 class OpInfo:
     """What the fallback needs to know about an op's schema."""
 
-    __slots__ = ("name", "returns", "generator_pos", "mask_pos", "list_return", "all_views")
+    __slots__ = ("name", "returns", "generator_pos", "random", "mask_pos", "list_return", "all_views")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
@@ -75,10 +75,12 @@ class OpInfo:
             if a.alias_info is not None:
                 for s in a.alias_info.before_set:
                     (writes if a.alias_info.is_write else reads)[s] = i
-            if str(a.type).startswith("Generator"):
+            if "Generator" in str(a.type):
                 self.generator_pos = i
             if a.name == "output_mask":
                 self.mask_pos = i
+        #: draws random numbers (with its generator argument, or the device's default one)
+        self.random = self.generator_pos is not None or self.name in RANDOM_WITHOUT_GENERATOR
         #: per return: ("inplace", arg position) | ("view", arg position) | ("fresh", None)
         self.returns: list[tuple[str, int | None]] = []
         self.list_return = False
@@ -100,6 +102,9 @@ class OpInfo:
             return self.returns[0] if len(self.returns) == 1 else ("fresh", None)
         return self.returns[i] if i < len(self.returns) else ("fresh", None)
 
+
+#: Random ops with no generator argument: the server draws from the session's default generator.
+RANDOM_WITHOUT_GENERATOR = frozenset({"aten::native_dropout"})
 
 _infos: dict[Any, OpInfo] = {}
 
@@ -246,6 +251,9 @@ def run_op(func: Any, args: Any, kwargs: Any) -> Any:
         except dmeta.NeedsServer:
             return call_on_server(func, args, kwargs, device)
         values = [None if isinstance(o, torch.Tensor) else o for o in flat]
+        fixup = META_FIXUPS.get(func)
+        if fixup is not None:
+            metas = fixup(metas, args, kwargs)
         cached = (metas, spec, values)
         if key is not None:
             _meta_cache.store(key, cached)
@@ -280,8 +288,9 @@ def run_op(func: Any, args: Any, kwargs: Any) -> Any:
         if send:
             wire_outs.append(descriptor(out))
     if send:
-        if info.generator_pos is not None:
-            _seed_if_needed(device, _arg(func, info.generator_pos, args, kwargs))
+        if info.random:
+            g = _arg(func, info.generator_pos, args, kwargs) if info.generator_pos is not None else None
+            _seed_if_needed(device, g)
         device.connection.op(device.local_index, info.name, args, kwargs, wire_outs, encoder_for(device))
     if len(outs) == 1 and spec.is_leaf():
         return outs[0]
@@ -383,6 +392,18 @@ SERVER_OPS = frozenset({
     _aten.nonzero.default, _aten.masked_select.default, _aten._unique2.default, _aten.unique_consecutive.default,
     _aten.unique_dim.default,
 })
+
+def _batch_norm_eval(metas: list[Any], args: Any, kwargs: Any) -> list[Any]:
+    """Outside training the real kernels return empty saved mean/invstd; the meta kernel does not."""
+    training = args[5] if len(args) > 5 else kwargs.get("training")
+    if training:
+        return metas
+    empty = (metas[1][0], (0,), (1,), 0)
+    return [metas[0], empty, empty]
+
+
+#: Where a meta kernel's output layout differs from the real kernels' (the server checks it).
+META_FIXUPS: dict[Any, Any] = {_aten.native_batch_norm.default: _batch_norm_eval}
 
 #: Ops with their own rules, filled in by genie.device.copies.
 SPECIAL: dict[Any, Any] = {}
