@@ -53,13 +53,12 @@ MAX_COMMANDS = 1 << 20
 #: Seeds accepted by CMD_SEED (torch.Generator.manual_seed's range).
 _SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
-#: Ops that hand out uninitialised memory: their outputs are zeroed so a session
-#: never reads bytes another session's tensors left behind.
-_UNINITIALISED = frozenset({
-    "aten::empty.memory_format", "aten::empty.names", "aten::empty_like", "aten::empty_strided",
-    "aten::empty_permuted", "aten::new_empty", "aten::new_empty_strided", "aten::empty_quantized",
-    "prims::empty", "prims::empty_strided", "prims::empty_permuted",
-})
+def _hands_out_uninitialised(label: str) -> bool:
+    """Ops that return memory nobody wrote (the ``empty`` family: ``empty_strided``, ``new_empty``,
+    ``_empty_affine_quantized``, ``prims::empty`` ...): their results are zeroed, gaps included, so a
+    session never reads bytes another session's tensors left behind. By name, so a new member of the
+    family in a later torch release is covered too."""
+    return "empty" in label
 
 
 def _error(op: str, shapes: list[Any], kind: str, message: str, storages: Sequence[int] = ()) -> dict[str, Any]:
@@ -379,10 +378,13 @@ class Executor:
         finally:
             self._account_resizes(used)
         self.ops_run += 1
-        if label in _UNINITIALISED:
+        if _hands_out_uninitialised(label):
+            held = self._held()
             for t in tensor_leaves(result):
-                if t.layout == torch.strided:
-                    _zero_from(t.untyped_storage(), 0)  # the whole storage: a strided result has gaps
+                # A fresh result is zeroed whole (a strided one has gaps); an out= result lives in a storage of
+                # the session's own, whose other bytes are the session's data (grown bytes were zeroed above).
+                if t.layout == torch.strided and t.untyped_storage().data_ptr() not in held:
+                    _zero_from(t.untyped_storage(), 0)
         return result, inputs
 
     def _account_resizes(self, used: dict[int, torch.UntypedStorage]) -> None:

@@ -134,3 +134,13 @@ def test_native_dropout_draws_from_the_sessions_generator(sessions):
         masks.append(mask)
     assert torch.equal(masks[0], masks[1]) and not torch.equal(masks[0], masks[2])
     assert 150 < int(masks[0].sum()) < 362
+
+
+def test_empty_out_keeps_the_rest_of_its_storage(sessions):
+    """empty.out into a view zeroes nothing of the session's own data around it; growth is zeroed."""
+    c = sessions()
+    base = torch.arange(8.0)
+    c.send_batch([op("aten::empty.out", [[2]], {"out": T(1, base[2:4])}, [desc(1, base[2:4])])],
+                 uploads=[(1, 0, base)])
+    assert c.fetch(1, base).tolist()[4:] == [4.0, 5.0, 6.0, 7.0]
+    assert c.fetch(1, base).tolist()[:2] == [0.0, 1.0]
