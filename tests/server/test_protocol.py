@@ -7,7 +7,8 @@ import torch
 
 from genie.wire.frame import PROTOCOL_VERSION, MsgKind
 from genie.wire.values import dtype_code
-from tests.raw_client import Dev, RawClient, T, call, desc, fetch, free, op, sync
+from tests.raw_client import Dev, Gen, RawClient, T, call, desc, fetch, free, op, sync
+from tests.raw_client import seed as pack_seed
 
 
 @pytest.fixture
@@ -255,3 +256,30 @@ def test_goodbye_ends_the_session_cleanly(genie_serve):
         c.goodbye()
         with pytest.raises(Exception, match="closed"):
             c.recv()
+
+
+def test_upload_overwrites_an_existing_storage_of_the_same_size(client):
+    x = torch.arange(4.0)
+    client.send_batch([op("aten::mul_.Scalar", [T(1, x), 2.0], {}, [desc(1, x)])], uploads=[(1, 0, x)])
+    client.send_batch([], uploads=[(1, 0, torch.full((4,), 9.0))])  # applied after the mul_ of the batch before
+    assert client.fetch(1, x).tolist() == [9.0] * 4
+
+
+def test_upload_of_another_size_into_a_storage_is_an_error_naming_both(client):
+    client.send_batch([], uploads=[(1, 0, torch.zeros(4))])
+    client.send_batch([], uploads=[(1, 0, torch.zeros(2))])
+    [err] = client.sync().deferred
+    assert err["kind"] == "storage" and "8 bytes into storage 1, which has 16" in err["message"]
+
+
+def test_call_with_too_few_storage_ids_is_a_mismatch(client):
+    x = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+    r = client.request([call(client.next_req(), "aten::nonzero", [T(1, x)], {}, [])], uploads=[(1, 0, x)])
+    assert r.error["kind"] == "mismatch" and "storage ids" in r.error["message"]
+
+
+def test_random_op_with_a_named_generator_reaches_the_session_generator(client):
+    x = torch.empty(64)
+    client.send_batch([pack_seed(0, 4, 42), op("aten::uniform_", [T(1, x)], {"generator": Gen(4)}, [desc(1, x)])])
+    local = torch.empty(64).uniform_(generator=torch.Generator().manual_seed(42))
+    torch.testing.assert_close(client.fetch(1, x), local)  # a CPU node draws what local torch draws
