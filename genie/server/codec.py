@@ -147,6 +147,10 @@ def _tensor_tag(value: Any) -> Descriptor:
 _EXT_HOOK = make_ext_hook(_tensor_tag, DeviceRef, GeneratorRef)
 
 
+#: Types resolve() must look into or replace.
+_NESTED = frozenset({list, dict, Descriptor, DeviceRef, GeneratorRef})
+
+
 def decode(data: bytes) -> Any:
     """Decode one command (or a batch body) with descriptor, device and generator placeholders."""
     return unpack_body(data, ext_hook=_EXT_HOOK)
@@ -155,16 +159,18 @@ def decode(data: bytes) -> Any:
 def resolve(value: Any, tensor: Callable[[Descriptor], torch.Tensor], device: Callable[[int], torch.device],
             generator: Callable[[int], torch.Generator]) -> Any:
     """Replace placeholders in nested lists/dicts with tensors, devices and generators."""
-    if isinstance(value, Descriptor):
+    kind = type(value)
+    if kind is Descriptor:
         return tensor(value)
-    if isinstance(value, DeviceRef):
+    if kind is list:
+        # Scalars (most arguments) are kept without a call: this runs for every command.
+        return [resolve(v, tensor, device, generator) if type(v) in _NESTED else v for v in value]
+    if kind is dict:
+        return {k: resolve(v, tensor, device, generator) if type(v) in _NESTED else v for k, v in value.items()}
+    if kind is DeviceRef:
         return device(value.index)
-    if isinstance(value, GeneratorRef):
+    if kind is GeneratorRef:
         return generator(value.generator_id)
-    if isinstance(value, list):
-        return [resolve(v, tensor, device, generator) for v in value]
-    if isinstance(value, dict):
-        return {k: resolve(v, tensor, device, generator) for k, v in value.items()}
     return value
 
 
