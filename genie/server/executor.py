@@ -203,7 +203,10 @@ class Executor:
                 self._defer(_error("upload", [[nbytes]], _kind_of(exc), str(exc), [storage_id]))
 
     def _apply_upload(self, storage_id: int, device: torch.device, raw: torch.Tensor) -> None:
-        existing = self.store.get(storage_id)  # raises for a freed id; a poisoned one is overwritten below
+        try:
+            existing = self.store.get(storage_id)  # StorageError for a freed id
+        except RemoteExecutionError:
+            existing = None  # poisoned: every byte is written again, so the storage is whole again
         if existing is None:
             self.store.put(storage_id, (raw if device.type == "cpu" else raw.to(device)).untyped_storage())
             return

@@ -283,3 +283,12 @@ def test_random_op_with_a_named_generator_reaches_the_session_generator(client):
     client.send_batch([pack_seed(0, 4, 42), op("aten::uniform_", [T(1, x)], {"generator": Gen(4)}, [desc(1, x)])])
     local = torch.empty(64).uniform_(generator=torch.Generator().manual_seed(42))
     torch.testing.assert_close(client.fetch(1, x), local)  # a CPU node draws what local torch draws
+
+
+def test_full_upload_into_a_poisoned_storage_makes_it_whole_again(client):
+    a = torch.ones(2, 3)
+    client.send_batch([op("aten::mm", [T(1, a), T(1, a)], {}, [desc(2, torch.empty(2, 2))])], uploads=[(1, 0, a)])
+    client.send_batch([], uploads=[(2, 0, torch.full((2, 2), 3.0))])
+    r = client.sync()
+    assert [e["op"] for e in r.deferred] == ["aten::mm"]
+    assert client.fetch(2, torch.empty(2, 2)).tolist() == [[3.0, 3.0], [3.0, 3.0]]
