@@ -18,7 +18,7 @@ then closes its side and waits for the server to close. After every input
 the fuzzer checks: the server closed that connection within a bound; no
 unauthenticated input got a WELCOME; the server logged no internal error
 (``session ... failed``); and, every few inputs, the good client still gets
-the right bytes back and its session's handles and bytes are unchanged
+the right bytes back and its session's storages and bytes are unchanged
 (no cross-session effect: same bytes, storages and poisoned count). Any violation raises, which atheris reports as a
 crash with the input that caused it.
 """

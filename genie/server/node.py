@@ -196,10 +196,7 @@ class DataPlaneServer:
             log.info("data plane of node %s stopped", self.node_id)
 
     def stats(self) -> dict[str, Any]:
-        """Live sessions and what they hold: ``{"sessions", "storages", "bytes", "per_session"}``.
-
-        ``handles`` is the same count as ``storages`` (protocol 1 counted handles), kept for older readers.
-        """
+        """Live sessions and what they hold: ``{"sessions", "sessions_served", "storages", "bytes", "per_session"}``."""
         with self._lock:
             sessions = list(self._sessions.values())
         per = {s.session_id: s.stats() for s in sessions}
@@ -207,7 +204,6 @@ class DataPlaneServer:
             "sessions": len(per),
             "sessions_served": self.sessions_served,
             "storages": sum(p["storages"] + p["poisoned"] for p in per.values()),
-            "handles": sum(p["storages"] + p["poisoned"] for p in per.values()),
             "bytes": sum(p["bytes"] for p in per.values()),
             "per_session": per,
         }
@@ -248,7 +244,7 @@ class DataPlaneServer:
             session_id=next(self._ids),
             welcome=self.welcome,
             devices=self.devices,
-            max_handles=self.config.max_session_handles,
+            max_storages=self.config.max_session_handles,
             max_bytes=self.config.max_session_bytes,
             max_payload=self.config.max_frame_bytes,
             auth_token=self.security.token,

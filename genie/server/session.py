@@ -52,7 +52,7 @@ class Session:
         session_id: int,
         welcome: Callable[[], dict[str, Any]],
         devices: list[torch.device],
-        max_handles: int,
+        max_storages: int,
         max_bytes: int,
         max_payload: int,
         auth_token: str | bytes = "",
@@ -65,7 +65,7 @@ class Session:
         self.channel = channel
         self.session_id = session_id
         self.peer = getattr(channel, "peer", "?")
-        self.store = StorageStore(max_storages=max_handles, max_bytes=max_bytes)
+        self.store = StorageStore(max_storages=max_storages, max_bytes=max_bytes)
         self.executor = Executor(channel, self.store, devices)
         self.client: dict[str, Any] = {}
         self._welcome = welcome

@@ -72,10 +72,9 @@ class StorageStore:
         return self._bytes
 
     def stats(self) -> dict[str, int]:
-        """Counts for logs and tests (``handles`` is kept as the storage count for older readers)."""
+        """Counts for logs and tests."""
         return {
             "storages": len(self._storages),
-            "handles": len(self._storages),
             "poisoned": len(self._poisoned),
             "bytes": self._bytes,
         }

@@ -90,5 +90,5 @@ def test_clear_releases_everything_and_reports_what_it_held():
     store = StorageStore()
     store.put(1, _storage(16))
     store.poison(2, "x")
-    assert store.clear() == {"storages": 1, "handles": 1, "poisoned": 1, "bytes": 16}
-    assert store.stats() == {"storages": 0, "handles": 0, "poisoned": 0, "bytes": 0}
+    assert store.clear() == {"storages": 1, "poisoned": 1, "bytes": 16}
+    assert store.stats() == {"storages": 0, "poisoned": 0, "bytes": 0}
