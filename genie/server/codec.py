@@ -63,7 +63,7 @@ class Descriptor:
     A plain slotted class, not attrs: one is parsed for every tensor of every command.
     """
 
-    __slots__ = ("dtype", "numel", "offset", "sizes", "span", "storage_id", "storage_nbytes", "strides")
+    __slots__ = ("dtype", "extent", "numel", "offset", "sizes", "span", "storage_id", "storage_nbytes", "strides")
 
     def __init__(self, storage_id: int, dtype: torch.dtype, sizes: tuple[int, ...], strides: tuple[int, ...],
                  offset: int, storage_nbytes: int) -> None:
@@ -73,11 +73,14 @@ class Descriptor:
         self.strides = strides
         self.offset = offset
         self.storage_nbytes = storage_nbytes
-        numel, last = 1, offset
+        numel, last, extent = 1, offset, 1
         for n, st in zip(sizes, strides, strict=False):  # same lengths: checked by parse
             numel *= n
             last += (n - 1) * st
+            extent *= n or 1
         self.numel = numel
+        #: The element count ignoring zero sizes: torch refuses (int64 overflow) shapes past 2**63 even when empty.
+        self.extent = extent
         #: Bytes from the storage's start to the end of the last element (0 for an empty tensor).
         self.span = 0 if numel == 0 else (last + 1) * dtype.itemsize
 
@@ -122,6 +125,9 @@ class Descriptor:
                 f"tensor of sizes {list(self.sizes)}, strides {list(self.strides)} and offset {self.offset} "
                 f"({self.dtype}) reaches byte {self.span} of storage {self.storage_id}, which has "
                 f"{self.storage_nbytes}")
+        if self.extent > MAX_NBYTES:
+            raise ProtocolError(f"tensor of sizes {list(self.sizes)} over storage {self.storage_id} has more than "
+                                "2**62 elements")
         if self.storage_id == 0 and self.storage_nbytes != 0:
             raise ProtocolError(f"storage id 0 means an empty storage, but the descriptor says {self.storage_nbytes} "
                                 "bytes")

@@ -369,7 +369,7 @@ class Executor:
             self.generators.fill_default(op, args, kwargs, device_index)
             runner = self.generators.generatorless(label, device_index)
             self._precheck_outputs(label, storage_ids, outs)
-        except (GenieError, IndexError) as exc:
+        except (GenieError, IndexError, RuntimeError) as exc:  # RuntimeError: torch refused to build a tensor
             raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
         inputs = (args, kwargs)  # for error messages only: _shapes() walks it when something fails
         used = self._used

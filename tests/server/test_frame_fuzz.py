@@ -52,7 +52,7 @@ def test_command_decoding_with_tags_raises_only_frame_error(data):
 ints = st.integers(-3, 2**64 - 1) | st.integers(-3, 70)
 
 
-small = st.integers(0, 6)
+small = st.integers(0, 6) | st.sampled_from([2**31, 2**62])
 plausible = st.integers(1, 4).flatmap(lambda n: st.tuples(
     st.integers(0, 3), st.integers(0, 15), st.lists(small, min_size=n, max_size=n),
     st.lists(st.integers(0, 12), min_size=n, max_size=n), st.integers(0, 40), st.integers(0, 256)).map(list))

@@ -168,6 +168,7 @@ OUT_OF_BOUNDS = {
     "stride reaching outside": [1, 0, [2, 2], [100, 1], 0, 64],
     "storage 0 with bytes": [0, 0, [1], [1], 0, 4],
     "huge sizes": [1, 0, [1 << 40, 1 << 40], [1, 1], 0, 4],
+    "empty but overflowing sizes": [1, 0, [1 << 62, 1 << 62, 0], [1, 1, 1], 0, 16],
     "nbytes unlike the known storage": [3, 0, [2], [1], 0, 12],
 }
 
