@@ -23,9 +23,12 @@
 #include <ATen/ops/view_native.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/Generator.h>
 
+#include <array>
 #include <atomic>
+#include <string>
 #include <cstdlib>
 #include <mutex>
 #include <unordered_map>
@@ -542,6 +545,93 @@ void reset_peak(int device) {
   s.peak = s.allocated;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Wire descriptors, built here because the fallback needs two or three per op:
+// [storage_id, dtype code, sizes, strides, storage_offset, storage_nbytes].
+std::array<int, static_cast<size_t>(at::ScalarType::NumOptions)> g_dtype_codes = [] {
+  std::array<int, static_cast<size_t>(at::ScalarType::NumOptions)> a{};
+  a.fill(-1);
+  return a;
+}();
+
+int wire_dtype(const at::Tensor& t) {
+  TORCH_CHECK(t.device().type() == DeviceType::PrivateUse1, "genie: not a remote_accelerator tensor (", t.device(), ")");
+  TORCH_CHECK(!t.is_conj() && !t.is_neg(), "genie: a lazily conjugated/negated remote tensor cannot be sent: "
+                                           "call .resolve_conj() / .resolve_neg() on it first");
+  int code = g_dtype_codes[static_cast<size_t>(t.scalar_type())];
+  TORCH_CHECK(code >= 0, "genie: dtype ", t.scalar_type(), " cannot cross the wire");
+  return code;
+}
+
+py::list wire_desc(const at::Tensor& t) {
+  int code = wire_dtype(t);
+  const auto& st = t.storage();
+  py::list l(6);
+  l[0] = py::int_(id_of_pointer(st.data()));
+  l[1] = py::int_(code);
+  l[2] = py::cast(t.sizes().vec());
+  l[3] = py::cast(t.strides().vec());
+  l[4] = py::int_(t.storage_offset());
+  l[5] = py::int_(static_cast<int64_t>(st.nbytes()));
+  return l;
+}
+
+// msgpack for non-negative ints and arrays: all a descriptor holds.
+void pack_uint(std::string& out, uint64_t v) {
+  auto put_be = [&out](uint64_t x, int bytes) {
+    for (int i = bytes - 1; i >= 0; --i) out.push_back(static_cast<char>((x >> (8 * i)) & 0xff));
+  };
+  if (v < 128) {
+    out.push_back(static_cast<char>(v));
+  } else if (v <= 0xff) {
+    out.push_back(static_cast<char>(0xcc));
+    put_be(v, 1);
+  } else if (v <= 0xffff) {
+    out.push_back(static_cast<char>(0xcd));
+    put_be(v, 2);
+  } else if (v <= 0xffffffffULL) {
+    out.push_back(static_cast<char>(0xce));
+    put_be(v, 4);
+  } else {
+    out.push_back(static_cast<char>(0xcf));
+    put_be(v, 8);
+  }
+}
+
+void pack_array_header(std::string& out, size_t n) {
+  if (n < 16) {
+    out.push_back(static_cast<char>(0x90 | n));
+  } else {
+    out.push_back(static_cast<char>(0xdc));
+    out.push_back(static_cast<char>((n >> 8) & 0xff));
+    out.push_back(static_cast<char>(n & 0xff));
+  }
+}
+
+void pack_int_array(std::string& out, c10::IntArrayRef v) {
+  pack_array_header(out, v.size());
+  for (auto x : v) {
+    TORCH_CHECK(x >= 0, "genie: negative size or stride cannot cross the wire");
+    pack_uint(out, static_cast<uint64_t>(x));
+  }
+}
+
+// The EXT_TENSOR payload (the msgpack of the descriptor list).
+py::bytes wire_ext_payload(const at::Tensor& t) {
+  int code = wire_dtype(t);
+  const auto& st = t.storage();
+  std::string out;
+  out.reserve(48);
+  pack_array_header(out, 6);
+  pack_uint(out, id_of_pointer(st.data()));
+  pack_uint(out, static_cast<uint64_t>(code));
+  pack_int_array(out, t.sizes());
+  pack_int_array(out, t.strides());
+  pack_uint(out, static_cast<uint64_t>(t.storage_offset()));
+  pack_uint(out, static_cast<uint64_t>(st.nbytes()));
+  return py::bytes(out);
+}
+
 RemoteGenerator* remote_generator(py::handle obj) {
   auto gen = THPGenerator_Unwrap(obj.ptr());
   TORCH_CHECK(gen.device().type() == DeviceType::PrivateUse1, "genie: not a remote_accelerator generator");
@@ -571,6 +661,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("storage_id", &storage_id_of);
   m.def("describe", &describe);
   m.def("new_storage_id", [] { return next_id(); });
+  m.def("set_dtype_code", [](py::handle dtype, int code) {
+    TORCH_CHECK(THPDtype_Check(dtype.ptr()), "genie: set_dtype_code needs a torch.dtype");
+    g_dtype_codes[static_cast<size_t>(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type)] = code;
+  });
+  m.def("wire_desc", &wire_desc, "[storage_id, dtype code, sizes, strides, offset, storage_nbytes] of a remote tensor.");
+  m.def("wire_ext_payload", &wire_ext_payload, "The msgpack bytes of wire_desc(t) (the EXT_TENSOR payload).");
   m.def("make_tensor", &make_tensor);
   m.def("resize_storage", &resize_storage);
   m.def("memory_stats", &memory_stats);

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 import torch
 from torch.utils._pytree import tree_unflatten
 
@@ -27,13 +28,12 @@ from genie.device.registry import RemoteDevice, table
 from genie.errors import DeviceError
 from genie.wire import messages as wm
 from genie.wire.values import (
-    DTYPE_CODES,
+    EXT_TENSOR,
     device_ext,
     dtype_from_code,
     encode_common,
     generator_ext,
     inline_tensor,
-    tensor_ext,
 )
 
 BACKEND = "remote_accelerator"
@@ -49,24 +49,25 @@ def torch_device(index: int) -> torch.device:
     return d
 
 
-def descriptor(t: torch.Tensor) -> list[Any]:
-    """``[storage_id, dtype code, sizes, strides, offset, storage_nbytes]`` of a remote tensor."""
-    if t.is_conj() or t.is_neg():
-        raise DeviceError("a lazily conjugated/negated remote tensor cannot be sent: call .resolve_conj() / "
-                          ".resolve_neg() on it first")
-    sid, _, sizes, strides, offset, nbytes = _C.describe(t)
-    return [sid, DTYPE_CODES[t.dtype], sizes, strides, offset, nbytes]
+#: ``[storage_id, dtype code, sizes, strides, offset, storage_nbytes]`` of a remote tensor (one C++ call).
+descriptor = _C.wire_desc
 
 
 # -- per-op facts, computed once ------------------------------------------------------------------
 class OpInfo:
     """What the fallback needs to know about an op's schema."""
 
-    __slots__ = ("name", "returns", "generator_pos", "random", "mask_pos", "list_return", "all_views")
+    __slots__ = ("name", "arg_names", "returns", "generator_pos", "random", "mask_pos", "list_return", "all_views",
+                 "special", "server")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
         self.name: str = func.name()
+        self.arg_names = tuple(a.name for a in schema.arguments)
+        #: its own rule (genie.device.copies), or None
+        self.special = SPECIAL.get(func)
+        #: only the server can answer it (numbers, data-dependent shapes): a round trip
+        self.server = func in SERVER_OPS
         writes: dict[Any, int] = {}
         reads: dict[Any, int] = {}
         self.generator_pos: int | None = None
@@ -106,57 +107,76 @@ class OpInfo:
 #: Random ops with no generator argument: the server draws from the session's default generator.
 RANDOM_WITHOUT_GENERATOR = frozenset({"aten::native_dropout"})
 
-_infos: dict[Any, OpInfo] = {}
+#: id(op) -> OpInfo. Keyed by id: OpOverloads are process-lifetime singletons whose __hash__ is Python code.
+_infos: dict[int, OpInfo] = {}
 
 
 def op_info(func: Any) -> OpInfo:
-    info = _infos.get(func)
+    info = _infos.get(id(func))
     if info is None:
-        info = _infos[func] = OpInfo(func)
+        info = _infos[id(func)] = OpInfo(func)
     return info
 
 
 # -- finding the device ---------------------------------------------------------------------------
-def _leaves(args: Any, kwargs: Any) -> Any:
-    """Every argument leaf (aten arguments nest only lists and tuples); cheaper than pytree."""
-    stack = [*args, *kwargs.values()]
-    while stack:
-        a = stack.pop()
-        if isinstance(a, (list, tuple)):
-            stack.extend(a)
-        else:
-            yield a
+def scan(args: Any, state: list[Any]) -> tuple[Any, ...]:
+    """The cache signature of ``args`` (a list or tuple), noting in ``state`` the remote device seen
+    (``state[0]``, -1 for none yet) and whether a CPU tensor with dimensions was (``state[1]``).
 
-
-def find_device(name: str, args: Any, kwargs: Any) -> int:
-    """The global index of the one remote device this op runs on; mixed devices fail like CUDA's do."""
-    found = -1
-    cpu_seen = False
-    for a in _leaves(args, kwargs):
-        if isinstance(a, torch.Tensor):
+    One pass serves both the meta cache and the device check: this is the per-op hot path.
+    """
+    out = []
+    for a in args:
+        t = type(a)
+        if t is torch.Tensor or isinstance(a, torch.Tensor):
             d = a.get_device()
-            if d < 0:
-                if a.dim() > 0 and not a.is_meta:
-                    cpu_seen = True
-                continue
-        elif isinstance(a, torch.device) and a.type == BACKEND:
-            d = table().get(a.index).index
+            if d >= 0:
+                if d != state[0]:
+                    if state[0] >= 0:
+                        raise RuntimeError(
+                            f"Expected all tensors to be on the same device, but found at least two devices, "
+                            f"{BACKEND}:{state[0]} and {BACKEND}:{d}! (when checking arguments for {state[2]})")
+                    state[0] = d
+                out.append((a.dtype, a.shape, a.stride(), a.storage_offset()))
+            else:
+                if a.dim() and not a.is_meta:
+                    state[1] = True
+                out.append(("C", a.dtype, a.shape))
+        elif t is list or t is tuple:
+            out.append(scan(a, state))
+        elif t is float or t is bool:
+            out.append((t, a))
+        elif t is torch.device:
+            if a.type == BACKEND:
+                d = table().get(a.index).index
+                if state[0] >= 0 and d != state[0]:
+                    raise RuntimeError(
+                        f"Expected all tensors to be on the same device, but found at least two devices, "
+                        f"{BACKEND}:{state[0]} and {BACKEND}:{d}! (when checking arguments for {state[2]})")
+                state[0] = d
+            out.append(("D", a.type))
+        elif t is torch.Generator:
+            out.append(("G",))
         else:
-            continue
-        if found >= 0 and d != found:
-            raise RuntimeError(
-                f"Expected all tensors to be on the same device, but found at least two devices, "
-                f"{BACKEND}:{found} and {BACKEND}:{d}! (when checking arguments for {name})"
-            )
-        found = d
+            out.append(a)
+    return tuple(out)
+
+
+def signature_and_device(name: str, args: Any, kwargs: Any) -> tuple[Any, int]:
+    """(cache signature of args and kwargs, global index of the one remote device they use)."""
+    state: list[Any] = [-1, False, name]
+    sig = scan(args, state)
+    if kwargs:
+        sig = (sig, tuple(kwargs), scan(kwargs.values(), state))
+    found = state[0]
     if found < 0:
         raise DeviceError(f"{name} reached the remote device without a remote tensor or device argument")
-    if cpu_seen:
+    if state[1]:
         raise RuntimeError(
             f"Expected all tensors to be on the same device, but found at least two devices, "
             f"{BACKEND}:{found} and cpu! (when checking arguments for {name})"
         )
-    return found
+    return sig, found
 
 
 # -- the argument encoder -------------------------------------------------------------------------
@@ -170,7 +190,7 @@ def encoder_for(device: RemoteDevice) -> Any:
     def default(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             if obj.get_device() >= 0:
-                return tensor_ext(descriptor(obj))
+                return msgpack.ExtType(EXT_TENSOR, _C.wire_ext_payload(obj))
             return inline_tensor(obj)
         if isinstance(obj, torch.Generator):
             return generator_ext(_C.generator_info(obj)[0])
@@ -190,23 +210,7 @@ def encoder_for(device: RemoteDevice) -> Any:
     return default
 
 
-# -- signatures for the meta cache ----------------------------------------------------------------
-def _signature(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        if obj.get_device() >= 0:
-            return ("R", obj.dtype, obj.shape, obj.stride(), obj.storage_offset())
-        return ("C", obj.dtype, obj.shape)
-    if isinstance(obj, (list, tuple)):
-        return tuple(_signature(o) for o in obj)
-    if isinstance(obj, torch.Generator):
-        return ("G",)
-    if isinstance(obj, torch.device):
-        return ("D", obj.type)
-    if isinstance(obj, float):
-        return ("f", obj)
-    return obj
-
-
+# -- meta arguments -------------------------------------------------------------------------------
 def _to_meta_arg(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor) and obj.get_device() >= 0:
         return dmeta.to_meta(obj)
@@ -227,21 +231,22 @@ def meta_cache() -> dmeta.MetaCache:
 # -- the fallback -----------------------------------------------------------------------------------
 def fallback(func: Any, *args: Any, **kwargs: Any) -> Any:
     """The PrivateUse1 fallback kernel (registered by :mod:`genie.device.registration`)."""
-    special = SPECIAL.get(func)
-    if special is not None:
-        return special(func, args, kwargs)
-    return run_op(func, args, kwargs)
+    info = _infos.get(id(func)) or op_info(func)
+    if info.special is not None:
+        return info.special(func, args, kwargs)
+    return run_op(func, args, kwargs, info)
 
 
-def run_op(func: Any, args: Any, kwargs: Any) -> Any:
+def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any:
     """The common path: meta inference (cached), local outputs, one fire-and-forget command."""
-    info = op_info(func)
-    index = find_device(info.name, args, kwargs)
+    if info is None:
+        info = op_info(func)
+    sig, index = signature_and_device(info.name, args, kwargs)
     device = table().get(index)
-    if func in SERVER_OPS:
+    if info.server:
         return call_on_server(func, args, kwargs, device)
+    key: Any = (id(func), sig)
     try:
-        key = (func, _signature(args), _signature(kwargs))
         cached = _meta_cache.lookup(key)
     except TypeError:  # an unhashable argument: no caching
         key, cached = None, None
@@ -259,7 +264,7 @@ def run_op(func: Any, args: Any, kwargs: Any) -> Any:
             _meta_cache.store(key, cached)
     metas, spec, values = cached
     if info.mask_pos is not None:  # backward ops skip masked-off outputs (undefined tensors); meta does not
-        mask = _arg(func, info.mask_pos, args, kwargs)
+        mask = _arg(info, info.mask_pos, args, kwargs)
         metas = [m if i >= len(mask) or mask[i] else None for i, m in enumerate(metas)]
     outs: list[Any] = []
     wire_outs: list[Any] = []
@@ -272,11 +277,11 @@ def run_op(func: Any, args: Any, kwargs: Any) -> Any:
             continue
         kind, pos = info.kind_of(i)
         if kind == "inplace":
-            target = _arg(func, pos, args, kwargs)
+            target = _arg(info, pos, args, kwargs)
             _conform(target, m, device)
             out = target
         elif kind == "view":
-            base = _arg(func, pos, args, kwargs)
+            base = _arg(info, pos, args, kwargs)
             if isinstance(base, (list, tuple)):
                 base = base[0]
             out = _aten.as_strided.default(base, m[1], m[2], m[3])
@@ -289,7 +294,7 @@ def run_op(func: Any, args: Any, kwargs: Any) -> Any:
             wire_outs.append(descriptor(out))
     if send:
         if info.random:
-            g = _arg(func, info.generator_pos, args, kwargs) if info.generator_pos is not None else None
+            g = _arg(info, info.generator_pos, args, kwargs) if info.generator_pos is not None else None
             _seed_if_needed(device, g)
         device.connection.op(device.local_index, info.name, args, kwargs, wire_outs, encoder_for(device))
     if len(outs) == 1 and spec.is_leaf():
@@ -297,11 +302,11 @@ def run_op(func: Any, args: Any, kwargs: Any) -> Any:
     return tree_unflatten(outs, spec)
 
 
-def _arg(func: Any, pos: int | None, args: Any, kwargs: Any) -> Any:
+def _arg(info: OpInfo, pos: int | None, args: Any, kwargs: Any) -> Any:
     assert pos is not None
     if pos < len(args):
         return args[pos]
-    return kwargs.get(func._schema.arguments[pos].name)
+    return kwargs.get(info.arg_names[pos])
 
 
 def contiguous_strides(shape: Any) -> list[int]:

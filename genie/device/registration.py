@@ -21,6 +21,7 @@ from genie.device import connection as dconn
 from genie.device import copies as _copies  # noqa: F401 - fills dispatch.SPECIAL
 from genie.device import dispatch, module, registry
 from genie.errors import DeviceError
+from genie.wire.values import DTYPES
 
 log = logging.getLogger("genie.device")
 
@@ -85,6 +86,9 @@ def ensure_registered() -> None:
         if name != dispatch.BACKEND:
             torch.utils.rename_privateuse1_backend(dispatch.BACKEND)
         _C.install()
+        for code, dtype in enumerate(DTYPES):
+            if dtype is not None:
+                _C.set_dtype_code(dtype, code)
         torch._register_device_module(dispatch.BACKEND, module.make_module())
         torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
         lib = torch.library.Library("_", "IMPL")  # noqa: TOR901 - the fallback needs the catch-all library
