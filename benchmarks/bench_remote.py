@@ -270,32 +270,16 @@ def measure_genie(port: int, raw: RawPeer, samples: int, pipelined_ops: int, rou
         x = torch.ones(16, device=dev)
         for _ in range(200):
             (x + 1).sum().item()
-        lat: list[float] = []
-        raw_lat: list[float] = []
-        blocks = 10
-        for _ in range(blocks):
-            raw_lat += raw.ping(samples // blocks)
-            for _ in range(samples // blocks):
-                t0 = time.perf_counter()
-                (x + 1).sum().item()
-                lat.append(time.perf_counter() - t0)
-        out["tiny"], out["raw_ping"] = lat, raw_lat
+        out["tiny"], out["raw_ping"] = _tiny_blocks(x, raw, samples)
 
         # The same, this process pinned to one CPU (taskset -c 0): no migration between the user's
         # thread and the socket's wake-ups; the raw baseline runs pinned too.
         affinity = os.sched_getaffinity(0)
         os.sched_setaffinity(0, {min(affinity)})
         try:
-            lat, raw_lat = [], []
-            for _ in range(blocks):
-                raw_lat += raw.ping(samples // blocks)
-                for _ in range(samples // blocks):
-                    t0 = time.perf_counter()
-                    (x + 1).sum().item()
-                    lat.append(time.perf_counter() - t0)
+            out["tiny_pinned"], out["raw_ping_pinned"] = _tiny_blocks(x, raw, samples)
         finally:
             os.sched_setaffinity(0, affinity)
-        out["tiny_pinned"], out["raw_ping_pinned"] = lat, raw_lat
 
         rates, client_cpu, local_op = [], [], []
         for _ in range(3):
@@ -352,6 +336,19 @@ def measure_genie(port: int, raw: RawPeer, samples: int, pipelined_ops: int, rou
     finally:
         genie.shutdown_sync()
     return out
+
+
+def _tiny_blocks(x: Any, raw: RawPeer, samples: int, blocks: int = 10) -> tuple[list[float], list[float]]:
+    """(x + 1).sum().item() round trips and raw 64 B round trips, in interleaved blocks."""
+    lat: list[float] = []
+    raw_lat: list[float] = []
+    for _ in range(blocks):
+        raw_lat += raw.ping(samples // blocks)
+        for _ in range(samples // blocks):
+            t0 = time.perf_counter()
+            (x + 1).sum().item()
+            lat.append(time.perf_counter() - t0)
+    return lat, raw_lat
 
 
 def _transformer_steps(dev: str, rounds: int) -> tuple[list[float], list[float], list[float]]:

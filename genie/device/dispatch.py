@@ -125,7 +125,7 @@ def scan(args: Any, state: list[Any]) -> tuple[Any, ...]:
 
     One pass serves both the meta cache and the device check: this is the per-op hot path.
     """
-    out = []
+    out: list[Any] = []
     for a in args:
         t = type(a)
         if t is torch.Tensor or isinstance(a, torch.Tensor):

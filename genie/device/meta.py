@@ -54,7 +54,7 @@ def storage_numel(shape: Any, stride: Any, offset: int) -> int:
 
 def to_meta(t: torch.Tensor) -> torch.Tensor:
     """A meta tensor with the same dtype, shape, strides and storage offset as ``t``."""
-    shape, stride, offset = t.shape, t.stride(), t.storage_offset()
+    shape, stride, offset = t.shape, t.stride(), int(t.storage_offset())
     base = torch.empty(storage_numel(shape, stride, offset), dtype=t.dtype, device="meta")
     return base.as_strided(shape, stride, offset)
 
