@@ -292,3 +292,11 @@ def test_full_upload_into_a_poisoned_storage_makes_it_whole_again(client):
     r = client.sync()
     assert [e["op"] for e in r.deferred] == ["aten::mm"]
     assert client.fetch(2, torch.empty(2, 2)).tolist() == [[3.0, 3.0], [3.0, 3.0]]
+
+
+def test_call_with_an_empty_result_describes_storage_zero(client):
+    x = torch.zeros(3)
+    r = client.request([call(client.next_req(), "aten::nonzero", [T(1, x)], {}, [2])], uploads=[(1, 0, x)])
+    assert r.error is None
+    storage_id, code, sizes, _, _, nbytes = r.result
+    assert (storage_id, code, sizes, nbytes) == (0, dtype_code(torch.int64), [0, 1], 0)
