@@ -259,10 +259,14 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
         fixup = META_FIXUPS.get(func)
         if fixup is not None:
             metas = fixup(metas, args, kwargs)
-        cached = (metas, spec, values)
+        # Whether an in-place/out= target must change layout: the signature holds the target's
+        # layout, so the answer holds for every later call with the same signature.
+        conform = [m is not None and info.kind_of(i)[0] == "inplace"
+                   and _differs(_target(info, i, args, kwargs), m) for i, m in enumerate(metas)]
+        cached = (metas, spec, values, conform, len(metas) == 1 and spec.is_leaf())
         if key is not None:
             _meta_cache.store(key, cached)
-    metas, spec, values = cached
+    metas, spec, values, conform, leaf = cached
     if info.mask_pos is not None:  # backward ops skip masked-off outputs (undefined tensors); meta does not
         mask = _arg(info, info.mask_pos, args, kwargs)
         metas = [m if i >= len(mask) or mask[i] else None for i, m in enumerate(metas)]
@@ -277,9 +281,11 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
             continue
         kind, pos = info.kind_of(i)
         if kind == "inplace":
-            target = _arg(info, pos, args, kwargs)
-            _conform(target, m, device)
-            out = target
+            out = _target(info, i, args, kwargs)
+            if conform[i]:
+                from genie.device.copies import set_layout
+
+                set_layout(out, m[1], m[2], m[3], device)
         elif kind == "view":
             base = _arg(info, pos, args, kwargs)
             if isinstance(base, (list, tuple)):
@@ -297,7 +303,7 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
             g = _arg(info, info.generator_pos, args, kwargs) if info.generator_pos is not None else None
             _seed_if_needed(device, g)
         device.connection.op(device.local_index, info.name, args, kwargs, wire_outs, encoder_for(device))
-    if len(outs) == 1 and spec.is_leaf():
+    if leaf:
         return outs[0]
     return tree_unflatten(outs, spec)
 
@@ -326,14 +332,16 @@ def new_tensor(m: dmeta.OutMeta, index: int) -> torch.Tensor:
     return torch.empty(span, dtype=dtype, device=torch_device(index)).as_strided(shape, stride, offset)
 
 
-def _conform(target: torch.Tensor, m: dmeta.OutMeta, device: RemoteDevice) -> None:
-    """Give an in-place/out= target the output's metadata, growing its storage if it must."""
-    _, shape, stride, offset = m
-    if tuple(target.shape) == shape and target.stride() == stride and target.storage_offset() == offset:
-        return
-    from genie.device.copies import set_layout
+def _target(info: OpInfo, i: int, args: Any, kwargs: Any) -> torch.Tensor:
+    """The argument an in-place/out= op's i-th (flattened) output is."""
+    target = _arg(info, info.kind_of(i)[1], args, kwargs)
+    return target[i] if isinstance(target, (list, tuple)) else target
 
-    set_layout(target, shape, stride, offset, device)
+
+def _differs(target: torch.Tensor, m: dmeta.OutMeta) -> bool:
+    """Whether an in-place/out= target's layout differs from the op's output (``t_``, ``out=`` resizes)."""
+    _, shape, stride, offset = m
+    return not (tuple(target.shape) == shape and target.stride() == stride and target.storage_offset() == offset)
 
 
 # -- generators -----------------------------------------------------------------------------------
