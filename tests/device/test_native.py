@@ -237,3 +237,15 @@ def test_autocast_bf16_runs_matmuls_in_bf16() -> None:
     with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
         ref = nn.functional.linear(x.cpu(), lin.weight.detach().cpu(), lin.bias.detach().cpu())
     torch.testing.assert_close(y.float().cpu(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_out_arguments_that_must_grow_keep_client_and_server_in_step() -> None:
+    a = torch.arange(6.0, device=D0)
+    out = torch.empty(2, device=D0)
+    torch.mul(a, 2, out=out)  # grows out's storage here and (CMD_RESIZE) on the server
+    assert out.shape == (6,) and out.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+    out.add_(1)  # the next descriptor naming the grown storage must agree with the server's size
+    assert out.sum().item() == 36.0
+    empty = torch.empty(0, device=D0)
+    torch.add(a, a, out=empty)
+    assert empty.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
