@@ -249,3 +249,20 @@ def test_out_arguments_that_must_grow_keep_client_and_server_in_step() -> None:
     empty = torch.empty(0, device=D0)
     torch.add(a, a, out=empty)
     assert empty.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+
+
+def test_streams_events_and_accelerator_synchronize_wait_for_the_server() -> None:
+    from genie.errors import RemoteExecutionError
+
+    stream = torch.remote_accelerator.current_stream()
+    assert stream.device == torch.device(D0)
+    event = torch.Event(device=D0)
+    x = torch.ones(4, device=D0) * 3
+    event.record()
+    event.synchronize()
+    assert event.query()
+    picked = torch.randn(3, device=D0)[torch.tensor([0, 9], device=D0)]  # out of range: only the server knows
+    with pytest.raises(RemoteExecutionError, match="aten::index"):
+        torch.accelerator.synchronize()
+    del picked
+    assert x.sum().item() == 12.0
