@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_unflatten
 
 from genie import _C
 from genie.device import meta as dmeta
+from genie.device import registry
 from genie.device.registry import RemoteDevice, table
 from genie.errors import DeviceError
 from genie.wire import messages as wm
@@ -242,7 +243,8 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
     if info is None:
         info = op_info(func)
     sig, index = signature_and_device(info.name, args, kwargs)
-    device = table().get(index)
+    tbl = registry._table
+    device = tbl.devices[index] if tbl is not None and index < len(tbl.devices) else table().get(index)
     if info.server:
         return call_on_server(func, args, kwargs, device)
     key: Any = (id(func), sig)
