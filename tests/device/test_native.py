@@ -266,3 +266,20 @@ def test_streams_events_and_accelerator_synchronize_wait_for_the_server() -> Non
         torch.accelerator.synchronize()
     del picked
     assert x.sum().item() == 12.0
+
+
+def test_the_native_device_count_follows_the_table_when_it_grows() -> None:
+    from genie import _C
+    from genie.device.registry import RemoteDevice, table
+
+    tbl = table()
+    last = tbl.devices[-1]
+    late = RemoteDevice(len(tbl), last.node_id, last.local_index, last.kind, last.name, last.connection)
+    try:
+        tbl.add(late)
+        assert torch.accelerator.device_count() == torch.remote_accelerator.device_count() == 3
+        assert (torch.ones(2, device="remote_accelerator:2") + 1).tolist() == [2.0, 2.0]
+    finally:
+        tbl.devices.remove(late)
+        _C.set_device_count(len(tbl))
+    assert torch.accelerator.device_count() == 2
