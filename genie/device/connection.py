@@ -131,7 +131,15 @@ class NodeConnection:
                 # of the per-op cost). Used under the lock: a Packer is not thread-safe.
                 packer = self._packer = msgpack.Packer(use_bin_type=True, default=default)
                 self._packer_default = default
-            self.queue(packer.pack([wm.CMD_OP, device, name, args, kwargs, outs]))
+            if self._lost is not None:
+                self.queue(b"")  # dropped inside backward, else RemoteDeviceLost (see queue)
+                return
+            cmd = packer.pack([wm.CMD_OP, device, name, args, kwargs, outs])
+            self._cmds.append(cmd)  # queue()'s work inline: this is the per-op path
+            self._cmd_bytes += len(cmd)
+            self.stats["ops"] += 1
+            if len(self._cmds) >= MAX_BATCH_CMDS or self._cmd_bytes >= MAX_BATCH_BYTES:
+                self._flush_locked()
 
     def command(self, cmd: list[Any]) -> None:
         """Queue a command of plain values (CMD_SEED, CMD_RESIZE)."""

@@ -223,6 +223,7 @@ def _to_meta_arg(obj: Any) -> Any:
 
 
 _meta_cache = dmeta.MetaCache()
+_cache_get = _meta_cache._cache.get  # the per-op path skips the method call (and the hit counter)
 
 
 def meta_cache() -> dmeta.MetaCache:
@@ -249,7 +250,7 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
         return call_on_server(func, args, kwargs, device)
     key: Any = (id(func), sig)
     try:
-        cached = _meta_cache.lookup(key)
+        cached = _cache_get(key)
     except TypeError:  # an unhashable argument: no caching
         key, cached = None, None
     if cached is None:
