@@ -12,7 +12,6 @@ Public API::
 from __future__ import annotations
 
 from genie._version import __version__
-
 from genie.api import get_cluster_state, init, init_sync, is_initialized, shutdown, shutdown_sync, subscribe
 from genie.hookspecs import hookimpl
 
