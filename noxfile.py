@@ -22,7 +22,9 @@ nox.options.sessions = ["lint", "tcp", "shm", "dpdk", "gpudev", "rdma", "nvml"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
-CORE = ("-e", ".[test]", "-e", "plugins/genie_tcp")
+# The core builds genie._C against the session's torch: torch first, then --no-build-isolation.
+CORE = ("--no-build-isolation", "-e", ".[test]", "-e", "plugins/genie_tcp")
+BUILD = (TORCH, "setuptools>=70.1", "hatchling>=1.24", "editables>=0.5")  # hatchling: the plugins build with it
 PLUGINS = ("tcp", "shm", "dpdk", "gpudev", "rdma", "nvml")
 #: Plugins a plugin depends on (installed from this repository, not from an index).
 PLUGIN_DEPENDS = {"gpudev": ("dpdk",)}
@@ -53,7 +55,8 @@ def plugin_session(session: nox.Session, plugin: str) -> None:
     extra = [arg for dep in PLUGIN_DEPENDS.get(plugin, ()) for arg in ("-e", f"plugins/genie_{dep}")]
     if plugin != "tcp":  # CORE already has genie-tcp
         extra += ["-e", f"plugins/genie_{plugin}"]
-    session.install(TORCH, *CORE, *extra, *NO_DEPS_NEEDS.get(plugin, ()))
+    session.install(*BUILD)
+    session.install(*CORE, *extra, *NO_DEPS_NEEDS.get(plugin, ()))
     if plugin in NO_DEPS:
         session.install("--no-deps", *NO_DEPS[plugin])
     # Entry points of other plugins must not leak in from elsewhere.
@@ -104,7 +107,8 @@ def tests(session: nox.Session) -> None:
     for group in sorted(set(SYSTEM_DEPS.values())):
         install_system_deps(session, group)
     plugins = [arg for p in PLUGINS for arg in ("-e", f"plugins/genie_{p}")]
-    session.install(TORCH, "-e", ".[test]", *plugins, *(n for p in PLUGINS for n in NO_DEPS_NEEDS.get(p, ())))
+    session.install(*BUILD)
+    session.install("--no-build-isolation", "-e", ".[test]", *plugins, *(n for p in PLUGINS for n in NO_DEPS_NEEDS.get(p, ())))
     session.install("--no-deps", *(n for p in PLUGINS for n in NO_DEPS.get(p, ())))
     session.run("python", "-m", "pytest", "-q", *session.posargs)
 
@@ -112,7 +116,8 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff on everything, mypy on genie/."""
-    session.install("ruff", "mypy", "types-psutil", TORCH, *CORE)
+    session.install("ruff", "mypy", "types-psutil", *BUILD)
+    session.install(*CORE)
     session.run("ruff", "check", ".")
     session.run("mypy", "genie")
 
@@ -123,6 +128,7 @@ def fuzz(session: nox.Session) -> None:
 
     ``nox -s fuzz`` runs three minutes; pass libFuzzer flags after ``--`` (``-max_total_time=600``, a corpus dir).
     """
-    session.install(TORCH, *CORE, "atheris")
+    session.install(*BUILD)
+    session.install(*CORE, "atheris")
     args = session.posargs or ["-max_total_time=180", "-print_final_stats=1"]
     session.run("python", "fuzz/fuzz_frames.py", *args)

@@ -44,6 +44,7 @@ TARGET_MATMUL_VS_WIRE = 1.15
 TARGET_BULK_VS_RAW = 0.7
 TARGET_BULK_VS_RPC = 2.0
 TARGET_PEAK_MEM = 1.25
+TARGET_CLIENT_US_PER_OP = 15e-6
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,27 +270,36 @@ def measure_genie(port: int, raw: RawPeer, samples: int, pipelined_ops: int, rou
         x = torch.ones(16, device=dev)
         for _ in range(200):
             (x + 1).sum().item()
-        lat: list[float] = []
-        raw_lat: list[float] = []
-        blocks = 10
-        for _ in range(blocks):
-            raw_lat += raw.ping(samples // blocks)
-            for _ in range(samples // blocks):
-                t0 = time.perf_counter()
-                (x + 1).sum().item()
-                lat.append(time.perf_counter() - t0)
-        out["tiny"], out["raw_ping"] = lat, raw_lat
+        out["tiny"], out["raw_ping"] = _tiny_blocks(x, raw, samples)
 
-        rates = []
+        # The same, this process pinned to one CPU (taskset -c 0): no migration between the user's
+        # thread and the socket's wake-ups; the raw baseline runs pinned too.
+        affinity = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {min(affinity)})
+        try:
+            out["tiny_pinned"], out["raw_ping_pinned"] = _tiny_blocks(x, raw, samples)
+        finally:
+            os.sched_setaffinity(0, affinity)
+
+        rates, client_cpu, local_op = [], [], []
         for _ in range(3):
             y = torch.zeros(1, device=dev)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(pipelined_ops):
                 y = y + 1
+            c1 = time.thread_time()
             value = y.item()
             rates.append(pipelined_ops / (time.perf_counter() - t0))
+            client_cpu.append((c1 - c0) / pipelined_ops)  # encode + queue + send, this thread's CPU only
             out["pipelined_ok"] = value == pipelined_ops
-        out["pipelined"] = rates
+            z = torch.zeros(1)
+            t0 = time.perf_counter()
+            for _ in range(pipelined_ops):
+                z = z + 1
+            local_op.append((time.perf_counter() - t0) / pipelined_ops)
+        out["pipelined"], out["client_cpu_per_op"], out["local_op"] = rates, client_cpu, local_op
+
+        out["step_client"], out["step_remote"], out["step_local"] = _transformer_steps(dev, rounds)
 
         a = torch.randn(MATMUL_N, MATMUL_N)
         expect = a @ a
@@ -326,6 +336,54 @@ def measure_genie(port: int, raw: RawPeer, samples: int, pipelined_ops: int, rou
     finally:
         genie.shutdown_sync()
     return out
+
+
+def _tiny_blocks(x: Any, raw: RawPeer, samples: int, blocks: int = 10) -> tuple[list[float], list[float]]:
+    """(x + 1).sum().item() round trips and raw 64 B round trips, in interleaved blocks."""
+    lat: list[float] = []
+    raw_lat: list[float] = []
+    for _ in range(blocks):
+        raw_lat += raw.ping(samples // blocks)
+        for _ in range(samples // blocks):
+            t0 = time.perf_counter()
+            (x + 1).sum().item()
+            lat.append(time.perf_counter() - t0)
+    return lat, raw_lat
+
+
+def _transformer_steps(dev: str, rounds: int) -> tuple[list[float], list[float], list[float]]:
+    """A 2-layer transformer training step (forward, backward, AdamW): this thread's CPU time and the
+    wall time of the step on the remote device (to its loss.item()), and the same step on the local CPU."""
+    import torch
+    from torch import nn
+
+    def make(device: str) -> tuple[Any, Any, Any]:
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.0, batch_first=True)
+        model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).to(device)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3), torch.randn(8, 16, 64).to(device)
+
+    def step(model: Any, opt: Any, x: Any) -> float:
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    client, remote, local = [], [], []
+    rm, ro, rx = make(dev)
+    lm, lo, lx = make("cpu")
+    for i in range(rounds + 2):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        step(rm, ro, rx)
+        c1, t1 = time.thread_time(), time.perf_counter()
+        step(lm, lo, lx)
+        t2 = time.perf_counter()
+        if i >= 2:  # the first steps fill the meta cache
+            client.append(c1 - c0)
+            remote.append(t1 - t0)
+            local.append(t2 - t1)
+    return client, remote, local
 
 
 def _remote_square(a: Any, dev: str) -> Any:
@@ -437,6 +495,28 @@ def run_parent(kids: c.Children, args: argparse.Namespace, samples: int, rounds:
               f"<= {TARGET_TINY_VS_RAW:g}x", tiny / raw_rtt <= TARGET_TINY_VS_RAW)
     table.add("tiny op + .item()", c.fmt_us(tiny), f"rpc_sync {c.fmt_us(rpc['tiny_median'])}",
               f"{tiny / rpc['tiny_median']:.2f}x", "< 1x", tiny < rpc["tiny_median"])
+
+    tiny_pinned, raw_pinned = statistics.median(g["tiny_pinned"]), statistics.median(g["raw_ping_pinned"])
+    print(f"genie (x + 1).sum().item() pinned to one CPU: median {c.fmt_us(tiny_pinned)} vs raw round trip pinned "
+          f"{c.fmt_us(raw_pinned)} = {tiny_pinned / raw_pinned:.2f}x (target <= {TARGET_TINY_VS_RAW:g}x)")
+    table.add("tiny op + .item(), pinned", c.fmt_us(tiny_pinned), f"raw RTT pinned {c.fmt_us(raw_pinned)}",
+              f"{tiny_pinned / raw_pinned:.2f}x", f"<= {TARGET_TINY_VS_RAW:g}x",
+              tiny_pinned / raw_pinned <= TARGET_TINY_VS_RAW)
+
+    per_op, local_op = statistics.median(g["client_cpu_per_op"]), statistics.median(g["local_op"])
+    print(f"genie client CPU per queued op (y = y + 1, encode + queue + send): {c.fmt_us(per_op)} "
+          f"vs the same op on the local CPU {c.fmt_us(local_op)} = {per_op / local_op:.1f}x "
+          f"(target <= {c.fmt_us(TARGET_CLIENT_US_PER_OP)})")
+    table.add("client CPU per queued op", c.fmt_us(per_op), f"local op {c.fmt_us(local_op)}",
+              f"{per_op / local_op:.1f}x", f"<= {c.fmt_us(TARGET_CLIENT_US_PER_OP)}",
+              per_op <= TARGET_CLIENT_US_PER_OP)
+
+    step_client, step_remote = statistics.median(g["step_client"]), statistics.median(g["step_remote"])
+    step_local = statistics.median(g["step_local"])
+    print(f"genie 2-layer transformer training step: client CPU {c.fmt_ms(step_client)}, wall {c.fmt_ms(step_remote)} "
+          f"vs the step on the local CPU {c.fmt_ms(step_local)}: client CPU {step_client / step_local:.2f}x local")
+    table.add("transformer step, client CPU", c.fmt_ms(step_client), f"local step {c.fmt_ms(step_local)}",
+              f"{step_client / step_local:.2f}x", "report", None)
 
     rate = statistics.median(g["pipelined"])
     print(f"genie pipelined y = y + 1: {rate:,.0f} ops/s (runs: {', '.join(f'{r:,.0f}' for r in g['pipelined'])})"

@@ -30,7 +30,7 @@ from genie.device.connection import NodeConnection  # noqa: E402
 from genie.security import ClientSecurity  # noqa: E402
 from genie.server import DataPlaneServer  # noqa: E402
 from genie.wire.handshake import secure_client_channel  # noqa: E402
-from genie.wire.messages import hello_body  # noqa: E402
+from genie.wire.messages import CMD_FREE, hello_body  # noqa: E402
 from tests.security.certs import make_pki  # noqa: E402
 
 TOKEN = "bench-token"
@@ -52,12 +52,13 @@ def measure(server_options: dict, client_options: dict, nbytes: int, repeat: int
         ups, downs = [], []
         for i in range(repeat + 1):
             t0 = time.perf_counter()
-            conn.upload(i + 1, 0, data)
+            conn.upload(i + 1, 0, data, overwrite=False)
             conn.sync()
             t1 = time.perf_counter()
-            back = conn.fetch(i + 1, torch.float32, tuple(data.shape))
+            # [storage_id, dtype code (0: float32), sizes, strides, offset, storage_nbytes]
+            back = conn.fetch(0, [i + 1, 0, [data.numel()], [1], 0, data.nbytes], torch.empty_like(data))
             t2 = time.perf_counter()
-            conn.release(i + 1)
+            conn.command([CMD_FREE, [i + 1]])
             if i:  # the first run warms up allocators and TLS session state
                 ups.append(t1 - t0)
                 downs.append(t2 - t1)

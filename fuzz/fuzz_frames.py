@@ -10,14 +10,16 @@ fuzz input opens a fresh connection and, by its first byte, sends
 - 1: a HELLO frame whose body is the input (handshake parser);
 - 2: a valid HELLO, then the input as the AUTH body (challenge-response);
 - 3: a complete, authenticated handshake, then the input as the BATCH body
-  (the executor's decoder and command checks; payload length from the input).
+  (the executor's decoder and command checks; payload length from the input);
+- 4: a complete handshake, then a well-formed BATCH whose one command is the
+  input (command decoding, tensor descriptors and their bounds, the ops);
 
 then closes its side and waits for the server to close. After every input
 the fuzzer checks: the server closed that connection within a bound; no
 unauthenticated input got a WELCOME; the server logged no internal error
 (``session ... failed``); and, every few inputs, the good client still gets
-the right bytes back and its session's handles and bytes are unchanged
-(no cross-session effect). Any violation raises, which atheris reports as a
+the right bytes back and its session's storages and bytes are unchanged
+(no cross-session effect: same bytes, storages and poisoned count). Any violation raises, which atheris reports as a
 crash with the input that caused it.
 """
 
@@ -32,17 +34,19 @@ import time
 
 import atheris
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for tests.raw_client
+
 with atheris.instrument_imports(include=["genie"]):
     import msgpack
     import torch
     from genie_tcp import TcpTransport
 
     from genie.config import ClusterConfig
-    from genie.device.connection import NodeConnection
     from genie.server import DataPlaneServer
     from genie.wire import frame as wf
     from genie.wire.handshake import client_handshake
     from genie.wire.messages import hello_body
+    from tests.raw_client import RawClient
 
 TOKEN = b"fuzz-cluster-token"
 #: Longest the server may take to close a connection after the client closed its side.
@@ -71,14 +75,13 @@ server = DataPlaneServer(TcpTransport(), "127.0.0.1", 0, [torch.device("cpu")] *
                          hello_timeout=2.0)
 server.start()
 
-_channel = TcpTransport().connect("127.0.0.1", server.port, timeout=5)
-good = NodeConnection(_channel, node_id="fuzz", address=f"127.0.0.1:{server.port}", op_timeout=10)
-good.handshake(hello_body(node_id="good-client", role="client", backends=["tcp"]), 5, token=TOKEN)
+good = RawClient(server.port)
+good.handshake(token=TOKEN)
 GOOD_DATA = torch.arange(4096, dtype=torch.float32)
-good.upload(1, 0, GOOD_DATA)
+good.send_batch([], uploads=[(1, 0, GOOD_DATA)])
 good.sync()
 GOOD_SESSION = next(iter(server.stats()["per_session"]))
-GOOD_STATS = {k: server.stats()["per_session"][GOOD_SESSION][k] for k in ("handles", "bytes", "poisoned")}
+GOOD_STATS = {k: server.stats()["per_session"][GOOD_SESSION][k] for k in ("storages", "bytes", "poisoned")}
 counts = {"inputs": 0, "welcomed": 0, "checks": 0}
 
 
@@ -152,7 +155,7 @@ def _drain_until_closed(sock: socket.socket) -> bytes:
 
 def _check_service() -> None:
     counts["checks"] += 1
-    back = good.fetch(1, torch.float32, (4096,))
+    back = good.fetch(1, GOOD_DATA)
     if not torch.equal(back, GOOD_DATA):
         raise AssertionError("the good client got wrong bytes back")
     mine = server.stats()["per_session"].get(GOOD_SESSION)
@@ -167,7 +170,7 @@ def test_one_input(data: bytes) -> None:
     if not data:
         return
     counts["inputs"] += 1
-    mode, rest = data[0] % 4, data[1:]
+    mode, rest = data[0] % 5, data[1:]
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=CLOSE_BOUND)
     authenticated = False
     try:
@@ -186,8 +189,14 @@ def test_one_input(data: bytes) -> None:
             client_handshake(_SocketChannel(sock), hello_body(node_id="fuzz", role="client", backends=["tcp"]),
                              token=TOKEN, where="fuzz server")
             authenticated = True
-            payload_len = rest[0] * 64 if rest else 0
-            sock.sendall(_frame(wf.MsgKind.BATCH, rest[1:], payload_len) + rest[1:1 + payload_len])
+            if mode == 3:
+                payload_len = rest[0] * 64 if rest else 0
+                sock.sendall(_frame(wf.MsgKind.BATCH, rest[1:], payload_len) + rest[1:1 + payload_len])
+            else:
+                body = msgpack.packb({"uploads": [], "cmds": [rest]}, use_bin_type=True)
+                sync = msgpack.packb([6, 1])  # CMD_SYNC: a reply proves the session survived the command
+                sock.sendall(_frame(wf.MsgKind.BATCH, body) + _frame(
+                    wf.MsgKind.BATCH, msgpack.packb({"uploads": [], "cmds": [sync]}, use_bin_type=True)))
     except (ConnectionError, OSError):
         pass  # the server closed on us mid-send: a refusal
     try:

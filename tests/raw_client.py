@@ -17,28 +17,43 @@ from genie_tcp import TcpTransport
 from genie.transport.base import Channel
 from genie.wire.buffers import tensor_bytes
 from genie.wire.frame import MsgKind, pack_body, recv_header_and_body, recv_payload, send_frame, unpack_body
-from genie.wire.messages import CMD_CALL, CMD_FETCH, CMD_FREE, CMD_OP, CMD_SYNC, hello_body
-from genie.wire.values import device_ext, dtype_code, dtype_from_code, encode_common, handle_ext
+from genie.wire.messages import CMD_CALL, CMD_FETCH, CMD_FREE, CMD_OP, CMD_RESIZE, CMD_SEED, CMD_SYNC, hello_body
+from genie.wire.values import device_ext, dtype_code, dtype_from_code, encode_common, generator_ext, tensor_ext
 
 
-class _Tagged:
+def desc(storage_id: int, t: torch.Tensor) -> list[Any]:
+    """``[storage_id, dtype, sizes, strides, offset, storage_nbytes]`` of ``t`` (a CPU or meta tensor) over a storage."""
+    return [storage_id, dtype_code(t.dtype), list(t.shape), list(t.stride()), t.storage_offset(),
+            t.untyped_storage().nbytes()]
+
+
+class T:
+    """A tensor argument: ``T(storage_id, like)`` describes ``like``'s layout over storage ``storage_id``."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, storage_id: int | list[Any], like: torch.Tensor | None = None) -> None:
+        self.value = storage_id if isinstance(storage_id, list) else desc(storage_id, like)
+
+
+class Dev:
+    """A device index argument (encoded as the device tag)."""
+
     __slots__ = ("value",)
 
     def __init__(self, value: int) -> None:
         self.value = value
 
 
-class H(_Tagged):
-    """A tensor handle argument (encoded as the handle tag)."""
-
-
-class Dev(_Tagged):
-    """A device index argument (encoded as the device tag)."""
+class Gen(Dev):
+    """A session generator argument (encoded as the generator tag; 0 is the default)."""
 
 
 def _default(obj: Any) -> Any:
-    if isinstance(obj, H):
-        return handle_ext(obj.value)
+    if isinstance(obj, T):
+        return tensor_ext(obj.value)
+    if isinstance(obj, Gen):
+        return generator_ext(obj.value)
     if isinstance(obj, Dev):
         return device_ext(obj.value)
     encoded = encode_common(obj)
@@ -48,33 +63,38 @@ def _default(obj: Any) -> Any:
 
 
 def pack(obj: Any) -> bytes:
-    """msgpack with tagged handles, devices, dtypes."""
+    """msgpack with tagged tensors, devices, generators, dtypes."""
     return msgpack.packb(obj, use_bin_type=True, default=_default)
 
 
-def spec(handle: int, t: torch.Tensor) -> list[Any]:
-    """The ``[handle, dtype, shape, stride, offset]`` a client computes (pass a meta or CPU tensor)."""
-    return [handle, dtype_code(t.dtype), list(t.shape), list(t.stride()), t.storage_offset()]
+def op(name: str, args: list[Any], kwargs: dict[str, Any] | None = None, outs: list[Any] = (),
+       device: int = 0) -> bytes:
+    return pack([CMD_OP, device, name, args, kwargs or {}, list(outs)])
 
 
-def op(name: str, args: list[Any], kwargs: dict[str, Any] | None = None, outs: Sequence[Any] = ()) -> bytes:
-    return pack([CMD_OP, name, args, kwargs or {}, list(outs)])
+def call(req: int, name: str, args: list[Any], kwargs: dict[str, Any] | None = None, outs: Sequence[int] = (),
+         device: int = 0) -> bytes:
+    return pack([CMD_CALL, req, device, name, args, kwargs or {}, list(outs)])
 
 
-def call(req: int, name: str, args: list[Any], kwargs: dict[str, Any] | None = None, outs: Sequence[int] = ()) -> bytes:
-    return pack([CMD_CALL, req, name, args, kwargs or {}, list(outs)])
+def fetch(req: int, tensor: list[Any], device: int = 0) -> bytes:
+    return pack([CMD_FETCH, req, device, T(tensor)])
 
 
-def fetch(req: int, handle: int) -> bytes:
-    return pack([CMD_FETCH, req, handle])
-
-
-def free(*handles: int) -> bytes:
-    return pack([CMD_FREE, list(handles)])
+def free(*storage_ids: int) -> bytes:
+    return pack([CMD_FREE, list(storage_ids)])
 
 
 def sync(req: int) -> bytes:
     return pack([CMD_SYNC, req])
+
+
+def seed(device: int, generator_id: int, value: int) -> bytes:
+    return pack([CMD_SEED, device, generator_id, value])
+
+
+def resize(device: int, storage_id: int, nbytes: int) -> bytes:
+    return pack([CMD_RESIZE, device, storage_id, nbytes])
 
 
 class Reply:
@@ -130,10 +150,9 @@ class RawClient:
         return body
 
     def send_batch(self, cmds: list[bytes], uploads: Sequence[tuple[int, int, torch.Tensor]] = ()) -> None:
-        """Send a BATCH: ``uploads`` are ``(handle, device index, CPU tensor)``."""
+        """Send a BATCH: ``uploads`` are ``(storage_id, device index, CPU tensor)``; the storage gets its bytes."""
         tensors = [t.contiguous() for _, _, t in uploads]
-        ups = [[h, d, dtype_code(t.dtype), list(t.shape), t.numel() * t.element_size()]
-               for (h, d, _), t in zip(uploads, tensors, strict=True)]
+        ups = [[s, d, t.numel() * t.element_size()] for (s, d, _), t in zip(uploads, tensors, strict=True)]
         send_frame(self.channel, MsgKind.BATCH, pack_body({"uploads": ups, "cmds": cmds}),
                    [tensor_bytes(t) for t in tensors])
 
@@ -155,9 +174,10 @@ class RawClient:
         self.send_batch(cmds, uploads)
         return self.reply()
 
-    def fetch(self, handle: int) -> torch.Tensor:
-        """Fetch a tensor; fails the test on an error reply."""
-        r = self.request([fetch(self.next_req(), handle)])
+    def fetch(self, storage_id: int | list[Any], like: torch.Tensor | None = None, device: int = 0) -> torch.Tensor:
+        """Fetch the tensor ``like`` describes over ``storage_id`` (or a descriptor); fails the test on an error."""
+        described = storage_id if isinstance(storage_id, list) else desc(storage_id, like)
+        r = self.request([fetch(self.next_req(), described, device)])
         assert r.error is None, r.error
         code, shape = r.result
         raw = torch.frombuffer(bytearray(r.payload), dtype=torch.uint8) if r.payload else torch.empty(0, dtype=torch.uint8)

@@ -19,7 +19,8 @@ PACKAGE = Path(genie.__file__).parent
 
 def _module_names(root: Path) -> dict[str, Path]:
     names = {}
-    for path in root.rglob("*.py"):
+    # A compiled extension (genie._C) is known by its stub: `from genie import _C` imports it, not the face.
+    for path in [*root.rglob("*.py"), *(p for p in root.rglob("*.pyi") if not p.with_suffix(".py").exists())]:
         parts = list(path.relative_to(root.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()

@@ -1,7 +1,13 @@
-"""The ``remote_accelerator`` PyTorch device: registration, RemoteTensor, dispatch, op stream."""
+"""The ``remote_accelerator`` PyTorch device: registration, dispatch, op stream.
+
+Importing this package registers the device (see :mod:`genie.device.registration`).
+"""
 
 from genie.device.registration import ensure_registered
 from genie.device.registry import DeviceTable, RemoteDevice
-from genie.device.tensor import BACKEND, RemoteTensor
 
-__all__ = ["BACKEND", "DeviceTable", "RemoteDevice", "RemoteTensor", "ensure_registered"]
+ensure_registered()
+
+BACKEND = "remote_accelerator"
+
+__all__ = ["BACKEND", "DeviceTable", "RemoteDevice", "ensure_registered"]

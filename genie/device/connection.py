@@ -1,4 +1,4 @@
-"""The client side of one data-plane session: batching, handles, sync points.
+"""The client side of one data-plane session: batching, storages, sync points.
 
 Ops are encoded on the calling thread and appended to a batch; the batch is sent
 when it grows past a bound, at a sync point, or when the runtime's idle flusher
@@ -35,12 +35,16 @@ from genie.transport.base import Channel
 from genie.wire import frame as wf
 from genie.wire import messages as wm
 from genie.wire.buffers import tensor_bytes
-from genie.wire.values import dtype_code
+from genie.wire.values import tensor_ext
 
 log = logging.getLogger("genie.device")
 
 MAX_BATCH_CMDS = 512
 MAX_BATCH_BYTES = 1 << 20
+
+#: Moves storages freed by genie._C (any thread) to their connections' free lists; set by
+#: genie.device.registration. Called at each flush, so frees go out with the next batch.
+free_router: Callable[[], None] | None = None
 
 
 class NodeConnection:
@@ -54,19 +58,22 @@ class NodeConnection:
         self.devices: list[dict[str, Any]] = []
         self.limits: dict[str, Any] = {}
         self.lock = threading.RLock()
-        self._handles = itertools.count(1)
         self._requests = itertools.count(1)
         self._cmds: list[bytes] = []
         self._cmd_bytes = 0
         self._uploads: list[list[Any]] = []
         self._payload: list[memoryview] = []
         self._keepalive: list[torch.Tensor] = []
-        self._frees: list[int] = []
+        self.frees: list[int] = []
+        #: (local device, generator id) -> the generator epoch the server was last seeded at
+        self.seeded: dict[tuple[int, int], int] = {}
         self._lost: str | None = None
         self.last_send = time.monotonic()
         self.backend = "tcp"
         self.encoder: Callable[[Any], Any] | None = None
         self._pending_request = False
+        self._packer: msgpack.Packer | None = None
+        self._packer_default: Callable[[Any], Any] | None = None
         self.stats = {"ops": 0, "bytes_up": 0, "bytes_down": 0, "round_trips": 0, "batches": 0}
 
     # -- handshake ---------------------------------------------------------------------------
@@ -114,21 +121,31 @@ class NodeConnection:
         if self._lost is not None:
             raise self._device_lost(device)
 
-    def new_handle(self) -> int:
-        return next(self._handles)
-
     # -- fire-and-forget -----------------------------------------------------------------------
-    def op(self, name: str, args: Any, kwargs: Any, outs: list[list[Any]], default: Callable[[Any], Any],
-           *, defer: bool = False) -> bytes | None:
-        """Queue an op whose outputs (handle, dtype, shape, stride, offset) the client already knows.
+    def op(self, device: int, name: str, args: Any, kwargs: Any, outs: list[Any],
+           default: Callable[[Any], Any]) -> None:
+        """Queue an op on local device ``device`` whose output descriptors the client already made."""
+        with self.lock:
+            packer = self._packer
+            if packer is None or self._packer_default is not default:
+                # One Packer per session: msgpack.packb builds a new one per call (a measurable share
+                # of the per-op cost). Used under the lock: a Packer is not thread-safe.
+                packer = self._packer = msgpack.Packer(use_bin_type=True, default=default)
+                self._packer_default = default
+            if self._lost is not None:
+                self.queue(b"")  # dropped inside backward, else RemoteDeviceLost (see queue)
+                return
+            cmd = packer.pack([wm.CMD_OP, device, name, args, kwargs, outs])
+            self._cmds.append(cmd)  # queue()'s work inline: this is the per-op path
+            self._cmd_bytes += len(cmd)
+            self.stats["ops"] += 1
+            STATS.op_queued()  # stats
+            if len(self._cmds) >= MAX_BATCH_CMDS or self._cmd_bytes >= MAX_BATCH_BYTES:
+                self._flush_locked()
 
-        With ``defer`` the encoded command is returned instead of queued (see :meth:`queue`).
-        """
-        cmd = msgpack.packb([wm.CMD_OP, name, args, kwargs, outs], use_bin_type=True, default=default)
-        if defer:
-            return cmd
-        self.queue(cmd)
-        return None
+    def command(self, cmd: list[Any]) -> None:
+        """Queue a command of plain values (CMD_SEED, CMD_RESIZE)."""
+        self.queue(msgpack.packb(cmd, use_bin_type=True))
 
     def queue(self, cmd: bytes) -> None:
         """Queue an encoded command.
@@ -145,18 +162,18 @@ class NodeConnection:
             self.stats["ops"] += 1
             STATS.op_queued()  # stats
 
-    def upload(self, handle: int, device: int, tensor: torch.Tensor) -> None:
-        """Queue a CPU tensor's bytes under ``handle`` on local device ``device`` of the node."""
-        src = tensor.detach()
-        if src.is_conj():
-            src = src.resolve_conj()
-        if src.is_neg():
-            src = src.resolve_neg()
-        src = src.contiguous()
+    def upload(self, storage_id: int, device: int, src: torch.Tensor, *, overwrite: bool) -> None:
+        """Queue a contiguous CPU tensor's bytes as all of storage ``storage_id`` on local device ``device``.
+
+        Uploads run before the commands of their batch, so an upload that may ``overwrite`` a
+        storage earlier commands still read first sends those commands in a batch of their own.
+        """
         view = tensor_bytes(src)
         with self.lock:
             self.check_alive()
-            self._uploads.append([handle, device, dtype_code(src.dtype), list(src.shape), view.nbytes])
+            if overwrite and self._cmds:
+                self._flush_locked()
+            self._uploads.append([storage_id, device, view.nbytes])
             self._payload.append(view)
             self._keepalive.append(src)
             self.stats["bytes_up"] += view.nbytes
@@ -164,10 +181,6 @@ class NodeConnection:
             self._cmd_bytes += view.nbytes
             if self._cmd_bytes >= MAX_BATCH_BYTES:
                 self._flush_locked()
-
-    def release(self, handle: int) -> None:
-        """Free a handle later (called from finalizers on any thread; never blocks)."""
-        self._frees.append(handle)
 
     def _append(self, cmd: bytes) -> None:
         self._cmds.append(cmd)
@@ -207,12 +220,14 @@ class NodeConnection:
                 self.lock.release()
 
     def has_pending(self) -> bool:
-        return bool(self._cmds or self._uploads or self._frees)
+        return bool(self._cmds or self._uploads or self.frees)
 
     def _flush_locked(self) -> None:
-        if self._frees:
-            # After the queued commands: a handle is released only once no queued op can still use it...
-            frees, self._frees = self._frees, []
+        if free_router is not None:
+            free_router()
+        if self.frees:
+            # After the queued commands: a storage is freed only once no queued op can still use it...
+            frees, self.frees = self.frees, []
             free_cmd = msgpack.packb([wm.CMD_FREE, frees])
             if self._cmds and self._pending_request:
                 self._cmds.insert(len(self._cmds) - 1, free_cmd)  # ...but before a request, so it is answered last
@@ -279,17 +294,15 @@ class NodeConnection:
             raise _execution_error(error)
         return out if payload_into is not None else result
 
-    def fetch(self, handle: int, dtype: torch.dtype, shape: tuple[int, ...], device: str = "") -> torch.Tensor:
-        """Download a tensor's contents into a new contiguous CPU tensor."""
-        def into(_: Any) -> torch.Tensor:
-            return torch.empty(shape, dtype=dtype)
+    def fetch(self, local: int, desc: list[Any], out: torch.Tensor, device: str = "") -> torch.Tensor:
+        """Download the described tensor's values into ``out`` (a contiguous CPU tensor of its dtype and shape)."""
+        return self._request(lambda req: [wm.CMD_FETCH, req, local, tensor_ext(desc)], payload_into=lambda _: out,
+                             device=device)
 
-        return self._request(lambda req: [wm.CMD_FETCH, req, handle], payload_into=into, device=device)
-
-    def call(self, name: str, args: Any, kwargs: Any, out_handles: list[int], default: Callable[[Any], Any],
-             device: str = "") -> Any:
-        """Run an op now and return its result (tensors described as [handle, dtype, shape, stride, offset])."""
-        return self._request(lambda req: [wm.CMD_CALL, req, name, args, kwargs, out_handles], default=default,
+    def call(self, local: int, name: str, args: Any, kwargs: Any, out_ids: list[int],
+             default: Callable[[Any], Any], device: str = "") -> Any:
+        """Run an op now and return its result (tensors as descriptors over the storages ``out_ids``)."""
+        return self._request(lambda req: [wm.CMD_CALL, req, local, name, args, kwargs, out_ids], default=default,
                              device=device)
 
     def sync(self) -> None:

@@ -45,16 +45,18 @@ class MetaCache:
         self.misses += 1
 
 
+def storage_numel(shape: Any, stride: Any, offset: int) -> int:
+    """Elements a storage needs to hold a tensor of this layout."""
+    if any(s == 0 for s in shape):
+        return offset
+    return offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
+
+
 def to_meta(t: torch.Tensor) -> torch.Tensor:
     """A meta tensor with the same dtype, shape, strides and storage offset as ``t``."""
-    storage_numel = t.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
-    if t.numel() == 0:
-        storage_numel = t.storage_offset()
-    base = torch.empty(max(storage_numel, 0), dtype=t.dtype, device="meta")
-    meta = base.as_strided(t.shape, t.stride(), t.storage_offset())
-    if t.is_conj():
-        meta = meta.conj()  # keeps the lazy conjugation bit, like the wrapper
-    return meta
+    shape, stride, offset = t.shape, t.stride(), int(t.storage_offset())
+    base = torch.empty(storage_numel(shape, stride, offset), dtype=t.dtype, device="meta")
+    return base.as_strided(shape, stride, offset)
 
 
 def describe(out: Any) -> tuple[list[OutMeta | None], Any]:

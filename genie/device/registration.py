@@ -1,90 +1,74 @@
 """Makes ``remote_accelerator`` a real PyTorch device (PrivateUse1, renamed).
 
-Done once per process, on first use: rename PrivateUse1, register the Python
-device guard and hooks, the ``torch.remote_accelerator`` device module, a
-PrivateUse1 fallback kernel (factories and ``.to()`` arrive there, before any
-RemoteTensor exists) and explicit ``_copy_from`` kernels (the Python fallback
-trips an internal assert when an argument already has a Python object).
+Done once per process, when :mod:`genie.device` is imported: rename PrivateUse1, load
+``genie._C`` (allocator, device guard, hooks, metadata kernels, autocast lists), register the
+``torch.remote_accelerator`` module and the Python fallback that turns every other op into a
+command, and start autograd's engine while the guard reports room for every device index we
+may use (the engine sizes its per-device queues once, at its first backward).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
-import types
 from typing import Any
 
 import torch
-import torch.utils.backend_registration as backend_registration
 
-from genie.device import registry
-from genie.device.tensor import BACKEND, RemoteTensor, _rebuild_remote, execute
+from genie import _C
+from genie.device import connection as dconn
+from genie.device import copies as _copies  # noqa: F401 - fills dispatch.SPECIAL
+from genie.device import dispatch, module, registry
+from genie.errors import DeviceError
+from genie.wire.values import DTYPES
+
+log = logging.getLogger("genie.device")
 
 _lock = threading.Lock()
 _done = False
 _libraries: list[Any] = []
 
 
-def _device_count() -> int:
+def _route_frees() -> None:
+    """Hand storages freed anywhere in the process to the connection of their device."""
+    freed = _C.take_freed()
+    if not freed:
+        return
+    tbl = registry._table
+    if tbl is None:
+        return  # after shutdown: the sessions and their storages are gone
+    for index, sid in freed:
+        if 0 <= index < len(tbl.devices):
+            tbl.devices[index].connection.frees.append(sid)
+
+
+#: Ops whose composite kernels pick a backend-specific path PrivateUse1 lacks
+#: (``convolution_overrideable``): sent to the server whole instead.
+WHOLE_OPS = ("convolution", "convolution_backward")
+
+
+def _whole(op: Any) -> Any:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return dispatch.run_op(op, args, kwargs)
+
+    return kernel
+
+
+def _prime_autograd() -> None:
+    """Run a tiny CPU backward while the guard reports the maximum device count.
+
+    Autograd's engine starts its device threads once, sized by the largest deviceCount() of the
+    registered device guards at that moment; a CPU backward before ``genie.init()`` would
+    otherwise leave no queue for ``remote_accelerator:N`` and remote backward would fail.
+    """
+    _C.set_max_devices(int(os.environ.get("GENIE_MAX_DEVICES", "16")))
+    _C.set_priming(True)
     try:
-        return len(registry.table())
-    except Exception:
-        return 0
-
-
-def _synchronize(device: Any = None) -> None:
-    """Wait until every op sent to ``device`` (default: all devices) has run; raise deferred errors."""
-    tbl = registry.table()
-    if device is None:
-        conns = tbl.connections()
-    else:
-        index = device if isinstance(device, int) else torch.device(device).index
-        conns = [tbl.get(index).connection]
-    for conn in conns:
-        conn.sync()
-
-
-def _make_device_module() -> types.ModuleType:
-    mod = types.ModuleType(f"torch.{BACKEND}", "genie's remote_accelerator device module")
-    mod.is_available = lambda: _device_count() > 0  # type: ignore[attr-defined]
-    mod.is_initialized = lambda: _device_count() > 0  # type: ignore[attr-defined]
-    mod.device_count = _device_count  # type: ignore[attr-defined]
-    mod.current_device = registry.current_index  # type: ignore[attr-defined]
-    mod.set_device = lambda d: registry.set_current_index(d if isinstance(d, int) else torch.device(d).index or 0)  # type: ignore[attr-defined]
-    mod.synchronize = _synchronize  # type: ignore[attr-defined]
-    mod._is_in_bad_fork = lambda: False  # type: ignore[attr-defined]
-    mod.manual_seed_all = lambda seed: None  # type: ignore[attr-defined]
-    mod.get_amp_supported_dtype = lambda: [torch.float16, torch.bfloat16]  # type: ignore[attr-defined]
-    return mod
-
-
-class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc]
-    def is_available(self) -> bool:
-        return _device_count() > 0
-
-    def has_primary_context(self, dev_id: int) -> bool:
-        return True
-
-    def is_built(self) -> bool:
-        return True
-
-
-class _Guard(torch._C._acc.DeviceGuard):  # type: ignore[misc]
-    def type_(self) -> Any:
-        return torch._C._autograd.DeviceType.PrivateUse1
-
-
-def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
-    return execute(op, args, kwargs)
-
-
-def _copy_from_kernel(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-    return execute(torch.ops.aten._copy_from.default, (src, dst, non_blocking), {})
-
-
-def _copy_from_and_resize_kernel(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    if tuple(dst.shape) != tuple(src.shape):
-        dst.resize_(src.shape)
-    return execute(torch.ops.aten._copy_from.default, (src, dst, False), {})
+        x = torch.ones(1, requires_grad=True)
+        (x * 2).sum().backward()
+    finally:
+        _C.set_priming(False)
 
 
 def ensure_registered() -> None:
@@ -93,21 +77,43 @@ def ensure_registered() -> None:
     with _lock:
         if _done:
             return
-        if torch._C._get_privateuse1_backend_name() not in ("privateuseone", BACKEND):
-            from genie.errors import DeviceError
-
+        name = torch._C._get_privateuse1_backend_name()
+        if name not in ("privateuseone", dispatch.BACKEND):
             raise DeviceError(
-                f"PrivateUse1 is already taken by {torch._C._get_privateuse1_backend_name()!r}; "
+                f"PrivateUse1 is already taken by {name!r}; "
                 "genie's remote_accelerator cannot share a process with another PrivateUse1 backend"
             )
-        backend_registration._setup_privateuseone_for_python_backend(
-            rename=BACKEND, backend_module=_make_device_module(), hook=_Hooks(), device_guard=_Guard()
-        )
-        lib = torch.library.Library("_", "IMPL")  # noqa: TOR901 - fallback needs the catch-all library
-        lib.fallback(_fallback, "PrivateUse1")
-        aten_lib = torch.library.Library("aten", "IMPL")
-        aten_lib.impl("_copy_from", _copy_from_kernel, "PrivateUse1")
-        aten_lib.impl("_copy_from_and_resize", _copy_from_and_resize_kernel, "PrivateUse1")
-        _libraries.extend([lib, aten_lib])
-        torch.serialization.add_safe_globals([_rebuild_remote, RemoteTensor])
+        if name != dispatch.BACKEND:
+            torch.utils.rename_privateuse1_backend(dispatch.BACKEND)
+        _C.install()
+        for code, dtype in enumerate(DTYPES):
+            if dtype is not None:
+                _C.set_dtype_code(dtype, code)
+        torch._register_device_module(dispatch.BACKEND, module.make_module())
+        torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
+        lib = torch.library.Library("_", "IMPL")  # noqa: TOR901 - the fallback needs the catch-all library
+        lib.fallback(dispatch.fallback, "PrivateUse1")
+        aten = torch.library.Library("aten", "IMPL")  # noqa: TOR901
+        for op_name in WHOLE_OPS:
+            aten.impl(op_name, _whole(getattr(torch.ops.aten, op_name).default), "PrivateUse1")
+        _libraries.extend([lib, aten])
+        _C.set_sync_hook(module._sync_hook)
+        dconn.free_router = _route_frees
+        _prime_autograd()
         _done = True
+
+
+def autoload() -> None:
+    """torch's device-backend autoload (entry point group ``torch.backends``): ``import torch`` registers
+    the device in every process of an environment where genie is installed, as torch_npu does.
+
+    So ``torch.device("remote_accelerator:1")``, ``torch.load(map_location=...)`` and a CPU
+    ``backward()`` that runs before ``import genie`` all meet a registered device. A failure here
+    must not break ``import torch`` for every program of the environment: it is logged, and
+    ``genie.init()`` raises it. ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns autoloading off (then
+    ``genie.init()`` registers the device).
+    """
+    try:
+        ensure_registered()
+    except Exception as exc:  # never break `import torch`
+        log.warning("genie's remote_accelerator device was not registered at torch import: %s", exc)

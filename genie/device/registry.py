@@ -4,7 +4,9 @@
 empties it. Looking up a device before init raises NotInitializedError. The
 table grows when a node joins after init (:meth:`DeviceTable.append`, at the end:
 existing indices never change); code that caches per-device state subscribes
-with :func:`on_devices_added`.
+with :func:`on_devices_added`. The C++ device count (genie._C, what the device
+guard and ``torch.accelerator`` report) follows the current table whenever it is
+set or grows.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable
 
 import attrs
 
+from genie import _C
 from genie.device.connection import NodeConnection
 from genie.errors import DeviceError, NotInitializedError
 
@@ -49,6 +52,8 @@ class DeviceTable:
                     raise DeviceError(f"{d.label} cannot be appended as index {len(self.devices)}: the cluster "
                                       "order only grows at its end")
                 self.devices.append(d)
+            if _table is self:
+                _C.set_device_count(len(self.devices))
         for listener in list(_listeners):
             listener(devices)
 
@@ -72,8 +77,6 @@ class DeviceTable:
 
 
 _table: DeviceTable | None = None
-_local = threading.local()
-_default_index = 0
 _listeners: list[Callable[[list[RemoteDevice]], None]] = []
 
 
@@ -87,10 +90,10 @@ def on_devices_added(listener: Callable[[list[RemoteDevice]], None]) -> Callable
 
 
 def set_table(table: DeviceTable | None) -> None:
-    global _table, _default_index
+    global _table
     _table = table
-    if table is None:
-        _default_index = 0
+    _C.set_device_count(len(table) if table is not None else 0)
+    _C.set_default_device(0)
 
 
 def table() -> DeviceTable:
@@ -104,19 +107,19 @@ def table() -> DeviceTable:
 
 
 def current_index() -> int:
-    """This thread's current device: set by ``set_device``, else the process default (see
-    :func:`set_default_index`; ``genie.init`` chooses it by placement)."""
-    return getattr(_local, "index", _default_index)
+    """This thread's current device: its own once it called ``set_device`` (or a device guard set
+    one), else the process default (see :func:`set_default_index`; ``genie.init`` chooses it by
+    placement). ``torch.accelerator.current_device_index()`` reports the same."""
+    return _C.current_device()
 
 
 def set_default_index(index: int) -> None:
-    """The current device of threads that never called ``set_device`` (``remote_accelerator`` with no index)."""
-    global _default_index
+    """The current device of threads that never chose one (``remote_accelerator`` with no index)."""
     if _table is not None:
         _table.get(index)
-    _default_index = index
+    _C.set_default_device(index)
 
 
 def set_current_index(index: int) -> None:
     table().get(index)
-    _local.index = index
+    _C.set_current_device(index)

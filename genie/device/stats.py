@@ -57,8 +57,8 @@ def caller_line() -> str:
 def command_reason(command: list[Any]) -> str:
     """What a request command asks for: the op of a CALL, or ``fetch`` / ``sync``."""
     code = command[0] if command else None
-    if code == wm.CMD_CALL and len(command) > 2:
-        return str(command[2])
+    if code == wm.CMD_CALL and len(command) > 3:  # [CMD_CALL, req, device, op, ...]
+        return str(command[3])
     if code == wm.CMD_FETCH:
         return "fetch (.cpu(), .item(), print)"
     if code == wm.CMD_SYNC:

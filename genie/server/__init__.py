@@ -1,10 +1,13 @@
-"""The node side of the data plane: sessions, the executor of ops, the tensor store and its quotas.
+"""The node side of the data plane: sessions, the executor of ops, the storage store and its quotas.
 
 - :mod:`genie.server.node`: :class:`DataPlaneServer` (listen, accept, one thread per session).
 - :mod:`genie.server.session`: handshake and the frame loop of one client.
-- :mod:`genie.server.executor`: runs a session's uploads, ops, calls, fetches, frees and syncs.
-- :mod:`genie.server.store`: handles to tensors, byte and handle quotas, poisoned handles.
-- :mod:`genie.server.ops`: op names to OpOverloads, and the deny list.
+- :mod:`genie.server.executor`: runs a session's uploads, ops, calls, fetches, frees, seeds, resizes, syncs.
+- :mod:`genie.server.codec`: tensor descriptors (every bound checked), placeholders, result encoding.
+- :mod:`genie.server.outputs`: the output rule (in place, adopt, or copy) and CALL results.
+- :mod:`genie.server.store`: storages by client id, byte and storage quotas, poisoned storages.
+- :mod:`genie.server.rng`: per-session generators (no session shares a random stream).
+- :mod:`genie.server.ops`: op names to OpOverloads, the deny list, decompositions for missing kernels.
 
 The protocol itself is described in :mod:`genie.wire.messages` and docs/protocol.md.
 """

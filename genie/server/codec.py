@@ -1,11 +1,15 @@
 """Decoding commands and encoding results for the executor.
 
-Commands are decoded in two steps so that a bad handle or device is an error
-*of that command*, not a malformed frame: msgpack decoding turns handle and
-device tags into :class:`HandleRef` and :class:`DeviceRef` placeholders, then
-:func:`resolve` swaps them for tensors from the store and the server's
-devices. Structure checks raise :class:`~genie.errors.FrameError` (the
-connection is then closed); resolution errors are reported to the client.
+Commands are decoded in two steps so that a bad storage or device is an error
+*of that command*, not a malformed frame: msgpack decoding turns tensor,
+device and generator tags into :class:`Descriptor`, :class:`DeviceRef` and
+:class:`GeneratorRef` placeholders, then :func:`resolve` swaps them for
+tensors over the session's storages, the server's devices and the session's
+generators. Structure checks (wrong types, a descriptor that is not a list of
+six) raise :class:`~genie.errors.FrameError` (the connection is then closed);
+bounds checks against storages (:meth:`Descriptor.check`) raise
+:class:`~genie.errors.ProtocolError`, reported to the client as that command's
+error.
 """
 
 from __future__ import annotations
@@ -18,18 +22,15 @@ import msgpack
 import torch
 
 from genie.errors import FrameError, ProtocolError
+from genie.server.store import StorageError
 from genie.wire.frame import unpack_body
-from genie.wire.values import DTYPES, dtype_from_code, encode_common, make_ext_hook
+from genie.wire.values import DTYPES, dtype_code, dtype_from_code, encode_common, make_ext_hook
 
 #: Most dimensions a shape or stride may have.
 MAX_DIMS = 64
-
-
-@attrs.frozen
-class HandleRef:
-    """A tensor handle named in a command, not yet looked up."""
-
-    handle: int
+#: Largest storage id (63 bits) and largest storage size accepted in a descriptor.
+MAX_ID = (1 << 63) - 1
+MAX_NBYTES = 1 << 62
 
 
 @attrs.frozen
@@ -39,36 +40,149 @@ class DeviceRef:
     index: int
 
 
-_EXT_HOOK = make_ext_hook(HandleRef, DeviceRef)
+@attrs.frozen
+class GeneratorRef:
+    """A session generator id named in a command (0: the device's default), not yet looked up."""
+
+    generator_id: int
+
+
+def _valid_ints(values: Any) -> bool:
+    # type() is int, not isinstance: bools are ints to isinstance. A plain loop: this runs for every tensor.
+    if type(values) is not list or len(values) > MAX_DIMS:
+        return False
+    for v in values:
+        if type(v) is not int or v < 0 or v > MAX_NBYTES:
+            return False
+    return True
+
+
+class Descriptor:
+    """A tensor over one of the session's storages: ``[storage_id, dtype, sizes, strides, offset, storage_nbytes]``.
+
+    A plain slotted class, not attrs: one is parsed for every tensor of every command.
+    """
+
+    __slots__ = ("dtype", "extent", "numel", "offset", "sizes", "span", "storage_id", "storage_nbytes", "strides")
+
+    def __init__(self, storage_id: int, dtype: torch.dtype, sizes: tuple[int, ...], strides: tuple[int, ...],
+                 offset: int, storage_nbytes: int) -> None:
+        self.storage_id = storage_id
+        self.dtype = dtype
+        self.sizes = sizes
+        self.strides = strides
+        self.offset = offset
+        self.storage_nbytes = storage_nbytes
+        numel, last, extent = 1, offset, 1
+        for n, st in zip(sizes, strides, strict=False):  # same lengths: checked by parse
+            numel *= n
+            last += (n - 1) * st
+            extent *= n or 1
+        self.numel = numel
+        #: The element count ignoring zero sizes: torch refuses (int64 overflow) shapes past 2**63 even when empty.
+        self.extent = extent
+        #: Bytes from the storage's start to the end of the last element (0 for an empty tensor).
+        self.span = 0 if numel == 0 else (last + 1) * dtype.itemsize
+
+    def __repr__(self) -> str:
+        return (f"Descriptor({self.storage_id}, {self.dtype}, {list(self.sizes)}, {list(self.strides)}, "
+                f"{self.offset}, {self.storage_nbytes})")
+
+    @classmethod
+    def parse(cls, value: Any, what: str = "tensor descriptor") -> Descriptor:
+        """Check the structure (types, signs, at most 64 dims); FrameError if malformed."""
+        if type(value) is list and len(value) == 6:
+            storage_id, code, sizes, strides, offset, nbytes = value
+            if (type(storage_id) is int and 0 <= storage_id <= MAX_ID and type(code) is int
+                    and 0 <= code < len(DTYPES) and DTYPES[code] is not None
+                    and type(offset) is int and 0 <= offset <= MAX_NBYTES
+                    and type(nbytes) is int and 0 <= nbytes <= MAX_NBYTES
+                    and _valid_ints(sizes) and _valid_ints(strides) and len(sizes) == len(strides)):
+                return cls(storage_id, DTYPES[code], tuple(sizes), tuple(strides), offset, nbytes)
+        cls._explain(value, what)
+        raise AssertionError("unreachable: _explain raises")
+
+    @staticmethod
+    def _explain(value: Any, what: str) -> None:
+        """Raise the FrameError that says what is wrong with a descriptor that failed the fast check."""
+        if not isinstance(value, list) or len(value) != 6:
+            raise FrameError(f"a {what} must be [storage_id, dtype, sizes, strides, offset, storage_nbytes], "
+                             f"got {_preview(value)}")
+        storage_id = check_id(value[0], f"{what} storage id")
+        check_dtype(value[1], f"{what} dtype")
+        sizes = check_ints(value[2], f"{what} sizes")
+        strides = check_ints(value[3], f"{what} strides")
+        if len(strides) != len(sizes):
+            raise FrameError(f"{what} of storage {storage_id} has {len(sizes)} sizes but {len(strides)} strides")
+        if not is_int(value[4]) or not 0 <= value[4] <= MAX_NBYTES:
+            raise FrameError(f"{what} of storage {storage_id} has a bad storage offset {_preview(value[4])}")
+        raise FrameError(f"{what} of storage {storage_id} has a bad storage_nbytes {_preview(value[5])}")
+
+    def check(self, actual_nbytes: int | None) -> None:
+        """ProtocolError unless the tensor lies inside ``storage_nbytes`` (and that equals ``actual_nbytes``)."""
+        if self.span > self.storage_nbytes:
+            raise ProtocolError(
+                f"tensor of sizes {list(self.sizes)}, strides {list(self.strides)} and offset {self.offset} "
+                f"({self.dtype}) reaches byte {self.span} of storage {self.storage_id}, which has "
+                f"{self.storage_nbytes}")
+        if self.extent > MAX_NBYTES:
+            raise ProtocolError(f"tensor of sizes {list(self.sizes)} over storage {self.storage_id} has more than "
+                                "2**62 elements")
+        if self.storage_id == 0 and self.storage_nbytes != 0:
+            raise ProtocolError(f"storage id 0 means an empty storage, but the descriptor says {self.storage_nbytes} "
+                                "bytes")
+        if actual_nbytes is not None and actual_nbytes != self.storage_nbytes:
+            raise StorageError(f"storage {self.storage_id} has {actual_nbytes} bytes on the server but the client "
+                               f"described it with {self.storage_nbytes}; resize it with CMD_RESIZE first")
+
+    def over(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        """The described tensor over ``storage`` (bounds already checked)."""
+        t = torch.empty(0, dtype=self.dtype, device=storage.device)
+        return t.set_(storage, self.offset, self.sizes, self.strides)
+
+    def matches(self, t: torch.Tensor) -> bool:
+        """True when ``t`` has exactly this dtype, sizes, strides and offset."""
+        return (t.dtype == self.dtype and t.shape == self.sizes and t.stride() == self.strides
+                and t.storage_offset() == self.offset)
+
+
+def _tensor_tag(value: Any) -> Descriptor:
+    return Descriptor.parse(value)
+
+
+_EXT_HOOK = make_ext_hook(_tensor_tag, DeviceRef, GeneratorRef)
+
+
+#: Types resolve() must look into or replace.
+_NESTED = frozenset({list, dict, Descriptor, DeviceRef, GeneratorRef})
 
 
 def decode(data: bytes) -> Any:
-    """Decode one command (or a batch body) with handle and device placeholders."""
+    """Decode one command (or a batch body) with descriptor, device and generator placeholders."""
     return unpack_body(data, ext_hook=_EXT_HOOK)
 
 
-def resolve(value: Any, tensor: Callable[[int], torch.Tensor], device: Callable[[int], torch.device]) -> Any:
-    """Replace placeholders in nested lists/dicts with tensors and devices."""
-    if isinstance(value, HandleRef):
-        return tensor(value.handle)
-    if isinstance(value, DeviceRef):
+def resolve(value: Any, tensor: Callable[[Descriptor], torch.Tensor], device: Callable[[int], torch.device],
+            generator: Callable[[int], torch.Generator]) -> Any:
+    """Replace placeholders in nested lists/dicts with tensors, devices and generators."""
+    kind = type(value)
+    if kind is Descriptor:
+        return tensor(value)
+    if kind is list:
+        # Scalars (most arguments) are kept without a call: this runs for every command.
+        return [resolve(v, tensor, device, generator) if type(v) in _NESTED else v for v in value]
+    if kind is dict:
+        return {k: resolve(v, tensor, device, generator) if type(v) in _NESTED else v for k, v in value.items()}
+    if kind is DeviceRef:
         return device(value.index)
-    if isinstance(value, list):
-        return [resolve(v, tensor, device) for v in value]
-    if isinstance(value, dict):
-        return {k: resolve(v, tensor, device) for k, v in value.items()}
+    if kind is GeneratorRef:
+        return generator(value.generator_id)
     return value
 
 
-def handles_in(value: Any) -> list[int]:
-    """Every handle placeholder in a decoded value, in order."""
-    if isinstance(value, HandleRef):
-        return [value.handle]
-    if isinstance(value, list):
-        return [h for v in value for h in handles_in(v)]
-    if isinstance(value, dict):
-        return [h for v in value.values() for h in handles_in(v)]
-    return []
+def _preview(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # -- structure checks ---------------------------------------------------------------------------
@@ -79,59 +193,29 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_handle(value: Any, what: str) -> int:
-    """A handle from a command's structure (not a tagged value)."""
-    if not is_int(value) or not 0 <= value < (1 << 63):
-        raise FrameError(f"{what} must be a non-negative integer handle, got {value!r}")
+def check_id(value: Any, what: str) -> int:
+    """A storage id from a command's structure (0 allowed: the empty storage)."""
+    if not is_int(value) or not 0 <= value <= MAX_ID:
+        raise FrameError(f"{what} must be an integer from 0 to 2**63-1, got {_preview(value)}")
     return value
 
 
 def check_ints(value: Any, what: str, *, max_len: int = MAX_DIMS) -> list[int]:
-    """A list of non-negative ints (a shape or strides)."""
-    if not isinstance(value, list) or len(value) > max_len or not all(is_int(v) and v >= 0 for v in value):
-        raise FrameError(f"{what} must be a list of at most {max_len} non-negative integers, got {value!r}")
+    """A list of non-negative ints (a shape or strides), each at most 2**62."""
+    if not isinstance(value, list) or len(value) > max_len or not all(
+            is_int(v) and 0 <= v <= MAX_NBYTES for v in value):
+        raise FrameError(f"{what} must be a list of at most {max_len} non-negative integers, got {_preview(value)}")
     return value
 
 
 def check_dtype(value: Any, what: str) -> torch.dtype:
     """A dtype code."""
     if not is_int(value) or not 0 <= value < len(DTYPES):
-        raise FrameError(f"{what} must be a dtype code, got {value!r}")
+        raise FrameError(f"{what} must be a dtype code, got {_preview(value)}")
     return dtype_from_code(value)
 
 
-@attrs.frozen
-class OutSpec:
-    """What the client computed for one output: ``[handle, dtype code, shape, stride, storage offset]``."""
-
-    handle: int
-    dtype: torch.dtype
-    shape: list[int]
-    stride: list[int]
-    offset: int
-
-    @classmethod
-    def parse(cls, value: Any) -> OutSpec:
-        if not isinstance(value, list) or len(value) != 5:
-            raise FrameError(f"an output spec must be [handle, dtype, shape, stride, offset], got {value!r}")
-        handle = check_handle(value[0], "output handle")
-        dtype = check_dtype(value[1], "output dtype")
-        shape = check_ints(value[2], "output shape")
-        stride = check_ints(value[3], "output stride")
-        if len(stride) != len(shape):
-            raise FrameError(f"output {handle} has shape {shape} but strides {stride}")
-        if not is_int(value[4]) or value[4] < 0:
-            raise FrameError(f"output {handle} has a bad storage offset {value[4]!r}")
-        return cls(handle, dtype, shape, stride, value[4])
-
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-
-def numel_of(shape: list[int]) -> int:
+def numel_of(shape: list[int] | tuple[int, ...]) -> int:
     """Elements of a shape."""
     n = 1
     for s in shape:
@@ -142,11 +226,10 @@ def numel_of(shape: list[int]) -> int:
 # -- results ------------------------------------------------------------------------------------
 
 
-def describe(handle: int, t: torch.Tensor) -> list[Any]:
-    """``[handle, dtype code, shape, stride, storage offset]`` of a stored tensor."""
-    from genie.wire.values import dtype_code
-
-    return [handle, dtype_code(t.dtype), list(t.shape), list(t.stride()), t.storage_offset()]
+def describe(storage_id: int, t: torch.Tensor) -> list[Any]:
+    """``[storage_id, dtype code, sizes, strides, offset, storage_nbytes]`` of a stored tensor."""
+    return [storage_id, dtype_code(t.dtype), list(t.shape), list(t.stride()), t.storage_offset(),
+            t.untyped_storage().nbytes()]
 
 
 def encode_result(value: Any, tensor: Callable[[torch.Tensor], list[Any]]) -> Any:

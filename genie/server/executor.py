@@ -1,18 +1,20 @@
-"""Runs one session's batches: uploads, ops, calls, fetches, frees and syncs.
+"""Runs one session's batches: uploads, ops, calls, fetches, frees, seeds, resizes and syncs.
 
 The executor belongs to one session and runs on that session's thread, so the
-ops of a session run in the order the client sent them. It never trusts the
-client's metadata: every op output is checked against what the client computed
-with meta tensors, and any disagreement is reported, never silently stored.
+commands of a session run in the order the client sent them. It keeps the
+session's storages (:class:`~genie.server.store.StorageStore`) and builds the
+tensors a command describes over them, checking every descriptor's bounds. It
+never trusts the client's metadata: every op output is checked against what the
+client computed with meta tensors (:mod:`genie.server.outputs`).
 
 Errors are of two sorts. A frame or command that breaks the wire rules raises
 :class:`~genie.errors.FrameError` and the session closes the connection. A
-command that is well formed but fails (an op raises, a handle is unknown or
-poisoned, an op is forbidden, a quota is hit) becomes a *deferred error*: a map
-``{"op", "shapes", "kind", "message", "handles"}`` carried by the next reply,
-with the command's output handles poisoned so later uses name the root cause.
-``kind`` is one of ``execution``, ``mismatch``, ``forbidden``, ``quota``,
-``handle`` or ``protocol``.
+command that is well formed but fails (an op raises, a storage is freed or
+poisoned, a descriptor leaves its storage, an op is forbidden, a quota is hit)
+becomes a *deferred error*: a map ``{"op", "shapes", "kind", "message",
+"storages"}`` carried by the next reply, with the command's output storages
+poisoned so later uses name the root cause. ``kind`` is one of ``execution``,
+``mismatch``, ``forbidden``, ``quota``, ``storage`` or ``protocol``.
 """
 
 from __future__ import annotations
@@ -33,14 +35,16 @@ from genie.errors import (
     RemoteExecutionError,
 )
 from genie.server import codec
-from genie.server.codec import OutSpec, check_dtype, check_handle, check_ints, is_int, numel_of
+from genie.server.codec import MAX_NBYTES, Descriptor, DeviceRef, check_id, is_int
 from genie.server.metrics import NULL_SESSION_METRICS, SessionMetrics
-from genie.server.ops import resolve_op
-from genie.server.store import TensorStore, UnknownHandleError
+from genie.server.ops import resolve_op, run_op
+from genie.server.outputs import OutputMismatch, store_call_result, store_outputs
+from genie.server.rng import SessionGenerators
+from genie.server.store import StorageError, StorageStore, zeroed_storage
 from genie.transport.base import Channel
 from genie.wire.buffers import tensor_bytes
 from genie.wire.frame import FrameHeader, MsgKind, discard_payload, recv_payload, send_frame
-from genie.wire.messages import CMD_CALL, CMD_FETCH, CMD_FREE, CMD_OP, CMD_SYNC
+from genie.wire.messages import CMD_CALL, CMD_FETCH, CMD_FREE, CMD_OP, CMD_RESIZE, CMD_SEED, CMD_SYNC
 
 log = logging.getLogger("genie.server.executor")
 
@@ -48,20 +52,19 @@ log = logging.getLogger("genie.server.executor")
 MAX_DEFERRED = 256
 #: Most commands in one batch.
 MAX_COMMANDS = 1 << 20
+#: Seeds accepted by CMD_SEED (torch.Generator.manual_seed's range).
+_SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
-#: Ops that hand out uninitialised memory: their outputs are zeroed so a session
-#: never reads bytes another session's tensors left behind.
-_UNINITIALISED = frozenset({
-    "aten::empty.memory_format", "aten::empty.names", "aten::empty_like", "aten::empty_strided",
-    "aten::empty_permuted", "aten::new_empty", "aten::new_empty_strided", "aten::empty_quantized",
-    "prims::empty", "prims::empty_strided", "prims::empty_permuted",
-})
-_RESIZING = frozenset({"aten::resize_", "aten::resize_as_", "aten::_resize_output_", "aten::set_.source_Tensor",
-                       "aten::set_.source_Tensor_storage_offset", "aten::set_data", "prims::resize"})
+def _hands_out_uninitialised(label: str) -> bool:
+    """Ops that return memory nobody wrote (the ``empty`` family: ``empty_strided``, ``new_empty``,
+    ``_empty_affine_quantized``, ``prims::empty`` ...): their results are zeroed, gaps included, so a
+    session never reads bytes another session's tensors left behind. By name, so a new member of the
+    family in a later torch release is covered too."""
+    return "empty" in label
 
 
-def _error(op: str, shapes: list[Any], kind: str, message: str, handles: Sequence[int] = ()) -> dict[str, Any]:
-    return {"op": op, "shapes": shapes, "kind": kind, "message": message, "handles": list(handles)}
+def _error(op: str, shapes: list[Any], kind: str, message: str, storages: Sequence[int] = ()) -> dict[str, Any]:
+    return {"op": op, "shapes": shapes, "kind": kind, "message": message, "storages": list(storages)}
 
 
 def _kind_of(exc: BaseException) -> str:
@@ -69,8 +72,8 @@ def _kind_of(exc: BaseException) -> str:
         return "forbidden"
     if isinstance(exc, QuotaExceededError):
         return "quota"
-    if isinstance(exc, UnknownHandleError):
-        return "handle"
+    if isinstance(exc, StorageError):
+        return "storage"
     if isinstance(exc, RemoteExecutionError):
         return "execution"
     if isinstance(exc, ProtocolError):
@@ -83,20 +86,6 @@ def _message(exc: BaseException) -> str:
         return str(exc)
     text = str(exc).strip() or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if not isinstance(exc, RuntimeError) else text
-
-
-def _shapes(value: Any) -> list[Any]:
-    return [list(v.shape) for v in tensor_leaves(value)]
-
-
-def _zero_grown_storages(tensors: list[torch.Tensor], sizes_before: dict[int, int]) -> None:
-    """Zero the bytes a storage gained in place (resize_ hands out uninitialised memory)."""
-    for t in tensors:
-        old = sizes_before.get(id(t), 0)
-        storage = t.untyped_storage()
-        if t.layout == torch.strided and storage.nbytes() > old:
-            raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            raw[old:].zero_()
 
 
 def tensor_leaves(value: Any) -> list[torch.Tensor]:
@@ -114,6 +103,16 @@ def tensor_leaves(value: Any) -> list[torch.Tensor]:
     return out
 
 
+def _shapes(value: Any) -> list[Any]:
+    return [list(v.shape) for v in tensor_leaves(value)]
+
+
+def _zero_from(storage: torch.UntypedStorage, start: int) -> None:
+    """Zero a storage's bytes from ``start`` on (what resize_ grew is uninitialised memory)."""
+    raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    raw[start:].zero_()
+
+
 class _CommandFailed(Exception):
     """A well-formed command failed; carries the deferred-error map (internal)."""
 
@@ -125,10 +124,11 @@ class _CommandFailed(Exception):
 class Executor:
     """Executes batches for one session over ``channel``; ``devices`` are the node's devices by index."""
 
-    def __init__(self, channel: Channel, store: TensorStore, devices: Sequence[torch.device]) -> None:
+    def __init__(self, channel: Channel, store: StorageStore, devices: Sequence[torch.device]) -> None:
         self.channel = channel
         self.store = store
         self.devices = list(devices)
+        self.generators = SessionGenerators(self.devices)
         self.deferred: list[dict[str, Any]] = []
         self.dropped = 0
         self.ops_run = 0
@@ -136,6 +136,9 @@ class Executor:
         #: make the server hold or queue at once without waiting for an answer.
         self.max_inflight = MAX_COMMANDS
         self.metrics: SessionMetrics = NULL_SESSION_METRICS  # metrics: the server sets each session's
+        # The command being resolved: its device (where unseen storages are made) and the storages it used.
+        self._device_now = self.devices[0]
+        self._used: dict[int, torch.UntypedStorage] = {}
 
     # -- batches ------------------------------------------------------------------------------
 
@@ -165,49 +168,58 @@ class Executor:
             self.metrics.queue_depth -= 1  # metrics
 
     def _receive_uploads(self, header: FrameHeader, uploads: list[Any]) -> None:
-        specs = []
+        specs: list[tuple[int, torch.device, int]] = []
         total = 0
         for up in uploads:
-            if not isinstance(up, list) or len(up) != 5:
-                raise FrameError(f"an upload must be [handle, device, dtype, shape, nbytes], got {up!r}")
-            handle = check_handle(up[0], "upload handle")
-            index = up[1].index if isinstance(up[1], codec.DeviceRef) else up[1]
+            if not isinstance(up, list) or len(up) != 3:
+                raise FrameError(f"an upload must be [storage_id, device, nbytes], got {codec._preview(up)}")
+            storage_id = check_id(up[0], "upload storage id")
+            index = up[1].index if isinstance(up[1], DeviceRef) else up[1]
             if not is_int(index) or not 0 <= index < len(self.devices):
-                raise FrameError(f"upload {handle} names device {index!r}; this node has {len(self.devices)}")
-            dtype = check_dtype(up[2], "upload dtype")
-            shape = check_ints(up[3], "upload shape")
-            nbytes = up[4]
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            if not is_int(nbytes) or nbytes != numel_of(shape) * itemsize:
-                raise FrameError(f"upload {handle} of {dtype} {shape} must have {numel_of(shape) * itemsize} bytes, "
-                                 f"got {nbytes!r}")
-            specs.append((handle, self.devices[index], dtype, shape, nbytes))
+                raise FrameError(f"upload {storage_id} names device {index!r}; this node has {len(self.devices)}")
+            nbytes = up[2]
+            if not is_int(nbytes) or not 0 <= nbytes <= MAX_NBYTES:
+                raise FrameError(f"upload {storage_id} has a bad byte count {codec._preview(nbytes)}")
+            if storage_id == 0:
+                raise FrameError("an upload cannot target storage 0 (the empty storage)")
+            specs.append((storage_id, self.devices[index], nbytes))
             total += nbytes
         if total != header.payload_len:
             raise FrameError(f"uploads describe {total} payload bytes but the header says {header.payload_len}")
         if not specs:
             return
+        new = [(s, n) for s, _, n in specs if s not in self.store]
         try:
-            self.store.check_room(len(specs), total)
+            self.store.check_room(len(new), sum(n for _, n in new))
         except QuotaExceededError as exc:
-            # Stay in step with the stream, then report the refusal on every handle.
+            # Stay in step with the stream, then report the refusal on every storage.
             discard_payload(self.channel, total)
-            for handle, *_ in specs:
-                self.store.poison(handle, str(exc))
-            self._defer(_error("upload", [s[3] for s in specs], "quota", str(exc), [s[0] for s in specs]))
+            for storage_id, *_ in specs:
+                self.store.poison(storage_id, str(exc))
+            self._defer(_error("upload", [[s[2]] for s in specs], "quota", str(exc), [s[0] for s in specs]))
             return
         buffers = [torch.empty(nbytes, dtype=torch.uint8) for *_, nbytes in specs]
         recv_payload(self.channel, header, [tensor_bytes(b) for b in buffers])
-        for (handle, device, dtype, shape, _), raw in zip(specs, buffers, strict=True):
-            tensor = raw.view(dtype).reshape(shape) if raw.numel() else torch.empty(shape, dtype=dtype)
-            if device.type != "cpu":
-                tensor = tensor.to(device)
-            self.metrics.record_bytes("in", raw.numel(), device)  # metrics
+        for (storage_id, device, nbytes), raw in zip(specs, buffers, strict=True):
+            self.metrics.record_bytes("in", nbytes, device)  # metrics
             try:
-                self.store.put(handle, tensor)
-            except (QuotaExceededError, ProtocolError) as exc:
-                self.store.poison(handle, str(exc))
-                self._defer(_error("upload", [shape], _kind_of(exc), str(exc), [handle]))
+                self._apply_upload(storage_id, device, raw)
+            except (QuotaExceededError, ProtocolError, RemoteExecutionError) as exc:
+                self.store.poison(storage_id, str(exc))
+                self._defer(_error("upload", [[nbytes]], _kind_of(exc), str(exc), [storage_id]))
+
+    def _apply_upload(self, storage_id: int, device: torch.device, raw: torch.Tensor) -> None:
+        try:
+            existing = self.store.get(storage_id)  # StorageError for a freed id
+        except RemoteExecutionError:
+            existing = None  # poisoned: every byte is written again, so the storage is whole again
+        if existing is None:
+            self.store.put(storage_id, (raw if device.type == "cpu" else raw.to(device)).untyped_storage())
+            return
+        if existing.nbytes() != raw.numel():
+            raise StorageError(f"upload of {raw.numel()} bytes into storage {storage_id}, which has "
+                               f"{existing.nbytes()}; an upload overwrites a whole storage of the same size")
+        torch.empty(0, dtype=torch.uint8, device=existing.device).set_(existing).copy_(raw)
 
     # -- commands -----------------------------------------------------------------------------
 
@@ -219,65 +231,83 @@ class Executor:
             self._cmd_op(cmd)
         elif code == CMD_FREE:
             if len(cmd) != 2 or not isinstance(cmd[1], list):
-                raise FrameError("FREE must be [CMD_FREE, [handle, ...]]")
-            self.store.free(h for h in cmd[1] if is_int(h))
+                raise FrameError("FREE must be [CMD_FREE, [storage_id, ...]]")
+            self.store.free(s for s in cmd[1] if is_int(s))
         elif code == CMD_FETCH:
-            if len(cmd) != 3:
-                raise FrameError("FETCH must be [CMD_FETCH, req, handle]")
-            self._cmd_fetch(cmd[1], check_handle(cmd[2], "fetched handle"))
+            if len(cmd) != 4:
+                raise FrameError("FETCH must be [CMD_FETCH, req, device, tensor]")
+            desc = cmd[3] if isinstance(cmd[3], Descriptor) else Descriptor.parse(cmd[3], "fetched tensor")
+            self._cmd_fetch(cmd[1], cmd[2], desc)
         elif code == CMD_CALL:
             self._cmd_call(cmd)
         elif code == CMD_SYNC:
             if len(cmd) != 2:
                 raise FrameError("SYNC must be [CMD_SYNC, req]")
             self._cmd_sync(cmd[1])
+        elif code == CMD_SEED:
+            self._cmd_seed(cmd)
+        elif code == CMD_RESIZE:
+            self._cmd_resize(cmd)
         else:
             raise FrameError(f"unknown command code {code}")
 
     def _cmd_op(self, cmd: list[Any]) -> None:
-        if len(cmd) != 5 or not isinstance(cmd[3], dict) or not isinstance(cmd[4], list):
-            raise FrameError("OP must be [CMD_OP, op, args, kwargs, outs]")
-        name, args, kwargs = cmd[1], cmd[2], cmd[3]
-        outs = [OutSpec.parse(o) for o in cmd[4]]
-        handles = [o.handle for o in outs]
+        if len(cmd) != 6 or not isinstance(cmd[4], dict) or not isinstance(cmd[5], list):
+            raise FrameError("OP must be [CMD_OP, device, op, args, kwargs, outs]")
+        outs = [None if o is None else Descriptor.parse(o, "output descriptor") for o in cmd[5]]
+        storage_ids = [o.storage_id for o in outs if o is not None and o.storage_id]
+        label = _label(cmd[2])
         try:
-            result, inputs = self._execute(name, args, kwargs, handles, outs)
-            self._store_checked(str(name), result, outs, inputs)
+            result, inputs = self._execute(cmd[1], cmd[2], cmd[3], cmd[4], storage_ids, outs)
+            try:
+                failures = store_outputs(label, result, outs, self.store, self._held(), self._known_tensor)
+            except OutputMismatch as exc:
+                raise _CommandFailed(_error(label, _shapes(inputs), "mismatch",
+                                            f"server and client disagree on the output of {label}: {exc}",
+                                            storage_ids)) from None
+            except GenieError as exc:
+                raise _CommandFailed(_error(label, _shapes(inputs), _kind_of(exc), str(exc), storage_ids)) from None
         except _CommandFailed as failed:
-            for handle in handles:
-                self.store.poison(handle, f"{failed.record['op']}: {failed.record['message']}")
+            for storage_id in storage_ids:
+                self.store.poison(storage_id, f"{failed.record['op']}: {failed.record['message']}")
             self._defer(failed.record)
+            return
+        for failure in failures:
+            self._defer(_error(label, _shapes(inputs), _kind_of(failure), _message(failure), storage_ids))
 
     def _cmd_call(self, cmd: list[Any]) -> None:
-        if len(cmd) != 6 or not isinstance(cmd[4], dict) or not isinstance(cmd[5], list):
-            raise FrameError("CALL must be [CMD_CALL, req, op, args, kwargs, out_handles]")
-        req, name, args, kwargs = cmd[1], cmd[2], cmd[3], cmd[4]
-        handles = [check_handle(h, "CALL output handle") for h in cmd[5]]
+        if len(cmd) != 7 or not isinstance(cmd[5], dict) or not isinstance(cmd[6], list):
+            raise FrameError("CALL must be [CMD_CALL, req, device, op, args, kwargs, out_storage_ids]")
+        req, label = cmd[1], _label(cmd[3])
+        storage_ids = [check_id(s, "CALL output storage id") for s in cmd[6]]
         error: dict[str, Any] | None = None
         encoded: Any = None
         try:
-            result, _ = self._execute(name, args, kwargs, handles)
-            encoded = self._store_call_result(str(name), result, handles)
+            result, _ = self._execute(cmd[2], cmd[3], cmd[4], cmd[5], storage_ids)
+            try:
+                encoded = store_call_result(result, storage_ids, self.store, self._held())
+            except OutputMismatch as exc:
+                raise _CommandFailed(_error(label, [], "mismatch", f"{label}: {exc}", storage_ids)) from None
+            except GenieError as exc:
+                raise _CommandFailed(_error(label, [], _kind_of(exc), str(exc), storage_ids)) from None
         except _CommandFailed as failed:
             error = failed.record
-            for handle in handles:
-                self.store.poison(handle, f"{error['op']}: {error['message']}")
+            for storage_id in storage_ids:
+                self.store.poison(storage_id, f"{error['op']}: {error['message']}")
         self._reply(req, error, encoded)
 
-    def _cmd_fetch(self, req: Any, handle: int) -> None:
+    def _cmd_fetch(self, req: Any, device_index: Any, desc: Descriptor) -> None:
         try:
-            tensor = self.store.get(handle)
-            out = tensor.resolve_conj().resolve_neg()
+            self._begin(device_index)
+            out = self._tensor(desc).resolve_conj().resolve_neg()
             if out.device.type != "cpu":
                 out = out.cpu()
             out = out.contiguous()
-            if out.layout != torch.strided:
-                raise ProtocolError(f"handle {handle} holds a {out.layout} tensor, which cannot be fetched")
         except Exception as exc:
-            self._reply(req, _error("fetch", [], _kind_of(exc), _message(exc), [handle]), None)
+            self._reply(req, _error("fetch", [list(desc.sizes)], _kind_of(exc), _message(exc), []), None)
             return
-        self.metrics.record_bytes("out", out.nbytes, tensor.device)  # metrics
-        self._reply(req, None, codec.describe(handle, out)[1:3], [tensor_bytes(out)], keep=out)
+        self.metrics.record_bytes("out", out.nbytes, out.device)  # metrics
+        self._reply(req, None, codec.describe(0, out)[1:3], [tensor_bytes(out)], keep=out)
 
     def _cmd_sync(self, req: Any) -> None:
         error = None
@@ -288,133 +318,141 @@ class Executor:
                 error = _error("sync", [], "execution", f"{device}: {_message(exc)}")
         self._reply(req, error, None)
 
+    def _cmd_seed(self, cmd: list[Any]) -> None:
+        if len(cmd) != 4 or not is_int(cmd[2]) or not 0 <= cmd[2] < (1 << 63) or not is_int(cmd[3]) \
+                or not _SEED_RANGE[0] <= cmd[3] <= _SEED_RANGE[1]:
+            raise FrameError("SEED must be [CMD_SEED, device, generator_id >= 0, seed (a 64-bit integer)]")
+        try:
+            self._begin(cmd[1])
+            self.generators.seed(cmd[1], cmd[2], cmd[3])
+        except GenieError as exc:
+            self._defer(_error("seed", [], _kind_of(exc), str(exc)))
+
+    def _cmd_resize(self, cmd: list[Any]) -> None:
+        if len(cmd) != 4:
+            raise FrameError("RESIZE must be [CMD_RESIZE, device, storage_id, new_nbytes]")
+        storage_id = check_id(cmd[2], "resized storage id")
+        new = cmd[3]
+        if storage_id == 0 or not is_int(new) or not 0 <= new <= MAX_NBYTES:
+            raise FrameError(f"RESIZE needs a storage id above 0 and a byte count, got {cmd[2]!r}, {new!r}")
+        try:
+            self._begin(cmd[1])
+            storage = self.store.get(storage_id)
+            if storage is None:
+                self.store.make(storage_id, new, self._device_now)
+                return
+            old = storage.nbytes()
+            self.store.check_room(0, new - old)
+            storage.resize_(new)
+            if new > old:
+                _zero_from(storage, old)
+            self.store.resized(storage_id)
+        except Exception as exc:
+            self.store.poison(storage_id, f"resize: {_message(exc)}")
+            self._defer(_error("resize", [[new]], _kind_of(exc), _message(exc), [storage_id]))
+
     # -- running ops --------------------------------------------------------------------------
 
-    def _execute(self, name: Any, args: Any, kwargs: dict[str, Any], outs: list[int],
-                 specs: Sequence[OutSpec] = ()) -> tuple[Any, list[Any]]:
+    def _begin(self, device_index: Any) -> None:
+        """Start resolving a command on ``device_index`` (ProtocolError if the node lacks it)."""
+        self._device_now = self._device(device_index)
+        self._used = {}
+
+    def _execute(self, device_index: Any, name: Any, args: Any, kwargs: Any, storage_ids: list[int],
+                 outs: Sequence[Descriptor | None] = ()) -> tuple[Any, Any]:
         """Resolve and run an op; raise _CommandFailed with a deferred-error record on any failure."""
-        label = name if isinstance(name, str) and len(name) <= 200 else "<invalid op name>"
+        label = _label(name)
         try:
             op = resolve_op(name)
         except ForbiddenOpError as exc:
-            raise _CommandFailed(_error(label, [], "forbidden", str(exc), outs)) from None
+            raise _CommandFailed(_error(label, [], "forbidden", str(exc), storage_ids)) from None
         if not isinstance(args, list) or not all(isinstance(k, str) for k in kwargs):
             raise FrameError(f"{label}: args must be a list and kwargs a map with string keys")
         try:
-            args = codec.resolve(args, self.store.get, self._device)
-            kwargs = codec.resolve(kwargs, self.store.get, self._device)
-        except (GenieError, IndexError) as exc:
-            raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), outs)) from None
-        inputs = tensor_leaves((args, kwargs))
-        self._precheck_outputs(label, outs, specs)
-        sizes_before = {id(t): t.untyped_storage().nbytes() for t in inputs} if label in _RESIZING else {}
+            self._begin(device_index)
+            generator = self._generator_of(device_index)
+            args = codec.resolve(args, self._tensor, self._device, generator)
+            kwargs = codec.resolve(kwargs, self._tensor, self._device, generator)
+            self.generators.fill_default(op, args, kwargs, device_index)
+            runner = self.generators.generatorless(label, device_index)
+            self._precheck_outputs(label, storage_ids, outs)
+        except (GenieError, IndexError, RuntimeError) as exc:  # RuntimeError: torch refused to build a tensor
+            raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
+        inputs = (args, kwargs)  # for error messages only: _shapes() walks it when something fails
+        used = self._used
         started = time.perf_counter()  # metrics
         try:
-            result = op(*args, **kwargs)  # grad mode is off on this thread (run_batch)
+            result = runner(args, kwargs) if runner is not None else run_op(op, args, kwargs)
         except Exception as exc:
             self.metrics.record_op(label, "error", time.perf_counter() - started)  # metrics
-            raise _CommandFailed(_error(label, _shapes((args, kwargs)), "execution", _message(exc), outs)) from None
+            raise _CommandFailed(_error(label, _shapes((args, kwargs)), "execution", _message(exc),
+                                        storage_ids)) from None
+        finally:
+            self._account_resizes(used)
         self.ops_run += 1
         self.metrics.record_op(label, "ok", time.perf_counter() - started)  # metrics
-        if label in _UNINITIALISED:
+        if _hands_out_uninitialised(label):
+            held = self._held()
             for t in tensor_leaves(result):
-                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                    t.zero_()
-        if label in _RESIZING:
-            _zero_grown_storages(inputs, sizes_before)
-            self.store.recount()
+                # A fresh result is zeroed whole (a strided one has gaps); an out= result lives in a storage of
+                # the session's own, whose other bytes are the session's data (grown bytes were zeroed above).
+                if t.layout == torch.strided and t.untyped_storage().data_ptr() not in held:
+                    _zero_from(t.untyped_storage(), 0)
         return result, inputs
 
-    def _precheck_outputs(self, label: str, outs: list[int], specs: Sequence[OutSpec]) -> None:
-        """Refuse before running what can never fit: too many handles, or one output above the byte limit."""
-        try:
-            self.store.check_room(len([h for h in outs if h not in self.store]))
-            limit = self.store.max_bytes
-            for spec in specs:
-                nbytes = spec.numel() * spec.dtype.itemsize
-                if limit and nbytes > limit:
-                    raise QuotaExceededError(
-                        f"output {spec.handle} of {label} would need {nbytes} bytes, more than this session's "
-                        f"limit of {limit} bytes (max_session_bytes)")
-        except QuotaExceededError as exc:
-            raise _CommandFailed(_error(label, [], "quota", str(exc), outs)) from None
+    def _account_resizes(self, used: dict[int, torch.UntypedStorage]) -> None:
+        """Ops like resize_ grow a storage in place: zero what it gained and count it."""
+        for storage_id, storage in used.items():
+            if storage_id in self.store:
+                before = self.store.nbytes(storage_id)
+                if storage.nbytes() != before:
+                    if storage.nbytes() > before:
+                        _zero_from(storage, before)
+                    self.store.resized(storage_id)
 
-    def _device(self, index: int) -> torch.device:
-        if not 0 <= index < len(self.devices):
-            raise ProtocolError(f"device index {index} does not exist on this node ({len(self.devices)} devices)")
+    def _precheck_outputs(self, label: str, storage_ids: list[int], outs: Sequence[Descriptor | None]) -> None:
+        """Refuse before running what can never fit: too many storages, or one output above the byte limit."""
+        if self.store.count + len(storage_ids) > self.store.max_storages:
+            self.store.check_room(len([s for s in storage_ids if s not in self.store]))
+        limit = self.store.max_bytes
+        for desc in outs:
+            if desc is not None and limit and desc.storage_id not in self.store and desc.storage_nbytes > limit:
+                raise QuotaExceededError(
+                    f"output storage {desc.storage_id} of {label} would need {desc.storage_nbytes} bytes, more "
+                    f"than this session's limit of {limit} bytes (max_session_bytes)")
+
+    def _device(self, index: Any) -> torch.device:
+        if not is_int(index) or not 0 <= index < len(self.devices):
+            raise ProtocolError(f"device index {index!r} does not exist on this node ({len(self.devices)} devices)")
         return self.devices[index]
 
-    def _store_checked(self, op: str, result: Any, outs: list[OutSpec], inputs: list[torch.Tensor]) -> None:
-        """Check each tensor output against the client's spec and store it, or fail the command."""
-        tensors = tensor_leaves(result)
-        if len(tensors) != len(outs):
-            raise _CommandFailed(_error(
-                op, _shapes(inputs), "mismatch",
-                f"server and client disagree on the output of {op}: it returned {len(tensors)} tensors, "
-                f"the client expected {len(outs)}", [o.handle for o in outs]))
-        input_storages = {t.untyped_storage()._cdata for t in inputs if t.layout == torch.strided}
-        checked = []
-        for i, (t, spec) in enumerate(zip(tensors, outs, strict=True)):
-            checked.append(self._conform(op, i, t, spec, input_storages, inputs, [o.handle for o in outs]))
-        failures = []
-        for spec, t in zip(outs, checked, strict=True):
-            if spec.handle in self.store and self.store.get(spec.handle) is t:
-                continue  # an in-place op (copy_, add_, out=) returned the tensor it wrote into
-            try:
-                self.store.put(spec.handle, t)
-            except (QuotaExceededError, ProtocolError) as exc:
-                self.store.poison(spec.handle, f"{op}: {exc}")
-                failures.append(_error(op, _shapes(inputs), _kind_of(exc), str(exc), [spec.handle]))
-        for record in failures:
-            self._defer(record)
+    def _generator_of(self, device_index: int) -> Any:
+        return lambda generator_id: self.generators.get(device_index, generator_id)
 
-    def _conform(self, op: str, i: int, t: torch.Tensor, spec: OutSpec, input_storages: set[int],
-                 inputs: list[torch.Tensor], handles: list[int]) -> torch.Tensor:
-        def disagree(what: str) -> _CommandFailed:
-            return _CommandFailed(_error(
-                op, _shapes(inputs), "mismatch",
-                f"server and client disagree on the output of {op}: output {i} (handle {spec.handle}) {what}",
-                handles))
+    def _tensor(self, desc: Descriptor) -> torch.Tensor:
+        """The described tensor; a storage never seen before is made, zero-filled, on the command's device."""
+        if desc.storage_id == 0:
+            desc.check(None)
+            return desc.over(zeroed_storage(0, self._device_now))
+        storage = self.store.get(desc.storage_id)
+        if storage is None:
+            desc.check(None)
+            storage = self.store.make(desc.storage_id, desc.storage_nbytes, self._device_now)
+        else:
+            desc.check(self.store.nbytes(desc.storage_id))
+        self._used[desc.storage_id] = storage
+        return desc.over(storage)
 
-        if t.layout != torch.strided:
-            raise disagree(f"is a {t.layout} tensor; genie servers store strided tensors only")
-        if t.dtype != spec.dtype:
-            raise disagree(f"has dtype {t.dtype} here, the client expected {spec.dtype}")
-        if list(t.shape) != spec.shape:
-            raise disagree(f"has shape {list(t.shape)} here, the client expected {spec.shape}")
-        if list(t.stride()) == spec.stride and t.storage_offset() == spec.offset:
-            return t
-        if t.untyped_storage()._cdata in input_storages:
-            raise disagree(
-                f"is a view with stride {list(t.stride())} and offset {t.storage_offset()} here, the client expected "
-                f"stride {spec.stride} and offset {spec.offset}; a view cannot be re-laid out without breaking aliasing")
-        # A fresh tensor laid out differently: copy it into the layout the client computed.
-        span = 1 + sum((s - 1) * st for s, st in zip(spec.shape, spec.stride, strict=True)) if spec.numel() else 0
-        base = torch.empty(spec.offset + span, dtype=t.dtype, device=t.device)
-        out = base.as_strided(spec.shape, spec.stride, spec.offset)
-        out.copy_(t)
-        log.debug("%s output %d re-laid out from stride %s to %s", op, i, list(t.stride()), spec.stride)
-        return out
+    def _known_tensor(self, desc: Descriptor) -> torch.Tensor:
+        """An output's described tensor over a storage the session holds (bounds checked)."""
+        storage = self.store.get(desc.storage_id)
+        assert storage is not None
+        desc.check(self.store.nbytes(desc.storage_id))
+        return desc.over(storage)
 
-    def _store_call_result(self, op: str, result: Any, handles: list[int]) -> Any:
-        tensors = tensor_leaves(result)
-        if len(tensors) > len(handles):
-            raise _CommandFailed(_error(
-                op, [], "mismatch", f"{op} returned {len(tensors)} tensors but the CALL gave {len(handles)} handles",
-                handles))
-        pending = iter(handles)
-
-        def store(t: torch.Tensor) -> list[Any]:
-            handle = next(pending)
-            if t.layout != torch.strided:
-                raise ProtocolError(f"{op} returned a {t.layout} tensor; genie servers store strided tensors only")
-            self.store.put(handle, t)
-            return codec.describe(handle, t)
-
-        try:
-            return codec.encode_result(result, store)
-        except (ProtocolError, QuotaExceededError) as exc:
-            raise _CommandFailed(_error(op, [], _kind_of(exc), str(exc), handles)) from None
+    def _held(self) -> set[int]:
+        """Storage keys the last command used: its results over them are not fresh."""
+        return {s.data_ptr() for s in self._used.values() if s.nbytes()}
 
     # -- replies ------------------------------------------------------------------------------
 
@@ -434,3 +472,7 @@ class Executor:
         body = codec.packb([req if is_int(req) else None, error, result, deferred])
         send_frame(self.channel, MsgKind.REPLY, body, payload)
         del keep  # the payload views point into this tensor: it must outlive the send
+
+
+def _label(name: Any) -> str:
+    return name if isinstance(name, str) and len(name) <= 200 else "<invalid op name>"

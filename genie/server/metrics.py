@@ -34,7 +34,7 @@ class SessionSource(Protocol):
 
     client: dict[str, Any]  #: HELLO's node_id, role, genie and torch versions (empty before the handshake)
     serving: bool  #: True once the handshake succeeded
-    store: Any  #: the session's TensorStore
+    store: Any  #: the session's StorageStore
 
 
 class Latency:
@@ -159,24 +159,13 @@ class SessionMetrics:
         """Bytes this session's live tensors hold, per device (``cuda:0``, ``cpu``), each storage once.
 
         On a node whose devices are one torch device (one GPU, or CPU devices) that is the store's
-        own count, O(1); otherwise every live tensor is visited (O(handles), at scrape time only).
+        own count, O(1); otherwise every live storage is visited (O(storages), at scrape time only).
         """
         store = self.source.store if self.source is not None else None
         devices = self.server.devices if self.server is not None else ()
         if len(set(devices)) == 1:
             return {devices[0]: int(getattr(store, "bytes_used", 0))}
-        tensors = list(getattr(store, "_tensors", {}).values())  # one C-level copy: safe beside the session thread
-        seen: dict[int, tuple[str, int]] = {}
-        for t in tensors:
-            try:
-                storage = t.untyped_storage()
-                seen[storage._cdata] = (str(t.device), storage.nbytes())
-            except RuntimeError:  # freed between the copy and now
-                continue
-        out: dict[str, int] = {}
-        for device, nbytes in seen.values():
-            out[device] = out.get(device, 0) + nbytes
-        return out
+        return store.bytes_by_device() if store is not None else {}
 
     def summary(self) -> dict[str, Any]:
         """A plain map for heartbeats and the dashboard."""

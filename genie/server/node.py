@@ -160,7 +160,7 @@ class DataPlaneServer:
             "torch": torch.__version__,
             "devices": self._device_info,
             "limits": {
-                "max_session_handles": self.config.max_session_handles,
+                "max_session_handles": self.config.max_session_handles,  # storages per session
                 "max_session_bytes": self.config.max_session_bytes,
                 "max_frame_bytes": self.config.max_frame_bytes,
                 "max_session_inflight": self.config.max_session_inflight,
@@ -201,14 +201,14 @@ class DataPlaneServer:
             log.info("data plane of node %s stopped", self.node_id)
 
     def stats(self) -> dict[str, Any]:
-        """Live sessions and what they hold: ``{"sessions", "handles", "bytes", "per_session"}``."""
+        """Live sessions and what they hold: ``{"sessions", "sessions_served", "storages", "bytes", "per_session"}``."""
         with self._lock:
             sessions = list(self._sessions.values())
         per = {s.session_id: s.stats() for s in sessions}
         return {
             "sessions": len(per),
             "sessions_served": self.sessions_served,
-            "handles": sum(p["handles"] + p["poisoned"] for p in per.values()),
+            "storages": sum(p["storages"] + p["poisoned"] for p in per.values()),
             "bytes": sum(p["bytes"] for p in per.values()),
             "per_session": per,
         }
@@ -249,7 +249,7 @@ class DataPlaneServer:
             session_id=next(self._ids),
             welcome=self.welcome,
             devices=self.devices,
-            max_handles=self.config.max_session_handles,
+            max_storages=self.config.max_session_handles,
             max_bytes=self.config.max_session_bytes,
             max_payload=self.config.max_frame_bytes,
             auth_token=self.security.token,

@@ -26,8 +26,10 @@ import logging
 import re
 import threading
 import time
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from genie.errors import ForbiddenOpError
 
@@ -128,3 +130,57 @@ def resolve_op(name: object) -> torch._ops.OpOverload:
 def _preview(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+
+def _is_missing_kernel(exc: NotImplementedError) -> bool:
+    return str(exc).startswith("Could not run")
+
+
+def decomposition_of(op: torch._ops.OpOverload) -> Any:
+    """The registered decomposition of ``op`` (``torch._decomp``), or its CompositeImplicit kernel, or None."""
+    from torch._decomp import decomposition_table
+
+    decomp = decomposition_table.get(op)
+    if decomp is not None:
+        return decomp
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+        return op.decompose
+    return None
+
+
+class _DecomposeMissing(TorchDispatchMode):
+    """Runs every op it sees; one without a kernel here runs its decomposition (nested ones too)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return _run_or_decompose(func, args, kwargs or {})
+
+
+def _run_or_decompose(op: torch._ops.OpOverload, args: Any, kwargs: dict[str, Any]) -> Any:
+    try:
+        return op(*args, **kwargs)
+    except NotImplementedError as exc:
+        if not _is_missing_kernel(exc):
+            raise
+        decomp = decomposition_of(op)
+        if decomp is None:
+            raise
+        log.debug("%s has no kernel on this device; running its decomposition", op.name())
+        # The mode is off while its handler runs: enter a fresh one so ops inside the decomposition that
+        # lack a kernel are decomposed too.
+        with _DecomposeMissing():
+            result = decomp(*args, **kwargs)
+        if result is NotImplemented:
+            raise
+        return result
+
+
+def run_op(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """Run ``op``; when the server's device has no kernel for it, run its registered decomposition instead.
+
+    The common path is a plain call: the dispatch mode costs a few microseconds
+    per op, so it is entered only once a kernel turned out to be missing. The
+    decomposition's outputs are checked against the client's like any other op's
+    (the executor's mismatch rule): a disagreement is reported, never stored.
+    """
+    return _run_or_decompose(op, args, kwargs)

@@ -1,6 +1,6 @@
 """One client's data-plane session: handshake, then batches, on its own thread.
 
-The session owns its channel, its :class:`~genie.server.store.TensorStore` and
+The session owns its channel, its :class:`~genie.server.store.StorageStore` and
 its :class:`~genie.server.executor.Executor`. Its life:
 
 1. With TLS configured, the TLS handshake (:func:`genie.wire.handshake.secure_server_channel`).
@@ -17,7 +17,7 @@ its :class:`~genie.server.executor.Executor`. Its life:
    its reason, answered with an ERROR frame ``{"code": "frame", "reason"}`` if
    the connection still works, and the connection is closed. Other sessions
    never notice.
-4. However the session ends, every tensor it held is freed.
+4. However the session ends, every storage it held is freed.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 from genie.errors import ConnectionClosedError, FrameError, GenieError, ProtocolError, QuotaExceededError
 from genie.security import REFUSALS
 from genie.server.executor import Executor
-from genie.server.store import TensorStore
+from genie.server.store import StorageStore
 from genie.transport.base import Channel
 from genie.wire.frame import PROTOCOL_VERSION, MsgKind, pack_body, recv_header_and_body, send_frame, unpack_body
 from genie.wire.handshake import secure_server_channel, server_challenge
@@ -52,7 +52,7 @@ class Session:
         session_id: int,
         welcome: Callable[[], dict[str, Any]],
         devices: list[torch.device],
-        max_handles: int,
+        max_storages: int,
         max_bytes: int,
         max_payload: int,
         auth_token: str | bytes = "",
@@ -65,7 +65,7 @@ class Session:
         self.channel = channel
         self.session_id = session_id
         self.peer = getattr(channel, "peer", "?")
-        self.store = TensorStore(max_handles=max_handles, max_bytes=max_bytes)
+        self.store = StorageStore(max_storages=max_storages, max_bytes=max_bytes)
         self.executor = Executor(channel, self.store, devices)
         self.client: dict[str, Any] = {}
         self._welcome = welcome
@@ -116,8 +116,8 @@ class Session:
         finally:
             freed = self.store.clear()
             self.channel.close()
-            log.info("session %d (%s) closed: freed %d handles, %d bytes",
-                     self.session_id, self.peer, freed["handles"] + freed["poisoned"], freed["bytes"])
+            log.info("session %d (%s) closed: freed %d storages, %d bytes",
+                     self.session_id, self.peer, freed["storages"] + freed["poisoned"], freed["bytes"])
             self._on_end(self)
 
     # -- phases -------------------------------------------------------------------------------

@@ -1,14 +1,19 @@
-"""The per-session tensor store: client handles to server tensors, with quotas.
+"""The per-session storage store: client storage ids to server storages, with quotas.
 
-Handles are chosen by the client (so ops can be sent fire-and-forget) and live
-in that client's session only. The store counts memory per *storage*: views of
-one tensor share a storage and are counted once, and a storage's bytes are
-released when its last handle goes. Two bounds apply (0 means unbounded for
-bytes): the number of handles, live or poisoned, and the bytes of all
-storages.
+Storage ids are chosen by the client (its allocator hands them out without a
+round trip) and live in that client's session only. Tensors are not kept:
+commands describe tensors over storages and the executor builds them on the
+fly, so views and aliasing hold because they share one storage here as they
+do on the client.
 
-A handle can be *poisoned*: the op that should have produced it failed, so it
-holds the root cause instead of a tensor, and every later use names that cause.
+Two bounds apply (0 means unbounded for bytes): the number of storages, live
+or poisoned (``max_session_handles``), and the bytes of all storages
+(``max_session_bytes``), each storage counted once at its current size.
+
+A storage can be *poisoned*: the command that should have written it failed,
+so it holds the root cause instead of bytes, and every later use names that
+cause. A freed id is remembered (up to :data:`MAX_REMEMBERED_FREES`) so that a
+late use says "freed" instead of silently getting a fresh zeroed storage.
 """
 
 from __future__ import annotations
@@ -23,177 +28,173 @@ from genie.errors import ProtocolError, QuotaExceededError, RemoteExecutionError
 
 log = logging.getLogger("genie.server.store")
 
-#: Largest handle value accepted (handles are msgpack integers).
-MAX_HANDLE = (1 << 63) - 1
+#: Largest storage id accepted (ids are 63-bit msgpack integers).
+MAX_STORAGE_ID = (1 << 63) - 1
+#: Freed ids remembered per session for clearer errors; past this the record starts over.
+MAX_REMEMBERED_FREES = 1 << 16
 
 
-class UnknownHandleError(ProtocolError):
-    """A command used a handle this session never made or already freed.
+class StorageError(ProtocolError):
+    """A command used a storage this session freed, or described it with another size.
 
     Defined here rather than in genie.errors because it never leaves the server:
-    the executor turns it into a deferred error for the client.
+    the executor turns it into a deferred error of kind ``storage``.
     """
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    # The StorageImpl's address: stable across resize_ (unlike data_ptr), shared by views.
-    return t.untyped_storage()._cdata
-
-
-def _storage_nbytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+def zeroed_storage(nbytes: int, device: torch.device) -> torch.UntypedStorage:
+    """A fresh storage of ``nbytes`` zero bytes: a session never sees bytes another session left behind."""
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device).untyped_storage()
 
 
 @attrs.define
-class _StorageUse:
-    nbytes: int
-    handles: int
+class StorageStore:
+    """Storages by id for one session, with storage and byte quotas (``max_bytes`` 0: unbounded)."""
 
-
-@attrs.define
-class TensorStore:
-    """Handles to tensors for one session, with handle and byte quotas (``max_bytes`` 0: unbounded)."""
-
-    max_handles: int = 1_000_000
+    max_storages: int = 1_000_000
     max_bytes: int = 0
-    _tensors: dict[int, torch.Tensor] = attrs.field(factory=dict)
-    _keys: dict[int, int] = attrs.field(factory=dict)
+    _storages: dict[int, torch.UntypedStorage] = attrs.field(factory=dict)
+    _sizes: dict[int, int] = attrs.field(factory=dict)
     _poisoned: dict[int, str] = attrs.field(factory=dict)
-    _storages: dict[int, _StorageUse] = attrs.field(factory=dict)
+    _freed: set[int] = attrs.field(factory=set)
     _bytes: int = 0
 
     # -- inspection -------------------------------------------------------------------------
 
     @property
-    def handle_count(self) -> int:
-        """Live plus poisoned handles."""
-        return len(self._tensors) + len(self._poisoned)
+    def count(self) -> int:
+        """Live plus poisoned storages."""
+        return len(self._storages) + len(self._poisoned)
 
     @property
     def bytes_used(self) -> int:
-        """Bytes of every storage some handle refers to, each storage counted once."""
+        """Bytes of every live storage."""
         return self._bytes
+
+    def bytes_by_device(self) -> dict[str, int]:
+        """Bytes of the live storages per device (``cuda:0``, ``cpu``); safe beside the session thread."""
+        out: dict[str, int] = {}
+        for storage in list(self._storages.values()):  # one C-level copy
+            key = str(storage.device)
+            out[key] = out.get(key, 0) + storage.nbytes()
+        return out
 
     def stats(self) -> dict[str, int]:
         """Counts for logs and tests."""
         return {
-            "handles": len(self._tensors),
-            "poisoned": len(self._poisoned),
             "storages": len(self._storages),
+            "poisoned": len(self._poisoned),
             "bytes": self._bytes,
         }
 
-    def __contains__(self, handle: object) -> bool:
-        return handle in self._tensors or handle in self._poisoned
+    def __contains__(self, storage_id: object) -> bool:
+        return storage_id in self._storages
+
+    def nbytes(self, storage_id: int) -> int:
+        """The current size of a live storage."""
+        return self._sizes[storage_id]
 
     # -- use --------------------------------------------------------------------------------
 
-    def get(self, handle: int) -> torch.Tensor:
-        """The tensor behind ``handle``; RemoteExecutionError naming the root cause if poisoned."""
-        tensor = self._tensors.get(handle)
-        if tensor is not None:
-            return tensor
-        cause = self._poisoned.get(handle)
-        if cause is not None:
-            raise RemoteExecutionError(f"handle {handle} holds no tensor because an earlier op failed: {cause}")
-        raise UnknownHandleError(f"handle {handle} is unknown in this session (never created, or already freed)")
+    def get(self, storage_id: int) -> torch.UntypedStorage | None:
+        """The live storage ``storage_id``; None if never seen; StorageError/RemoteExecutionError if freed/poisoned."""
+        storage = self._storages.get(storage_id)
+        if storage is not None:
+            return storage
+        self.check_usable(storage_id)
+        return None
 
-    def check_room(self, handles: int, nbytes: int = 0) -> None:
-        """Raise QuotaExceededError unless ``handles`` more handles and ``nbytes`` more bytes fit."""
-        if self.handle_count + handles > self.max_handles:
+    def check_usable(self, storage_id: int) -> None:
+        """Raise if ``storage_id`` is poisoned or was freed (a never-seen id is usable: it will be made)."""
+        cause = self._poisoned.get(storage_id)
+        if cause is not None:
+            raise RemoteExecutionError(f"storage {storage_id} holds nothing because an earlier command failed: {cause}")
+        if storage_id in self._freed:
+            raise StorageError(f"storage {storage_id} was freed earlier in this session; storage ids are never reused")
+
+    def check_room(self, storages: int, nbytes: int = 0) -> None:
+        """Raise QuotaExceededError unless ``storages`` more storages and ``nbytes`` more bytes fit."""
+        if self.count + storages > self.max_storages:
             raise QuotaExceededError(
-                f"session handle limit reached: {self.handle_count} handles in use, {handles} more requested, "
-                f"limit {self.max_handles} (max_session_handles); free tensors you no longer need"
+                f"session storage limit reached: {self.count} storages in use, {storages} more requested, "
+                f"limit {self.max_storages} (max_session_handles); free tensors you no longer need"
             )
-        if self.max_bytes and self._bytes + nbytes > self.max_bytes:
+        if self.max_bytes and nbytes > 0 and self._bytes + nbytes > self.max_bytes:
             raise QuotaExceededError(
                 f"session memory limit reached: {self._bytes} bytes in use, {nbytes} more requested, "
                 f"limit {self.max_bytes} (max_session_bytes); free tensors you no longer need"
             )
 
-    def put(self, handle: int, tensor: torch.Tensor) -> None:
-        """Store ``tensor`` under a new ``handle``, counting its storage once."""
-        self._check_new(handle)
-        self.check_room(1)
-        key = _storage_key(tensor)
-        use = self._storages.get(key)
-        if use is None:
-            nbytes = _storage_nbytes(tensor)
-            self.check_room(0, nbytes)
-            self._storages[key] = _StorageUse(nbytes, 1)
-            self._bytes += nbytes
-        else:
-            use.handles += 1
-        self._tensors[handle] = tensor
-        self._keys[handle] = key
+    def put(self, storage_id: int, storage: torch.UntypedStorage) -> None:
+        """Keep ``storage`` under a new id, counting its bytes against the quotas."""
+        self._check_id(storage_id)
+        if storage_id in self._storages:
+            raise ProtocolError(f"storage {storage_id} already exists in this session; storage ids are never reused")
+        nbytes = storage.nbytes()
+        self.check_room(1, nbytes)
+        self._poisoned.pop(storage_id, None)
+        self._storages[storage_id] = storage
+        self._sizes[storage_id] = nbytes
+        self._bytes += nbytes
 
-    def poison(self, handle: int, cause: str) -> None:
-        """Mark ``handle`` as the output of a failed op; later uses report ``cause``.
+    def make(self, storage_id: int, nbytes: int, device: torch.device) -> torch.UntypedStorage:
+        """A new zero-filled storage under ``storage_id`` (quota checked before allocating)."""
+        self._check_id(storage_id)
+        self.check_usable(storage_id)
+        self.check_room(1, nbytes)
+        storage = zeroed_storage(nbytes, device)
+        self.put(storage_id, storage)
+        return storage
 
-        A handle that already holds a tensor is replaced; the handle quota is not
-        checked, so a failure can always be recorded.
+    def resized(self, storage_id: int) -> None:
+        """Account for a storage that changed size in place (``resize_``); the quota is not enforced here."""
+        storage = self._storages.get(storage_id)
+        if storage is not None:
+            now = storage.nbytes()
+            self._bytes += now - self._sizes[storage_id]
+            self._sizes[storage_id] = now
+
+    def poison(self, storage_id: int, cause: str) -> None:
+        """Mark ``storage_id`` as the output of a failed command; later uses report ``cause``.
+
+        A live storage is dropped; the storage quota is not checked, so a failure
+        can always be recorded (poisoned entries still count towards it afterwards).
         """
-        if not isinstance(handle, int) or isinstance(handle, bool) or not 0 <= handle <= MAX_HANDLE:
+        if not isinstance(storage_id, int) or isinstance(storage_id, bool) or not 0 < storage_id <= MAX_STORAGE_ID:
             return
-        if handle in self._tensors:
-            self._drop(handle)
-        self._poisoned[handle] = cause
+        self._drop(storage_id)
+        self._poisoned[storage_id] = cause
 
-    def recount(self) -> None:
-        """Rebuild the storage accounting from the tensors held.
-
-        Run after ops that resize a storage in place or point a tensor at another
-        storage (``resize_``, ``set_``): sizes and storage identities may have changed.
-        The quota is not enforced here; the next allocation sees the new total.
-        """
-        self._storages.clear()
-        self._bytes = 0
-        for handle, tensor in self._tensors.items():
-            key = _storage_key(tensor)
-            self._keys[handle] = key
-            use = self._storages.get(key)
-            if use is None:
-                nbytes = _storage_nbytes(tensor)
-                self._storages[key] = _StorageUse(nbytes, 1)
-                self._bytes += nbytes
-            else:
-                use.handles += 1
-
-    def free(self, handles: Iterable[int]) -> int:
-        """Release handles (unknown ones are ignored); returns how many were released."""
+    def free(self, storage_ids: Iterable[int]) -> int:
+        """Release storages (unknown ids are ignored); returns how many were released."""
         released = 0
-        for handle in handles:
-            if handle in self._tensors:
-                self._drop(handle)
+        for storage_id in storage_ids:
+            if self._drop(storage_id) or self._poisoned.pop(storage_id, None) is not None:
                 released += 1
-            elif self._poisoned.pop(handle, None) is not None:
-                released += 1
+                if len(self._freed) >= MAX_REMEMBERED_FREES:
+                    self._freed.clear()  # bounded memory; only the wording of a late use's error is lost
+                self._freed.add(storage_id)
         return released
 
     def clear(self) -> dict[str, int]:
         """Release everything; returns the stats from just before."""
         before = self.stats()
-        self._tensors.clear()
-        self._keys.clear()
-        self._poisoned.clear()
         self._storages.clear()
+        self._sizes.clear()
+        self._poisoned.clear()
+        self._freed.clear()
         self._bytes = 0
         return before
 
     # -- internals --------------------------------------------------------------------------
 
-    def _check_new(self, handle: int) -> None:
-        if not isinstance(handle, int) or isinstance(handle, bool) or not 0 <= handle <= MAX_HANDLE:
-            raise ProtocolError(f"handle must be an integer from 0 to {MAX_HANDLE}, got {handle!r}")
-        if handle in self._tensors:
-            raise ProtocolError(f"handle {handle} is already in use in this session; free it before reusing it")
-        self._poisoned.pop(handle, None)
+    @staticmethod
+    def _check_id(storage_id: int) -> None:
+        if not isinstance(storage_id, int) or isinstance(storage_id, bool) or not 0 < storage_id <= MAX_STORAGE_ID:
+            raise ProtocolError(f"storage id must be an integer from 1 to {MAX_STORAGE_ID}, got {storage_id!r}")
 
-    def _drop(self, handle: int) -> None:
-        del self._tensors[handle]
-        key = self._keys.pop(handle)
-        use = self._storages[key]
-        use.handles -= 1
-        if use.handles == 0:
-            del self._storages[key]
-            self._bytes -= use.nbytes
+    def _drop(self, storage_id: int) -> bool:
+        if self._storages.pop(storage_id, None) is None:
+            return False
+        self._bytes -= self._sizes.pop(storage_id)
+        return True

@@ -31,7 +31,7 @@ from genie.errors import FrameError
 from genie.transport.base import Buffer, Channel
 
 MAGIC = b"GN"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct("<2sBBIQ")
 
 #: A body (msgpack) larger than this is refused before it is read.
@@ -96,21 +96,24 @@ def decode_header(data: bytes | bytearray | memoryview, *, max_payload: int = DE
     return FrameHeader(MsgKind(kind), body_len, payload_len)
 
 
+#: Bounds on every container of a body (the same for every frame, built once: this runs per command).
+_UNPACK_LIMITS: dict[str, Any] = {
+    "raw": False,
+    "strict_map_key": True,
+    "max_str_len": 1 << 20,
+    "max_bin_len": MAX_BODY_BYTES,
+    "max_array_len": 1 << 20,
+    "max_map_len": 1 << 16,
+    "max_ext_len": 1 << 20,
+}
+
+
 def unpack_body(body: bytes | memoryview, ext_hook: Any = None) -> Any:
     """Decode a msgpack body with every container bounded; malformed input raises FrameError."""
     try:
-        kwargs: dict[str, Any] = {
-            "raw": False,
-            "strict_map_key": True,
-            "max_str_len": 1 << 20,
-            "max_bin_len": MAX_BODY_BYTES,
-            "max_array_len": 1 << 20,
-            "max_map_len": 1 << 16,
-            "max_ext_len": 1 << 20,
-        }
-        if ext_hook is not None:
-            kwargs["ext_hook"] = ext_hook
-        return msgpack.unpackb(body, **kwargs)
+        if ext_hook is None:
+            return msgpack.unpackb(body, **_UNPACK_LIMITS)
+        return msgpack.unpackb(body, ext_hook=ext_hook, **_UNPACK_LIMITS)
     except FrameError:
         raise
     except Exception as exc:  # msgpack raises several unrelated types on garbage

@@ -8,20 +8,28 @@ set of objects below; nothing received is ever used to look up an attribute.
 ==== ================ =====================================================
 code name             data
 ==== ================ =====================================================
-1    tensor handle    msgpack int: a handle in the sender's session
+1    (retired)        was a tensor handle (protocol 1); refused
 2    dtype            1 byte: index into DTYPE_NAMES
 3    device           msgpack int: the device index *on the receiving node*
 4    layout           1 byte: index into LAYOUT_NAMES
 5    memory format    1 byte: index into MEMORY_FORMAT_NAMES
 6    complex          two little-endian float64
 7    inline tensor    msgpack [dtype code, shape, raw bytes]: small CPU tensors
+8    tensor           msgpack [storage_id, dtype code, sizes, strides, storage_offset,
+                      storage_nbytes]: a tensor over one of the session's storages, on
+                      the device the command names (storage 0 with 0 bytes: empty)
+9    generator        msgpack int: a session generator id (0: the device's default)
 ==== ================ =====================================================
+
+The receiver decides what a tensor or generator tag means (the server checks
+every bound of a tensor descriptor against its own storages, see
+:mod:`genie.server.codec`); this module only moves the values.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -29,13 +37,16 @@ import torch
 
 from genie.errors import FrameError
 
-EXT_HANDLE = 1
 EXT_DTYPE = 2
 EXT_DEVICE = 3
 EXT_LAYOUT = 4
 EXT_MEMORY_FORMAT = 5
 EXT_COMPLEX = 6
 EXT_INLINE_TENSOR = 7
+EXT_TENSOR = 8
+EXT_GENERATOR = 9
+#: Codes that must never be accepted again (EXT_HANDLE of protocol 1).
+RETIRED_CODES = frozenset({1})
 
 #: Fixed order: the index is the wire code. Append only.
 DTYPE_NAMES = (
@@ -129,13 +140,21 @@ def encode_common(obj: Any) -> Any:
 
 
 def make_ext_hook(
-    resolve_handle: Callable[[int], Any], resolve_device: Callable[[int], Any]
+    resolve_tensor: Callable[[Any], Any],
+    resolve_device: Callable[[int], Any],
+    resolve_generator: Callable[[int], Any],
 ) -> Callable[[int, bytes], Any]:
-    """An ext_hook for :func:`genie.wire.frame.unpack_body` that resolves handles and devices."""
+    """An ext_hook for :func:`genie.wire.frame.unpack_body`.
+
+    ``resolve_tensor`` gets the decoded msgpack of a tensor descriptor (unchecked: whatever the peer
+    sent), ``resolve_device`` and ``resolve_generator`` an integer.
+    """
 
     def ext_hook(code: int, data: bytes) -> Any:
-        if code == EXT_HANDLE:
-            return resolve_handle(_small_int(data))
+        if code == EXT_TENSOR:
+            return resolve_tensor(_unpack_small(data))
+        if code == EXT_GENERATOR:
+            return resolve_generator(_small_int(data))
         if code == EXT_DTYPE:
             return _code_lookup(DTYPES, data, "dtype")
         if code == EXT_DEVICE:
@@ -150,9 +169,24 @@ def make_ext_hook(
             return complex(*_COMPLEX.unpack(data))
         if code == EXT_INLINE_TENSOR:
             return decode_inline_tensor(data)
+        if code in RETIRED_CODES:
+            raise FrameError(f"value tag {code} (tensor handle) was retired in protocol 2; send tensor "
+                             "descriptors (tag 8) instead")
         raise FrameError(f"unknown value tag {code}")
 
     return ext_hook
+
+
+#: Bounds on a descriptor's msgpack: 64 sizes + 64 strides + four scalars fit easily.
+_DESC_LIMITS = {"max_array_len": 2 * 64 + 8, "max_map_len": 0, "max_str_len": 0, "max_bin_len": 0,
+                "max_ext_len": 0}
+
+
+def _unpack_small(data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, **_DESC_LIMITS)
+    except Exception as exc:
+        raise FrameError(f"malformed tensor descriptor: {exc}") from None
 
 
 def _small_int(data: bytes) -> int:
@@ -161,13 +195,20 @@ def _small_int(data: bytes) -> int:
     except Exception:
         value = None
     if not isinstance(value, int) or isinstance(value, bool):
-        raise FrameError("handle or device tag must hold an integer")
+        raise FrameError("device or generator tag must hold an integer")
     return value
 
 
-def handle_ext(handle: int) -> msgpack.ExtType:
-    return msgpack.ExtType(EXT_HANDLE, msgpack.packb(handle))
+def tensor_ext(desc: Sequence[Any]) -> msgpack.ExtType:
+    """A tensor tag from ``[storage_id, dtype code, sizes, strides, storage_offset, storage_nbytes]``."""
+    return msgpack.ExtType(EXT_TENSOR, msgpack.packb(list(desc)))
+
+
+def generator_ext(generator_id: int) -> msgpack.ExtType:
+    """A generator tag: 0 is the session's default generator of the command's device."""
+    return msgpack.ExtType(EXT_GENERATOR, msgpack.packb(generator_id))
 
 
 def device_ext(index: int) -> msgpack.ExtType:
     return msgpack.ExtType(EXT_DEVICE, msgpack.packb(index))
+

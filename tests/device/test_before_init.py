@@ -19,3 +19,30 @@ def test_using_the_device_before_init_is_a_clear_error() -> None:
     ensure_registered()
     with pytest.raises(NotInitializedError, match="genie.init"):
         torch.zeros(1, device=D0)
+
+
+def test_cpu_backward_before_init_leaves_remote_backward_working_on_every_device(tmp_path) -> None:
+    """Autograd's engine sizes its per-device queues at its first backward; one on the CPU before
+    genie.init() must still leave a queue for remote_accelerator:1 (a separate process: fresh engine)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "cpu_backward_first.py"
+    script.write_text(textwrap.dedent("""
+        import socket, torch, genie
+        from genie.cluster.launch import NodeProcess
+        w = torch.ones(3, requires_grad=True)
+        (w * 2).sum().backward()                       # the engine starts here, before init
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        with NodeProcess("serve", "--port", str(port), "--devices", "cpu,cpu"):
+            genie.init_sync(master_addr="127.0.0.1", master_port=port)
+            for d in ("remote_accelerator:0", "remote_accelerator:1"):
+                r = torch.ones(3, device=d, requires_grad=True)
+                (r * 3).sum().backward()
+                print(d, r.grad.tolist(), flush=True)
+            genie.shutdown_sync()
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert "remote_accelerator:1 [3.0, 3.0, 3.0]" in out.stdout, out.stdout + out.stderr
+    assert "remote_accelerator:0 [3.0, 3.0, 3.0]" in out.stdout

@@ -8,8 +8,6 @@ import io
 import pytest
 import torch
 
-from genie.device import RemoteTensor
-
 D0 = "remote_accelerator:0"
 D1 = "remote_accelerator:1"
 
@@ -20,7 +18,7 @@ def test_factories_create_remote_tensors_on_the_named_device() -> None:
     for t in (torch.zeros(3, 4, device=D0), torch.ones(2, device=D1), torch.arange(10, device=D0),
               torch.empty(5, device=D0), torch.randn(3, device=D1), torch.tensor([1.0, 2.0], device=D0),
               torch.full((2, 2), 7, device=D0)):
-        assert isinstance(t, RemoteTensor)
+        assert type(t) is torch.Tensor  # an ordinary tensor: no wrapper subclass
         assert t.device.type == "remote_accelerator"
     assert torch.zeros(1, device=D1).device == torch.device(D1)
     assert str(torch.zeros(1, device=D0).device) == D0
@@ -126,12 +124,12 @@ def test_no_grad_deepcopy_and_save_load() -> None:
         u = t * 2
     assert not u.requires_grad
     c = copy.deepcopy(t)
-    assert isinstance(c, RemoteTensor) and c.requires_grad and torch.equal(c.cpu(), t.detach().cpu())
+    assert c.device == t.device and c.requires_grad and torch.equal(c.cpu(), t.detach().cpu())
     buf = io.BytesIO()
     torch.save({"t": t.detach()}, buf)
     buf.seek(0)
     loaded = torch.load(buf)["t"]
-    assert isinstance(loaded, RemoteTensor) and loaded.device == t.device
+    assert loaded.device == t.device
     assert torch.equal(loaded.cpu(), t.detach().cpu())
 
 

@@ -13,14 +13,14 @@ from genie.config import ClusterConfig
 from genie.errors import AuthenticationError, ConfigError
 from genie.security import RefusalLog, load_token
 from genie.wire.frame import MsgKind
-from tests.raw_client import RawClient
+from tests.raw_client import RawClient, desc
 from tests.security.conftest import TOKEN
 
 
-def round_trip(conn, handle: int = 1) -> None:
+def round_trip(conn, storage_id: int = 1) -> None:
     t = torch.arange(16, dtype=torch.float32)
-    conn.upload(handle, 0, t)
-    assert torch.equal(conn.fetch(handle, torch.float32, (16,)), t)
+    conn.upload(storage_id, 0, t, overwrite=False)
+    assert torch.equal(conn.fetch(0, desc(storage_id, t), torch.empty(16)), t)
 
 
 def test_right_token_opens_a_working_session(dp_server, connect):

@@ -87,9 +87,9 @@ def kinds_of(answer: bytes) -> list[int]:
 
 def still_serving(server, good, errors) -> None:
     assert not errors.records, errors.records[0].getMessage()
-    assert torch.equal(good.fetch(1), torch.arange(8.0))
-    mine = [s for s in server.stats()["per_session"].values() if s["handles"]]
-    assert [s["handles"] for s in mine] == [1]
+    assert torch.equal(good.fetch(1, torch.empty(8)), torch.arange(8.0))
+    mine = [s for s in server.stats()["per_session"].values() if s["storages"]]
+    assert [s["storages"] for s in mine] == [1]
 
 
 values = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=20)

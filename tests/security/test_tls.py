@@ -16,6 +16,7 @@ from genie.cluster.launch import NodeProcess
 from genie.cluster.query import query_master_sync
 from genie.config import ClusterConfig
 from genie.errors import AuthenticationError, HandshakeError
+from tests.raw_client import desc
 from tests.security.conftest import TOKEN
 
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("GENIE_")}
@@ -31,8 +32,8 @@ def test_data_plane_over_tls_works_and_hides_the_tensors(dp_server, connect, rec
     conn = connect(proxy.port, auth_token=TOKEN, tls_ca=pki.ca)
     assert conn.channel.tls_version in ("TLSv1.2", "TLSv1.3")
     secret = torch.full((4096,), 1234.5678, dtype=torch.float64)
-    conn.upload(1, 0, secret)
-    assert torch.equal(conn.fetch(1, torch.float64, (4096,)), secret)
+    conn.upload(1, 0, secret, overwrite=False)
+    assert torch.equal(conn.fetch(0, desc(1, secret), torch.empty(4096, dtype=torch.float64)), secret)
     marker = secret[:8].numpy().tobytes()
     assert len(proxy.recorded) > 2 * secret.numel() * 8
     assert marker not in proxy.recorded and b"GN" not in proxy.recorded[:2]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -46,3 +47,32 @@ def test_command_decoding_with_tags_raises_only_frame_error(data):
         codec.decode(data)
     except FrameError:
         pass
+
+
+ints = st.integers(-3, 2**64 - 1) | st.integers(-3, 70)
+
+
+small = st.integers(0, 6) | st.sampled_from([2**31, 2**62])
+plausible = st.integers(1, 4).flatmap(lambda n: st.tuples(
+    st.integers(0, 3), st.integers(0, 15), st.lists(small, min_size=n, max_size=n),
+    st.lists(st.integers(0, 12), min_size=n, max_size=n), st.integers(0, 40), st.integers(0, 256)).map(list))
+
+
+@settings(max_examples=600, deadline=None)
+@given(plausible | st.lists(ints | st.lists(ints, max_size=70) | st.text(max_size=3) | st.none(), max_size=7),
+       st.integers(0, 256) | st.none())
+def test_descriptor_checks_admit_only_tensors_inside_their_storage(fields, actual):
+    """Whatever a peer sends, a descriptor either fails parse/check cleanly or builds a tensor inside its storage."""
+    from genie.errors import ProtocolError
+
+    try:
+        desc = codec.Descriptor.parse(fields)
+        known = desc.storage_nbytes if actual is None else actual  # None: the server's size agrees
+        desc.check(known if desc.storage_id else None)
+    except (FrameError, ProtocolError):
+        return
+    storage = torch.zeros(desc.storage_nbytes, dtype=torch.uint8).untyped_storage()
+    t = desc.over(storage)  # must not raise: every bound was checked
+    assert t.dtype == desc.dtype and tuple(t.shape) == desc.sizes
+    if t.numel():
+        t.zero_()  # writes every element

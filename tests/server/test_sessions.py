@@ -11,7 +11,7 @@ import torch
 from genie.errors import ConnectionClosedError
 from genie.testing import wait_until
 from genie.wire.frame import MsgKind
-from tests.raw_client import H, RawClient, fetch, op, spec
+from tests.raw_client import RawClient, T, desc, fetch, op, resize
 from tests.raw_client import free as pack_free
 
 
@@ -23,14 +23,14 @@ def test_session_is_freed_when_the_client_disconnects(inproc_server):
     server = inproc_server()
     c = RawClient(server.port)
     c.handshake()
-    c.send_batch([op("aten::add.Tensor", [H(1), H(1)], {}, [spec(2, torch.empty(256))])],
-                 uploads=[(1, 0, torch.ones(256))])
+    x = torch.ones(256)
+    c.send_batch([op("aten::add.Tensor", [T(1, x), T(1, x)], {}, [desc(2, x)])], uploads=[(1, 0, x)])
     c.sync()
     stats = server.stats()
-    assert stats["sessions"] == 1 and stats["handles"] == 2 and stats["bytes"] == 2048
+    assert stats["sessions"] == 1 and stats["storages"] == 2 and stats["bytes"] == 2048
     c.close()
     _wait_for(lambda: server.stats()["sessions"] == 0)
-    assert server.stats()["handles"] == 0 and server.stats()["sessions_served"] == 1
+    assert server.stats()["storages"] == 0 and server.stats()["sessions_served"] == 1
 
 
 def test_goodbye_frees_the_session(inproc_server):
@@ -39,43 +39,42 @@ def test_goodbye_frees_the_session(inproc_server):
         c.handshake()
         c.send_batch([], uploads=[(1, 0, torch.ones(10))])
         c.sync()
-        assert server.stats()["handles"] == 1
+        assert server.stats()["storages"] == 1
         c.goodbye()
         _wait_for(lambda: server.stats()["sessions"] == 0)
 
 
-def test_free_releases_bytes_and_views_count_once(inproc_server):
+def test_views_cost_nothing_and_free_releases_the_storage(inproc_server):
     server = inproc_server()
     with RawClient(server.port) as c:
         c.handshake()
         base = torch.zeros(100)
-        c.send_batch([op("aten::slice.Tensor", [H(1), 0, 10, 20], {}, [spec(2, base[10:20])])],
+        c.send_batch([op("aten::add_.Scalar", [T(1, base[10:20]), 1.0], {}, [desc(1, base[10:20])])],
                      uploads=[(1, 0, base)])
         c.sync()
-        assert server.stats()["bytes"] == 400 and server.stats()["handles"] == 2
+        assert server.stats()["bytes"] == 400 and server.stats()["storages"] == 1
+        assert c.fetch(1, base).sum().item() == 10.0
         c.send_batch([pack_free(1)])
         c.sync()
-        assert server.stats()["bytes"] == 400 and server.stats()["handles"] == 1  # the view keeps the storage
-        c.send_batch([pack_free(2)])
-        c.sync()
-        assert server.stats()["bytes"] == 0 and server.stats()["handles"] == 0
+        assert server.stats()["bytes"] == 0 and server.stats()["storages"] == 0
 
 
-def test_handle_quota_refuses_with_a_clear_error(inproc_server):
+def test_storage_quota_refuses_with_a_clear_error(inproc_server):
     server = inproc_server(max_session_handles=3)
+    one = torch.ones(1)
     with RawClient(server.port) as c:
         assert c.handshake()["limits"]["max_session_handles"] == 3
-        c.send_batch([op("aten::neg", [H(1)], {}, [spec(2, torch.empty(1))]),
-                      op("aten::neg", [H(1)], {}, [spec(3, torch.empty(1))]),
-                      op("aten::neg", [H(1)], {}, [spec(4, torch.empty(1))])],
-                     uploads=[(1, 0, torch.ones(1))])
+        c.send_batch([op("aten::neg", [T(1, one)], {}, [desc(2, one)]),
+                      op("aten::neg", [T(1, one)], {}, [desc(3, one)]),
+                      op("aten::neg", [T(1, one)], {}, [desc(4, one)])],
+                     uploads=[(1, 0, one)])
         [err] = c.sync().deferred
-        assert err["kind"] == "quota" and err["handles"] == [4]
-        assert "handle limit" in err["message"] and "max_session_handles" in err["message"]
-        assert c.fetch(3).tolist() == [-1.0]
+        assert err["kind"] == "quota" and err["storages"] == [4]
+        assert "storage limit" in err["message"] and "max_session_handles" in err["message"]
+        assert c.fetch(3, one).tolist() == [-1.0]
 
 
-def test_byte_quota_on_uploads_and_op_outputs(inproc_server):
+def test_byte_quota_on_uploads_op_outputs_unseen_storages_and_resizes(inproc_server):
     server = inproc_server(max_session_bytes=1000)
     with RawClient(server.port) as c:
         c.handshake()
@@ -84,14 +83,24 @@ def test_byte_quota_on_uploads_and_op_outputs(inproc_server):
         r = c.sync()
         [err] = r.deferred
         assert err["kind"] == "quota" and err["op"] == "upload" and "memory limit" in err["message"]
-        c.send_batch([op("aten::add.Tensor", [H(1), H(1)], {}, [spec(3, torch.empty(200))])])
+        x = torch.empty(200)
+        c.send_batch([op("aten::add.Tensor", [T(1, x), T(1, x)], {}, [desc(3, x)])])
         [err] = c.sync().deferred
-        assert err["kind"] == "quota" and err["handles"] == [3]
-        c.send_batch([op("aten::zeros", [[1 << 30]], {}, [spec(4, torch.empty(1 << 30, device="meta"))])])
+        assert err["kind"] == "quota" and err["storages"] == [3]
+        huge = torch.empty(1 << 30, device="meta")
+        c.send_batch([op("aten::zeros", [[1 << 30]], {}, [desc(4, huge)])])
         [err] = c.sync().deferred
         assert err["kind"] == "quota" and "would need" in err["message"]  # refused before allocating
-        assert c.fetch(1).sum().item() == 200.0
-        assert server.stats()["bytes"] == 800
+        c.send_batch([op("aten::add_.Scalar", [T(5, x), 1.0], {}, [desc(5, x)])])  # an unseen 800-byte storage
+        [err] = c.sync().deferred
+        assert err["kind"] == "quota" and "max_session_bytes" in err["message"]
+        c.send_batch([resize(0, 1, 4000)])
+        [err] = c.sync().deferred
+        assert err["kind"] == "quota" and err["op"] == "resize"
+        assert server.stats()["bytes"] == 0  # the refused resize poisoned storage 1
+        c.send_batch([], uploads=[(6, 0, torch.ones(250))])
+        assert c.fetch(6, torch.empty(250)).sum().item() == 250.0
+        assert server.stats()["bytes"] == 1000
 
 
 def test_hello_must_arrive_in_time(inproc_server):
@@ -125,9 +134,11 @@ def test_sessions_are_isolated_and_run_concurrently(inproc_server):
                 c.handshake()
                 for i in range(20):
                     x = torch.full((64,), float(k * 100 + i))
-                    c.send_batch([op("aten::mul.Scalar", [H(1), 2.0], {}, [spec(2, x)])], uploads=[(1, k % 2, x)])
-                    assert c.fetch(2).tolist() == (x * 2).tolist()
-                    c.send_batch([pack_free(1, 2)])
+                    ids = (2 * i + 1, 2 * i + 2)  # storage ids are never reused
+                    c.send_batch([op("aten::mul.Scalar", [T(ids[0], x), 2.0], {}, [desc(ids[1], x)], device=k % 2)],
+                                 uploads=[(ids[0], k % 2, x)])
+                    assert c.fetch(ids[1], x, device=k % 2).tolist() == (x * 2).tolist()
+                    c.send_batch([pack_free(*ids)])
         except BaseException as exc:
             errors.append(exc)
 
@@ -162,23 +173,40 @@ def test_stop_closes_every_session_and_joins_threads(inproc_server):
             c.close()
 
 
-def test_fetch_of_a_poisoned_tensor_does_not_break_the_next_request(inproc_server):
+def test_fetch_of_a_poisoned_storage_does_not_break_the_next_request(inproc_server):
     server = inproc_server()
     with RawClient(server.port) as c:
         c.handshake()
-        c.send_batch([op("aten::mm", [H(1), H(1)], {}, [spec(2, torch.empty(2, 2))])],
-                     uploads=[(1, 0, torch.ones(2, 3))])
-        assert c.request([fetch(c.next_req(), 2)]).error is not None
-        assert c.fetch(1).shape == (2, 3)
+        a = torch.ones(2, 3)
+        c.send_batch([op("aten::mm", [T(1, a), T(1, a)], {}, [desc(2, torch.empty(2, 2))])], uploads=[(1, 0, a)])
+        assert c.request([fetch(c.next_req(), desc(2, torch.empty(2, 2)))]).error is not None
+        assert c.fetch(1, a).shape == (2, 3)
 
 
-def test_in_place_resize_is_accounted_and_zeroed(inproc_server):
+def test_in_place_resize_op_is_accounted_and_zeroed(inproc_server):
     server = inproc_server()
     with RawClient(server.port) as c:
         c.handshake()
-        c.send_batch([op("aten::resize_", [H(1), [1000]], {}, [spec(2, torch.empty(1000))])],
-                     uploads=[(1, 0, torch.ones(10))])
+        ten = torch.ones(10)
+        c.send_batch([op("aten::resize_", [T(1, ten), [1000]], {}, [desc(1, torch.empty(1000))])],
+                     uploads=[(1, 0, ten)])
         assert c.sync().deferred == []
         assert server.stats()["bytes"] == 4000
-        grown = c.fetch(1)
+        grown = c.fetch(1, torch.empty(1000))
         assert grown[:10].tolist() == [1.0] * 10 and grown[10:].abs().sum() == 0  # no stale memory
+
+
+def test_resize_command_keeps_the_prefix_zeroes_the_rest_and_shrinks(inproc_server):
+    server = inproc_server()
+    with RawClient(server.port) as c:
+        c.handshake()
+        c.send_batch([resize(0, 1, 64)], uploads=[(1, 0, torch.arange(4.0))])
+        grown = c.fetch(1, torch.empty(16))
+        assert grown[:4].tolist() == [0.0, 1.0, 2.0, 3.0] and grown[4:].abs().sum() == 0
+        assert server.stats()["bytes"] == 64
+        c.send_batch([resize(0, 1, 8)])
+        assert c.fetch(1, torch.empty(2)).tolist() == [0.0, 1.0] and server.stats()["bytes"] == 8
+        r = c.request([fetch(c.next_req(), desc(1, torch.empty(16)))])  # the old size is gone
+        assert r.error["kind"] == "storage" and "CMD_RESIZE" in r.error["message"]
+        c.send_batch([resize(0, 2, 12)])  # an unseen storage is made at the new size, zeroed
+        assert c.fetch(2, torch.empty(3)).tolist() == [0.0, 0.0, 0.0]

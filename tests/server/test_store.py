@@ -1,4 +1,4 @@
-"""The per-session tensor store: accounting, quotas, poisoning."""
+"""The per-session storage store: accounting, quotas, poisoning, freed ids."""
 
 from __future__ import annotations
 
@@ -6,78 +6,89 @@ import pytest
 import torch
 
 from genie.errors import ProtocolError, QuotaExceededError, RemoteExecutionError
-from genie.server.store import TensorStore, UnknownHandleError
+from genie.server.store import StorageError, StorageStore
+
+CPU = torch.device("cpu")
 
 
-def test_views_share_their_storage_bytes():
-    store = TensorStore()
-    base = torch.zeros(256)  # 1024 bytes
-    store.put(1, base)
-    store.put(2, base[10:20])
-    store.put(3, base.view(16, 16).t())
-    assert store.bytes_used == 1024 and store.stats()["storages"] == 1
-    store.free([1, 2])
-    assert store.bytes_used == 1024
-    store.free([3])
-    assert store.bytes_used == 0 and store.handle_count == 0
+def _storage(n: int) -> torch.UntypedStorage:
+    return torch.zeros(n, dtype=torch.uint8).untyped_storage()
 
 
-def test_handle_quota_names_the_limit():
-    store = TensorStore(max_handles=2)
-    store.put(1, torch.zeros(1))
-    store.put(2, torch.zeros(1))
-    with pytest.raises(QuotaExceededError, match="handle limit.*limit 2 .max_session_handles"):
-        store.put(3, torch.zeros(1))
+def test_bytes_are_counted_per_storage_and_released_on_free():
+    store = StorageStore()
+    store.put(1, _storage(1024))
+    store.make(2, 16, CPU)
+    assert store.bytes_used == 1040 and store.count == 2
+    assert store.free([1, 99]) == 1  # an unknown id is ignored
+    assert store.bytes_used == 16
 
 
-def test_byte_quota_counts_new_storages_only():
-    store = TensorStore(max_bytes=100)
-    t = torch.zeros(20)  # 80 bytes
-    store.put(1, t)
-    store.put(2, t[:5])  # a view: no new bytes
+def test_storage_quota_names_the_limit():
+    store = StorageStore(max_storages=2)
+    store.put(1, _storage(1))
+    store.put(2, _storage(1))
+    with pytest.raises(QuotaExceededError, match="storage limit.*limit 2 .max_session_handles"):
+        store.put(3, _storage(1))
+
+
+def test_byte_quota_is_checked_before_allocating():
+    store = StorageStore(max_bytes=100)
+    store.put(1, _storage(80))
     with pytest.raises(QuotaExceededError, match="memory limit.*80 bytes in use, 40 more.*limit 100"):
-        store.put(3, torch.zeros(10))
-    assert 3 not in store and store.bytes_used == 80
+        store.make(2, 40, CPU)
+    assert 2 not in store and store.bytes_used == 80
 
 
-def test_poisoned_handle_reports_root_cause():
-    store = TensorStore()
+def test_made_storages_are_zero_filled():
+    store = StorageStore()
+    storage = store.make(1, 4096, CPU)
+    assert torch.count_nonzero(torch.empty(0, dtype=torch.uint8).set_(storage)) == 0
+
+
+def test_poisoned_storage_reports_root_cause_and_counts_towards_the_quota():
+    store = StorageStore(max_storages=1)
     store.poison(7, "aten::mm: size mismatch")
-    with pytest.raises(RemoteExecutionError, match="handle 7.*earlier op failed: aten::mm: size mismatch"):
+    with pytest.raises(RemoteExecutionError, match="storage 7.*earlier command failed: aten::mm: size mismatch"):
         store.get(7)
+    with pytest.raises(QuotaExceededError):
+        store.put(8, _storage(1))
     assert store.free([7]) == 1
-    with pytest.raises(UnknownHandleError, match="handle 7 is unknown"):
-        store.get(7)
 
 
-def test_reusing_a_live_handle_is_a_protocol_error():
-    store = TensorStore()
-    store.put(1, torch.zeros(1))
-    with pytest.raises(ProtocolError, match="already in use"):
-        store.put(1, torch.zeros(1))
-
-
-def test_recount_follows_in_place_resize_and_set():
-    store = TensorStore()
-    t = torch.zeros(4)
-    other = torch.zeros(50)
-    store.put(1, t)
-    store.put(2, other)
-    t.resize_(100)
-    store.recount()
-    assert store.bytes_used == 600
-    t.set_(other)  # now both handles share one storage
-    store.recount()
-    assert store.bytes_used == 200 and store.stats()["storages"] == 1
+def test_freed_id_is_reported_as_freed_not_remade():
+    store = StorageStore()
+    store.put(1, _storage(4))
     store.free([1])
-    assert store.bytes_used == 200
-    store.free([2])
+    with pytest.raises(StorageError, match="storage 1 was freed"):
+        store.get(1)
+    with pytest.raises(StorageError, match="was freed"):
+        store.make(1, 4, CPU)
+    assert store.get(2) is None  # never seen: the executor makes it
+
+
+def test_reusing_a_live_id_or_id_zero_is_a_protocol_error():
+    store = StorageStore()
+    store.put(1, _storage(1))
+    with pytest.raises(ProtocolError, match="already exists"):
+        store.put(1, _storage(1))
+    with pytest.raises(ProtocolError, match="from 1 to"):
+        store.put(0, _storage(1))
+
+
+def test_resized_follows_an_in_place_resize():
+    store = StorageStore()
+    storage = store.make(1, 16, CPU)
+    storage.resize_(400)
+    store.resized(1)
+    assert store.bytes_used == 400 and store.nbytes(1) == 400
+    store.free([1])
     assert store.bytes_used == 0
 
 
 def test_clear_releases_everything_and_reports_what_it_held():
-    store = TensorStore()
-    store.put(1, torch.zeros(4))
+    store = StorageStore()
+    store.put(1, _storage(16))
     store.poison(2, "x")
-    assert store.clear() == {"handles": 1, "poisoned": 1, "storages": 1, "bytes": 16}
-    assert store.stats() == {"handles": 0, "poisoned": 0, "storages": 0, "bytes": 0}
+    assert store.clear() == {"storages": 1, "poisoned": 1, "bytes": 16}
+    assert store.stats() == {"storages": 0, "poisoned": 0, "bytes": 0}

@@ -1,0 +1,95 @@
+"""The server's cost per op beyond the kernel, for pipelined tiny ops on the raw wire (issue 10).
+
+    .venv/bin/python benchmarks/bench_server.py            # about 20 s on 2 cores
+    .venv/bin/python benchmarks/bench_server.py --ops 5000 --rounds 3
+
+Starts a real ``genie serve --devices cpu`` on loopback and drives it with the raw
+wire client of the tests (tests/raw_client.py), the way the device client pipelines
+``y = y + 1``: each op reads the previous output's storage and writes a fresh one,
+and frees the storage before, all fire-and-forget, then one SYNC. Every batch is
+encoded before the clock starts, so the time is the server's (decode, descriptor
+checks, tensor building, the kernel, the output rule, frees) plus the socket.
+
+Baseline, measured in the same run: the same aten kernel called directly in this
+process on a tensor of the same size. Prints both, and the server's overhead per
+op (total minus kernel). Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from genie.testing import serve_subprocess  # noqa: E402
+from tests.raw_client import RawClient, T, desc, free, op  # noqa: E402
+
+BATCH = 512
+
+
+def encode_chain(first_id: int, n: int) -> list[list[bytes]]:
+    """Batches of ``y = y + 1`` ops; each batch ends with one FREE of the storages its ops left behind,
+    as the device client appends the frees it drained at the end of the batch it flushes."""
+    y = torch.empty(1)
+    batches = []
+    for start in range(0, n, BATCH):
+        ids = range(first_id + start, first_id + min(n, start + BATCH))
+        cmds = [op("aten::add.Tensor", [T(src, y), 1], {}, [desc(src + 1, y)]) for src in ids]
+        batches.append([*cmds, free(*ids)])
+    return batches
+
+
+def kernel_seconds(n: int) -> float:
+    """The bare kernel, n times, in this process (grad mode off, as on the server)."""
+    y = torch.zeros(1)
+    add = torch.ops.aten.add.Tensor
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        for _ in range(n):
+            y = add(y, 1)
+        return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    n = args.ops
+    with serve_subprocess("--port", "0", "--devices", "cpu", log_level="WARNING") as server, \
+            RawClient(server.port, timeout=120) as c:
+        c.handshake()
+        totals = []
+        next_id = 1
+        for _ in range(args.rounds):
+            c.send_batch([], uploads=[(next_id, 0, torch.zeros(1))])
+            c.sync()
+            batches = encode_chain(next_id, n)
+            t0 = time.perf_counter()
+            for cmds in batches:
+                c.send_batch(cmds)
+            r = c.sync()
+            totals.append(time.perf_counter() - t0)
+            assert r.error is None and r.deferred == [], r
+            last = next_id + n
+            assert c.fetch(last, torch.empty(1)).item() == float(n), "wrong result"
+            c.send_batch([free(last)])
+            next_id = last + 1
+    kernels = [kernel_seconds(n) for _ in range(args.rounds)]
+    total_us = statistics.median(totals) / n * 1e6
+    kernel_us = statistics.median(kernels) / n * 1e6
+    print(f"pipelined tiny ops (aten::add.Tensor on 1 float, {n:,} ops x {args.rounds} rounds, batches of {BATCH}):")
+    print(f"  server, end to end:      {total_us:6.2f} us/op  ({1e6 / total_us:,.0f} ops/s)")
+    print(f"  bare kernel (baseline):  {kernel_us:6.2f} us/op")
+    print(f"  server beyond the kernel: {total_us - kernel_us:5.2f} us/op  ({total_us / kernel_us:.1f}x the kernel)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,701 @@
+// genie._C: the native half of the remote_accelerator device (PrivateUse1).
+//
+// Tensors on remote_accelerator:N are ordinary TensorImpls whose storage lives on
+// a genie server. Locally a storage is only a number: the allocator hands out
+// DataPtrs whose pointer encodes a *storage id* and never allocates memory, so
+// views, aliasing, autograd and serialization work as on any device while the
+// bytes stay remote. Nothing here ever dereferences a device pointer.
+//
+// One translation unit on purpose: every TU that includes torch headers costs
+// about a minute of compile time on small machines.
+
+#include <torch/extension.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/view_as_complex_native.h>
+#include <ATen/ops/view_as_real_native.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Generator.h>
+
+#include <array>
+#include <atomic>
+#include <string>
+#include <cstdlib>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace genie {
+namespace {
+
+using c10::DeviceIndex;
+using c10::DeviceType;
+
+// ---------------------------------------------------------------------------------------------
+// Storage ids <-> pointers.
+//
+// The pointer of storage id `sid` is kTag | (sid << kShift): the top bit makes it a
+// non-canonical (kernel-half) address on every 64-bit platform we run on, so it can never be
+// mistaken for host memory, and the shift keeps ids 4 KiB apart so pointer arithmetic on a
+// storage (data_ptr + offset) never reaches the next id's pointer for small offsets.
+constexpr uint64_t kTag = 1ULL << 63;
+constexpr int kShift = 12;
+constexpr uint64_t kMaxId = (1ULL << (63 - kShift)) - 1;
+
+inline void* pointer_of(uint64_t sid) {
+  return reinterpret_cast<void*>(kTag | (sid << kShift));
+}
+
+inline uint64_t id_of_pointer(const void* p) {
+  auto v = reinterpret_cast<uint64_t>(p);
+  if (v == 0) return 0;
+  TORCH_CHECK((v & kTag) != 0, "genie: not a remote_accelerator storage pointer");
+  return (v & ~kTag) >> kShift;
+}
+
+std::atomic<uint64_t> g_next_id{1};
+// Device count as set by Python (the cluster's device table). While priming autograd's engine
+// the guard reports kMaxDevices so the engine makes a ready queue for every index we may use.
+std::atomic<int> g_count{0};
+std::atomic<bool> g_priming{false};
+int g_max_devices = 16;
+// The current device: a thread's own once it set one (set_device, device guards), else the process
+// default that genie.init chooses by placement (so `remote_accelerator` with no index follows it).
+std::atomic<int> g_default_device{0};
+struct CurrentDevice {
+  DeviceIndex own = -1;
+  operator DeviceIndex() const { return own >= 0 ? own : static_cast<DeviceIndex>(g_default_device.load()); }
+  CurrentDevice& operator=(DeviceIndex d) {
+    own = d;
+    return *this;
+  }
+};
+thread_local CurrentDevice tl_device;
+
+struct Stats {
+  int64_t allocated = 0;
+  int64_t peak = 0;
+  int64_t count = 0;
+};
+
+struct Book {
+  std::mutex mu;
+  std::unordered_map<uint64_t, std::pair<int64_t, DeviceIndex>> live;  // sid -> (nbytes, device)
+  std::vector<Stats> stats;
+  std::vector<std::pair<int, uint64_t>> freed;
+
+  Stats& at(DeviceIndex d) {
+    if (static_cast<size_t>(d) >= stats.size()) stats.resize(d + 1);
+    return stats[d];
+  }
+  void add(uint64_t sid, int64_t nbytes, DeviceIndex d) {
+    std::lock_guard<std::mutex> g(mu);
+    live[sid] = {nbytes, d};
+    auto& s = at(d);
+    s.allocated += nbytes;
+    s.count += 1;
+    if (s.allocated > s.peak) s.peak = s.allocated;
+  }
+};
+
+Book& book() {
+  static Book* b = new Book();  // leaked: storages may die during interpreter teardown
+  return *b;
+}
+
+uint64_t next_id() {
+  uint64_t sid = g_next_id.fetch_add(1);
+  TORCH_CHECK(sid <= kMaxId, "genie: storage ids exhausted");
+  return sid;
+}
+
+void delete_storage(void* ctx) {
+  auto sid = reinterpret_cast<uint64_t>(ctx);
+  auto& b = book();
+  std::lock_guard<std::mutex> g(b.mu);
+  auto it = b.live.find(sid);
+  if (it == b.live.end()) return;
+  auto [nbytes, d] = it->second;
+  b.live.erase(it);
+  auto& s = b.at(d);
+  s.allocated -= nbytes;
+  s.count -= 1;
+  b.freed.emplace_back(static_cast<int>(d), sid);
+}
+
+void no_delete(void*) {}
+
+c10::DataPtr data_ptr_for(uint64_t sid, int64_t nbytes, DeviceIndex d) {
+  c10::Device device(DeviceType::PrivateUse1, d);
+  if (sid == 0) return c10::DataPtr(nullptr, nullptr, &no_delete, device);
+  book().add(sid, nbytes, d);
+  return c10::DataPtr(pointer_of(sid), reinterpret_cast<void*>(sid), &delete_storage, device);
+}
+
+struct RemoteAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    DeviceIndex d = tl_device;
+    if (nbytes == 0) return data_ptr_for(0, 0, d);
+    return data_ptr_for(next_id(), static_cast<int64_t>(nbytes), d);
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  void copy_data(void*, const void*, std::size_t) const override {
+    TORCH_CHECK(false, "genie: remote_accelerator storages hold no local bytes; copy tensors with .copy_()");
+  }
+};
+
+RemoteAllocator g_allocator;
+
+// ---------------------------------------------------------------------------------------------
+// Pinned host memory: ordinary malloc'd memory we remember, so is_pinned() answers true for it.
+// Uploads read it like any host buffer; "pinned" only promises what the user asked for.
+struct PinnedAllocator final : c10::Allocator {
+  std::mutex mu;
+  std::unordered_set<void*> ptrs;
+
+  static void release(void* p) {
+    auto& self = instance();
+    {
+      std::lock_guard<std::mutex> g(self.mu);
+      self.ptrs.erase(p);
+    }
+    std::free(p);
+  }
+  static PinnedAllocator& instance();
+
+  c10::DataPtr allocate(size_t nbytes) override {
+    void* p = nbytes ? std::aligned_alloc(64, (nbytes + 63) / 64 * 64) : nullptr;
+    if (p) {
+      std::lock_guard<std::mutex> g(mu);
+      ptrs.insert(p);
+    }
+    return c10::DataPtr(p, p, &PinnedAllocator::release, c10::Device(DeviceType::CPU));
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &PinnedAllocator::release; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+  bool contains(const void* p) {
+    std::lock_guard<std::mutex> g(mu);
+    return ptrs.count(const_cast<void*>(p)) != 0;
+  }
+};
+
+PinnedAllocator& PinnedAllocator::instance() {
+  static PinnedAllocator* a = new PinnedAllocator();
+  return *a;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Synchronisation calls back into Python (the connection layer knows how to wait for a node).
+std::mutex g_hook_mu;
+py::object* g_sync_hook = nullptr;
+
+void call_sync_hook(int device) {
+  py::object hook;
+  {
+    std::lock_guard<std::mutex> g(g_hook_mu);
+    if (g_sync_hook == nullptr) return;
+  }
+  py::gil_scoped_acquire gil;
+  {
+    std::lock_guard<std::mutex> g(g_hook_mu);
+    hook = *g_sync_hook;
+  }
+  hook(device);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device guard: N devices, a thread-local current device, one default stream per device.
+// Events carry only their device; recording is free and waiting on one waits for that device.
+struct Guard final : c10::impl::DeviceGuardImplInterface {
+  DeviceType type() const override { return DeviceType::PrivateUse1; }
+  c10::Device exchangeDevice(c10::Device d) const override {
+    auto old = getDevice();
+    if (d.index() != old.index()) setDevice(d);
+    return old;
+  }
+  c10::Device getDevice() const override { return c10::Device(DeviceType::PrivateUse1, tl_device); }
+  void setDevice(c10::Device d) const override {
+    TORCH_CHECK(d.type() == DeviceType::PrivateUse1, "genie: expected a remote_accelerator device, got ", d);
+    if (d.index() >= 0) tl_device = d.index();
+  }
+  void uncheckedSetDevice(c10::Device d) const noexcept override {
+    if (d.index() >= 0) tl_device = d.index();
+  }
+  c10::Stream getStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
+  c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
+  c10::Stream getNewStream(c10::Device d, int) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
+    return c10::Stream(c10::Stream::DEFAULT, d);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const override {
+    return c10::Stream(c10::Stream::DEFAULT, s.device());
+  }
+  DeviceIndex deviceCount() const noexcept override {
+    int n = g_count.load();
+    if (g_priming.load() && n < g_max_devices) n = g_max_devices;
+    return static_cast<DeviceIndex>(n);
+  }
+  void record(void** event, const c10::Stream& stream, const DeviceIndex device_index,
+              const c10::EventFlag) const override {
+    DeviceIndex d = device_index >= 0 ? device_index : stream.device_index();
+    *event = reinterpret_cast<void*>(static_cast<intptr_t>(d) + 1);
+  }
+  void block(void*, const c10::Stream&) const override {}  // one ordered stream per device
+  bool queryEvent(void*) const override { return true; }
+  void destroyEvent(void*, const DeviceIndex) const noexcept override {}
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream& s) const override { call_sync_hook(s.device_index()); }
+  void synchronizeEvent(void* event) const override {
+    if (event != nullptr) call_sync_hook(static_cast<int>(reinterpret_cast<intptr_t>(event) - 1));
+  }
+  void synchronizeDevice(const DeviceIndex d) const override { call_sync_hook(d); }
+  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
+  double elapsedTime(void*, void*, const DeviceIndex) const override {
+    TORCH_CHECK(false, "genie: remote_accelerator events do not measure time (time on the host instead)");
+  }
+};
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, Guard);
+
+// ---------------------------------------------------------------------------------------------
+// Generators: a CPU generator tagged with the remote device. Its seed is what the server's
+// generator for the same id is seeded with (the client sends CMD_SEED when `epoch` moves).
+std::atomic<int64_t> g_next_generator{1};
+
+struct RemoteGenerator final : at::CPUGeneratorImpl {
+  int64_t id;
+  std::atomic<int64_t> epoch{0};
+
+  RemoteGenerator(DeviceIndex d, int64_t gid) : at::CPUGeneratorImpl(at::default_rng_seed_val), id(gid) {
+    device_ = c10::Device(DeviceType::PrivateUse1, d);
+    key_set_ = c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
+  }
+  void set_current_seed(uint64_t seed) override {
+    at::CPUGeneratorImpl::set_current_seed(seed);
+    epoch.fetch_add(1);
+  }
+  void set_state(const c10::TensorImpl& new_state) override {
+    at::CPUGeneratorImpl::set_state(new_state);
+    epoch.fetch_add(1);
+  }
+
+ private:
+  RemoteGenerator* clone_impl() const override {
+    auto* g = new RemoteGenerator(device_.index(), g_next_generator.fetch_add(1));
+    g->set_current_seed(current_seed());
+    return g;
+  }
+};
+
+std::mutex g_gen_mu;
+std::vector<at::Generator>& default_generators() {
+  static auto* v = new std::vector<at::Generator>();
+  return *v;
+}
+
+const at::Generator& default_generator(DeviceIndex d) {
+  TORCH_CHECK(d >= 0 && d < 127, "genie: bad remote_accelerator index ", static_cast<int>(d));
+  std::lock_guard<std::mutex> g(g_gen_mu);
+  auto& v = default_generators();
+  while (v.size() <= static_cast<size_t>(d)) {
+    v.push_back(at::make_generator<RemoteGenerator>(static_cast<DeviceIndex>(v.size()), 0));
+  }
+  return v[d];
+}
+
+// ---------------------------------------------------------------------------------------------
+// PrivateUse1 hooks.
+struct Hooks final : at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return g_count.load() > 0; }
+  const at::Generator& getDefaultGenerator(DeviceIndex d) const override {
+    return default_generator(d < 0 ? tl_device : d);
+  }
+  at::Generator getNewGenerator(DeviceIndex d = -1) const override {
+    return at::make_generator<RemoteGenerator>(d < 0 ? tl_device : d, g_next_generator.fetch_add(1));
+  }
+  at::Device getDeviceFromPtr(void* data) const override {
+    uint64_t sid = id_of_pointer(data);
+    auto& b = book();
+    std::lock_guard<std::mutex> g(b.mu);
+    auto it = b.live.find(sid);
+    return c10::Device(DeviceType::PrivateUse1, it == b.live.end() ? tl_device : it->second.second);
+  }
+  bool isPinnedPtr(const void* data) const override { return PinnedAllocator::instance().contains(data); }
+  c10::Allocator* getPinnedMemoryAllocator() const override { return &PinnedAllocator::instance(); }
+  bool hasPrimaryContext(DeviceIndex) const override { return true; }
+  DeviceIndex deviceCount() const override { return static_cast<DeviceIndex>(g_count.load()); }
+  void setCurrentDevice(DeviceIndex d) const override { tl_device = d; }
+  DeviceIndex getCurrentDevice() const override { return tl_device; }
+  DeviceIndex exchangeDevice(DeviceIndex d) const override {
+    auto old = tl_device;
+    tl_device = d;
+    return old;
+  }
+  DeviceIndex maybeExchangeDevice(DeviceIndex d) const override { return exchangeDevice(d); }
+  void resizePrivateUse1Bytes(const c10::Storage&, size_t) const override {
+    TORCH_CHECK(false, "genie: UntypedStorage.resize_() is not supported on remote_accelerator; "
+                       "use Tensor.resize_() (which keeps the server in step)");
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Metadata-only kernels: they never reach Python.
+c10::DeviceIndex index_for(std::optional<c10::Device> device) {
+  if (device.has_value() && device->has_index()) return device->index();
+  return tl_device;
+}
+
+at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<at::ScalarType> dtype,
+                               std::optional<at::Layout> layout, std::optional<at::Device> device,
+                               std::optional<bool> pin_memory, std::optional<at::MemoryFormat> memory_format) {
+  TORCH_CHECK(!layout.has_value() || *layout == at::kStrided, "genie: remote_accelerator supports strided tensors only");
+  auto saved = tl_device;
+  tl_device = index_for(device);
+  auto out = at::detail::empty_generic(size, &g_allocator, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                       c10::dtype_or_default(dtype), memory_format);
+  tl_device = saved;
+  return out;
+}
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<at::ScalarType> dtype,
+                         std::optional<at::Layout> layout, std::optional<at::Device> device,
+                         std::optional<bool> pin_memory) {
+  TORCH_CHECK(!layout.has_value() || *layout == at::kStrided, "genie: remote_accelerator supports strided tensors only");
+  auto saved = tl_device;
+  tl_device = index_for(device);
+  auto out = at::detail::empty_strided_generic(size, stride, &g_allocator,
+                                               c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                               c10::dtype_or_default(dtype));
+  tl_device = saved;
+  return out;
+}
+
+int64_t needed_bytes(c10::IntArrayRef size, c10::IntArrayRef stride, int64_t offset, int64_t itemsize) {
+  int64_t last = offset;
+  for (size_t i = 0; i < size.size(); ++i) {
+    if (size[i] == 0) return 0;
+    last += (size[i] - 1) * stride[i];
+  }
+  return (last + 1) * itemsize;
+}
+
+// set_ over a storage must never resize it locally (there is nothing local to resize);
+// the storage has to be large enough already.
+at::Tensor& set_storage_offset_(at::Tensor& self, c10::Storage source, c10::SymInt storage_offset,
+                                c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
+  auto sz = C10_AS_INTARRAYREF_SLOW(size);
+  auto st = C10_AS_INTARRAYREF_SLOW(stride);
+  int64_t off = storage_offset.expect_int();
+  TORCH_CHECK(source.device_type() == DeviceType::PrivateUse1,
+              "genie: set_() on a remote_accelerator tensor needs a remote_accelerator storage, got one on ",
+              source.device());
+  auto need = needed_bytes(sz, st, off, self.dtype().itemsize());
+  TORCH_CHECK(need <= static_cast<int64_t>(source.nbytes()), "genie: set_() describes ", need,
+              " bytes but the storage holds ", source.nbytes());
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(std::move(source));
+  impl->set_sizes_and_strides(sz, st, off);
+  return self;
+}
+
+at::Tensor& set_storage_(at::Tensor& self, c10::Storage source) {
+  int64_t n = static_cast<int64_t>(source.nbytes()) / static_cast<int64_t>(self.dtype().itemsize());
+  std::vector<c10::SymInt> size{c10::SymInt(n)};
+  std::vector<c10::SymInt> stride{c10::SymInt(1)};
+  return set_storage_offset_(self, std::move(source), c10::SymInt(0), size, stride);
+}
+
+// `module.to(device)` swaps parameter data in place (`param.data = moved`) only when the two
+// tensors may share a TensorImpl type; c10 lists the built-in dense backends only, so without
+// this tied weights would be untied and optimizers built before `.to()` would hold stale tensors.
+bool shallow_copy_compatible(const at::Tensor& self, const at::Tensor& from) {
+  auto dense = [](const at::Tensor& t) {
+    return t.layout() == at::kStrided && (t.device().is_cpu() || t.device().is_privateuseone());
+  };
+  return self.unsafeGetTensorImpl()->key_set() == from.unsafeGetTensorImpl()->key_set() ||
+         (dense(self) && dense(from));
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("_has_compatible_shallow_copy_type", &shallow_copy_compatible);
+  m.impl("empty.memory_format", &empty_memory_format);
+  m.impl("empty_strided", &empty_strided);
+  m.impl("as_strided", &at::native::as_strided_tensorimpl);
+  m.impl("view", &at::native::view);
+  m.impl("_reshape_alias", &at::native::_reshape_alias);
+  m.impl("view_as_real", &at::native::view_as_real);
+  m.impl("view_as_complex", &at::native::view_as_complex);
+  m.impl("set_.source_Storage", &set_storage_);
+  m.impl("set_.source_Storage_storage_offset", &set_storage_offset_);
+}
+
+// Autocast for remote_accelerator follows CUDA's lists (ATen's shared op lists).
+// The shared lists name ATen types unqualified.
+using at::Scalar;
+using at::ScalarType;
+using at::IntArrayRef;
+using at::Tensor;
+#define GENIE_LOW(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+#define GENIE_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+#define GENIE_FP32_SET_OPT_DTYPE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
+#define GENIE_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+  AT_FORALL_LOWER_PRECISION_FP(GENIE_LOW)
+  AT_FORALL_FP32(GENIE_FP32)
+  AT_FORALL_FP32_SET_OPT_DTYPE(GENIE_FP32_SET_OPT_DTYPE)
+  AT_FORALL_PROMOTE(GENIE_PROMOTE)
+  AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
+}
+// Every other op runs in the dtypes it is given.
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFallthrough());
+}
+#undef GENIE_LOW
+#undef GENIE_FP32
+#undef GENIE_FP32_SET_OPT_DTYPE
+#undef GENIE_PROMOTE
+
+// ---------------------------------------------------------------------------------------------
+// Python-facing helpers.
+void install() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    c10::SetAllocator(DeviceType::PrivateUse1, &g_allocator);
+    at::RegisterPrivateUse1HooksInterface(new Hooks());
+  });
+}
+
+uint64_t storage_id_of(const at::Tensor& t) {
+  TORCH_CHECK(t.device().type() == DeviceType::PrivateUse1, "genie: storage_id() needs a remote_accelerator tensor, got ",
+              t.device());
+  return id_of_pointer(t.storage().data());
+}
+
+// (storage id, device index, sizes, strides, storage offset, storage nbytes) in one call:
+// the per-op encoding path needs all of it.
+py::tuple describe(const at::Tensor& t) {
+  const auto& st = t.storage();
+  return py::make_tuple(id_of_pointer(st.data()), static_cast<int>(t.device().index()), t.sizes().vec(),
+                        t.strides().vec(), t.storage_offset(), static_cast<int64_t>(st.nbytes()));
+}
+
+at::Tensor make_tensor(uint64_t sid, int64_t nbytes, int device, at::ScalarType dtype, std::vector<int64_t> size,
+                       std::vector<int64_t> stride, int64_t offset) {
+  TORCH_CHECK(sid <= kMaxId && sid < g_next_id.load(), "genie: storage id ", sid, " was never handed out");
+  TORCH_CHECK(nbytes >= 0, "genie: negative storage size");
+  auto need = needed_bytes(size, stride, offset, c10::elementSize(dtype));
+  TORCH_CHECK(need <= nbytes, "genie: the server described a tensor of ", need, " bytes over a storage of ", nbytes);
+  auto storage = c10::Storage(c10::Storage::use_byte_size_t(), nbytes,
+                              data_ptr_for(nbytes ? sid : 0, nbytes, static_cast<DeviceIndex>(device)), nullptr,
+                              false);
+  auto out = at::detail::make_tensor<c10::TensorImpl>(std::move(storage),
+                                                      c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                      c10::scalarTypeToTypeMeta(dtype));
+  out.unsafeGetTensorImpl()->set_sizes_and_strides(size, stride, offset);
+  return out;
+}
+
+void resize_storage(const at::Tensor& t, int64_t nbytes) {
+  auto storage = t.storage();
+  uint64_t sid = id_of_pointer(storage.data());
+  TORCH_CHECK(sid != 0, "genie: cannot grow an empty storage in place");
+  auto& b = book();
+  {
+    std::lock_guard<std::mutex> g(b.mu);
+    auto it = b.live.find(sid);
+    TORCH_CHECK(it != b.live.end(), "genie: unknown storage");
+    auto& s = b.at(it->second.second);
+    s.allocated += nbytes - it->second.first;
+    if (s.allocated > s.peak) s.peak = s.allocated;
+    it->second.first = nbytes;
+  }
+  storage.unsafeGetStorageImpl()->set_nbytes(static_cast<size_t>(nbytes));
+}
+
+py::list take_freed() {
+  std::vector<std::pair<int, uint64_t>> out;
+  {
+    auto& b = book();
+    std::lock_guard<std::mutex> g(b.mu);
+    out.swap(b.freed);
+  }
+  py::list l;
+  for (auto& [d, sid] : out) l.append(py::make_tuple(d, sid));
+  return l;
+}
+
+py::dict memory_stats(int device) {
+  auto& b = book();
+  std::lock_guard<std::mutex> g(b.mu);
+  auto s = b.at(static_cast<DeviceIndex>(device));
+  py::dict d;
+  d["allocated_bytes.all.current"] = s.allocated;
+  d["allocated_bytes.all.peak"] = s.peak;
+  d["num_storages.current"] = s.count;
+  return d;
+}
+
+void reset_peak(int device) {
+  auto& b = book();
+  std::lock_guard<std::mutex> g(b.mu);
+  auto& s = b.at(static_cast<DeviceIndex>(device));
+  s.peak = s.allocated;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Wire descriptors, built here because the fallback needs two or three per op:
+// [storage_id, dtype code, sizes, strides, storage_offset, storage_nbytes].
+std::array<int, static_cast<size_t>(at::ScalarType::NumOptions)> g_dtype_codes = [] {
+  std::array<int, static_cast<size_t>(at::ScalarType::NumOptions)> a{};
+  a.fill(-1);
+  return a;
+}();
+
+int wire_dtype(const at::Tensor& t) {
+  TORCH_CHECK(t.device().type() == DeviceType::PrivateUse1, "genie: not a remote_accelerator tensor (", t.device(), ")");
+  TORCH_CHECK(!t.is_conj() && !t.is_neg(), "genie: a lazily conjugated/negated remote tensor cannot be sent: "
+                                           "call .resolve_conj() / .resolve_neg() on it first");
+  int code = g_dtype_codes[static_cast<size_t>(t.scalar_type())];
+  TORCH_CHECK(code >= 0, "genie: dtype ", t.scalar_type(), " cannot cross the wire");
+  return code;
+}
+
+py::list wire_desc(const at::Tensor& t) {
+  int code = wire_dtype(t);
+  const auto& st = t.storage();
+  py::list l(6);
+  l[0] = py::int_(id_of_pointer(st.data()));
+  l[1] = py::int_(code);
+  l[2] = py::cast(t.sizes().vec());
+  l[3] = py::cast(t.strides().vec());
+  l[4] = py::int_(t.storage_offset());
+  l[5] = py::int_(static_cast<int64_t>(st.nbytes()));
+  return l;
+}
+
+// msgpack for non-negative ints and arrays: all a descriptor holds.
+void pack_uint(std::string& out, uint64_t v) {
+  auto put_be = [&out](uint64_t x, int bytes) {
+    for (int i = bytes - 1; i >= 0; --i) out.push_back(static_cast<char>((x >> (8 * i)) & 0xff));
+  };
+  if (v < 128) {
+    out.push_back(static_cast<char>(v));
+  } else if (v <= 0xff) {
+    out.push_back(static_cast<char>(0xcc));
+    put_be(v, 1);
+  } else if (v <= 0xffff) {
+    out.push_back(static_cast<char>(0xcd));
+    put_be(v, 2);
+  } else if (v <= 0xffffffffULL) {
+    out.push_back(static_cast<char>(0xce));
+    put_be(v, 4);
+  } else {
+    out.push_back(static_cast<char>(0xcf));
+    put_be(v, 8);
+  }
+}
+
+void pack_array_header(std::string& out, size_t n) {
+  if (n < 16) {
+    out.push_back(static_cast<char>(0x90 | n));
+  } else {
+    out.push_back(static_cast<char>(0xdc));
+    out.push_back(static_cast<char>((n >> 8) & 0xff));
+    out.push_back(static_cast<char>(n & 0xff));
+  }
+}
+
+void pack_int_array(std::string& out, c10::IntArrayRef v) {
+  pack_array_header(out, v.size());
+  for (auto x : v) {
+    TORCH_CHECK(x >= 0, "genie: negative size or stride cannot cross the wire");
+    pack_uint(out, static_cast<uint64_t>(x));
+  }
+}
+
+// The EXT_TENSOR payload (the msgpack of the descriptor list).
+py::bytes wire_ext_payload(const at::Tensor& t) {
+  int code = wire_dtype(t);
+  const auto& st = t.storage();
+  std::string out;
+  out.reserve(48);
+  pack_array_header(out, 6);
+  pack_uint(out, id_of_pointer(st.data()));
+  pack_uint(out, static_cast<uint64_t>(code));
+  pack_int_array(out, t.sizes());
+  pack_int_array(out, t.strides());
+  pack_uint(out, static_cast<uint64_t>(t.storage_offset()));
+  pack_uint(out, static_cast<uint64_t>(st.nbytes()));
+  return py::bytes(out);
+}
+
+RemoteGenerator* remote_generator(py::handle obj) {
+  auto gen = THPGenerator_Unwrap(obj.ptr());
+  TORCH_CHECK(gen.device().type() == DeviceType::PrivateUse1, "genie: not a remote_accelerator generator");
+  return static_cast<RemoteGenerator*>(gen.unsafeGetGeneratorImpl());
+}
+
+}  // namespace
+}  // namespace genie
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace genie;
+  m.doc() = "genie's native remote_accelerator device (PrivateUse1): allocator, guard, hooks, metadata kernels";
+  m.def("install", &install, "Register the allocator and hooks (idempotent).");
+  m.def("set_device_count", [](int n) {
+    TORCH_CHECK(n >= 0 && n < 127, "genie: bad device count ", n);
+    g_count.store(n);
+  });
+  m.def("device_count", [] { return g_count.load(); });
+  m.def("set_max_devices", [](int n) { g_max_devices = std::max(1, std::min(n, 126)); });
+  m.def("set_priming", [](bool on) { g_priming.store(on); });
+  m.def("current_device", [] { return static_cast<int>(static_cast<DeviceIndex>(tl_device)); });
+  m.def("set_default_device", [](int d) {
+    TORCH_CHECK(d >= 0 && d < 127, "genie: bad device index ", d);
+    g_default_device.store(d);
+  });
+  m.def("set_current_device", [](int d) {
+    TORCH_CHECK(d >= 0 && d < 127, "genie: bad device index ", d);
+    tl_device = static_cast<DeviceIndex>(d);
+  });
+  m.def("take_freed", &take_freed, "Storages freed since the last call: [(device, storage_id), ...].");
+  m.def("storage_id", &storage_id_of);
+  m.def("describe", &describe);
+  m.def("new_storage_id", [] { return next_id(); });
+  m.def("set_dtype_code", [](py::handle dtype, int code) {
+    TORCH_CHECK(THPDtype_Check(dtype.ptr()), "genie: set_dtype_code needs a torch.dtype");
+    g_dtype_codes[static_cast<size_t>(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type)] = code;
+  });
+  m.def("wire_desc", &wire_desc, "[storage_id, dtype code, sizes, strides, offset, storage_nbytes] of a remote tensor.");
+  m.def("wire_ext_payload", &wire_ext_payload, "The msgpack bytes of wire_desc(t) (the EXT_TENSOR payload).");
+  m.def("make_tensor", &make_tensor);
+  m.def("resize_storage", &resize_storage);
+  m.def("memory_stats", &memory_stats);
+  m.def("reset_peak_memory_stats", &reset_peak);
+  m.def("set_sync_hook", [](py::object hook) {
+    std::lock_guard<std::mutex> g(g_hook_mu);
+    if (g_sync_hook == nullptr) g_sync_hook = new py::object();  // leaked: outlives interpreter teardown order
+    *g_sync_hook = std::move(hook);
+  });
+  m.def("default_generator", [](int d) {
+    return py::reinterpret_steal<py::object>(THPGenerator_Wrap(default_generator(static_cast<c10::DeviceIndex>(d))));
+  });
+  m.def("generator_info", [](py::handle g) {
+    auto* r = remote_generator(g);
+    return py::make_tuple(r->id, r->current_seed(), r->epoch.load());
+  });
+}

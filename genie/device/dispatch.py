@@ -1,0 +1,439 @@
+"""The PrivateUse1 fallback: every aten op on ``remote_accelerator`` that C++ does not answer.
+
+Remote tensors are ordinary tensors whose storage is a number (a *storage id*, see
+``genie/csrc/device.cpp``). For an op the fallback
+
+1. finds the one device its tensors live on (mixing devices fails like CUDA),
+2. gets the outputs' dtype/sizes/strides/offset from meta tensors (cached per signature),
+3. makes the outputs locally: fresh ones through the allocator (new storage ids, no round
+   trip), views over their base's storage, in-place/out= results are the argument itself,
+4. queues ``[CMD_OP, device, op, args, kwargs, outs]`` fire-and-forget, unless every output
+   is a view (the server needs nothing: descriptors carry views).
+
+Ops whose result only the server can know (numbers, data-dependent shapes) are a round trip
+(CMD_CALL). Copies, ``resize_`` and ``set_`` have their own rules in :mod:`genie.device.copies`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import torch
+from torch.utils._pytree import tree_unflatten
+
+from genie import _C
+from genie.device import meta as dmeta
+from genie.device import registry
+from genie.device.registry import RemoteDevice, table
+from genie.errors import DeviceError
+from genie.wire import messages as wm
+from genie.wire.values import (
+    EXT_TENSOR,
+    device_ext,
+    dtype_from_code,
+    encode_common,
+    generator_ext,
+    inline_tensor,
+)
+
+BACKEND = "remote_accelerator"
+_aten = torch.ops.aten
+_devices: dict[int, torch.device] = {}
+
+
+def torch_device(index: int) -> torch.device:
+    """The cached ``torch.device`` of ``remote_accelerator:index``."""
+    d = _devices.get(index)
+    if d is None:
+        d = _devices[index] = torch.device(BACKEND, index)
+    return d
+
+
+#: ``[storage_id, dtype code, sizes, strides, offset, storage_nbytes]`` of a remote tensor (one C++ call).
+descriptor = _C.wire_desc
+
+
+# -- per-op facts, computed once ------------------------------------------------------------------
+class OpInfo:
+    """What the fallback needs to know about an op's schema."""
+
+    __slots__ = ("name", "arg_names", "returns", "generator_pos", "random", "mask_pos", "list_return", "all_views",
+                 "special", "server")
+
+    def __init__(self, func: Any) -> None:
+        schema = func._schema
+        self.name: str = func.name()
+        self.arg_names = tuple(a.name for a in schema.arguments)
+        #: its own rule (genie.device.copies), or None
+        self.special = SPECIAL.get(func)
+        #: only the server can answer it (numbers, data-dependent shapes): a round trip
+        self.server = func in SERVER_OPS
+        writes: dict[Any, int] = {}
+        reads: dict[Any, int] = {}
+        self.generator_pos: int | None = None
+        self.mask_pos: int | None = None
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None:
+                for s in a.alias_info.before_set:
+                    (writes if a.alias_info.is_write else reads)[s] = i
+            if "Generator" in str(a.type):
+                self.generator_pos = i
+            if a.name == "output_mask":
+                self.mask_pos = i
+        #: draws random numbers (with its generator argument, or the device's default one)
+        self.random = self.generator_pos is not None or self.name in RANDOM_WITHOUT_GENERATOR
+        #: per return: ("inplace", arg position) | ("view", arg position) | ("fresh", None)
+        self.returns: list[tuple[str, int | None]] = []
+        self.list_return = False
+        for r in schema.returns:
+            kind: tuple[str, int | None] = ("fresh", None)
+            if r.alias_info is not None:
+                for s in r.alias_info.before_set:
+                    if r.alias_info.is_write and s in writes:
+                        kind = ("inplace", writes[s])
+                    elif s in reads or s in writes:
+                        kind = ("view", reads.get(s, writes.get(s)))
+            if "[]" in str(r.type) or "List[" in str(r.type):
+                self.list_return = True
+            self.returns.append(kind)
+        self.all_views = bool(self.returns) and all(k == "view" for k, _ in self.returns)
+
+    def kind_of(self, i: int) -> tuple[str, int | None]:
+        if self.list_return:  # a list return flattens into many outputs of one kind
+            return self.returns[0] if len(self.returns) == 1 else ("fresh", None)
+        return self.returns[i] if i < len(self.returns) else ("fresh", None)
+
+
+#: Random ops with no generator argument: the server draws from the session's default generator.
+RANDOM_WITHOUT_GENERATOR = frozenset({"aten::native_dropout"})
+
+#: id(op) -> OpInfo. Keyed by id: OpOverloads are process-lifetime singletons whose __hash__ is Python code.
+_infos: dict[int, OpInfo] = {}
+
+
+def op_info(func: Any) -> OpInfo:
+    info = _infos.get(id(func))
+    if info is None:
+        info = _infos[id(func)] = OpInfo(func)
+    return info
+
+
+# -- finding the device ---------------------------------------------------------------------------
+def scan(args: Any, state: list[Any]) -> tuple[Any, ...]:
+    """The cache signature of ``args`` (a list or tuple), noting in ``state`` the remote device seen
+    (``state[0]``, -1 for none yet) and whether a CPU tensor with dimensions was (``state[1]``).
+
+    One pass serves both the meta cache and the device check: this is the per-op hot path.
+    """
+    out: list[Any] = []
+    for a in args:
+        t = type(a)
+        if t is torch.Tensor or isinstance(a, torch.Tensor):
+            d = a.get_device()
+            if d >= 0:
+                if d != state[0]:
+                    if state[0] >= 0:
+                        raise RuntimeError(
+                            f"Expected all tensors to be on the same device, but found at least two devices, "
+                            f"{BACKEND}:{state[0]} and {BACKEND}:{d}! (when checking arguments for {state[2]})")
+                    state[0] = d
+                out.append((a.dtype, a.shape, a.stride(), a.storage_offset()))
+            else:
+                if a.dim() and not a.is_meta:
+                    state[1] = True
+                out.append(("C", a.dtype, a.shape))
+        elif t is list or t is tuple:
+            out.append(scan(a, state))
+        elif t is float or t is bool:
+            out.append((t, a))
+        elif t is torch.device:
+            if a.type == BACKEND:
+                d = table().get(a.index).index
+                if state[0] >= 0 and d != state[0]:
+                    raise RuntimeError(
+                        f"Expected all tensors to be on the same device, but found at least two devices, "
+                        f"{BACKEND}:{state[0]} and {BACKEND}:{d}! (when checking arguments for {state[2]})")
+                state[0] = d
+            out.append(("D", a.type))
+        elif t is torch.Generator:
+            out.append(("G",))
+        else:
+            out.append(a)
+    return tuple(out)
+
+
+def signature_and_device(name: str, args: Any, kwargs: Any) -> tuple[Any, int]:
+    """(cache signature of args and kwargs, global index of the one remote device they use)."""
+    state: list[Any] = [-1, False, name]
+    sig = scan(args, state)
+    if kwargs:
+        sig = (sig, tuple(kwargs), scan(kwargs.values(), state))
+    found = state[0]
+    if found < 0:
+        raise DeviceError(f"{name} reached the remote device without a remote tensor or device argument")
+    if state[1]:
+        raise RuntimeError(
+            f"Expected all tensors to be on the same device, but found at least two devices, "
+            f"{BACKEND}:{found} and cpu! (when checking arguments for {name})"
+        )
+    return sig, found
+
+
+# -- the argument encoder -------------------------------------------------------------------------
+def encoder_for(device: RemoteDevice) -> Any:
+    """The msgpack ``default`` of one session (built once per connection)."""
+    conn = device.connection
+    cached = conn.encoder
+    if cached is not None:
+        return cached
+
+    def default(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.get_device() >= 0:
+                return msgpack.ExtType(EXT_TENSOR, _C.wire_ext_payload(obj))
+            return inline_tensor(obj)
+        if isinstance(obj, torch.Generator):
+            return generator_ext(_C.generator_info(obj)[0])
+        if isinstance(obj, torch.device):
+            if obj.type != BACKEND:
+                raise DeviceError(f"a {obj} device argument cannot be sent to a remote device")
+            target = table().get(obj.index)
+            if target.connection is not conn:
+                raise DeviceError(f"{target.label} is on another node than this op's device")
+            return device_ext(target.local_index)
+        encoded = encode_common(obj)
+        if encoded is NotImplemented:
+            raise DeviceError(f"genie cannot send a {type(obj).__name__} argument to the server")
+        return encoded
+
+    conn.encoder = default
+    return default
+
+
+# -- meta arguments -------------------------------------------------------------------------------
+def _to_meta_arg(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor) and obj.get_device() >= 0:
+        return dmeta.to_meta(obj)
+    if isinstance(obj, torch.device) and obj.type == BACKEND:
+        return torch.device("meta")
+    if isinstance(obj, torch.Generator):
+        return None
+    return obj
+
+
+_meta_cache = dmeta.MetaCache()
+_cache_get = _meta_cache._cache.get  # the per-op path skips the method call (and the hit counter)
+
+
+def meta_cache() -> dmeta.MetaCache:
+    return _meta_cache
+
+
+# -- the fallback -----------------------------------------------------------------------------------
+def fallback(func: Any, *args: Any, **kwargs: Any) -> Any:
+    """The PrivateUse1 fallback kernel (registered by :mod:`genie.device.registration`)."""
+    info = _infos.get(id(func)) or op_info(func)
+    if info.special is not None:
+        return info.special(func, args, kwargs)
+    return run_op(func, args, kwargs, info)
+
+
+def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any:
+    """The common path: meta inference (cached), local outputs, one fire-and-forget command."""
+    if info is None:
+        info = op_info(func)
+    sig, index = signature_and_device(info.name, args, kwargs)
+    tbl = registry._table
+    device = tbl.devices[index] if tbl is not None and index < len(tbl.devices) else table().get(index)
+    if info.server:
+        return call_on_server(func, args, kwargs, device)
+    key: Any = (id(func), sig)
+    try:
+        cached = _cache_get(key)
+    except TypeError:  # an unhashable argument: no caching
+        key, cached = None, None
+    if cached is None:
+        try:
+            metas, spec, flat = dmeta.run_meta(func, args, kwargs, _to_meta_arg)
+        except dmeta.NeedsServer:
+            return call_on_server(func, args, kwargs, device)
+        values = [None if isinstance(o, torch.Tensor) else o for o in flat]
+        fixup = META_FIXUPS.get(func)
+        if fixup is not None:
+            metas = fixup(metas, args, kwargs)
+        # Whether an in-place/out= target must change layout: the signature holds the target's
+        # layout, so the answer holds for every later call with the same signature.
+        conform = [m is not None and info.kind_of(i)[0] == "inplace"
+                   and _differs(_target(info, i, args, kwargs), m) for i, m in enumerate(metas)]
+        cached = (metas, spec, values, conform, len(metas) == 1 and spec.is_leaf())
+        if key is not None:
+            _meta_cache.store(key, cached)
+    metas, spec, values, conform, leaf = cached
+    if info.mask_pos is not None:  # backward ops skip masked-off outputs (undefined tensors); meta does not
+        mask = _arg(info, info.mask_pos, args, kwargs)
+        metas = [m if i >= len(mask) or mask[i] else None for i, m in enumerate(metas)]
+    outs: list[Any] = []
+    wire_outs: list[Any] = []
+    send = not info.all_views
+    for i, m in enumerate(metas):
+        if m is None:
+            outs.append(values[i])
+            if info.mask_pos is not None and i < len(info.returns):
+                wire_outs.append(None)
+            continue
+        kind, pos = info.kind_of(i)
+        if kind == "inplace":
+            out = _target(info, i, args, kwargs)
+            if conform[i]:
+                set_layout(out, m[1], m[2], m[3], device)
+        elif kind == "view":
+            base = _arg(info, pos, args, kwargs)
+            if isinstance(base, (list, tuple)):
+                base = base[0]
+            out = _aten.as_strided.default(base, m[1], m[2], m[3])
+            if m[0] != base.dtype:  # view_as_real & co. are C++ kernels; a dtype-changing view here is a bug
+                raise DeviceError(f"{info.name}: a view that changes dtype reached the fallback")
+        else:
+            out = new_tensor(m, index)
+        outs.append(out)
+        if send:
+            wire_outs.append(descriptor(out))
+    if send:
+        if info.random:
+            g = _arg(info, info.generator_pos, args, kwargs) if info.generator_pos is not None else None
+            _seed_if_needed(device, g)
+        device.connection.op(device.local_index, info.name, args, kwargs, wire_outs, encoder_for(device))
+    if leaf:
+        return outs[0]
+    return tree_unflatten(outs, spec)
+
+
+def _arg(info: OpInfo, pos: int | None, args: Any, kwargs: Any) -> Any:
+    assert pos is not None
+    if pos < len(args):
+        return args[pos]
+    return kwargs.get(info.arg_names[pos])
+
+
+def contiguous_strides(shape: Any) -> list[int]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return strides[::-1]
+
+
+def new_tensor(m: dmeta.OutMeta, index: int) -> torch.Tensor:
+    """A fresh tensor on ``remote_accelerator:index`` with the described layout (a new storage id)."""
+    dtype, shape, stride, offset = m
+    if offset == 0:
+        return torch.empty_strided(shape, stride, dtype=dtype, device=torch_device(index))
+    span = dmeta.storage_numel(shape, stride, offset)
+    return torch.empty(span, dtype=dtype, device=torch_device(index)).as_strided(shape, stride, offset)
+
+
+def _target(info: OpInfo, i: int, args: Any, kwargs: Any) -> torch.Tensor:
+    """The argument an in-place/out= op's i-th (flattened) output is."""
+    target = _arg(info, info.kind_of(i)[1], args, kwargs)
+    return target[i] if isinstance(target, (list, tuple)) else target
+
+
+def _differs(target: torch.Tensor, m: dmeta.OutMeta) -> bool:
+    """Whether an in-place/out= target's layout differs from the op's output (``t_``, ``out=`` resizes)."""
+    _, shape, stride, offset = m
+    return not (tuple(target.shape) == shape and target.stride() == stride and target.storage_offset() == offset)
+
+
+# -- generators -----------------------------------------------------------------------------------
+_default_generators: dict[int, torch.Generator] = {}
+
+
+def default_generator(index: int) -> torch.Generator:
+    g = _default_generators.get(index)
+    if g is None:
+        g = _default_generators[index] = _C.default_generator(index)
+    return g
+
+
+def _seed_if_needed(device: RemoteDevice, generator: Any) -> None:
+    """Send CMD_SEED before a random op when its generator was (re)seeded since the last one."""
+    g = generator if generator is not None else default_generator(device.index)
+    gid, seed, epoch = _C.generator_info(g)
+    conn = device.connection
+    key = (device.local_index, gid)
+    if conn.seeded.get(key) != epoch:
+        conn.seeded[key] = epoch
+        if epoch:  # never seeded: the server's own random seed stands
+            conn.command([wm.CMD_SEED, device.local_index, gid, seed])
+
+
+# -- round trips ----------------------------------------------------------------------------------
+def call_on_server(func: Any, args: Any, kwargs: Any, device: RemoteDevice) -> Any:
+    """Run an op synchronously: data-dependent shapes and number results."""
+    info = op_info(func)
+    count = 64 if info.list_return else len(info.returns)
+    ids = [_C.new_storage_id() for _ in range(count)]
+    result = device.connection.call(device.local_index, info.name, args, kwargs, ids, encoder_for(device),
+                                    device=device.label)
+    return _decode_call_result(func, result, device)
+
+
+def adopt(desc: Any, device: RemoteDevice) -> torch.Tensor:
+    """A local tensor over a storage the server made (its size known only from the reply)."""
+    sid, code, sizes, strides, offset, nbytes = desc
+    return _C.make_tensor(sid, nbytes, device.index, dtype_from_code(code), sizes, strides, offset)
+
+
+def _decode_call_result(func: Any, result: Any, device: RemoteDevice) -> Any:
+    returns = func._schema.returns
+    values = result if len(returns) != 1 else [result]
+    out: list[Any] = []
+    for r, v in zip(returns, values, strict=False):
+        kind = str(r.type)
+        if kind.startswith("Tensor[]") or kind.startswith("List[Tensor]"):
+            out.append([adopt(d, device) for d in v])
+        elif kind.startswith("Tensor"):
+            out.append(adopt(v, device) if v is not None else None)
+        else:
+            out.append(v)
+    return out[0] if len(returns) == 1 else tuple(out)
+
+
+#: Ops whose result is a number or a data-dependent shape: always a round trip.
+SERVER_OPS = frozenset({
+    _aten._local_scalar_dense.default, _aten.equal.default, _aten.is_nonzero.default,
+    _aten.nonzero.default, _aten.masked_select.default, _aten._unique2.default, _aten.unique_consecutive.default,
+    _aten.unique_dim.default,
+})
+
+def _batch_norm_eval(metas: list[Any], args: Any, kwargs: Any) -> list[Any]:
+    """Outside training the real kernels return empty saved mean/invstd; the meta kernel does not."""
+    training = args[5] if len(args) > 5 else kwargs.get("training")
+    if training:
+        return metas
+    empty = (metas[1][0], (0,), (1,), 0)
+    return [metas[0], empty, empty]
+
+
+#: Where a meta kernel's output layout differs from the real kernels' (the server checks it).
+META_FIXUPS: dict[Any, Any] = {_aten.native_batch_norm.default: _batch_norm_eval}
+
+def set_layout(t: torch.Tensor, shape: Any, stride: Any, offset: int, device: RemoteDevice | None = None) -> None:
+    """Give ``t`` a new layout over its storage, growing the storage (here and on the server) if needed."""
+    need = dmeta.storage_numel(shape, stride, offset) * t.element_size()
+    storage = t.untyped_storage()
+    if need > storage.nbytes():
+        device = device or table().get(t.get_device())
+        sid = _C.storage_id(t)
+        if sid == 0:  # an empty storage: nothing to keep, start a new one
+            storage = torch.empty(need, dtype=torch.uint8, device=t.device).untyped_storage()
+        else:
+            _C.resize_storage(t, need)
+            device.connection.command([wm.CMD_RESIZE, device.local_index, sid, need])
+    _aten.set_.source_Storage_storage_offset(t, storage, offset, list(shape), list(stride))
+
+
+
+#: Ops with their own rules, filled in by genie.device.copies.
+SPECIAL: dict[Any, Any] = {}

@@ -1,0 +1,138 @@
+"""Where an op's results go: the output rule of the wire contract, and CALL results.
+
+For each output descriptor of a ``CMD_OP`` (see :mod:`genie.wire.messages`):
+
+- a storage the session holds (in-place ops, ``out=``, views) must end up holding
+  the result in the described tensor: nothing to do when the result already is
+  that tensor, else the result is copied in;
+- an unknown storage adopts the result's storage when the result is fresh (no
+  storage of the session), fills every byte of it, has exactly ``storage_nbytes``
+  bytes and the described layout; else a zeroed storage of ``storage_nbytes`` is made and the result
+  copied into the described tensor.
+
+dtype or size disagreement between the result and the descriptor is a
+*mismatch*, as is a view laid out differently from what the client computed
+(copying would break aliasing): the command fails, nothing is stored silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from genie.server.codec import Descriptor, describe
+from genie.server.store import StorageStore
+
+
+class OutputMismatch(Exception):
+    """The server's result disagrees with the client's descriptor (internal; becomes kind ``mismatch``)."""
+
+
+def flatten_outputs(value: Any) -> list[torch.Tensor | None]:
+    """An op's returned tensors in schema order; None where it returned an undefined tensor."""
+    if isinstance(value, torch.Tensor) or value is None:
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in flatten_outputs(v)]
+    return []  # numbers and other non-tensor returns have no descriptor
+
+
+def _storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
+    storage = t.untyped_storage() if isinstance(t, torch.Tensor) else t
+    return storage.data_ptr() if storage.nbytes() else -1
+
+
+def store_outputs(op: str, result: Any, outs: list[Descriptor | None], store: StorageStore,
+                  held: set[int], tensor_of: Callable[[Descriptor], torch.Tensor]) -> list[Exception]:
+    """Apply the output rule; raises OutputMismatch, returns per-output store failures (quota) to report.
+
+    ``held`` is the storage keys (data pointers) of every storage the command used:
+    a result over one of them is not fresh and is never adopted under a new id.
+    ``tensor_of`` builds the described tensor over a known storage (bounds checked).
+    """
+    results = flatten_outputs(result)
+    if len(results) != len(outs):
+        raise OutputMismatch(f"it returned {len(results)} outputs, the client expected {len(outs)}")
+    for i, (t, desc) in enumerate(zip(results, outs, strict=True)):
+        if desc is not None:
+            _check(i, t, desc)
+    failures: list[Exception] = []
+    for i, (t, desc) in enumerate(zip(results, outs, strict=True)):
+        if desc is None or t is None or desc.storage_id == 0:
+            continue  # nothing to keep: undefined, or an empty storage on the client
+        try:
+            _place(i, t, desc, store, held, tensor_of)
+        except OutputMismatch:
+            raise
+        except Exception as exc:  # quota, or a copy that failed: that output only
+            failures.append(exc)
+    return failures
+
+
+def _check(i: int, t: torch.Tensor | None, desc: Descriptor) -> None:
+    where = f"output {i} (storage {desc.storage_id})"
+    if t is None:
+        raise OutputMismatch(f"{where} is undefined here, the client expected a {desc.dtype} tensor")
+    if t.layout != torch.strided:
+        raise OutputMismatch(f"{where} is a {t.layout} tensor; genie servers keep strided tensors only")
+    if t.dtype != desc.dtype:
+        raise OutputMismatch(f"{where} has dtype {t.dtype} here, the client expected {desc.dtype}")
+    if tuple(t.shape) != desc.sizes:
+        raise OutputMismatch(f"{where} has sizes {list(t.shape)} here, the client expected {list(desc.sizes)}")
+
+
+def _place(i: int, t: torch.Tensor, desc: Descriptor, store: StorageStore, held: set[int],
+           tensor_of: Callable[[Descriptor], torch.Tensor]) -> None:
+    storage = store.get(desc.storage_id)
+    if storage is not None:
+        same = _storage_key(t) == _storage_key(storage)
+        if same and desc.matches(t):
+            return  # in-place, out= or a view: the result already lives where the client says
+        if same:
+            raise OutputMismatch(
+                f"output {i} (storage {desc.storage_id}) is a view with strides {list(t.stride())} and offset "
+                f"{t.storage_offset()} here, the client expected strides {list(desc.strides)} and offset "
+                f"{desc.offset}; a view cannot be re-laid out without breaking aliasing")
+        tensor_of(desc).copy_(t)
+        return
+    fresh = t.untyped_storage()
+    key = _storage_key(fresh)
+    # Adopt only a result that covers every byte of its storage: gaps in a strided result could hold
+    # memory nobody wrote (another session's, once freed).
+    dense = t.numel() * t.element_size() == fresh.nbytes()
+    if key not in held and dense and fresh.nbytes() == desc.storage_nbytes and desc.matches(t):
+        store.put(desc.storage_id, fresh)
+        held.add(key)  # a second output over the same fresh storage must not adopt it again
+        return
+    desc.check(None)
+    made = store.make(desc.storage_id, desc.storage_nbytes, t.device)
+    desc.over(made).copy_(t)
+
+
+def store_call_result(result: Any, storage_ids: list[int], store: StorageStore, held: set[int]) -> Any:
+    """Keep each tensor of a CALL result under the next id and describe it; other values pass through.
+
+    A result over a storage the session already holds (a view of an input) is
+    copied first: one storage never gets two ids.
+    """
+    pending = iter(storage_ids)
+
+    def keep(t: torch.Tensor) -> list[Any]:
+        storage_id = next(pending, None)
+        if storage_id is None:
+            raise OutputMismatch(f"it returned more tensors than the {len(storage_ids)} storage ids the CALL gave")
+        if t.layout != torch.strided:
+            raise OutputMismatch(f"it returned a {t.layout} tensor; genie servers keep strided tensors only")
+        if t.untyped_storage().nbytes() == 0:
+            return describe(0, t)  # an empty storage is never kept
+        if _storage_key(t) in held:
+            t = t.clone()
+        store.put(storage_id, t.untyped_storage())
+        held.add(_storage_key(t))
+        return describe(storage_id, t)
+
+    from genie.server.codec import encode_result
+
+    return encode_result(result, keep)
