@@ -127,12 +127,13 @@ def test_per_session_memory_and_ops_are_attributed_to_each_client(cluster: dict[
     for s in samples(text, "genie_session_memory_usage_bytes"):
         memory[s.labels["genie_client_id"]] = memory.get(s.labels["genie_client_id"], 0) + s.value
         assert s.labels["genie_device"] == "cpu" and s.labels["genie_client_identity"] == "anonymous"
-    # each holds its upload and the doubled copy: 2 x 4 bytes per float
-    assert memory == {"alice": 8 * 1000, "bob": 8 * 250_000}
+    # each holds its upload and the doubled copy (2 x 4 bytes per float), plus the 4-byte sum whose
+    # free travels with the client's next batch (frees are batched: none comes while the client waits)
+    assert memory == {"alice": 8 * 1000 + 4, "bob": 8 * 250_000 + 4}
     ops = {s.labels["genie_client_id"]: s.value for s in samples(text, "genie_session_ops_total")}
     assert set(ops) == {"alice", "bob"} and all(n >= 2 for n in ops.values())
     assert samples(text, "genie_server_sessions")[0].value == 2
-    assert samples(text, "genie_server_storage_usage_bytes")[0].value == 8 * 251_000
+    assert samples(text, "genie_server_storage_usage_bytes")[0].value == 8 * 251_000 + 2 * 4
     received = [s.value for s in samples(text, "hw_gpu_io_bytes_total")
                 if s.labels["network_io_direction"] == "receive"]
     assert received == [4 * 251_000]

@@ -31,6 +31,10 @@ def add_master_arguments(p: argparse.ArgumentParser) -> None:
 def parse_master(text: str) -> tuple[str, int]:
     """``HOST:PORT`` (or ``[v6]:PORT``) as a pair; ConfigError naming ``--master`` otherwise."""
     host, sep, port = text.rpartition(":")
+    if sep and host and port == "0":
+        raise ConfigError("master_port", text, "argument --master",
+                          "1..65535; port 0 (any free port) is for `genie serve` only: a worker needs the port "
+                          "the master reported in its ready line, and so does every tool")
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ConfigError("master", text, "argument --master", "HOST:PORT, e.g. 10.0.0.1:5555")
     return host.strip("[]"), int(port)
