@@ -1,0 +1,98 @@
+"""The worker process of the OpInfo sweep: ``python opinfo_worker.py`` (started by opinfo_pool).
+
+It imports ``op_db`` once, answers ``list`` with every case, ``init`` by connecting genie to a
+server (``genie.init_sync``), and ``run`` by running one case and answering its outcome. Requests and
+answers are JSON lines on stdin and on a private copy of stdout; fd 1 itself is pointed at stderr, so
+nothing torch or a kernel prints can corrupt the protocol. A crash or hang here costs one case: the
+pool kills and restarts this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+DEVICE = "remote_accelerator:0"
+
+
+def _protocol_out() -> TextIO:
+    fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return os.fdopen(fd, "w", buffering=1, encoding="utf-8")
+
+
+def list_cases(op_db: list[Any]) -> list[dict[str, str]]:
+    import torch
+
+    from opinfo_cases import BACKWARD_DTYPES, FORWARD_DTYPES, Case
+
+    cases: list[Case] = []
+    for op in op_db:
+        supported = op.supported_dtypes("cpu")
+        for name in FORWARD_DTYPES:
+            if getattr(torch, name) in supported:
+                cases.append(Case(op.name, op.variant_test_name, name, "forward"))
+        if op.supports_autograd:
+            backward = op.supported_backward_dtypes("cpu")
+            for name in BACKWARD_DTYPES:
+                dtype = getattr(torch, name)
+                if dtype in supported and dtype in backward:
+                    cases.append(Case(op.name, op.variant_test_name, name, "backward"))
+    return [c.to_json() for c in sorted(set(cases))]
+
+
+def healthy() -> bool:
+    """Whether the device still answers after a failure (a lost session fails every later case)."""
+    import torch
+
+    try:
+        return bool(torch.ones(3, device=DEVICE).sum().item() == 3.0)
+    except Exception:
+        return False
+
+
+def main() -> int:
+    out = _protocol_out()
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    from opinfo_compare import Comparer, first_line
+
+    ops = {(op.name, op.variant_test_name): op for op in op_db}
+    comparer = Comparer(DEVICE)
+    out.write(json.dumps({"ready": True}) + "\n")
+    for line in sys.stdin:
+        request = json.loads(line)
+        cmd = request.get("cmd")
+        if cmd == "list":
+            answer: dict[str, Any] = {"cases": list_cases(op_db)}
+        elif cmd == "init":
+            import genie
+
+            try:
+                genie.init_sync(master_addr=request["host"], master_port=request["port"], timeout=30)
+                answer = {"ok": True}
+            except Exception as exc:
+                answer = {"ok": False, "reason": first_line(exc)}
+        elif cmd == "run":
+            op = ops.get((request["op"], request["variant"]))
+            started = time.perf_counter()
+            if op is None:
+                answer = {"status": "fail", "reason": f"no OpInfo {request['op']!r} variant {request['variant']!r}"}
+            else:
+                outcome = comparer.run(op, request["dtype"], request["kind"])
+                answer = {"status": outcome.status, "reason": outcome.reason, "samples": outcome.samples}
+                if outcome.status == "fail":
+                    answer["healthy"] = healthy()
+            answer["seconds"] = round(time.perf_counter() - started, 4)
+        else:
+            answer = {"error": f"unknown command {cmd!r}"}
+        out.write(json.dumps(answer) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
