@@ -7,6 +7,7 @@ tests. Passing there proves the core never needs any other plugin.
     nox -s dpdk          # installs Debian's DPDK first when root (scripts/install-system-deps)
     nox -s tests         # the whole suite with every plugin
     nox -s lint          # ruff on everything, mypy on genie/
+    nox -s opinfo        # PyTorch's OpInfo sweep against a real server, every case (a few minutes)
 
 torch is pinned to 2.13.0: other versions pull several GB of CUDA packages.
 """
@@ -94,6 +95,18 @@ def tests(session: nox.Session) -> None:
     plugins = [arg for p in PLUGINS for arg in ("-e", f"plugins/genie_{p}")]
     session.install(TORCH, "-e", ".[test]", *plugins)
     session.run("python", "-m", "pytest", "-q", *session.posargs)
+
+
+@nox.session
+def opinfo(session: nox.Session) -> None:
+    """PyTorch's OpInfo database on remote_accelerator against a real server, every case (GENIE_OPINFO=full).
+
+    Prints the pass rate per dtype and kind and writes build/opinfo/report-full.json. Pass
+    ``-- --update-expected`` to regenerate tests/device/opinfo/expected_failures.toml.
+    """
+    session.install(TORCH, *CORE)
+    session.run("python", "-m", "pytest", "-q", "tests/device/opinfo", *session.posargs,
+                env={"GENIE_OPINFO": "full"})
 
 
 @nox.session

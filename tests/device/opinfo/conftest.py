@@ -43,7 +43,8 @@ class Sweep:
         self.expected = opinfo_expected.load()
         self.results: dict[Case, dict[str, Any]] = {}
         self.pool = Pool()
-        self.cases = select(self.pool.list_cases(), self.mode)
+        self.all_cases = self.pool.list_cases()
+        self.cases = select(self.all_cases, self.mode)
         self.started = time.monotonic()
 
 

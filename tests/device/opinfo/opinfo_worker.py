@@ -45,6 +45,22 @@ def list_cases(op_db: list[Any]) -> list[dict[str, str]]:
     return [c.to_json() for c in sorted(set(cases))]
 
 
+#: The harness's own tests (test_harness.py) ask for these to prove a hang or a crash costs one case.
+SELFTEST = "genie.selftest"
+
+
+def selftest(action: str) -> dict[str, Any]:
+    if action == "hang":
+        time.sleep(3600)
+    elif action == "abort":
+        os.abort()
+    elif action == "pass":
+        if healthy():
+            return {"status": "pass", "reason": "", "samples": 1}
+        return {"status": "fail", "reason": "the device does not answer", "healthy": False}
+    return {"status": "fail", "reason": f"unknown self-test {action!r}"}
+
+
 def healthy() -> bool:
     """Whether the device still answers after a failure (a lost session fails every later case)."""
     import torch
@@ -80,7 +96,9 @@ def main() -> int:
         elif cmd == "run":
             op = ops.get((request["op"], request["variant"]))
             started = time.perf_counter()
-            if op is None:
+            if request["op"] == SELFTEST:
+                answer = selftest(request["variant"])
+            elif op is None:
                 answer = {"status": "fail", "reason": f"no OpInfo {request['op']!r} variant {request['variant']!r}"}
             else:
                 outcome = comparer.run(op, request["dtype"], request["kind"])
