@@ -20,9 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import opinfo_expected
+import pytest
 from opinfo_cases import Case, mode_from_env, select
 from opinfo_pool import Pool
 

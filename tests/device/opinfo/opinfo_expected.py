@@ -14,11 +14,11 @@ the cases that ran and keeps the others, so a CI-subset run never drops the full
 from __future__ import annotations
 
 import json
-import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import tomllib
 from opinfo_cases import BACKWARD_DTYPES, FORWARD_DTYPES, KINDS, Case
 
 EXPECTED_PATH = Path(__file__).resolve().parent / "expected_failures.toml"

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from genie.cluster.launch import NodeProcess
-
 from opinfo_cases import Case
+
+from genie.cluster.launch import NodeProcess
 
 HERE = Path(__file__).resolve().parent
 #: How long a worker may take to import op_db and to connect genie.

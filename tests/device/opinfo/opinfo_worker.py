@@ -27,7 +27,6 @@ def _protocol_out() -> TextIO:
 
 def list_cases(op_db: list[Any]) -> list[dict[str, str]]:
     import torch
-
     from opinfo_cases import BACKWARD_DTYPES, FORWARD_DTYPES, Case
 
     cases: list[Case] = []
@@ -73,9 +72,8 @@ def healthy() -> bool:
 
 def main() -> int:
     out = _protocol_out()
-    from torch.testing._internal.common_methods_invocations import op_db
-
     from opinfo_compare import Comparer, first_line
+    from torch.testing._internal.common_methods_invocations import op_db
 
     ops = {(op.name, op.variant_test_name): op for op in op_db}
     comparer = Comparer(DEVICE)

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 import opinfo_expected
+import pytest
 from opinfo_cases import Case, coverage, select
 
 HANG = Case("genie.selftest", "hang", "float32", "forward")
