@@ -76,7 +76,7 @@ def main() -> int:
     from torch.testing._internal.common_methods_invocations import op_db
 
     ops = {(op.name, op.variant_test_name): op for op in op_db}
-    comparer = Comparer(DEVICE)
+    comparer = Comparer(DEVICE, max_samples=int(os.environ.get("GENIE_OPINFO_MAX_SAMPLES", "32")))
     out.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
         request = json.loads(line)
