@@ -134,11 +134,12 @@ def start_server() -> NodeProcess:
 
 
 class Pool:
-    """A worker (created at once, for listing cases) and, from :meth:`attach`, a server it is connected to."""
+    """A worker (created at once, for listing cases) and, from :meth:`connect`, a server it is connected to."""
 
     def __init__(self) -> None:
         self.worker: Worker | None = Worker()
         self.server: NodeProcess | None = None
+        self.connected = False
         self.restarts = {"worker": 0, "server": 0}
 
     def list_cases(self) -> list[Case]:
@@ -147,6 +148,7 @@ class Pool:
         return [Case.from_json(c) for c in answer["cases"]]
 
     def connect(self) -> None:
+        """Start the server (again, if it died) and the worker (again, if it was stopped); connect them."""
         if self.server is None or not self.server.alive():
             if self.server is not None:
                 self.server.stop()
@@ -162,31 +164,36 @@ class Pool:
             raise RuntimeError(f"the worker could not connect genie to the server: {answer.get('reason')}")
         self.connected = True
 
-    connected = False
-
     def run(self, case: Case, timeout: float) -> dict[str, Any]:
         """Run ``case`` in the worker; a hang, a worker crash or a server death becomes a failure with its reason."""
         if not self.connected:
             self.connect()
         assert self.worker is not None and self.server is not None
+        timed_out = False
         try:
             answer = self.worker.request_reply({"cmd": "run", **case.to_json()}, timeout)
         except WorkerDied as exc:
             answer = {"status": "fail", "reason": f"worker: {exc}", "healthy": False}
+            timed_out = "timed out" in str(exc)
         if not self.server.alive():
             code = self.server.proc.returncode if self.server.proc is not None else None
             answer = {"status": "fail", "reason": f"the server died during this case (exit code {code}); "
                       f"restarted", "healthy": False}
         if answer.get("status") == "fail" and not answer.get("healthy", True):
-            self._restart_after_failure()
+            self._restart_after_failure(server=timed_out)
         return answer
 
-    def _restart_after_failure(self) -> None:
-        """A fresh worker (a session that saw a hang or a lost device cannot be trusted) and, if needed, server."""
+    def _restart_after_failure(self, server: bool) -> None:
+        """A fresh worker (a session that saw a hang or a lost device cannot be trusted) and, after a
+        timeout, a fresh server too: the op that hung may still be burning a core there."""
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
             self.restarts["worker"] += 1
+        if server and self.server is not None:
+            self.server.stop()
+            self.server = None
+            self.restarts["server"] += 1
         self.connected = False
 
     def close(self) -> None:

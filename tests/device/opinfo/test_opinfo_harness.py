@@ -14,12 +14,16 @@ ABORT = Case("genie.selftest", "abort", "float32", "forward")
 PROBE = Case("genie.selftest", "pass", "float32", "forward")
 
 
-def test_a_hanging_case_fails_with_a_timeout_and_the_next_case_runs(opinfo_sweep: Any) -> None:
-    result = opinfo_sweep.pool.run(HANG, timeout=1.0)
+def test_a_hanging_case_fails_with_a_timeout_and_the_next_case_runs_on_fresh_processes(opinfo_sweep: Any) -> None:
+    pool = opinfo_sweep.pool
+    old_server = pool.server
+    result = pool.run(HANG, timeout=1.0)
     assert result["status"] == "fail"
     assert "timed out after 1 s" in result["reason"]
-    after = opinfo_sweep.pool.run(PROBE, timeout=opinfo_sweep.timeout)
+    assert not old_server.alive()  # the hung op may still burn a core there: replaced too
+    after = pool.run(PROBE, timeout=opinfo_sweep.timeout)
     assert after == {**after, "status": "pass", "samples": 1}
+    assert pool.server.alive()
 
 
 def test_a_crashing_worker_fails_one_case_naming_the_signal(opinfo_sweep: Any) -> None:
