@@ -20,6 +20,8 @@ BACKWARD_DTYPES = ("float32",)
 KINDS = ("forward", "backward")
 #: The CI subset takes every CI_STRIDE-th op (sorted by name and variant), all of its dtypes and kinds.
 CI_STRIDE = 12
+#: The op name of the worker's self-test cases (a hang, an abort, a device probe), never an OpInfo.
+SELFTEST = "genie.selftest"
 #: ``GENIE_OPINFO``: ``ci`` (default, the subset) or ``full`` (every op).
 MODES = ("ci", "full")
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from opinfo_cases import Case
+from opinfo_cases import SELFTEST, Case
 
 from genie.cluster.launch import NodeProcess
 
@@ -52,7 +52,8 @@ class Worker:
                 stderr=err, env=env, start_new_session=True, preexec_fn=_die_with_parent,
             )
         self._buffer = b""
-        self.request_reply(None, STARTUP_TIMEOUT)  # the "ready" line: op_db is imported
+        self.loaded = False  #: whether op_db is imported (the worker does that on first need)
+        self.request_reply(None, STARTUP_TIMEOUT)  # the "ready" line
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -145,6 +146,7 @@ class Pool:
     def list_cases(self) -> list[Case]:
         assert self.worker is not None
         answer = self.worker.request_reply({"cmd": "list"}, STARTUP_TIMEOUT)
+        self.worker.loaded = True
         return [Case.from_json(c) for c in answer["cases"]]
 
     def connect(self) -> None:
@@ -169,6 +171,10 @@ class Pool:
         if not self.connected:
             self.connect()
         assert self.worker is not None and self.server is not None
+        if case.op != SELFTEST and not self.worker.loaded:
+            # op_db's import is not the case's time: bounded by the startup timeout instead
+            self.worker.request_reply({"cmd": "load"}, STARTUP_TIMEOUT)
+            self.worker.loaded = True
         timed_out = False
         try:
             answer = self.worker.request_reply({"cmd": "run", **case.to_json()}, timeout)

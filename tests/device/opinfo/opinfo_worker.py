@@ -1,6 +1,6 @@
 """The worker process of the OpInfo sweep: ``python opinfo_worker.py`` (started by opinfo_pool).
 
-It imports ``op_db`` once, answers ``list`` with every case, ``init`` by connecting genie to a
+It imports ``op_db`` once (on the first ``list``, ``load`` or ``run``), answers ``list`` with every case, ``init`` by connecting genie to a
 server (``genie.init_sync``), and ``run`` by running one case and answering its outcome. Requests and
 answers are JSON lines on stdin and on a private copy of stdout; fd 1 itself is pointed at stderr, so
 nothing torch or a kernel prints can corrupt the protocol. A crash or hang here costs one case: the
@@ -44,11 +44,8 @@ def list_cases(op_db: list[Any]) -> list[dict[str, str]]:
     return [c.to_json() for c in sorted(set(cases))]
 
 
-#: The harness's own tests (test_harness.py) ask for these to prove a hang or a crash costs one case.
-SELFTEST = "genie.selftest"
-
-
 def selftest(action: str) -> dict[str, Any]:
+    """The harness's own tests (test_opinfo_harness.py) ask for these to prove a hang or a crash costs one case."""
     if action == "hang":
         time.sleep(3600)
     elif action == "abort":
@@ -58,6 +55,17 @@ def selftest(action: str) -> dict[str, Any]:
             return {"status": "pass", "reason": "", "samples": 1}
         return {"status": "fail", "reason": "the device does not answer", "healthy": False}
     return {"status": "fail", "reason": f"unknown self-test {action!r}"}
+
+
+def run_case(loaded: dict[str, Any], request: dict[str, str]) -> dict[str, Any]:
+    op = loaded["ops"].get((request["op"], request["variant"]))
+    if op is None:
+        return {"status": "fail", "reason": f"no OpInfo {request['op']!r} variant {request['variant']!r}"}
+    outcome = loaded["comparer"].run(op, request["dtype"], request["kind"])
+    answer: dict[str, Any] = {"status": outcome.status, "reason": outcome.reason, "samples": outcome.samples}
+    if outcome.status == "fail":
+        answer["healthy"] = healthy()
+    return answer
 
 
 def healthy() -> bool:
@@ -72,17 +80,30 @@ def healthy() -> bool:
 
 def main() -> int:
     out = _protocol_out()
-    from opinfo_compare import Comparer, first_line
-    from torch.testing._internal.common_methods_invocations import op_db
+    loaded: dict[str, Any] = {}
 
-    ops = {(op.name, op.variant_test_name): op for op in op_db}
-    comparer = Comparer(DEVICE, max_samples=int(os.environ.get("GENIE_OPINFO_MAX_SAMPLES", "32")))
+    def load() -> dict[str, Any]:
+        # On first need, not at start: a worker that only runs self-tests (test_opinfo_harness.py)
+        # then starts in a second instead of the ~5-15 s op_db's import takes.
+        if not loaded:
+            from opinfo_compare import Comparer
+            from torch.testing._internal.common_methods_invocations import op_db
+
+            loaded["op_db"] = op_db
+            loaded["ops"] = {(op.name, op.variant_test_name): op for op in op_db}
+            loaded["comparer"] = Comparer(DEVICE, max_samples=int(os.environ.get("GENIE_OPINFO_MAX_SAMPLES", "32")))
+        return loaded
+
     out.write(json.dumps({"ready": True}) + "\n")
+    from opinfo_cases import SELFTEST
+
     for line in sys.stdin:
         request = json.loads(line)
         cmd = request.get("cmd")
         if cmd == "list":
-            answer: dict[str, Any] = {"cases": list_cases(op_db)}
+            answer: dict[str, Any] = {"cases": list_cases(load()["op_db"])}
+        elif cmd == "load":
+            answer = {"ok": bool(load())}
         elif cmd == "init":
             import genie
 
@@ -90,19 +111,13 @@ def main() -> int:
                 genie.init_sync(master_addr=request["host"], master_port=request["port"], timeout=30)
                 answer = {"ok": True}
             except Exception as exc:
-                answer = {"ok": False, "reason": first_line(exc)}
+                answer = {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}
         elif cmd == "run":
-            op = ops.get((request["op"], request["variant"]))
             started = time.perf_counter()
             if request["op"] == SELFTEST:
                 answer = selftest(request["variant"])
-            elif op is None:
-                answer = {"status": "fail", "reason": f"no OpInfo {request['op']!r} variant {request['variant']!r}"}
             else:
-                outcome = comparer.run(op, request["dtype"], request["kind"])
-                answer = {"status": outcome.status, "reason": outcome.reason, "samples": outcome.samples}
-                if outcome.status == "fail":
-                    answer["healthy"] = healthy()
+                answer = run_case(load(), request)
             answer["seconds"] = round(time.perf_counter() - started, 4)
         else:
             answer = {"error": f"unknown command {cmd!r}"}

@@ -7,11 +7,11 @@ from typing import Any
 
 import opinfo_expected
 import pytest
-from opinfo_cases import Case, coverage, select
+from opinfo_cases import SELFTEST, Case, coverage, select
 
-HANG = Case("genie.selftest", "hang", "float32", "forward")
-ABORT = Case("genie.selftest", "abort", "float32", "forward")
-PROBE = Case("genie.selftest", "pass", "float32", "forward")
+HANG = Case(SELFTEST, "hang", "float32", "forward")
+ABORT = Case(SELFTEST, "abort", "float32", "forward")
+PROBE = Case(SELFTEST, "pass", "float32", "forward")
 
 
 def test_a_hanging_case_fails_with_a_timeout_and_the_next_case_runs_on_fresh_processes(opinfo_sweep: Any) -> None:
