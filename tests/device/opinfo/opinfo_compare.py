@@ -119,7 +119,7 @@ class Comparer:
         try:
             expected = sample.output_process_fn_grad(op(sample.input, *sample.args, **sample.kwargs))
         except Exception as exc:
-            raise _NotComparable from exc
+            raise _cpu_failure(exc) from exc
         remote = self._remote(sample, leaves=False)
         actual = _to_cpu(remote.output_process_fn_grad(op(remote.input, *remote.args, **remote.kwargs)))
         return self._compare(actual, expected)
@@ -137,7 +137,7 @@ class Comparer:
         except _NotComparable:
             raise
         except Exception as exc:
-            raise _NotComparable from exc
+            raise _cpu_failure(exc) from exc
         remote = self._remote(sample, leaves=True)
         remote_inputs = _grad_inputs(remote)
         remote_out = _grad_outputs(remote.output_process_fn_grad(op(remote.input, *remote.args, **remote.kwargs)))
@@ -181,6 +181,15 @@ def pytorch_skip(op: Any, dtype: torch.dtype) -> str:
             if getattr(probe, "__unittest_skip__", False):
                 return str(getattr(probe, "__unittest_skip_why__", "skipped")) or "skipped"
     return ""
+
+
+def _cpu_failure(exc: Exception) -> Exception:
+    """What a CPU-reference error means. Usually the sample is invalid on CPU (a CUDA-only op): not
+    comparable. But registering the device can break CPU code too (OpInfo's ``freeze_rng_state``
+    asks every registered backend for ``get_rng_state``): that is the device's failure."""
+    if "remote_accelerator" in str(exc) or type(exc).__module__.split(".")[0] == "genie":
+        return RuntimeError(f"the CPU reference raised because the device is registered: {first_line(exc)}")
+    return _NotComparable()
 
 
 def _grad_inputs(sample: Any) -> list[torch.Tensor]:
