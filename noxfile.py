@@ -7,6 +7,7 @@ tests. Passing there proves the core never needs any other plugin.
     nox -s dpdk          # installs Debian's DPDK first when root (scripts/install-system-deps)
     nox -s tests         # the whole suite with every plugin
     nox -s lint          # ruff on everything, mypy on genie/
+    nox -s opinfo        # PyTorch's OpInfo sweep against a real server, every case (a few minutes)
 
 torch is pinned to 2.13.0: other versions pull several GB of CUDA packages.
 """
@@ -111,6 +112,18 @@ def tests(session: nox.Session) -> None:
     session.install("--no-build-isolation", "-e", ".[test]", *plugins, *(n for p in PLUGINS for n in NO_DEPS_NEEDS.get(p, ())))
     session.install("--no-deps", *(n for p in PLUGINS for n in NO_DEPS.get(p, ())))
     session.run("python", "-m", "pytest", "-q", *session.posargs)
+
+
+@nox.session
+def opinfo(session: nox.Session) -> None:
+    """PyTorch's OpInfo database on remote_accelerator against a real server, every case (GENIE_OPINFO=full).
+
+    Prints the pass rate per dtype and kind and writes build/opinfo/report-full.json. Pass
+    ``-- --update-expected`` to regenerate tests/device/opinfo/expected_failures.toml.
+    """
+    session.install(TORCH, *CORE)
+    session.run("python", "-m", "pytest", "-q", "tests/device/opinfo", *session.posargs,
+                env={"GENIE_OPINFO": "full"})
 
 
 @nox.session

@@ -1,0 +1,80 @@
+"""What one OpInfo case is, how it is named, and which cases each sweep runs.
+
+A case is one (op, variant, dtype, kind): ``kind`` is ``forward`` (the op's outputs on the remote
+device compared with CPU) or ``backward`` (its gradients compared with CPU's). This module imports
+no torch internals, so the pytest process can use it without importing ``op_db`` (whose import
+changes global torch state; the worker process owns that).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+#: The dtypes forward cases run in (issue 10's correctness bar), in report order.
+FORWARD_DTYPES = ("float32", "float16", "bfloat16", "int64", "bool", "complex64")
+#: Gradients are compared in float32 only.
+BACKWARD_DTYPES = ("float32",)
+KINDS = ("forward", "backward")
+#: The CI subset takes every CI_STRIDE-th op (sorted by name and variant), all of its dtypes and kinds.
+CI_STRIDE = 12
+#: The op name of the worker's self-test cases (a hang, an abort, a device probe), never an OpInfo.
+SELFTEST = "genie.selftest"
+#: ``GENIE_OPINFO``: ``ci`` (default, the subset) or ``full`` (every op).
+MODES = ("ci", "full")
+
+
+@attrs.frozen(order=True)
+class Case:
+    """One comparison: ``op`` (OpInfo name), ``variant`` (its variant_test_name, "" for none), dtype, kind."""
+
+    op: str
+    variant: str
+    dtype: str
+    kind: str
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        return (self.op, self.variant, self.dtype, self.kind)
+
+    @property
+    def op_id(self) -> str:
+        """``op`` or ``op.variant``: how PyTorch names the OpInfo in test ids."""
+        return f"{self.op}.{self.variant}" if self.variant else self.op
+
+    @property
+    def test_id(self) -> str:
+        return f"{self.op_id}-{self.dtype}-{self.kind}"
+
+    def to_json(self) -> dict[str, str]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, str]) -> Case:
+        return cls(op=data["op"], variant=data["variant"], dtype=data["dtype"], kind=data["kind"])
+
+
+def mode_from_env(environ: dict[str, str] | None = None) -> str:
+    """The sweep ``GENIE_OPINFO`` asks for; a clear error for anything but ``ci`` / ``full``."""
+    mode = (os.environ if environ is None else environ).get("GENIE_OPINFO", "ci").strip().lower() or "ci"
+    if mode not in MODES:
+        raise ValueError(f"GENIE_OPINFO={mode!r} is not a sweep; use one of {', '.join(MODES)}")
+    return mode
+
+
+def select(cases: Iterable[Case], mode: str, stride: int = CI_STRIDE) -> list[Case]:
+    """The cases ``mode`` runs, sorted. ``ci``: every ``stride``-th op (by op and variant, a fixed,
+    deterministic choice that does not depend on the machine), with all of its dtypes and kinds."""
+    ordered = sorted(set(cases))
+    if mode == "full":
+        return ordered
+    ops = sorted({(c.op, c.variant) for c in ordered})
+    chosen = set(ops[::stride])
+    return [c for c in ordered if (c.op, c.variant) in chosen]
+
+
+def coverage(cases: Sequence[Case]) -> set[tuple[str, str]]:
+    """The (kind, dtype) groups that ``cases`` cover."""
+    return {(c.kind, c.dtype) for c in cases}

@@ -1,0 +1,202 @@
+"""Run one OpInfo case on the remote device and compare it with CPU, as PyTorch's ``test_compare_cpu`` does.
+
+Only the public device API is used: samples are made on CPU, moved with ``.to(device)``, the op runs
+there, results come back with ``.cpu()``. Tolerances are ``test_compare_cpu``'s (atol = rtol = 1e-3,
+through PyTorch's own ``TestCase.assertEqual``). Imported by the worker process only: importing
+``op_db`` changes global torch state (``torch.backends.disable_global_flags``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+from torch.testing._internal.common_utils import TestCase
+from torch.utils._pytree import tree_leaves, tree_map
+
+#: test_compare_cpu's tolerances.
+ATOL = RTOL = 1e-3
+#: Per-case seed: sample inputs (made on CPU) are the same in every run and on every machine.
+SEED = 20261123
+
+
+class _Asserter(TestCase):
+    """PyTorch's TestCase, only for its assertEqual (the comparison test_compare_cpu uses)."""
+
+    def runTest(self) -> None:  # unittest wants a test method to exist
+        pass
+
+
+@attrs.frozen
+class Outcome:
+    """``status`` is pass, fail or skip; ``reason`` says why (for fail: the error's first line)."""
+
+    status: str
+    reason: str = ""
+    samples: int = 0
+
+
+def first_line(exc: BaseException, limit: int = 240) -> str:
+    """``Type: first line of the message``, short enough for the expected-failure list."""
+    text = str(exc).strip().splitlines()
+    line = next((s.strip() for s in text if s.strip()), "")
+    out = f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+    return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    return tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _to_cpu(tree: Any) -> Any:
+    return _map_tensors(lambda t: t.detach().cpu() if t.requires_grad else t.cpu(), tree)
+
+
+class Comparer:
+    """Runs cases on ``device`` against CPU."""
+
+    def __init__(self, device: str, max_samples: int = 0) -> None:
+        self.device = device
+        self.max_samples = max_samples
+        self.asserter = _Asserter()
+
+    def run(self, op: Any, dtype_name: str, kind: str) -> Outcome:
+        dtype = getattr(torch, dtype_name)
+        skipped = pytorch_skip(op, dtype)
+        if skipped:
+            return Outcome("skip", f"PyTorch skips test_compare_cpu for this op on every device: {skipped}")
+        torch.manual_seed(SEED)
+        if kind == "forward":
+            return self._samples(op, dtype, requires_grad=False, check=self._forward)
+        if kind == "backward":
+            return self._samples(op, dtype, requires_grad=True, check=self._backward)
+        return Outcome("fail", f"unknown kind {kind!r} (forward or backward)")
+
+    def _samples(self, op: Any, dtype: torch.dtype, requires_grad: bool,
+                 check: Callable[[Any, Any], str | None]) -> Outcome:
+        try:
+            samples = list(op.sample_inputs("cpu", dtype, requires_grad=requires_grad))
+        except Exception as exc:  # the OpInfo cannot make CPU samples: not the device's fault
+            return Outcome("skip", f"sample_inputs on CPU raised {first_line(exc)}")
+        compared = not_comparable = 0
+        for index in spread(len(samples), self.max_samples):
+            try:
+                verdict = check(op, samples[index])
+            except _NotComparable:
+                not_comparable += 1
+                continue
+            except Exception as exc:
+                return Outcome("fail", f"sample {index}: {first_line(exc)}", compared)
+            if verdict is not None:
+                return Outcome("fail", f"sample {index}: {verdict}", compared)
+            compared += 1
+        if compared == 0:
+            why = f"none of {not_comparable} samples can be compared (CPU raises, or nothing to differentiate)" \
+                if not_comparable else "no samples"
+            return Outcome("skip", why)
+        return Outcome("pass", "", compared)
+
+    def _remote(self, sample: Any, leaves: bool) -> Any:
+        def move(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t  # SampleInput.transform hands dtypes over too
+            if leaves:
+                return t.detach().to(self.device).requires_grad_(t.requires_grad)
+            return t.to(self.device)
+
+        return sample.transform(move)
+
+    def _compare(self, actual: Any, expected: Any) -> str | None:
+        try:
+            self.asserter.assertEqual(actual, expected, atol=ATOL, rtol=RTOL)
+        except AssertionError as exc:
+            return f"mismatch: {first_line(exc)}"
+        return None
+
+    def _forward(self, op: Any, sample: Any) -> str | None:
+        try:
+            expected = sample.output_process_fn_grad(op(sample.input, *sample.args, **sample.kwargs))
+        except Exception as exc:
+            raise _cpu_failure(exc) from exc
+        remote = self._remote(sample, leaves=False)
+        actual = _to_cpu(remote.output_process_fn_grad(op(remote.input, *remote.args, **remote.kwargs)))
+        return self._compare(actual, expected)
+
+    def _backward(self, op: Any, sample: Any) -> str | None:
+        cpu_inputs = _grad_inputs(sample)
+        if not cpu_inputs:
+            raise _NotComparable  # nothing to differentiate: does not count as compared
+        try:
+            cpu_out = _grad_outputs(sample.output_process_fn_grad(op(sample.input, *sample.args, **sample.kwargs)))
+            if not cpu_out:
+                raise _NotComparable
+            cotangents = [torch.randn_like(t) for t in cpu_out]
+            expected = torch.autograd.grad(cpu_out, cpu_inputs, cotangents, allow_unused=True)
+        except _NotComparable:
+            raise
+        except Exception as exc:
+            raise _cpu_failure(exc) from exc
+        remote = self._remote(sample, leaves=True)
+        remote_inputs = _grad_inputs(remote)
+        remote_out = _grad_outputs(remote.output_process_fn_grad(op(remote.input, *remote.args, **remote.kwargs)))
+        if len(remote_out) != len(cpu_out):
+            return f"{len(remote_out)} differentiable outputs on the device, {len(cpu_out)} on CPU"
+        actual = torch.autograd.grad(remote_out, remote_inputs, [c.to(self.device) for c in cotangents],
+                                     allow_unused=True)
+        return self._compare(_to_cpu(list(actual)), list(expected))
+
+
+def spread(count: int, limit: int) -> list[int]:
+    """Indices of at most ``limit`` of ``count`` samples (all when ``limit`` is 0), spread evenly over
+    the list: OpInfos order samples by kind (shapes, then options), so the first N would test one kind.
+    A few OpInfos make hundreds of samples (max_pool1d: 864), which would cost minutes each."""
+    if limit <= 0 or count <= limit:
+        return list(range(count))
+    return sorted({round(i * (count - 1) / (limit - 1)) for i in range(limit)}) if limit > 1 else [0]
+
+
+class _NotComparable(Exception):
+    """The CPU reference cannot run this sample, or it has nothing to differentiate: skipped, not counted."""
+
+
+def pytorch_skip(op: Any, dtype: torch.dtype) -> str:
+    """The reason PyTorch's OpInfo skips ``test_compare_cpu`` for ``op`` whatever the device
+    (random ops: "output is non-deterministic"; ``empty``: "not comparable"), or "".
+
+    Only device-independent skips count (a DecorateInfo with no device_type): CUDA's own skips and
+    expected failures are CUDA's business; this device is judged against CPU alone.
+    """
+    for info in getattr(op, "decorators", ()):
+        if not hasattr(info, "is_active") or info.device_type is not None:
+            continue
+        if not info.is_active("TestCommon", "test_compare_cpu", "privateuse1", dtype, {}):
+            continue
+        for decorator in info.decorators:
+            try:
+                probe = decorator(lambda: None)
+            except Exception:  # a decorator that wants a real test method is not a skip
+                continue
+            if getattr(probe, "__unittest_skip__", False):
+                return str(getattr(probe, "__unittest_skip_why__", "skipped")) or "skipped"
+    return ""
+
+
+def _cpu_failure(exc: Exception) -> Exception:
+    """What a CPU-reference error means. Usually the sample is invalid on CPU (a CUDA-only op): not
+    comparable. But registering the device can break CPU code too (OpInfo's ``freeze_rng_state``
+    asks every registered backend for ``get_rng_state``): that is the device's failure."""
+    if "remote_accelerator" in str(exc) or type(exc).__module__.split(".")[0] == "genie":
+        return RuntimeError(f"the CPU reference raised because the device is registered: {first_line(exc)}")
+    return _NotComparable()
+
+
+def _grad_inputs(sample: Any) -> list[torch.Tensor]:
+    leaves = tree_leaves([sample.input, sample.args, sample.kwargs])
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _grad_outputs(out: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
