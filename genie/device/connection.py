@@ -34,7 +34,7 @@ from genie.errors import (
 from genie.transport.base import Channel
 from genie.wire import frame as wf
 from genie.wire import messages as wm
-from genie.wire.buffers import tensor_bytes
+from genie.wire.buffers import prefault, tensor_bytes
 from genie.wire.values import tensor_ext
 
 log = logging.getLogger("genie.device")
@@ -281,6 +281,7 @@ class NodeConnection:
                     if out is None:
                         wf.discard_payload(self.channel, header.payload_len)
                     else:
+                        prefault(out)  # usually fresh memory (.cpu()'s result): one call, not a fault per page
                         wf.recv_payload(self.channel, header, [tensor_bytes(out)])
                         self.stats["bytes_down"] += header.payload_len
             except (ConnectionClosedError, TimeoutError, OSError, FrameError) as exc:

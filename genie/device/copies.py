@@ -24,13 +24,20 @@ def _is_remote(t: torch.Tensor) -> bool:
     return t.get_device() >= 0
 
 
-def download(t: torch.Tensor) -> torch.Tensor:
-    """A remote tensor's values in a new contiguous CPU tensor (a sync point)."""
+def download(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A remote tensor's values in ``out`` (a contiguous CPU tensor of its dtype and shape) or a new one (a sync point)."""
     device = table().get(t.get_device())
-    out = torch.empty(tuple(t.shape), dtype=t.dtype)
+    if out is None:
+        out = torch.empty(tuple(t.shape), dtype=t.dtype)
     if out.numel() == 0:
         return out
     return device.connection.fetch(device.local_index, dispatch.descriptor(t), out, device=device.label)
+
+
+def _receivable(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether a fetch of ``src`` may land in ``dst``'s memory as it is: no staging tensor, no second copy."""
+    return (dst.dtype == src.dtype and tuple(dst.shape) == tuple(src.shape) and dst.is_contiguous()
+            and not dst.is_conj() and not dst.is_neg() and not dst.requires_grad)
 
 
 def _covers_storage(t: torch.Tensor) -> bool:
@@ -76,9 +83,14 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     if _is_remote(dst):
         upload_into(dst, src)
         return dst
-    fetched = download(src)
-    if dst.numel():
-        dst.copy_(fetched)
+    if not dst.numel():
+        return dst
+    if _receivable(dst, src):
+        # Device to host into a plain destination (``.cpu()``'s fresh tensor, a preallocated buffer):
+        # the reply's bytes are received straight into it, not staged and copied over.
+        download(src, dst.detach())
+        return dst
+    dst.copy_(download(src))
     return dst
 
 

@@ -42,7 +42,7 @@ from genie.server.outputs import OutputMismatch, store_call_result, store_output
 from genie.server.rng import SessionGenerators
 from genie.server.store import StorageError, StorageStore, zeroed_storage
 from genie.transport.base import Channel
-from genie.wire.buffers import tensor_bytes
+from genie.wire.buffers import prefault, tensor_bytes
 from genie.wire.frame import FrameHeader, MsgKind, discard_payload, recv_payload, send_frame
 from genie.wire.messages import CMD_CALL, CMD_FETCH, CMD_FREE, CMD_OP, CMD_RESIZE, CMD_SEED, CMD_SYNC
 
@@ -198,7 +198,10 @@ class Executor:
                 self.store.poison(storage_id, str(exc))
             self._defer(_error("upload", [[s[2]] for s in specs], "quota", str(exc), [s[0] for s in specs]))
             return
+        # Each upload's bytes become its storage, so they land in new memory; prefaulted in one call.
         buffers = [torch.empty(nbytes, dtype=torch.uint8) for *_, nbytes in specs]
+        for raw in buffers:
+            prefault(raw)
         recv_payload(self.channel, header, [tensor_bytes(b) for b in buffers])
         for (storage_id, device, nbytes), raw in zip(specs, buffers, strict=True):
             self.metrics.record_bytes("in", nbytes, device)  # metrics
