@@ -71,6 +71,7 @@ def fake_transport(
 
         async def probe(self, target: ProbeTarget) -> ProbeResult:
             record.append(f"probe:{name}")
+            # Not waits: a probe that hangs (awaiting) or blocks its loop is the behaviour under test.
             if sleep:
                 await anyio.sleep(sleep)
             if block:
