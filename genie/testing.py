@@ -23,9 +23,10 @@ Servers and clusters (real processes on loopback, always stopped, even when a te
 - ``genie_cluster(workers=("w1",), ...)``: a :class:`LocalCluster`, a ``genie serve`` master on port 0
   and ``genie worker`` processes joined to it.
 
-Helpers: :func:`wait_until` (poll a predicate), :func:`wait_until_async` (the same on an event loop), :func:`refused_port` (a port where connections are
-refused for as long as it is held), :func:`announce_node` (a ``node_joined`` event on demand, to see
-that a subscription is live), :class:`NodeProcess` (one node process).
+Helpers: :func:`wait_until` (poll a predicate), :func:`wait_until_async` (the same on an event
+loop), :func:`refused_port` (a port where connections are refused for as long as it is held),
+:func:`announce_node` (a ``node_joined`` event on demand, to see that a subscription is live),
+:class:`NodeProcess` (one node process).
 
 Quick start, in a plugin's test::
 
