@@ -29,6 +29,7 @@ from genie.config import ClusterConfig  # noqa: E402
 from genie.device.connection import NodeConnection  # noqa: E402
 from genie.security import ClientSecurity  # noqa: E402
 from genie.server import DataPlaneServer  # noqa: E402
+from genie.transport.base import Channel  # noqa: E402
 from genie.wire.handshake import secure_client_channel  # noqa: E402
 from genie.wire.messages import CMD_FREE, hello_body  # noqa: E402
 from tests.security.certs import make_pki  # noqa: E402
@@ -42,7 +43,7 @@ def measure(server_options: dict, client_options: dict, nbytes: int, repeat: int
     server.start()
     try:
         security = ClientSecurity.from_config(ClusterConfig.from_sources({}, auth_token=TOKEN, **client_options))
-        channel = TcpTransport().connect("127.0.0.1", server.port, timeout=5)
+        channel: Channel = TcpTransport().connect("127.0.0.1", server.port, timeout=5)
         channel.settimeout(30)
         if security.tls is not None:
             channel = secure_client_channel(channel, security.tls, server_hostname="127.0.0.1", where="bench")

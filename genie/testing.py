@@ -23,9 +23,10 @@ Servers and clusters (real processes on loopback, always stopped, even when a te
 - ``genie_cluster(workers=("w1",), ...)``: a :class:`LocalCluster`, a ``genie serve`` master on port 0
   and ``genie worker`` processes joined to it.
 
-Helpers: :func:`wait_until` (poll a predicate), :func:`refused_port` (a port where connections are
-refused for as long as it is held), :func:`announce_node` (a ``node_joined`` event on demand, to see
-that a subscription is live), :class:`NodeProcess` (one node process).
+Helpers: :func:`wait_until` (poll a predicate), :func:`wait_until_async` (the same on an event
+loop), :func:`refused_port` (a port where connections are refused for as long as it is held),
+:func:`announce_node` (a ``node_joined`` event on demand, to see that a subscription is live),
+:class:`NodeProcess` (one node process).
 
 Quick start, in a plugin's test::
 
@@ -39,6 +40,7 @@ Quick start, in a plugin's test::
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import os
 import shutil
@@ -49,8 +51,8 @@ import textwrap
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import anyio
 import attrs
@@ -76,6 +78,7 @@ __all__ = [
     "refused_port",
     "serve_subprocess",
     "wait_until",
+    "wait_until_async",
 ]
 
 T = TypeVar("T")
@@ -99,6 +102,31 @@ def wait_until(predicate: Callable[[], T | Literal[False] | None], timeout: floa
         if time.monotonic() > deadline:
             raise AssertionError(f"{what or 'condition'} not met within {timeout:g} s")
         time.sleep(step)
+
+
+@overload
+async def wait_until_async(predicate: Callable[[], Awaitable[T | Literal[False] | None]], timeout: float,
+                           step: float = ..., *, what: str = ...) -> T: ...
+@overload
+async def wait_until_async(predicate: Callable[[], T | Literal[False] | None], timeout: float,
+                           step: float = ..., *, what: str = ...) -> T: ...
+async def wait_until_async(predicate: Callable[[], object], timeout: float, step: float = 0.01, *,
+                           what: str = "") -> object:
+    """:func:`wait_until` inside an event loop: polls without blocking it; ``predicate`` may be async.
+
+    Use it where the awaited state changes on the loop itself (a monitor's poll count, an
+    event bus's delivery count), so a blocking wait would starve what it waits for.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what or 'condition'} not met within {timeout:g} s")
+        await anyio.sleep(step)
 
 
 @contextlib.contextmanager

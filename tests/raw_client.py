@@ -27,13 +27,19 @@ def desc(storage_id: int, t: torch.Tensor) -> list[Any]:
             t.untyped_storage().nbytes()]
 
 
+def _like(like: torch.Tensor | None) -> torch.Tensor:
+    if like is None:
+        raise TypeError("a storage id needs the tensor it describes (like=...), or pass a descriptor list")
+    return like
+
+
 class T:
     """A tensor argument: ``T(storage_id, like)`` describes ``like``'s layout over storage ``storage_id``."""
 
     __slots__ = ("value",)
 
     def __init__(self, storage_id: int | list[Any], like: torch.Tensor | None = None) -> None:
-        self.value = storage_id if isinstance(storage_id, list) else desc(storage_id, like)
+        self.value = storage_id if isinstance(storage_id, list) else desc(storage_id, _like(like))
 
 
 class Dev:
@@ -67,7 +73,7 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True, default=_default)
 
 
-def op(name: str, args: list[Any], kwargs: dict[str, Any] | None = None, outs: list[Any] = (),
+def op(name: str, args: list[Any], kwargs: dict[str, Any] | None = None, outs: Sequence[Any] = (),
        device: int = 0) -> bytes:
     return pack([CMD_OP, device, name, args, kwargs or {}, list(outs)])
 
@@ -176,7 +182,7 @@ class RawClient:
 
     def fetch(self, storage_id: int | list[Any], like: torch.Tensor | None = None, device: int = 0) -> torch.Tensor:
         """Fetch the tensor ``like`` describes over ``storage_id`` (or a descriptor); fails the test on an error."""
-        described = storage_id if isinstance(storage_id, list) else desc(storage_id, like)
+        described = storage_id if isinstance(storage_id, list) else desc(storage_id, _like(like))
         r = self.request([fetch(self.next_req(), described, device)])
         assert r.error is None, r.error
         code, shape = r.result

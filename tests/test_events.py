@@ -6,10 +6,12 @@ import logging
 import threading
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from genie.builtin import LoggingEventSink
 from genie.cluster.events import EventBus
+from genie.testing import wait_until_async
 from genie.types import ClusterEvent, EventType
 
 pytestmark = pytest.mark.anyio
@@ -40,7 +42,7 @@ async def test_sync_and_async_handlers_receive_events_in_publish_order() -> None
     seen_async: list[int] = []
 
     async def slow_async(event: ClusterEvent) -> None:
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()  # yields to the loop: an async handler that lets others run
         seen_async.append(event.data["i"])
 
     bus.subscribe(lambda e: seen_sync.append(e.data["i"]))
@@ -134,9 +136,7 @@ async def test_publish_from_many_threads_keeps_each_sources_order() -> None:
             t.start()
         for t in threads:
             await anyio.to_thread.run_sync(t.join, 5.0)
-        with anyio.fail_after(5):
-            while bus.delivered < 4 * per_thread:
-                await anyio.sleep(0.005)
+        await wait_until_async(lambda: bus.delivered >= 4 * per_thread, 5, what="every event delivered")
         bus.close()
     for k in range(4):
         assert [e.data["i"] for e in got if e.source == f"t{k}"] == list(range(per_thread))

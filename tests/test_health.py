@@ -9,10 +9,11 @@ import anyio
 import pytest
 
 from genie.cluster.events import EventBus
-from genie.cluster.health import HealthChecker
+from genie.cluster.health import HealthChecker, HealthReport
 from genie.config import ClusterConfig
 from genie.errors import PluginError
 from genie.hookspecs import hookimpl
+from genie.testing import wait_until_async
 from genie.types import EventType, HealthResult, NodeStatus
 
 pytestmark = pytest.mark.anyio
@@ -21,6 +22,13 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+def result_of(report: HealthReport, name: str) -> HealthResult:
+    """The result of check ``name``, which must have run."""
+    result = report.result(name)
+    assert result is not None, f"check {name!r} did not run"
+    return result
 
 
 class Fixed:
@@ -85,7 +93,7 @@ async def test_raising_check_is_a_failing_result_naming_it() -> None:
     failed = report.result("explodes")
     assert failed is not None and failed.status is NodeStatus.UNHEALTHY
     assert "'explodes' raised OSError: sensor unplugged" in failed.message
-    assert report.result("ok").status is NodeStatus.HEALTHY
+    assert result_of(report, "ok").status is NodeStatus.HEALTHY
 
 
 async def test_hanging_check_times_out_without_blocking_the_others(hangs: Hangs) -> None:
@@ -94,16 +102,18 @@ async def test_hanging_check_times_out_without_blocking_the_others(hangs: Hangs)
     start = time.monotonic()
     report = await checker.check_once()
     assert time.monotonic() - start < 1.0
-    assert report.result("hangs").message == "check 'hangs' timed out after 0.1 s"
-    assert report.result("fast").status is NodeStatus.HEALTHY
+    assert result_of(report, "hangs").message == "check 'hangs' timed out after 0.1 s"
+    assert result_of(report, "fast").status is NodeStatus.HEALTHY
     # the stuck thread is not started a second time
     again = await checker.check_once()
-    assert "still running from an earlier round" in again.result("hangs").message
+    assert "still running from an earlier round" in result_of(again, "hangs").message
     assert hangs.started == 1 and fast.calls == 2
     hangs.release.set()
-    with anyio.fail_after(2):
-        while (await checker.check_once()).result("hangs").status is not NodeStatus.HEALTHY:
-            await anyio.sleep(0.01)
+
+    async def hangs_is_healthy_again() -> bool:
+        return result_of(await checker.check_once(), "hangs").status is NodeStatus.HEALTHY
+
+    await wait_until_async(hangs_is_healthy_again, 2, what="'hangs' healthy once released")
     assert hangs.started == 2
 
 
@@ -159,9 +169,9 @@ async def test_run_repeats_every_interval_and_includes_hook_checks(genie_pm, reg
     checker = HealthChecker(genie_pm, node_id="n1", interval=0.03, timeout=0.03)
     async with anyio.create_task_group() as tg:
         await tg.start(checker.run)
-        with anyio.fail_after(2):
-            while checker.rounds < 3:
-                await anyio.sleep(0.01)
+        # a check's thread may start after its round timed out (a loaded machine): wait for both counts
+        await wait_until_async(lambda: checker.rounds >= 3 and from_hook.calls >= 3, 2,
+                               what="three health rounds that ran the hook's check")
         tg.cancel_scope.cancel()
     names = {c.name for c in checker.checks}
     assert {"from-hook", "memory", "disk"} <= names, "built-in checks come through the hook too"

@@ -13,6 +13,7 @@ from genie.cluster.monitor import GpuThresholds, MetricsSnapshot, ResourceMonito
 from genie.config import ClusterConfig
 from genie.errors import ConfigError, ProtocolError
 from genie.hookspecs import hookimpl
+from genie.testing import wait_until_async
 from genie.types import EventType, NodeInfo, NodeRole
 
 pytestmark = pytest.mark.anyio
@@ -60,9 +61,7 @@ async def test_run_polls_the_hook_in_a_worker_thread_and_keeps_bounded_history(g
     monitor = ResourceMonitor(genie_pm, NODE, interval=0.02, history=3)
     async with anyio.create_task_group() as tg:
         await tg.start(monitor.run)
-        with anyio.fail_after(2):
-            while monitor.polls < 5:
-                await anyio.sleep(0.01)
+        await wait_until_async(lambda: monitor.polls >= 5, 2, what="five monitor polls")
         tg.cancel_scope.cancel()
     assert threads and loop_thread not in threads, "the hook never runs on the event loop"
     history = monitor.history()
@@ -140,7 +139,8 @@ def test_ingest_from_heartbeats_tracks_each_node_and_forgets() -> None:
     monitor.ingest("w1", snap(gpu(4.0)))
     assert monitor.nodes() == ["w1", "w2"]
     assert [s.gpus[0]["utilization"] for s in monitor.history("w1")] == [3.0, 4.0]
-    assert monitor.latest("w2").node_id == "w2", "the sender's id wins over the snapshot's"
+    latest = monitor.latest("w2")
+    assert latest is not None and latest.node_id == "w2", "the sender's id wins over the snapshot's"
     assert set(monitor.latest_all()) == {"w1", "w2"}
     monitor.forget("w1")
     assert monitor.nodes() == ["w2"] and monitor.gpu_states("w1") == {}

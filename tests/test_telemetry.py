@@ -10,6 +10,7 @@ import anyio
 import pytest
 from opentelemetry import metrics as otel_metrics
 from prometheus_client import REGISTRY
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from genie.cluster.monitor import MetricsSnapshot, ResourceMonitor
@@ -48,7 +49,7 @@ def get(url: str) -> tuple[int, str, str]:
         return err.code, err.headers["Content-Type"], err.read().decode()
 
 
-def families(text: str) -> dict[str, object]:
+def families(text: str) -> dict[str, Metric]:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
@@ -107,17 +108,17 @@ def test_server_counters_histogram_and_per_session_use(telemetry: Telemetry) -> 
     import torch
 
     from genie.server.metrics import ServerMetrics
-    from genie.server.store import TensorStore
+    from genie.server.store import StorageStore
 
     class FakeSession:  # the attributes SessionMetrics reads (genie.server.metrics.SessionSource)
         def __init__(self, client: str) -> None:
-            self.client, self.serving, self.store = {"node_id": client}, True, TensorStore()
+            self.client, self.serving, self.store = {"node_id": client}, True, StorageStore()
 
     server = ServerMetrics(backend="tcp", authenticated=True)
     telemetry.watch_node(server=server)
     a, b = FakeSession("alice"), FakeSession("bob")
     ma, mb = server.open_session(1, a), server.open_session(2, b)
-    a.store.put(1, torch.zeros(256))  # 1 KiB
+    a.store.put(1, torch.zeros(256).untyped_storage())  # 1 KiB
     for d in (0.0003, 0.002, 0.2):
         ma.record_op("aten::mm", "ok", d)
     mb.record_op("aten::add.Tensor", "error", 0.01)

@@ -111,7 +111,8 @@ class Terminal:
     def __init__(self, tmp_path: Path, command: list[str]) -> None:
         self.socket = f"genie-test-{os.getpid()}-{next(_terminals)}"
         self.rc_file = tmp_path / f"{self.socket}.rc"
-        # the exit code, and whether the terminal's settings (cbreak, echo) came back as they were
+        # the exit code, and whether the terminal's settings (cbreak, echo) came back as they were; the
+        # trailing sleep is not a wait: it keeps the pane (and its screen) alive for the test to read
         line = (f"before=$(stty -g); {shlex.join(command)}; rc=$?; "
                 f"[ \"$(stty -g)\" = \"$before\" ] && t=restored || t=changed; "
                 f"echo $rc $t > {shlex.quote(str(self.rc_file))}; sleep 30")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from rich.console import Console
 
@@ -39,7 +40,7 @@ H100 = {"index": 0, "name": "NVIDIA H100", "kind": "cuda", "uuid": "GPU-1", "mem
 
 
 def reply(*nodes_: dict, events: list | None = None) -> dict:
-    devices = []
+    devices: list[dict[str, Any]] = []
     for n in nodes_:
         for g in n["gpus"]:
             devices.append({"index": len(devices), "node_id": n["node_id"], "local_index": g["index"],

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
 
 from genie.cluster.query import query_master_sync
 
 #: Heartbeat options of every node the cluster tests start (fast failure detection).
 HB = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "1")
 #: The same for genie.init in a test process.
-HB_INIT = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "timeout": 20}
+HB_INIT: dict[str, Any] = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "timeout": 20}
 
 
 def node_status(port: int, node_id: str, **kwargs: object) -> str | None:

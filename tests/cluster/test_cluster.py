@@ -73,8 +73,9 @@ def test_master_two_workers_and_a_client_run_work_on_every_node(cluster) -> None
 
 
 CLIENT = textwrap.dedent("""
-    import sys, time, torch, genie
+    import sys, torch, genie
     from genie.errors import RemoteDeviceLost
+    from genie.testing import wait_until
     port = int(sys.argv[1])
     genie.init_sync(master_addr="127.0.0.1", master_port=port, heartbeat_interval=0.2, heartbeat_timeout=1,
                     op_timeout=5, timeout=20)
@@ -82,12 +83,11 @@ CLIENT = textwrap.dedent("""
     assert on_w1.sum().item() == 4
     print("READY", flush=True)
     sys.stdin.readline()                      # the test killed w1 and the master declared it lost
-    deadline = time.monotonic() + 10          # this client learns it from its next heartbeat's answer
-    while not any(n["node_id"] == "w1" and n["status"] == "lost" for n in genie.get_cluster_state().nodes):
-        if time.monotonic() > deadline:
-            print("NEVER SAW LOST", flush=True)
-            break
-        time.sleep(0.02)
+    try:                                      # this client learns it from its next heartbeat's answer
+        wait_until(lambda: any(n["node_id"] == "w1" and n["status"] == "lost"
+                               for n in genie.get_cluster_state().nodes), 10)
+    except AssertionError:
+        print("NEVER SAW LOST", flush=True)
     try:
         on_w1.sum().item()
         print("NO ERROR", flush=True)
@@ -96,16 +96,17 @@ CLIENT = textwrap.dedent("""
     print("OTHERS", torch.ones(3, device="remote_accelerator:0").sum().item(),
           torch.ones(3, device="remote_accelerator:2").sum().item(), flush=True)
     sys.stdin.readline()                      # the test restarted w1
-    deadline = time.monotonic() + 10
-    while True:
+
+    def on_w1_again():
         try:
-            print("BACK", torch.full((2,), 5.0, device="remote_accelerator:1").sum().item(), flush=True)
-            break
+            return torch.full((2,), 5.0, device="remote_accelerator:1").sum().item()
         except RemoteDeviceLost:
-            if time.monotonic() > deadline:
-                print("NEVER BACK", flush=True)
-                break
-            time.sleep(0.2)
+            return None                       # not yet: w1's device is still lost to this client
+
+    try:
+        print("BACK", wait_until(on_w1_again, 10, step=0.2), flush=True)
+    except AssertionError:
+        print("NEVER BACK", flush=True)
     genie.shutdown_sync()
 """)
 

@@ -26,13 +26,14 @@ def test_a_worker_that_joins_after_init_is_appended_at_the_end_and_usable() -> N
         genie.init_sync(master_addr="127.0.0.1", master_port=port, **HB_INIT)
         try:
             genie.subscribe(added.append, types=[EventType.DEVICES_ADDED])
-            assert torch.remote_accelerator.device_count() == 1
+            # torch.remote_accelerator is registered at run time: torch's stubs cannot know it
+            assert torch.remote_accelerator.device_count() == 1  # type: ignore[attr-defined]
             before = torch.arange(3.0).to("remote_accelerator:0")
             with NodeProcess("worker", "--master", f"127.0.0.1:{port}", "--devices", "cpu,cpu", "--node-id", "late",
                              *HB):
                 wait_until(lambda: added, 5)
                 assert added[0].source == "late" and added[0].data["devices"] == [1, 2]
-                assert torch.remote_accelerator.device_count() == 3
+                assert torch.remote_accelerator.device_count() == 3  # type: ignore[attr-defined]
                 state = genie.get_cluster_state()
                 assert [d["node_id"] for d in state.devices] == ["master", "late", "late"]
                 assert "late" in {n["node_id"] for n in state.nodes}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -76,7 +77,7 @@ def test_a_broken_state_file_is_refused_with_how_to_start_afresh(tmp_path: Path,
 def test_a_heartbeat_report_is_parsed_once_into_a_typed_value_and_written_back_unchanged() -> None:
     from genie.cluster.report import NodeReport
 
-    sent = {"node_id": "spoofed", "timestamp": 5.0, "metrics": {"host": {"cpu_percent": 3.0}, "gpus": []},
+    sent: dict[str, Any] = {"node_id": "spoofed", "timestamp": 5.0, "metrics": {"host": {"cpu_percent": 3.0}, "gpus": []},
             "health": {"node_id": "w1", "status": "degraded", "failing": ["disk"], "timestamp": 6.0,
                        "results": [{"name": "disk", "status": "degraded", "message": "90 % full", "details": {}}]}}
     report = NodeReport.from_dict(sent, node_id="w1")

@@ -91,7 +91,7 @@ def test_an_idle_client_keeps_its_session_and_its_tensors(tmp_path) -> None:
             genie.init_sync(master_addr="127.0.0.1", master_port=port)
             x = torch.full((3,), 2.0, device="remote_accelerator:0")
             x.sum().item()
-            time.sleep(2.5)                       # idle for almost three timeouts
+            time.sleep(2.5)                       # not a wait: idle for almost three timeouts is the test
             print("SUM", x.sum().item(), flush=True)
             genie.shutdown_sync()
     """))

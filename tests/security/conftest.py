@@ -16,6 +16,7 @@ from genie.config import ClusterConfig
 from genie.device.connection import NodeConnection
 from genie.security import REFUSALS, ClientSecurity
 from genie.server import DataPlaneServer
+from genie.transport.base import Channel
 from genie.wire.handshake import secure_client_channel
 from genie.wire.messages import hello_body
 from tests.security.certs import TestPKI, make_pki
@@ -48,7 +49,7 @@ def connect() -> Iterator[Callable[..., NodeConnection]]:
 
     def open_(port: int, **options: Any) -> NodeConnection:
         security = ClientSecurity.from_config(ClusterConfig.from_sources({}, **options))
-        channel = TcpTransport().connect("127.0.0.1", port, timeout=5)
+        channel: Channel = TcpTransport().connect("127.0.0.1", port, timeout=5)
         channel.settimeout(5)
         if security.tls is not None:
             channel = secure_client_channel(channel, security.tls, server_hostname="127.0.0.1", where="test node")

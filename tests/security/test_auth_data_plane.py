@@ -12,6 +12,7 @@ import torch
 from genie.config import ClusterConfig
 from genie.errors import AuthenticationError, ConfigError
 from genie.security import RefusalLog, load_token
+from genie.testing import wait_until
 from genie.wire.frame import MsgKind
 from tests.raw_client import RawClient, desc
 from tests.security.conftest import TOKEN
@@ -37,10 +38,8 @@ def test_missing_token_is_refused_with_a_clear_message_on_both_ends(dp_server, c
     assert "wrong or missing cluster token; set GENIE_AUTH_TOKEN" in str(err.value)
     assert any("refused data-plane connection" in r.getMessage() and "no token" in r.getMessage()
                for r in caplog.records)
-    deadline = time.monotonic() + 5  # the refused session's thread ends just after the client hears REJECT
-    while server.stats()["sessions"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert server.stats()["sessions"] == 0
+    # the refused session's thread ends just after the client hears REJECT
+    wait_until(lambda: server.stats()["sessions"] == 0, 5, step=0.01, what="the refused session's end")
 
 
 def test_wrong_token_is_refused_with_a_clear_message_on_both_ends(dp_server, connect, caplog):
@@ -110,7 +109,7 @@ def test_refusal_log_summarises_what_it_suppressed(caplog):
     with caplog.at_level(logging.WARNING, "genie.test.refusals"):
         for i in range(10):
             limiter.warning("refused %d", i)
-        time.sleep(0.06)
+        time.sleep(0.06)  # not a wait: the rate window (0.05 s) elapsing is the behaviour under test
         limiter.warning("refused again")
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["refused 0", "refused 1", "8 more refused connections were not logged in the last 0.05 s",

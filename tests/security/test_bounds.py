@@ -88,6 +88,8 @@ def test_idle_sessions_time_out_and_free_their_memory(dp_server, caplog):
             deadline = time.monotonic() + 1.5
             while time.monotonic() < deadline:
                 busy.sync()  # activity keeps a session alive
+                # Not a wait: a client active every 0.1 s for three idle timeouts is the behaviour under
+                # test (that the busy session outlives them needs the time to pass).
                 time.sleep(0.1)
         stats = server.stats()
         assert stats["sessions"] == 1 and stats["storages"] == 1 and stats["bytes"] == 4096

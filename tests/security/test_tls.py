@@ -6,7 +6,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +15,7 @@ from genie.cluster.launch import NodeProcess
 from genie.cluster.query import query_master_sync
 from genie.config import ClusterConfig
 from genie.errors import AuthenticationError, HandshakeError
+from genie.testing import wait_until
 from tests.raw_client import desc
 from tests.security.conftest import TOKEN
 
@@ -62,10 +62,8 @@ def test_mutual_tls_requires_a_client_certificate(dp_server, connect, pki, caplo
     # TLS 1.3 reports a missing client certificate on the client's first read, after its handshake.
     with caplog.at_level(logging.WARNING, "genie"), pytest.raises(HandshakeError, match="client certificate"):
         connect(server.port, tls_ca=pki.ca)
-    deadline = time.monotonic() + 5  # the server logs from its session thread, maybe after the client gave up
-    while "TLS handshake with" not in caplog.text and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert "TLS handshake with" in caplog.text
+    # the server logs from its session thread, maybe after the client gave up
+    wait_until(lambda: "TLS handshake with" in caplog.text, 5, what="the server's TLS handshake warning")
     conn = connect(server.port, tls_ca=pki.ca, tls_cert=pki.client_cert, tls_key=pki.client_key)
     conn.sync()
 

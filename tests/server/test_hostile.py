@@ -25,7 +25,7 @@ def bystander(genie_serve):
 
 def _frames_until_closed(c: RawClient) -> list[tuple[MsgKind, object]]:
     """Every frame the server sends before it closes the connection (bounded by the client timeout)."""
-    frames = []
+    frames: list[tuple[MsgKind, object]] = []
     while True:
         try:
             kind, body, _ = c.recv()

@@ -72,9 +72,9 @@ def fake_transport(
         async def probe(self, target: ProbeTarget) -> ProbeResult:
             record.append(f"probe:{name}")
             if sleep:
-                await anyio.sleep(sleep)
+                await anyio.sleep(sleep)  # not a wait: a probe that hangs is the behaviour under test
             if block:
-                time.sleep(block)
+                time.sleep(block)  # not a wait: a probe blocking its event loop is the behaviour under test
             if raises is not None:
                 raise raises
             code = reason_code or ("ok" if available else "no_devices")

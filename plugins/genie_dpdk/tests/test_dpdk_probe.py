@@ -95,6 +95,7 @@ def test_an_unloadable_library_is_library_missing_with_the_loader_message(monkey
 
 
 def test_a_hung_probe_process_is_killed_and_reaped():
+    # not a wait: the child's sleep is the hang under test
     started = time.perf_counter()
     rc, _out, _err, pid = eal.run_probe_process([sys.executable, "-c", "import time; time.sleep(30)"], 0.3)
     assert rc is None and time.perf_counter() - started < 2.0

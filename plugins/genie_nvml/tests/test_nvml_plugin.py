@@ -155,7 +155,7 @@ query = sys.argv[1]
 if mode == "fail":
     print("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.")
     sys.exit(9)
-if mode == "hang":
+if mode == "hang":  # not a wait: a hung nvidia-smi is the behaviour under test (the plugin times it out)
     import time
     time.sleep(30)
 if mode == "old" and "clocks.gr" in query:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from genie.cluster.launch import NodeProcess
-from genie.testing import run_client
+from genie.testing import run_client, wait_until
 
 TOKEN = "shm-e2e-token"
 
@@ -79,11 +78,5 @@ def test_server_maps_rings_only_for_authenticated_clients(server: NodeProcess):
     assert held.returncode == 0, held.stdout + held.stderr
     assert int(held.stdout.split("MAPS")[1]) >= 2  # its own ring (rw) and the client's (ro), at least
     # Ended sessions give their rings back at once (not when the garbage collector runs).
-    _wait_until(lambda: _ring_maps(server.proc.pid) == 0, 10)
-
-
-def _wait_until(predicate, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"condition not met within {timeout} s"
-        time.sleep(0.05)
+    pid = server.proc.pid
+    wait_until(lambda: _ring_maps(pid) == 0, 10, step=0.05, what="the server unmapping the ended sessions' rings")
