@@ -3,6 +3,10 @@
 Importing this package registers the device (see :mod:`genie.device.registration`).
 """
 
+# torch first: its backend autoload (entry point genie.device.registration:autoload) imports the
+# registration module; importing that module before torch would find it half-initialised.
+import torch  # noqa: F401
+
 from genie.device.registration import ensure_registered
 from genie.device.registry import DeviceTable, RemoteDevice
 
