@@ -221,3 +221,11 @@ def test_tokenless_master_answers_no_query_before_the_handshake(genie_cluster):
     kind, body = anyio.run(raw_query)
     assert kind == MsgKind.REJECT and body["code"] == "handshake" and "nodes" not in body
     assert query_master_sync("127.0.0.1", cluster.port)["nodes"]  # after HELLO, the real client is answered
+
+
+@pytest.mark.parametrize(("peer", "source"), [("127.0.0.1:5555", "127.0.0.1"), ("[::1]:80", "::1"),
+                                              ("[fe80::1%eth0]:1", "fe80::1%eth0"), ("unix", "unix")])
+def test_source_of_a_peer(peer, source):
+    from genie.server.preauth import source_of
+
+    assert source_of(peer) == source
