@@ -22,11 +22,10 @@ from genie.config import ClusterConfig
 from genie.errors import ConfigError
 from genie.security import MAC_ALG, ServerSecurity
 from genie.testing import serve_subprocess, wait_until
-from genie.wire import control
 from genie.wire.frame import HEADER, MAX_HANDSHAKE_BODY_BYTES, MsgKind, encode_header, pack_body, unpack_body
 from genie.wire.messages import hello_body
 from tests.raw_client import RawClient
-from tests.security.conftest import TOKEN
+from tests.security.conftest import TOKEN, raw_control_query
 
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("GENIE_")}
 HELLO_16M = encode_header(MsgKind.HELLO, 16 << 20, 0)
@@ -212,13 +211,7 @@ def test_tokenless_master_answers_no_query_before_the_handshake(genie_cluster):
     from genie.cluster.query import query_master_sync
 
     cluster = genie_cluster(workers=())
-
-    async def raw_query() -> tuple[MsgKind, dict]:
-        async with await anyio.connect_tcp("127.0.0.1", cluster.port) as stream:
-            await control.send_msg(stream, MsgKind.QUERY, {})
-            return await control.recv_msg(stream)
-
-    kind, body = anyio.run(raw_query)
+    kind, body = raw_control_query(cluster.port)
     assert kind == MsgKind.REJECT and body["code"] == "handshake" and "nodes" not in body
     assert query_master_sync("127.0.0.1", cluster.port)["nodes"]  # after HELLO, the real client is answered
 
