@@ -3,8 +3,8 @@
 Importing this package registers the device (see :mod:`genie.device.registration`).
 """
 
-# torch first: its backend autoload (entry point genie.device.registration:autoload) imports the
-# registration module; importing that module before torch would find it half-initialised.
+# torch first: its device-backend autoload imports genie.device.registration, which would find
+# itself half-imported (and fail) were torch first imported from inside it.
 import torch  # noqa: F401
 
 from genie.device.registration import ensure_registered

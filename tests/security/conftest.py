@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 from genie_tcp import TcpTransport
 
@@ -17,8 +16,6 @@ from genie.config import ClusterConfig
 from genie.device.connection import NodeConnection
 from genie.security import REFUSALS, ClientSecurity
 from genie.server import DataPlaneServer
-from genie.wire import control
-from genie.wire.frame import MsgKind
 from genie.wire.handshake import secure_client_channel
 from genie.wire.messages import hello_body
 from tests.security.certs import TestPKI, make_pki
@@ -128,17 +125,6 @@ def recording_proxy() -> Iterator[Callable[[int], RecordingProxy]]:
     yield start
     for proxy in proxies:
         proxy.close()
-
-
-def raw_control_query(port: int) -> tuple[MsgKind, dict[str, Any]]:
-    """Send QUERY to a master on loopback as the first message (no HELLO); its answer."""
-
-    async def main() -> tuple[MsgKind, dict[str, Any]]:
-        async with await anyio.connect_tcp("127.0.0.1", port) as stream:
-            await control.send_msg(stream, MsgKind.QUERY, {})
-            return await control.recv_msg(stream)
-
-    return anyio.run(main)
 
 
 @pytest.fixture

@@ -9,14 +9,16 @@ import textwrap
 import time
 from collections.abc import Iterator
 
+import anyio
 import pytest
 
 from genie.cluster.launch import NodeProcess
 from genie.cluster.query import query_master_sync
 from genie.config import ClusterConfig
 from genie.errors import AuthenticationError
+from genie.wire import control
 from genie.wire.frame import MsgKind
-from tests.security.conftest import TOKEN, raw_control_query
+from tests.security.conftest import TOKEN
 
 HB = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "2")
 #: The environment of a child that must not inherit this process's GENIE_* settings.
@@ -58,7 +60,12 @@ def test_query_without_the_right_token_is_refused_and_logged(master, options):
 
 
 def test_unauthenticated_messages_are_refused_before_anything_is_served(master):
-    kind, body = raw_control_query(master.control_port)
+    async def main() -> tuple[MsgKind, dict]:
+        async with await anyio.connect_tcp("127.0.0.1", master.control_port) as stream:
+            await control.send_msg(stream, MsgKind.QUERY, {})
+            return await control.recv_msg(stream)
+
+    kind, body = anyio.run(main)
     assert kind == MsgKind.REJECT and body["code"] == "auth" and "nodes" not in body
 
 

@@ -25,7 +25,7 @@ from genie.testing import serve_subprocess, wait_until
 from genie.wire.frame import HEADER, MAX_HANDSHAKE_BODY_BYTES, MsgKind, encode_header, pack_body, unpack_body
 from genie.wire.messages import hello_body
 from tests.raw_client import RawClient
-from tests.security.conftest import TOKEN, raw_control_query
+from tests.security.conftest import TOKEN
 
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("GENIE_")}
 HELLO_16M = encode_header(MsgKind.HELLO, 16 << 20, 0)
@@ -38,6 +38,12 @@ def _socket_from(source: str, port: int) -> socket.socket:
     sock.settimeout(5)
     sock.connect(("127.0.0.1", port))
     return sock
+
+
+def _read_frame(sock: socket.socket) -> tuple[MsgKind, dict]:
+    """One frame without payload from a raw socket: its kind and decoded body."""
+    _, _, kind, body_len, _ = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
+    return MsgKind(kind), unpack_body(sock.recv(body_len, socket.MSG_WAITALL)) if body_len else {}
 
 
 def _closed_by_peer(sock: socket.socket, wait: float) -> bool:
@@ -97,9 +103,7 @@ def test_a_big_hello_is_refused_before_its_body_is_read(token):
     with serve_subprocess("--port", "0", "--devices", "cpu", env=env) as server, _sockets() as socks:
         socks.append(sock := _socket_from("127.0.0.1", server.port))
         sock.sendall(HELLO_16M)  # and not one byte of the body
-        head = sock.recv(HEADER.size, socket.MSG_WAITALL)
-        _, _, kind, body_len, _ = HEADER.unpack(head)
-        reply = unpack_body(sock.recv(body_len, socket.MSG_WAITALL))
+        kind, reply = _read_frame(sock)
         assert kind == MsgKind.REJECT and reply["code"] == "frame"
         assert f"{MAX_HANDSHAKE_BODY_BYTES}-byte limit of handshake messages" in reply["reason"]
         assert _closed_by_peer(sock, 5)
@@ -116,9 +120,7 @@ def test_a_big_auth_is_refused_before_its_body_is_read():
         raw = pack_body(hello)
         assert len(raw) < MAX_HANDSHAKE_BODY_BYTES // 8  # real HELLOs are far below the bound
         sock.sendall(encode_header(MsgKind.HELLO, len(raw), 0) + raw)
-        _, _, kind, body_len, _ = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
-        sock.recv(body_len, socket.MSG_WAITALL)
-        assert kind == MsgKind.CHALLENGE
+        assert _read_frame(sock)[0] == MsgKind.CHALLENGE
         sock.sendall(encode_header(MsgKind.AUTH, 1 << 20, 0))
         assert _closed_by_peer(sock, 5)
         assert "handshake messages" in server.log()
@@ -211,7 +213,10 @@ def test_tokenless_master_answers_no_query_before_the_handshake(genie_cluster):
     from genie.cluster.query import query_master_sync
 
     cluster = genie_cluster(workers=())
-    kind, body = raw_control_query(cluster.port)
+    with socket.create_connection(("127.0.0.1", cluster.port), timeout=5) as sock:
+        query = pack_body({})
+        sock.sendall(encode_header(MsgKind.QUERY, len(query), 0) + query)
+        kind, body = _read_frame(sock)
     assert kind == MsgKind.REJECT and body["code"] == "handshake" and "nodes" not in body
     assert query_master_sync("127.0.0.1", cluster.port)["nodes"]  # after HELLO, the real client is answered
 
