@@ -52,8 +52,10 @@ import _common as c  # noqa: E402
 import anyio  # noqa: E402
 
 from genie.errors import GenieError  # noqa: E402
+from genie.security import ClientSecurity  # noqa: E402
 from genie.wire import control  # noqa: E402
 from genie.wire.frame import MsgKind  # noqa: E402
+from genie.wire.handshake import connect_control  # noqa: E402
 
 
 def node_info(i: int) -> dict[str, Any]:
@@ -88,7 +90,7 @@ class Sim:
         self.clients_ready = 0
 
     async def subscriber(self) -> None:
-        stream = await anyio.connect_tcp("127.0.0.1", self.port)
+        stream = await connect(self.port)
         async with stream:
             await control.send_msg(stream, MsgKind.SUBSCRIBE, {})
             self.subscribed.set()
@@ -102,7 +104,7 @@ class Sim:
                     self.lost_ids.add(str(body["source"]))
 
     async def join(self, i: int) -> Any:
-        stream = await anyio.connect_tcp("127.0.0.1", self.port)
+        stream = await connect(self.port)
         t0 = time.perf_counter()
         await control.request(stream, MsgKind.JOIN, {"node": node_info(i)}, MsgKind.JOINED)
         now = time.perf_counter()
@@ -115,7 +117,7 @@ class Sim:
         seen: dict[str, float] = {}
         self.seen_at.append(seen)
         node_id = f"client-{c:03d}"
-        stream = await anyio.connect_tcp("127.0.0.1", self.port)
+        stream = await connect(self.port)
         info = {"node_id": node_id, "hostname": "sim", "role": "client", "address": "", "data_port": 0,
                 "gpus": [], "backends": ["tcp"], "status": "connected"}
         async with stream:
@@ -173,8 +175,13 @@ class Sim:
                 backoff = min(backoff * 2, 5.0)
 
 
+async def connect(port: int) -> Any:
+    """A control connection as genie's runtime opens one: the master answers nothing before HELLO."""
+    return await connect_control("127.0.0.1", port, ClientSecurity(), role="worker")
+
+
 async def query(port: int) -> dict[str, Any]:
-    stream = await anyio.connect_tcp("127.0.0.1", port)
+    stream = await connect(port)
     async with stream:
         return await control.request(stream, MsgKind.QUERY, {}, MsgKind.QUERY_REPLY)
 

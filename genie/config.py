@@ -112,6 +112,14 @@ _OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
     "tls_require_client_cert": (bool, False, None, "true or false (mutual TLS: servers demand client certificates)"),
     "max_session_inflight": (int, 65536, lambda v: v > 0, "a positive count of commands and uploads per batch"),
     "session_idle_timeout": (float, 3600.0, lambda v: v >= 0, "seconds a silent session lives (0: forever)"),
+    # before authentication (see docs/SECURITY.md and genie/server/preauth.py)
+    "handshake_timeout": (float, 10.0, _positive, "a positive number of seconds from accept to the end of "
+                          "the handshake"),
+    "max_preauth_per_source": (int, 32, lambda v: v > 0, "a positive count of connections from one address "
+                               "that have not authenticated yet"),
+    "max_preauth": (int, 512, lambda v: v > 0, "a positive count of connections that have not authenticated yet"),
+    "max_sessions": (int, 1024, lambda v: v > 0, "a positive count of authenticated sessions open at once"),
+    "insecure": (bool, False, None, "true or false (serve a non-loopback address without a cluster token)"),
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -181,6 +189,11 @@ class ClusterConfig:
     tls_require_client_cert: bool
     max_session_inflight: int
     session_idle_timeout: float
+    handshake_timeout: float
+    max_preauth_per_source: int
+    max_preauth: int
+    max_sessions: int
+    insecure: bool
     sources: Mapping[str, str] = attrs.field(factory=dict, repr=False, eq=False)
 
     @classmethod

@@ -256,24 +256,40 @@ def is_loopback(addr: str) -> bool:
         return False
 
 
-def check_exposure(config: ClusterConfig, *, insecure: bool) -> None:
-    """Refuse to serve a non-loopback address without a cluster token, unless ``insecure``.
+def check_bind(host: str, security: ServerSecurity, *, insecure: bool, option: str = "bind_addr",
+               source: str = "argument host", what: str = "server", warn: bool = True) -> None:
+    """Refuse to listen on a non-loopback ``host`` without a cluster token, unless ``insecure``.
 
-    Anyone who can reach an unauthenticated genie port can run code on its
-    devices and read what other clients left there, so that must be a choice.
+    Every server runs this itself before it listens (the data plane, the
+    master's control service), so the rule holds whatever starts them. With
+    ``insecure`` it warns loudly instead (unless ``warn`` is False), naming ``what``.
     """
-    if is_loopback(config.bind_addr):
-        return
-    if load_token(config):
-        if server_tls_context(config) is None:
-            log.warning("serving %s without TLS: the cluster token protects who may connect, but tensors and "
-                        "ops cross the network unencrypted; set GENIE_TLS_CERT/GENIE_TLS_KEY", config.bind_addr)
+    if is_loopback(host) or security.token:
         return
     if not insecure:
         raise ConfigError(
-            "bind_addr", config.bind_addr, _source(config, "bind_addr"),
-            "a loopback address, unless a cluster token is set (GENIE_AUTH_TOKEN or GENIE_AUTH_TOKEN_FILE): "
-            "anyone who can reach this port could run code on its devices. Pass --insecure to serve "
-            "without authentication anyway")
-    log.warning("INSECURE: serving %s WITHOUT AUTHENTICATION (--insecure): anyone who can reach it can run code "
-                "on this node's devices and read its tensors; set GENIE_AUTH_TOKEN", config.bind_addr)
+            option, host, source,
+            f"a loopback address for this {what}, unless a cluster token is set (GENIE_AUTH_TOKEN or "
+            "GENIE_AUTH_TOKEN_FILE): anyone who can reach this port could run code on its devices. Pass "
+            "--insecure (the insecure option, GENIE_INSECURE=1) to serve without authentication anyway")
+    if warn:
+        log.warning("INSECURE: the %s serves %s WITHOUT AUTHENTICATION (--insecure): anyone who can reach it can "
+                    "run code on this node's devices and read its tensors; set GENIE_AUTH_TOKEN", what, host)
+
+
+def check_exposure(config: ClusterConfig, *, insecure: bool) -> None:
+    """Refuse to serve a non-loopback address without a cluster token, unless ``insecure`` (or the option).
+
+    Anyone who can reach an unauthenticated genie port can run code on its
+    devices and read what other clients left there, so that must be a choice.
+    The CLI calls this before it starts anything; the servers check again
+    themselves (:func:`check_bind`) and each warns loudly when ``insecure`` lets it serve.
+    """
+    if is_loopback(config.bind_addr):
+        return
+    token = load_token(config)
+    if token and server_tls_context(config) is None:
+        log.warning("serving %s without TLS: the cluster token protects who may connect, but tensors and "
+                    "ops cross the network unencrypted; set GENIE_TLS_CERT/GENIE_TLS_KEY", config.bind_addr)
+    check_bind(config.bind_addr, ServerSecurity(token, None), insecure=insecure or config.insecure,
+               source=_source(config, "bind_addr"), what="node", warn=False)

@@ -38,9 +38,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-check-interval", type=float, default=None)
     p.add_argument("--heartbeat-interval", type=float, default=None)
     p.add_argument("--heartbeat-timeout", type=float, default=None)
-    p.add_argument("--insecure", action="store_true",
+    p.add_argument("--insecure", action="store_true", default=None,
                    help="serve a non-loopback --host without a cluster token (GENIE_AUTH_TOKEN); anyone who can "
-                        "reach the ports can then run code on this node's devices")
+                        "reach the ports can then run code on this node's devices (GENIE_INSECURE)")
 
 
 def register(sub: Any) -> None:
@@ -67,13 +67,13 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "heartbeat_timeout": args.heartbeat_timeout, "metrics_port": args.metrics_port,
         "gpu_poll_interval": args.gpu_poll_interval, "health_check_interval": args.health_check_interval,
         "health_check_timeout": min(args.health_check_interval, 5.0) if args.health_check_interval else None,
+        "insecure": args.insecure,  # the servers check the exposure themselves (genie.security.check_bind)
     }
 
 
 def run_serve(args: argparse.Namespace) -> int:
     state_file = args.state_file if args.state_file is not None else os.environ.get(STATE_FILE_ENV, "")
-    return _run("server", {"master_port": args.port, **_options(args)}, insecure=args.insecure,
-                state_file=state_file)
+    return _run("server", {"master_port": args.port, **_options(args)}, state_file=state_file)
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -81,7 +81,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
     # --master wins; without it ClusterConfig reads GENIE_MASTER_ADDR / GENIE_MASTER_PORT.
     host, port = parse_master(args.master) if args.master else (None, None)
-    return _run("worker", {"master_addr": host, "master_port": port, **_options(args)}, insecure=args.insecure)
+    return _run("worker", {"master_addr": host, "master_port": port, **_options(args)})
 
 
 def ready_line(role: str, config: ClusterConfig, state: ClusterState) -> str:
@@ -100,12 +100,12 @@ def ready_line(role: str, config: ClusterConfig, state: ClusterState) -> str:
     return line
 
 
-def _run(role: str, options: dict[str, Any], *, insecure: bool = False, state_file: str = "") -> int:
+def _run(role: str, options: dict[str, Any], *, state_file: str = "") -> int:
     from genie.cluster.runtime import Runtime
     from genie.security import check_exposure
 
     config = ClusterConfig.from_sources(node_role=role, **options)
-    check_exposure(config, insecure=insecure)  # no token on a non-loopback address: refuse unless --insecure
+    check_exposure(config, insecure=config.insecure)  # fail before starting anything; the servers check again
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -18,7 +18,7 @@ from genie.cluster.membership import Membership
 from genie.cluster.monitor import node_report
 from genie.cluster.report import NodeReport
 from genie.errors import ConnectionClosedError, GenieError
-from genie.security import ServerSecurity
+from genie.security import ServerSecurity, check_bind
 from genie.types import ClusterEvent, NodeInfo, NodeRole
 from genie.wire import control
 from genie.wire.frame import MsgKind
@@ -40,7 +40,7 @@ class ControlService:
                  security: ServerSecurity, recent_events: Callable[[], list[ClusterEvent]] | None = None,
                  monitor: ResourceMonitor | None = None, health: HealthChecker | None = None,
                  telemetry: Telemetry | None = None, metrics_server: MetricsServer | None = None,
-                 server_metrics: ServerMetrics | None = None) -> None:
+                 server_metrics: ServerMetrics | None = None, insecure: bool = False) -> None:
         self.membership = membership
         self.heartbeat_interval = heartbeat_interval
         self.publish = publish
@@ -56,6 +56,8 @@ class ControlService:
         self._acks: dict[tuple[int, int], dict[str, Any]] = {}
         #: token and TLS every control connection must pass (genie.wire.handshake.accept_control)
         self.security = security
+        #: serve a non-loopback address without a token (genie.security.check_bind, run in serve())
+        self.insecure = insecure
 
     @property
     def metrics_port(self) -> int:
@@ -63,6 +65,8 @@ class ControlService:
         return self.metrics_server.port if self.metrics_server is not None else 0
 
     async def serve(self, host: str, port: int, task_group: TaskGroup, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        """Listen on ``host:port`` and serve; ConfigError for a non-loopback ``host`` without a token or ``insecure``."""
+        check_bind(host, self.security, insecure=self.insecure, option="host", what="control plane")
         listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
         self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
         task_group.start_soon(self._sweep)
@@ -105,12 +109,10 @@ class ControlService:
         if accepted is None:
             await raw.aclose()
             return
-        stream, pending = accepted
-        async with stream:
+        async with accepted as stream:
             try:
                 while True:
-                    kind, body = pending if pending is not None else await control.recv_msg(stream)
-                    pending = None
+                    kind, body = await control.recv_msg(stream)
                     if kind == MsgKind.JOIN:
                         node_id = await self._join(stream, body, peer_host)
                     elif kind == MsgKind.HEARTBEAT:

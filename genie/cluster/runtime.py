@@ -236,7 +236,8 @@ class Runtime:
                 self.membership, heartbeat_interval=cfg.heartbeat_interval, publish=self.bus.publish,
                 recent_events=self.bus.recent, security=self.server_security, monitor=self.monitor,
                 health=self.health, telemetry=self.telemetry, metrics_server=self.metrics_server,
-                server_metrics=self.dataplane.metrics if self.dataplane is not None else None)
+                server_metrics=self.dataplane.metrics if self.dataplane is not None else None,
+                insecure=cfg.insecure)
             if self.telemetry is not None:
                 self.telemetry.watch_membership(self.membership)
             for event in self.membership.join(state.local_node):

@@ -7,9 +7,11 @@ ready it prints exactly one line to stdout (flushed)::
 
 Options: ``--host`` (default 127.0.0.1), ``--port`` (default 0: any free port),
 ``--devices`` (``auto``, ``cpu,cpu``, ``cuda:0,cuda:1``), ``--node-id``,
-``--backend`` (default tcp), ``--log-level``. Limits come from the ``GENIE_*``
+``--backend`` (default tcp), ``--insecure`` (a non-loopback ``--host`` without a
+cluster token; refused otherwise), ``--log-level``. Limits come from the ``GENIE_*``
 environment (``GENIE_MAX_SESSION_BYTES``, ``GENIE_MAX_SESSION_HANDLES``,
-``GENIE_MAX_FRAME_BYTES``, ``GENIE_AUTH_TOKEN``). ``genie serve`` runs the same
+``GENIE_MAX_FRAME_BYTES``, ``GENIE_AUTH_TOKEN``, ``GENIE_HANDSHAKE_TIMEOUT``,
+``GENIE_MAX_PREAUTH_PER_SOURCE``, ``GENIE_MAX_PREAUTH``, ``GENIE_MAX_SESSIONS``). ``genie serve`` runs the same
 server inside the cluster runtime; this entry point is for tests, benchmarks
 and embedding experiments.
 """
@@ -37,11 +39,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", default=None, help="'auto' (every GPU, else one CPU), or a list like 'cpu,cpu'")
     p.add_argument("--node-id", default=None, help="this node's id (default: host name and process id)")
     p.add_argument("--backend", default="tcp", help="transport to listen with (default tcp)")
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="serve a non-loopback --host without a cluster token (GENIE_AUTH_TOKEN): anyone who can "
+                        "reach the port can then run code on this host's devices (GENIE_INSECURE)")
 
 
 def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM/SIGINT; prints the ready line once listening."""
-    config = ClusterConfig.from_sources(devices=args.devices, node_id=args.node_id, data_port=args.port)
+    config = ClusterConfig.from_sources(devices=args.devices, node_id=args.node_id, data_port=args.port,
+                                        insecure=args.insecure)
     devices = parse_devices(config.devices, source=config.sources.get("devices", "argument devices"))
     transports = PluginManager().transports()
     if args.backend not in transports:

@@ -36,6 +36,7 @@ from genie.errors import (
 )
 from genie.server import codec
 from genie.server.codec import MAX_NBYTES, Descriptor, DeviceRef, check_id, is_int
+from genie.server.devargs import check_device_args
 from genie.server.metrics import NULL_SESSION_METRICS, SessionMetrics
 from genie.server.ops import resolve_op, run_op
 from genie.server.outputs import OutputMismatch, store_call_result, store_outputs
@@ -376,6 +377,7 @@ class Executor:
             generator = self._generator_of(device_index)
             args = codec.resolve(args, self._tensor, self._device, generator)
             kwargs = codec.resolve(kwargs, self._tensor, self._device, generator)
+            check_device_args(op, label, args, kwargs)  # "meta", "cuda:7": never devices outside the node's list
             self.generators.fill_default(op, args, kwargs, device_index)
             runner = self.generators.generatorless(label, device_index)
             self._precheck_outputs(label, storage_ids, outs)

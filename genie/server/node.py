@@ -14,6 +14,11 @@ Embedding it (the cluster runtime does this for masters and workers)::
 
 Threads: one accept loop, one thread per session. Each session's ops run in
 order on its thread; torch releases the GIL inside kernels, so sessions overlap.
+Before authentication a connection is not a session: :class:`~genie.server.preauth.PreAuthGate`
+caps such connections per source address and in all, and closes each one whose
+handshake has not ended ``handshake_timeout`` seconds after accept; ``max_sessions``
+counts authenticated sessions only. A non-loopback ``host`` without a cluster token
+is refused unless the ``insecure`` option is set (:func:`genie.security.check_bind`).
 :meth:`DataPlaneServer.stop` closes the listener and every session and waits
 for their threads, within a bound.
 """
@@ -34,8 +39,9 @@ import torch
 from genie._version import __version__
 from genie.config import ClusterConfig
 from genie.errors import ConfigError, ConnectionClosedError
-from genie.security import ServerSecurity
+from genie.security import ServerSecurity, check_bind
 from genie.server.metrics import ServerMetrics
+from genie.server.preauth import PreAuthGate, Ticket
 from genie.server.session import Session
 from genie.transport.base import Listener, Transport
 from genie.wire.frame import MAX_BODY_BYTES, PROTOCOL_VERSION
@@ -106,7 +112,12 @@ class DataPlaneServer:
         ``max_frame_bytes``, ``max_session_inflight`` and ``session_idle_timeout``;
         the token from ``auth_token``/``auth_token_file``, TLS from ``tls_cert``,
         ``tls_key``, ``tls_ca``, ``tls_require_client_cert`` (see genie.security);
-        ``node_id`` names the node (a host-based id when empty).
+        ``node_id`` names the node (a host-based id when empty); before authentication,
+        ``handshake_timeout``, ``max_preauth_per_source`` and ``max_preauth``; ``max_sessions``;
+        ``insecure`` allows a non-loopback ``host`` without a token.
+    :param hello_timeout: overrides ``handshake_timeout`` (the absolute deadline of a handshake).
+    :param max_sessions: overrides ``max_sessions`` (authenticated sessions open at once).
+    :raises ConfigError: a non-loopback ``host`` without a cluster token and without ``insecure``.
     """
 
     def __init__(
@@ -117,29 +128,32 @@ class DataPlaneServer:
         devices: list[torch.device],
         config: ClusterConfig,
         *,
-        hello_timeout: float = 10.0,
-        max_sessions: int = 1024,
+        hello_timeout: float | None = None,
+        max_sessions: int | None = None,
         security: ServerSecurity | None = None,
     ) -> None:
         if not devices:
             raise ConfigError("devices", devices, "argument devices", "at least one device")
+        # The embedding runtime passes the settings it built once; standalone, read them from config now.
+        self.security = security if security is not None else ServerSecurity.from_config(config)
+        check_bind(host, self.security, insecure=config.insecure, option="host", what="data plane")
         self.transport = transport
         self.host = host
         self.devices = list(devices)
         self.config = config
         self.node_id = config.node_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.hello_timeout = hello_timeout
-        self.max_sessions = max_sessions
+        self.hello_timeout = config.handshake_timeout if hello_timeout is None else hello_timeout
+        self.max_sessions = config.max_sessions if max_sessions is None else max_sessions
         self._requested_port = port
         self._listener: Listener | None = None
         self._accept_thread: threading.Thread | None = None
-        self._sessions: dict[int, Session] = {}
+        self._sessions: dict[int, Session] = {}  #: authenticated sessions
+        self._pending: dict[int, tuple[Session, Ticket]] = {}  #: connections still in their handshake
+        self._gate: PreAuthGate | None = None
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._ids = itertools.count(1)
         self._device_info = describe_devices(self.devices)
-        # The embedding runtime passes the settings it built once; standalone, read them from config now.
-        self.security = security if security is not None else ServerSecurity.from_config(config)
         self.sessions_served = 0
         self.metrics = ServerMetrics(backend=getattr(transport, "name", "tcp"), authenticated=bool(self.security.token),
                                      enabled=config.enable_telemetry, devices=self.devices)  # metrics
@@ -174,6 +188,8 @@ class DataPlaneServer:
         """Listen and start accepting clients in a background thread."""
         if self._listener is not None:
             raise RuntimeError("DataPlaneServer.start() called twice")
+        self._gate = PreAuthGate(deadline=self.hello_timeout, per_source=self.config.max_preauth_per_source,
+                                 total=self.config.max_preauth)
         self._listener = self.transport.listen(self.host, self._requested_port)
         self._accept_thread = threading.Thread(target=self._accept_loop, name="genie-accept", daemon=True)
         self._accept_thread.start()
@@ -185,8 +201,10 @@ class DataPlaneServer:
         self._stopping.set()
         if self._listener is not None:
             self._listener.close()
+        if self._gate is not None:
+            self._gate.close()
         with self._lock:
-            sessions = list(self._sessions.values())
+            sessions = list(self._sessions.values()) + [s for s, _ in self._pending.values()]
         for session in sessions:
             session.close()
         deadline = time.monotonic() + timeout
@@ -238,11 +256,12 @@ class DataPlaneServer:
             self._start_session(channel)
 
     def _start_session(self, channel: Any) -> None:
-        with self._lock:
-            busy = len(self._sessions) >= self.max_sessions
-        if busy or self._stopping.is_set():
-            log.warning("refusing %s: %d sessions already", getattr(channel, "peer", "?"), self.max_sessions)
+        assert self._gate is not None
+        if self._stopping.is_set():
             channel.close()
+            return
+        ticket = self._gate.admit(channel)  # a cap reached: closed and logged (rate-limited)
+        if ticket is None:
             return
         session = Session(
             channel,
@@ -257,18 +276,37 @@ class DataPlaneServer:
             idle_timeout=self.config.session_idle_timeout,
             max_inflight=self.config.max_session_inflight,
             hello_timeout=self.hello_timeout,
+            on_open=self._session_opened,
             on_end=self._session_ended,
         )
         session.executor.metrics = self.metrics.open_session(session.session_id, session)  # metrics
         session.thread = threading.Thread(target=session.run, name=f"genie-session-{session.session_id}", daemon=True)
         with self._lock:
-            self._sessions[session.session_id] = session
+            self._pending[session.session_id] = (session, ticket)
             self.sessions_served += 1
         session.thread.start()
+
+    def _session_opened(self, session: Session) -> str | None:
+        """The handshake succeeded: count it as a session, or say why not (the client gets REJECT busy)."""
+        assert self._gate is not None
+        with self._lock:
+            _, ticket = self._pending.pop(session.session_id)
+            in_time = self._gate.release(ticket)
+            if not in_time:
+                return f"handshake not finished within {self.hello_timeout:g} s"
+            if len(self._sessions) >= self.max_sessions:
+                log.warning("refusing %s: %d sessions already (max_sessions)", session.peer, self.max_sessions)
+                return (f"this node serves {self.max_sessions} sessions already (max_sessions); "
+                        "try again later or raise GENIE_MAX_SESSIONS on the node")
+            self._sessions[session.session_id] = session
+            return None
 
     def _session_ended(self, session: Session) -> None:
         with self._lock:
             self._sessions.pop(session.session_id, None)
+            pending = self._pending.pop(session.session_id, None)
             live = len(self._sessions)
+        if pending is not None and self._gate is not None:
+            self._gate.release(pending[1])
         self.metrics.end_session(session.session_id)  # metrics
         log.info("%d sessions live", live)

@@ -4,12 +4,15 @@ The session owns its channel, its :class:`~genie.server.store.StorageStore` and
 its :class:`~genie.server.executor.Executor`. Its life:
 
 1. With TLS configured, the TLS handshake (:func:`genie.wire.handshake.secure_server_channel`).
-   The first frame must then be HELLO, within ``hello_timeout``. It is checked for the
+   The first frame must then be HELLO (a body of at most
+   :data:`~genie.wire.frame.MAX_HANDSHAKE_BODY_BYTES`); the whole handshake must end within the
+   server's absolute deadline (:mod:`genie.server.preauth` closes the channel then). It is checked for the
    protocol version, then, when the cluster has a token, the client must answer an
    HMAC challenge (:func:`genie.wire.handshake.server_challenge`; the token never
    crosses the wire), then for a torch release with the same major.minor. The
    answer is WELCOME, or REJECT ``{"code", "reason"}`` naming both sides'
-   versions, after which the connection closes.
+   versions, after which the connection closes. Only then does ``on_open`` count it as a
+   session (it may refuse with REJECT ``{"code": "busy"}`` when ``max_sessions`` are open).
 2. Then BATCH frames, each run to completion in order, until GOODBYE, the peer
    goes away, or no frame comes for ``idle_timeout`` seconds (the session is
    closed and its memory freed).
@@ -35,7 +38,15 @@ from genie.security import REFUSALS
 from genie.server.executor import Executor
 from genie.server.store import StorageStore
 from genie.transport.base import Channel
-from genie.wire.frame import PROTOCOL_VERSION, MsgKind, pack_body, recv_header_and_body, send_frame, unpack_body
+from genie.wire.frame import (
+    MAX_HANDSHAKE_BODY_BYTES,
+    PROTOCOL_VERSION,
+    MsgKind,
+    pack_body,
+    recv_header_and_body,
+    send_frame,
+    unpack_body,
+)
 from genie.wire.handshake import secure_server_channel, server_challenge
 from genie.wire.messages import torch_compatible
 
@@ -61,6 +72,7 @@ class Session:
         idle_timeout: float = 0.0,
         max_inflight: int = 0,
         on_end: Callable[[Session], None] = lambda s: None,
+        on_open: Callable[[Session], str | None] = lambda s: None,
     ) -> None:
         self.channel = channel
         self.session_id = session_id
@@ -77,6 +89,7 @@ class Session:
             self.executor.max_inflight = max_inflight
         self._hello_timeout = hello_timeout
         self._on_end = on_end
+        self._on_open = on_open
         self.thread: threading.Thread | None = None
         self.closing = False
         self.serving = False
@@ -133,7 +146,7 @@ class Session:
     def _handshake(self) -> bool:
         self.channel.settimeout(self._hello_timeout)
         try:
-            header, body = recv_header_and_body(self.channel, max_payload=0)
+            header, body = recv_header_and_body(self.channel, max_payload=0, max_body=MAX_HANDSHAKE_BODY_BYTES)
         except ConnectionClosedError as exc:
             # Probes connect and leave without a word: not worth a warning.
             log.debug("connection from %s closed before HELLO: %s", self.peer, exc)
@@ -165,6 +178,9 @@ class Session:
                 "torch_version", f"client runs torch {theirs!r}, this server runs torch {torch.__version__}; "
                 "op schemas differ between releases, so both sides need the same major.minor")
         self.client = {k: hello.get(k) for k in ("node_id", "role", "genie", "torch")}
+        refusal = self._on_open(self)
+        if refusal is not None:
+            return self._reject("busy", refusal)
         self.channel.settimeout(self.idle_timeout or None)
         send_frame(self.channel, MsgKind.WELCOME, pack_body(welcome))
         self.serving = True

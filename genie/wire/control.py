@@ -39,12 +39,14 @@ async def send_msg(stream: ByteStream, kind: wf.MsgKind, body: dict[str, Any]) -
         raise ConnectionClosedError(f"control connection closed: {type(exc).__name__} {exc}".strip()) from None
 
 
-async def recv_msg_raw(stream: ByteStream) -> tuple[wf.MsgKind, bytes, dict[str, Any]]:
+async def recv_msg_raw(stream: ByteStream, *,
+                       max_body: int = MAX_CONTROL_BODY) -> tuple[wf.MsgKind, bytes, dict[str, Any]]:
     """Receive one control message: its kind, its body's bytes as sent, and the body.
 
-    The bytes are for the handshake, whose proofs bind the HELLO exactly as it was sent.
+    The bytes are for the handshake, whose proofs bind the HELLO exactly as it was sent;
+    it passes ``max_body`` = :data:`genie.wire.frame.MAX_HANDSHAKE_BODY_BYTES`.
     """
-    header = wf.decode_header(await receive_exactly(stream, wf.HEADER.size), max_payload=0)
+    header = wf.decode_header(await receive_exactly(stream, wf.HEADER.size), max_payload=0, max_body=max_body)
     if header.body_len > MAX_CONTROL_BODY:
         raise FrameError(f"control message of {header.body_len} bytes exceeds {MAX_CONTROL_BODY}")
     raw = await receive_exactly(stream, header.body_len) if header.body_len else b""

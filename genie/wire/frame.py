@@ -36,6 +36,9 @@ HEADER = struct.Struct("<2sBBIQ")
 
 #: A body (msgpack) larger than this is refused before it is read.
 MAX_BODY_BYTES = 16 << 20
+#: A HELLO, CHALLENGE or AUTH body (both planes) larger than this is refused before it is read: before
+#: authentication a peer must not make the server allocate more than a few KiB (real ones send < 1 KiB).
+MAX_HANDSHAKE_BODY_BYTES = 8 << 10
 #: The default bound on a frame's payload; sessions may set a lower one.
 DEFAULT_MAX_PAYLOAD_BYTES = 8 << 30
 
@@ -78,8 +81,12 @@ def encode_header(kind: MsgKind, body_len: int, payload_len: int) -> bytes:
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, int(kind), body_len, payload_len)
 
 
-def decode_header(data: bytes | bytearray | memoryview, *, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> FrameHeader:
-    """Parse and bound-check a 16-byte header; raise FrameError naming what is wrong."""
+def decode_header(data: bytes | bytearray | memoryview, *, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                  max_body: int = MAX_BODY_BYTES) -> FrameHeader:
+    """Parse and bound-check a 16-byte header; raise FrameError naming what is wrong.
+
+    ``max_body`` lowers the body bound (the handshake uses :data:`MAX_HANDSHAKE_BODY_BYTES`).
+    """
     if len(data) != HEADER.size:
         raise FrameError(f"frame header must be {HEADER.size} bytes, got {len(data)}")
     magic, version, kind, body_len, payload_len = HEADER.unpack(data)
@@ -89,7 +96,10 @@ def decode_header(data: bytes | bytearray | memoryview, *, max_payload: int = DE
         raise FrameError(f"frame protocol version {version}, this side speaks {PROTOCOL_VERSION}")
     if kind not in _KINDS:
         raise FrameError(f"unknown frame kind {kind}")
-    if body_len > MAX_BODY_BYTES:
+    if body_len > min(max_body, MAX_BODY_BYTES):
+        if max_body < MAX_BODY_BYTES:
+            raise FrameError(f"{MsgKind(kind).name} body of {body_len} bytes exceeds the {max_body}-byte limit of "
+                             "handshake messages")
         raise FrameError(f"frame body of {body_len} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
     if payload_len > max_payload:
         raise FrameError(f"frame payload of {payload_len} bytes exceeds this session's {max_payload}-byte limit")
@@ -133,11 +143,15 @@ def send_frame(
     return HEADER.size + len(body) + payload_len
 
 
-def recv_header_and_body(channel: Channel, *, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[FrameHeader, bytes]:
-    """Receive a header and its body; the caller then receives ``header.payload_len`` bytes."""
+def recv_header_and_body(channel: Channel, *, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                         max_body: int = MAX_BODY_BYTES) -> tuple[FrameHeader, bytes]:
+    """Receive a header and its body; the caller then receives ``header.payload_len`` bytes.
+
+    The header is bound-checked (``max_payload``, ``max_body``) before a byte of the body is allocated.
+    """
     head = bytearray(HEADER.size)
     channel.recv_into(memoryview(head))
-    header = decode_header(head, max_payload=max_payload)
+    header = decode_header(head, max_payload=max_payload, max_body=max_body)
     body = bytearray(header.body_len)
     if header.body_len:
         channel.recv_into(memoryview(body))

@@ -144,7 +144,7 @@ def server_challenge(channel: Channel, hello_bytes: bytes, hello: dict[str, Any]
         return None
     server_nonce = sec.new_nonce()
     wf.send_frame(channel, wf.MsgKind.CHALLENGE, wf.pack_body({"alg": sec.MAC_ALG, "server_nonce": server_nonce}))
-    header, body = wf.recv_header_and_body(channel, max_payload=0)
+    header, body = wf.recv_header_and_body(channel, max_payload=0, max_body=wf.MAX_HANDSHAKE_BODY_BYTES)
     if header.kind != wf.MsgKind.AUTH:
         _refuse(channel, peer, f"answered CHALLENGE with {header.kind.name}", refusals)
         return None
@@ -246,14 +246,18 @@ class _Replay(ByteStream):
         return self._stream.extra_attributes
 
 
-async def accept_control(stream: ByteStream, security: sec.ServerSecurity, *, peer: str, timeout: float = 10.0,
-                         refusals: sec.RefusalLog = sec.REFUSALS
-                         ) -> tuple[ByteStream, tuple[wf.MsgKind, dict[str, Any]] | None] | None:
-    """The master's side of a new control connection: TLS, then authentication.
+_HELLO_FIRST = ("the first control message must be HELLO (genie.wire.handshake.connect_control); "
+                "this master answers nothing before the handshake")
 
-    Returns the stream to use (TLS-wrapped when configured) and the first
-    message when it was not an authentication HELLO (accepted only from peers
-    of a master without a token), or None after a refusal (logged, rate-limited).
+
+async def accept_control(stream: ByteStream, security: sec.ServerSecurity, *, peer: str, timeout: float = 10.0,
+                         refusals: sec.RefusalLog = sec.REFUSALS) -> ByteStream | None:
+    """The master's side of a new control connection: TLS, then the handshake, within ``timeout`` in all.
+
+    Returns the stream to use (TLS-wrapped when configured), or None after a
+    refusal (logged, rate-limited). The first message must be HELLO even
+    without a token (then WELCOME follows at once); HELLO and AUTH bodies are
+    bounded by :data:`genie.wire.frame.MAX_HANDSHAKE_BODY_BYTES`.
     """
     try:
         with anyio.fail_after(timeout):
@@ -270,17 +274,21 @@ async def accept_control(stream: ByteStream, security: sec.ServerSecurity, *, pe
                 except (ssl.SSLError, OSError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
                     refusals.warning("TLS handshake with control peer %s failed: %s", peer, exc)
                     return None
-            kind, raw, body = await control.recv_msg_raw(stream)
+            kind, raw, body = await control.recv_msg_raw(stream, max_body=wf.MAX_HANDSHAKE_BODY_BYTES)
             if kind != wf.MsgKind.HELLO:
+                # Nothing is answered before the handshake, with or without a token: a tokenless master
+                # still tells only peers that said HELLO what its cluster looks like.
                 if security.token:
                     refusals.warning("refused control connection from %s: %s (sent %s without authenticating)",
                                      peer, sec.AUTH_HINT.split(";")[0], kind.name)
                     await _send_quietly(stream, wf.MsgKind.REJECT, {"code": "auth", "reason": sec.AUTH_HINT})
-                    return None
-                return stream, (kind, body)
+                else:
+                    refusals.warning("refused control connection from %s: sent %s before HELLO", peer, kind.name)
+                    await _send_quietly(stream, wf.MsgKind.REJECT, {"code": "handshake", "reason": _HELLO_FIRST})
+                return None
             if not security.token:
                 await control.send_msg(stream, wf.MsgKind.WELCOME, {"auth": None})
-                return stream, None
+                return stream
             offer = body.get("auth")
             client_nonce = offer.get("client_nonce") if isinstance(offer, dict) else None
             if not isinstance(offer, dict) or not sec.valid_nonce(client_nonce) or offer.get("alg") != sec.MAC_ALG:
@@ -288,7 +296,7 @@ async def accept_control(stream: ByteStream, security: sec.ServerSecurity, *, pe
                 return None
             server_nonce = sec.new_nonce()
             await control.send_msg(stream, wf.MsgKind.CHALLENGE, {"alg": sec.MAC_ALG, "server_nonce": server_nonce})
-            kind, _, answer = await control.recv_msg_raw(stream)
+            kind, _, answer = await control.recv_msg_raw(stream, max_body=wf.MAX_HANDSHAKE_BODY_BYTES)
             mac = answer.get("mac") if kind == wf.MsgKind.AUTH else None
             expected = sec.proof(security.token, sec.CONTEXT_CONTROL, sec.CLIENT, raw, server_nonce, client_nonce)
             if not sec.proof_matches(expected, mac):
@@ -296,7 +304,7 @@ async def accept_control(stream: ByteStream, security: sec.ServerSecurity, *, pe
                 return None
             mine = sec.proof(security.token, sec.CONTEXT_CONTROL, sec.SERVER, raw, server_nonce, client_nonce)
             await control.send_msg(stream, wf.MsgKind.WELCOME, {"auth": {"mac": mine}})
-            return stream, None
+            return stream
     except TimeoutError:
         refusals.warning("control peer %s did not finish the handshake within %g s", peer, timeout)
     except ConnectionClosedError as exc:

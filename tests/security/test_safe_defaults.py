@@ -11,7 +11,7 @@ import pytest
 
 from genie.config import ClusterConfig
 from genie.errors import ConfigError
-from genie.security import check_exposure, is_loopback
+from genie.security import ServerSecurity, check_bind, check_exposure, is_loopback
 from tests.security.conftest import TOKEN
 
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("GENIE_")}
@@ -33,8 +33,10 @@ def test_non_loopback_without_token_is_refused_unless_insecure(caplog):
     with pytest.raises(ConfigError, match="--insecure") as err:
         check_exposure(exposed, insecure=False)
     assert "GENIE_AUTH_TOKEN" in str(err.value)
+    check_exposure(exposed, insecure=True)  # allowed; the servers it starts warn (test_preauth.py)
+    check_exposure(exposed.replace(insecure=True), insecure=False)  # the option (GENIE_INSECURE) too
     with caplog.at_level(logging.WARNING, "genie.security"):
-        check_exposure(exposed, insecure=True)
+        check_bind("0.0.0.0", ServerSecurity(), insecure=True, what="data plane")
     assert "INSECURE" in caplog.text and "WITHOUT AUTHENTICATION" in caplog.text
     check_exposure(exposed.replace(auth_token=TOKEN), insecure=False)  # a token makes it fine
     check_exposure(ClusterConfig.from_sources({}), insecure=False)  # loopback is fine

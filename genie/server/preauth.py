@@ -1,0 +1,136 @@
+"""Connections before authentication: capped per source address, closed at an absolute deadline.
+
+A peer that has not finished the handshake has proved nothing, so it may hold
+little: :class:`PreAuthGate` admits at most ``per_source`` such connections
+from one source address and ``total`` from all, and closes each one that has
+not finished (TLS, HELLO, CHALLENGE/AUTH, WELCOME) ``deadline`` seconds after
+it was accepted, however slowly it trickles bytes (a per-receive timeout would
+let one byte every few seconds hold the connection forever). These
+connections are not sessions: ``max_sessions`` counts authenticated ones only,
+so a flood of strangers cannot take the slots of clients with the token.
+
+One watchdog thread per gate enforces the deadlines; closing a channel wakes
+the session thread blocked on it, which then ends quietly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import Any
+
+import attrs
+
+from genie.security import REFUSALS, RefusalLog
+
+log = logging.getLogger("genie.server")
+
+
+def source_of(peer: str) -> str:
+    """The source address of a channel's ``peer`` text (``host:port`` or ``[v6]:port``)."""
+    host = peer.rsplit(":", 1)[0] if peer.count(":") == 1 or peer.startswith("[") else peer
+    return host.strip("[]")
+
+
+@attrs.define(eq=False)
+class Ticket:
+    """One admitted connection, until :meth:`PreAuthGate.release`."""
+
+    id: int
+    source: str
+    channel: Any
+    deadline: float
+    expired: bool = False
+
+
+class PreAuthGate:
+    """Admits connections that have not authenticated yet; see the module docstring.
+
+    :param deadline: seconds from accept to the end of the handshake.
+    :param per_source: connections not yet authenticated allowed from one source address.
+    :param total: such connections allowed from all sources together.
+    """
+
+    def __init__(self, *, deadline: float, per_source: int, total: int, refusals: RefusalLog = REFUSALS) -> None:
+        self.deadline = deadline
+        self.per_source = per_source
+        self.total = total
+        self._refusals = refusals
+        self._tickets: dict[int, Ticket] = {}
+        self._per_source: dict[str, int] = {}
+        self._ids = itertools.count(1)
+        self._cond = threading.Condition()
+        self._closed = False
+        self.refused = 0  #: connections refused at the caps
+        self.expired = 0  #: connections closed at the deadline
+        self._thread = threading.Thread(target=self._watch, name="genie-preauth-deadline", daemon=True)
+        self._thread.start()
+
+    def pending(self) -> int:
+        """Connections admitted and not yet released."""
+        with self._cond:
+            return len(self._tickets)
+
+    def admit(self, channel: Any) -> Ticket | None:
+        """A ticket for ``channel``, or None (the channel closed, the refusal logged) when a cap is reached."""
+        source = source_of(str(getattr(channel, "peer", "?")))
+        with self._cond:
+            held = self._per_source.get(source, 0)
+            full = self._closed or held >= self.per_source or len(self._tickets) >= self.total
+            if not full:
+                ticket = Ticket(next(self._ids), source, channel, time.monotonic() + self.deadline)
+                self._tickets[ticket.id] = ticket
+                self._per_source[source] = held + 1
+                self._cond.notify()
+                return ticket
+            self.refused += 1
+            total = len(self._tickets)
+        if held >= self.per_source:
+            self._refusals.warning("refusing %s: %d connections from %s have not authenticated yet "
+                                   "(max_preauth_per_source)", channel.peer, held, source)
+        else:
+            self._refusals.warning("refusing %s: %d connections have not authenticated yet (max_preauth)",
+                                   channel.peer, total)
+        channel.close()
+        return None
+
+    def release(self, ticket: Ticket) -> bool:
+        """The handshake ended (either way); False when the deadline closed the channel first."""
+        with self._cond:
+            if self._tickets.pop(ticket.id, None) is not None:
+                left = self._per_source[ticket.source] - 1
+                if left:
+                    self._per_source[ticket.source] = left
+                else:
+                    del self._per_source[ticket.source]
+            return not ticket.expired
+
+    def close(self) -> None:
+        """Close every connection still waiting and stop the watchdog."""
+        with self._cond:
+            self._closed = True
+            tickets = list(self._tickets.values())
+            self._cond.notify()
+        for ticket in tickets:
+            ticket.channel.close()
+        self._thread.join(2.0)
+
+    def _watch(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                due = [t for t in self._tickets.values() if t.deadline <= now and not t.expired]
+                for ticket in due:
+                    ticket.expired = True
+                self.expired += len(due)
+                waiting = [t.deadline for t in self._tickets.values() if not t.expired]
+                if not due:
+                    self._cond.wait(min(waiting) - now if waiting else None)
+            for ticket in due:
+                self._refusals.warning("closing %s: handshake not finished within %g s (handshake_timeout)",
+                                       ticket.channel.peer, self.deadline)
+                ticket.channel.close()
