@@ -81,3 +81,17 @@ def test_backward_formulas_that_conjugate_match_cpu() -> None:
     torch.autograd.backward(torch.polar(ca, cb), grad)
     torch.testing.assert_close(ra.grad.cpu(), ca.grad)
     torch.testing.assert_close(rb.grad.cpu(), cb.grad)
+
+
+def test_matrix_products_that_read_the_conjugate_bit_themselves_match_cpu() -> None:
+    """mm/addmm/bmm/dot skip ATen's Conjugate fallback (CPU/CUDA BLAS reads the bit), so their
+    conjugated inputs reach genie's fallback, which materializes them before sending."""
+    x = _complex()
+    remote = x.to(D0)
+    torch.testing.assert_close((remote @ remote.mH).cpu(), x @ x.mH)
+    torch.testing.assert_close(torch.mm(remote.mH, remote).cpu(), x.mH @ x)
+    torch.testing.assert_close(torch.cov(remote).cpu(), torch.cov(x))
+    out = torch.empty(3, 3, dtype=torch.complex64, device=D0)
+    torch.mm(remote, remote.mH, out=out)
+    torch.testing.assert_close(out.cpu(), x @ x.mH)
+    torch.testing.assert_close(torch.vdot(remote[0], remote[1]).cpu(), torch.vdot(x[0], x[1]))
