@@ -443,6 +443,45 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage_storage_offset", &set_storage_offset_);
 }
 
+// Copies of tensors with a math bit (conj / neg: lazy `x.conj()`, `x.conj().imag`, `mH`).
+// ATen's copy_ resolves the bits in its CPU/CUDA copy kernels, but a copy that involves
+// remote_accelerator goes through `_copy_from`, which is not a fallthrough of the Conjugate and
+// Negative keys; their fallback then materializes the input with clone(), which is itself a
+// copy_ -> _copy_from with the same bit set, and recursed until the client's stack overflowed
+// (SIGSEGV in conj, fft.hfft/ihfft, linalg.vecdot/pinv on complex, several backward formulas).
+// So both keys get a kernel: drop the bits from views of both tensors, apply the difference to
+// the source on the source's own device (remote ops for a remote source), and copy plainly.
+at::Tensor without_math_bits(const at::Tensor& t) {
+  if (!t.is_conj() && !t.is_neg()) return t;
+  at::Tensor plain = t.alias();
+  plain._set_conj(false);
+  plain._set_neg(false);
+  return plain;
+}
+
+at::Tensor copy_from_with_math_bits(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  at::Tensor src = without_math_bits(self);
+  // dst's logical value must equal self's: its physical data is self's with the bits that differ applied.
+  if (self.is_conj() != dst.is_conj()) src = at::conj_physical(src);
+  if (self.is_neg() != dst.is_neg()) src = at::neg(src);
+  at::_copy_from(src, without_math_bits(dst), non_blocking);
+  return dst;
+}
+
+at::Tensor copy_from_and_resize_with_math_bits(const at::Tensor& self, const at::Tensor& dst) {
+  if (dst.sizes() != self.sizes()) dst.resize_(self.sizes());
+  return copy_from_with_math_bits(self, dst, false);
+}
+
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", &copy_from_with_math_bits);
+  m.impl("_copy_from_and_resize", &copy_from_and_resize_with_math_bits);
+}
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", &copy_from_with_math_bits);
+  m.impl("_copy_from_and_resize", &copy_from_and_resize_with_math_bits);
+}
+
 // Autocast for remote_accelerator follows CUDA's lists (ATen's shared op lists).
 // The shared lists name ATen types unqualified.
 using at::Scalar;

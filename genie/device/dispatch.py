@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 import torch
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import tree_map, tree_unflatten
 
 from genie import _C
 from genie.device import meta as dmeta
@@ -303,6 +303,8 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
         if info.random:
             g = _arg(info, info.generator_pos, args, kwargs) if info.generator_pos is not None else None
             _seed_if_needed(device, g)
+        targets = {id(o) for o in outs if isinstance(o, torch.Tensor)}
+        args, kwargs = tree_map(lambda a: _resolved(a, targets), (args, kwargs))
         device.connection.op(device.local_index, info.name, args, kwargs, wire_outs, encoder_for(device))
     if leaf:
         return outs[0]
@@ -369,6 +371,19 @@ def _seed_if_needed(device: RemoteDevice, generator: Any) -> None:
 
 
 # -- round trips ----------------------------------------------------------------------------------
+def _resolved(a: Any, targets: set[int]) -> Any:
+    """An input with a math bit, materialized on its device; anything else as it is.
+
+    ATen's Conjugate/Negative keys fall through for ops whose CPU/CUDA kernels read the bits
+    themselves (``mm``, ``addmm``, ``bmm``, ``dot`` and their ``out=`` forms), so those inputs reach
+    this fallback with the bit set; the wire carries plain storages, so the bit is applied here
+    (one remote op). Targets that get written keep their bit and are refused by the encoder.
+    """
+    if isinstance(a, torch.Tensor) and (a.is_conj() or a.is_neg()) and id(a) not in targets:
+        return a.resolve_conj().resolve_neg()
+    return a
+
+
 def call_on_server(func: Any, args: Any, kwargs: Any, device: RemoteDevice) -> Any:
     """Run an op synchronously: data-dependent shapes and number results."""
     info = op_info(func)
