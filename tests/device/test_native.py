@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -135,7 +136,8 @@ def test_accelerator_set_device_index_moves_the_default_device() -> None:
         assert torch.ones(1, device="remote_accelerator").device == torch.device(D1)
     finally:
         torch.accelerator.set_device_index(previous)
-    assert torch.ones(1, device="remote_accelerator").device == torch.device(D0)
+    # back to the process default, which genie.init chose by placement (not necessarily :0)
+    assert torch.ones(1, device="remote_accelerator").device == torch.device("remote_accelerator", previous)
 
 
 def test_manual_seed_reproduces_and_generators_are_per_object() -> None:
@@ -153,9 +155,9 @@ def test_manual_seed_reproduces_and_generators_are_per_object() -> None:
     g.manual_seed(7)
     y = torch.rand(4, device=D1, generator=g).cpu()
     assert torch.equal(x, y)
-    state = torch.remote_accelerator.get_rng_state()  # type: ignore[attr-defined]
+    state = torch.remote_accelerator.get_rng_state(D0)  # type: ignore[attr-defined]
     first = torch.randn(3, device=D0).cpu()
-    torch.remote_accelerator.set_rng_state(state)  # type: ignore[attr-defined]
+    torch.remote_accelerator.set_rng_state(state, D0)  # type: ignore[attr-defined]
     assert torch.equal(torch.randn(3, device=D0).cpu(), first)
     drop = nn.Dropout(0.5)
     torch.manual_seed(3)
@@ -262,10 +264,21 @@ def test_out_arguments_that_must_grow_keep_client_and_server_in_step() -> None:
     assert empty.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
 
 
-def test_streams_events_and_accelerator_synchronize_wait_for_the_server() -> None:
+@pytest.fixture
+def current_device_0() -> Iterator[None]:
+    """remote_accelerator:0 as this thread's current device (genie.init chose the default by placement)."""
+    previous = torch.accelerator.current_device_index()
+    torch.accelerator.set_device_index(0)
+    try:
+        yield
+    finally:
+        torch.accelerator.set_device_index(previous)
+
+
+def test_streams_events_and_accelerator_synchronize_wait_for_the_server(current_device_0: None) -> None:
     from genie.errors import RemoteExecutionError
 
-    stream = torch.remote_accelerator.current_stream()  # type: ignore[attr-defined]
+    stream = torch.remote_accelerator.current_stream(D0)  # type: ignore[attr-defined]
     assert stream.device == torch.device(D0)
     event = torch.Event(device=D0)
     x = torch.ones(4, device=D0) * 3
