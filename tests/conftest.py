@@ -10,11 +10,17 @@ import socket
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
 
 from genie.cluster.launch import NodeProcess
 from genie.testing import refused_port, wait_until
 
 __all__ = ["refused_port", "unused_port", "wait_until"]  # re-exported for the suite's modules
+
+# The same examples every run: a property test that finds a slow or failing case finds it in every run
+# (and in review), never only in the CI run that happened to draw it.
+settings.register_profile("genie", derandomize=True)
+settings.load_profile("genie")
 
 
 def unused_port() -> int:

@@ -79,6 +79,7 @@ def test_backward_formulas_that_conjugate_match_cpu() -> None:
     grad = torch.randn(5, dtype=torch.complex64)
     torch.autograd.backward(torch.polar(ra, rb), grad.to(D0))
     torch.autograd.backward(torch.polar(ca, cb), grad)
+    assert ra.grad is not None and rb.grad is not None
     torch.testing.assert_close(ra.grad.cpu(), ca.grad)
     torch.testing.assert_close(rb.grad.cpu(), cb.grad)
 
