@@ -72,13 +72,25 @@ std::atomic<bool> g_priming{false};
 int g_max_devices = 16;
 // The current device: a thread's own once it set one (set_device, device guards), else the process
 // default that genie.init chooses by placement (so `remote_accelerator` with no index follows it).
+// A thread's own choice belongs to one session: genie.init/shutdown bump g_session, and a choice made
+// under an earlier session is ignored (a device index means nothing across clusters).
 std::atomic<int> g_default_device{0};
+std::atomic<uint64_t> g_session{0};
 struct CurrentDevice {
   DeviceIndex own = -1;
-  operator DeviceIndex() const { return own >= 0 ? own : static_cast<DeviceIndex>(g_default_device.load()); }
+  uint64_t session = 0;
+  operator DeviceIndex() const {
+    return own >= 0 && session == g_session.load() ? own : static_cast<DeviceIndex>(g_default_device.load());
+  }
   CurrentDevice& operator=(DeviceIndex d) {
     own = d;
+    session = g_session.load();
     return *this;
+  }
+  // What guards use: entering or leaving a guard on the device already current keeps a thread that
+  // never chose one following the default.
+  void enter(DeviceIndex d) {
+    if (d >= 0 && d != static_cast<DeviceIndex>(*this)) *this = d;
   }
 };
 thread_local CurrentDevice tl_device;
@@ -229,11 +241,9 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
   c10::Device getDevice() const override { return c10::Device(DeviceType::PrivateUse1, tl_device); }
   void setDevice(c10::Device d) const override {
     TORCH_CHECK(d.type() == DeviceType::PrivateUse1, "genie: expected a remote_accelerator device, got ", d);
-    if (d.index() >= 0) tl_device = d.index();
+    tl_device.enter(d.index());
   }
-  void uncheckedSetDevice(c10::Device d) const noexcept override {
-    if (d.index() >= 0) tl_device = d.index();
-  }
+  void uncheckedSetDevice(c10::Device d) const noexcept override { tl_device.enter(d.index()); }
   c10::Stream getStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
   c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
   c10::Stream getNewStream(c10::Device d, int) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
@@ -341,8 +351,8 @@ struct Hooks final : at::PrivateUse1HooksInterface {
   void setCurrentDevice(DeviceIndex d) const override { tl_device = d; }
   DeviceIndex getCurrentDevice() const override { return tl_device; }
   DeviceIndex exchangeDevice(DeviceIndex d) const override {
-    auto old = tl_device;
-    tl_device = d;
+    DeviceIndex old = tl_device;
+    tl_device.enter(d);
     return old;
   }
   DeviceIndex maybeExchangeDevice(DeviceIndex d) const override { return exchangeDevice(d); }
@@ -707,6 +717,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     TORCH_CHECK(d >= 0 && d < 127, "genie: bad device index ", d);
     g_default_device.store(d);
   });
+  m.def("new_session", [] { g_session.fetch_add(1); }, "Forget every thread's own current device.");
   m.def("set_current_device", [](int d) {
     TORCH_CHECK(d >= 0 && d < 127, "genie: bad device index ", d);
     tl_device = static_cast<DeviceIndex>(d);

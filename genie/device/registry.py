@@ -93,6 +93,7 @@ def set_table(table: DeviceTable | None) -> None:
     global _table
     _table = table
     _C.set_device_count(len(table) if table is not None else 0)
+    _C.new_session()
     _C.set_default_device(0)
 
 

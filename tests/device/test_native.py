@@ -264,6 +264,36 @@ def test_out_arguments_that_must_grow_keep_client_and_server_in_step() -> None:
     assert empty.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
 
 
+def test_threads_follow_the_default_device_until_they_choose_and_a_new_session_forgets_choices() -> None:
+    """Guards entered on the current device do not pin it; a choice made before a new genie.init is
+    forgotten (the CI failure: an earlier test's set_device_index(0) outlived its session)."""
+    import threading
+
+    from genie import _C
+    from genie.device import registry
+
+    seen: dict[str, int] = {}
+    default = registry.current_index()
+    other = 1 - default
+
+    def body() -> None:
+        (torch.ones(1, device=f"remote_accelerator:{default}") + 1).device  # guards enter and leave
+        registry.set_default_index(other)
+        seen["follows"] = registry.current_index()
+        registry.set_current_index(default)
+        seen["chosen"] = registry.current_index()
+        _C.new_session()
+        seen["forgotten"] = registry.current_index()
+
+    thread = threading.Thread(target=body)
+    try:
+        thread.start()
+        thread.join(30)
+    finally:
+        registry.set_default_index(default)
+    assert seen == {"follows": other, "chosen": default, "forgotten": other}
+
+
 @pytest.fixture
 def current_device_0() -> Iterator[None]:
     """remote_accelerator:0 as this thread's current device (genie.init chose the default by placement)."""
