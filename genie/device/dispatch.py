@@ -59,7 +59,7 @@ class OpInfo:
     """What the fallback needs to know about an op's schema."""
 
     __slots__ = ("name", "arg_names", "returns", "generator_pos", "random", "mask_pos", "list_return", "all_views",
-                 "special", "server")
+                 "special", "server", "float_values_matter")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
@@ -98,11 +98,36 @@ class OpInfo:
                 self.list_return = True
             self.returns.append(kind)
         self.all_views = bool(self.returns) and all(k == "view" for k, _ in self.returns)
+        #: whether float argument values can change the outputs' metadata (then the meta cache keys them
+        #: by value; else by type, so AdamW's lr and bias corrections, new every step, still hit the cache)
+        self.float_values_matter = floats_decide_metadata(self.name, schema)
 
     def kind_of(self, i: int) -> tuple[str, int | None]:
         if self.list_return:  # a list return flattens into many outputs of one kind
             return self.returns[0] if len(self.returns) == 1 else ("fresh", None)
         return self.returns[i] if i < len(self.returns) else ("fresh", None)
+
+
+#: Ops whose float arguments decide the outputs' shape: sizes from a range or a scale factor.
+FLOAT_SHAPED_OPS = ("aten::arange", "aten::range", "aten::linspace", "aten::logspace", "aten::upsample_",
+                    "aten::_upsample_", "aten::histogram", "aten::histc")
+
+
+def floats_decide_metadata(name: str, schema: Any) -> bool:
+    """Whether an op's float arguments (``float``, ``Scalar``, lists of them) may change its output metadata.
+
+    Elementwise math, reductions, optimizer updates and losses take float values that change every
+    step but never their outputs' dtype (the type of a Scalar decides that, and stays in the key),
+    shape or strides. The exceptions are kept by value: ranges (``arange``, ``linspace``), upsampling
+    scale factors, histograms, any argument named like a scale or size, and ops that return numbers
+    (the cached number would be stale).
+    """
+    if name.startswith(FLOAT_SHAPED_OPS):
+        return True
+    for a in schema.arguments:
+        if "float" in str(a.type) and ("scale" in a.name or "size" in a.name):
+            return True
+    return any(not str(r.type).startswith("Tensor") and "Tensor" not in str(r.type) for r in schema.returns)
 
 
 #: Random ops with no generator argument: the server draws from the session's default generator.
@@ -122,7 +147,8 @@ def op_info(func: Any) -> OpInfo:
 # -- finding the device ---------------------------------------------------------------------------
 def scan(args: Any, state: list[Any]) -> tuple[Any, ...]:
     """The cache signature of ``args`` (a list or tuple), noting in ``state`` the remote device seen
-    (``state[0]``, -1 for none yet) and whether a CPU tensor with dimensions was (``state[1]``).
+    (``state[0]``, -1 for none yet) and whether a CPU tensor with dimensions was (``state[1]``);
+    ``state[3]`` says whether float values are part of the signature.
 
     One pass serves both the meta cache and the device check: this is the per-op hot path.
     """
@@ -145,7 +171,10 @@ def scan(args: Any, state: list[Any]) -> tuple[Any, ...]:
                 out.append(("C", a.dtype, a.shape))
         elif t is list or t is tuple:
             out.append(scan(a, state))
-        elif t is float or t is bool:
+        elif t is float:
+            # By type unless this op's float values can change its outputs' metadata (OpInfo.float_values_matter).
+            out.append((t, a) if state[3] else t)
+        elif t is bool:
             out.append((t, a))
         elif t is torch.device:
             if a.type == BACKEND:
@@ -163,9 +192,11 @@ def scan(args: Any, state: list[Any]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def signature_and_device(name: str, args: Any, kwargs: Any) -> tuple[Any, int]:
-    """(cache signature of args and kwargs, global index of the one remote device they use)."""
-    state: list[Any] = [-1, False, name]
+def signature_and_device(name: str, args: Any, kwargs: Any, float_values: bool = True) -> tuple[Any, int]:
+    """(cache signature of args and kwargs, global index of the one remote device they use).
+
+    ``float_values``: key float arguments by value (else by type only)."""
+    state: list[Any] = [-1, False, name, float_values]
     sig = scan(args, state)
     if kwargs:
         sig = (sig, tuple(kwargs), scan(kwargs.values(), state))
@@ -243,7 +274,7 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
     """The common path: meta inference (cached), local outputs, one fire-and-forget command."""
     if info is None:
         info = op_info(func)
-    sig, index = signature_and_device(info.name, args, kwargs)
+    sig, index = signature_and_device(info.name, args, kwargs, info.float_values_matter)
     tbl = registry._table
     device = tbl.devices[index] if tbl is not None and index < len(tbl.devices) else table().get(index)
     if info.server:
