@@ -148,7 +148,8 @@ def op_info(func: Any) -> OpInfo:
 def scan(args: Any, state: list[Any]) -> tuple[Any, ...]:
     """The cache signature of ``args`` (a list or tuple), noting in ``state`` the remote device seen
     (``state[0]``, -1 for none yet) and whether a CPU tensor with dimensions was (``state[1]``);
-    ``state[3]`` says whether float values are part of the signature.
+    ``state[3]`` says whether float values are part of the signature; ``state[4]`` is set when a tensor
+    carries a conjugate or negative bit.
 
     One pass serves both the meta cache and the device check: this is the per-op hot path.
     """
@@ -156,6 +157,8 @@ def scan(args: Any, state: list[Any]) -> tuple[Any, ...]:
     for a in args:
         t = type(a)
         if t is torch.Tensor or isinstance(a, torch.Tensor):
+            if a.is_conj() or a.is_neg():
+                state[4] = True  # the op's arguments need _resolved (rare: skipped otherwise)
             d = a.get_device()
             if d >= 0:
                 if d != state[0]:
@@ -192,11 +195,12 @@ def scan(args: Any, state: list[Any]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def signature_and_device(name: str, args: Any, kwargs: Any, float_values: bool = True) -> tuple[Any, int]:
-    """(cache signature of args and kwargs, global index of the one remote device they use).
+def signature_and_device(name: str, args: Any, kwargs: Any, float_values: bool = True) -> tuple[Any, int, bool]:
+    """(cache signature of args and kwargs, global index of the one remote device they use, whether a
+    tensor argument has a math bit).
 
     ``float_values``: key float arguments by value (else by type only)."""
-    state: list[Any] = [-1, False, name, float_values]
+    state: list[Any] = [-1, False, name, float_values, False]
     sig = scan(args, state)
     if kwargs:
         sig = (sig, tuple(kwargs), scan(kwargs.values(), state))
@@ -208,10 +212,12 @@ def signature_and_device(name: str, args: Any, kwargs: Any, float_values: bool =
             f"Expected all tensors to be on the same device, but found at least two devices, "
             f"{BACKEND}:{found} and cpu! (when checking arguments for {name})"
         )
-    return sig, found
+    return sig, found, state[4]
 
 
 # -- the argument encoder -------------------------------------------------------------------------
+_new_tuple = tuple.__new__
+
 def encoder_for(device: RemoteDevice) -> Any:
     """The msgpack ``default`` of one session (built once per connection)."""
     conn = device.connection
@@ -222,7 +228,9 @@ def encoder_for(device: RemoteDevice) -> Any:
     def default(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             if obj.get_device() >= 0:
-                return msgpack.ExtType(EXT_TENSOR, _C.wire_ext_payload(obj))
+                # tuple.__new__ skips ExtType's argument checks (a Python __new__): the code is ours, the
+                # payload bytes from C++; the packer reads .code and .data only.
+                return _new_tuple(msgpack.ExtType, (EXT_TENSOR, _C.wire_ext_payload(obj)))
             return inline_tensor(obj)
         if isinstance(obj, torch.Generator):
             return generator_ext(_C.generator_info(obj)[0])
@@ -274,7 +282,7 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
     """The common path: meta inference (cached), local outputs, one fire-and-forget command."""
     if info is None:
         info = op_info(func)
-    sig, index = signature_and_device(info.name, args, kwargs, info.float_values_matter)
+    sig, index, math_bits = signature_and_device(info.name, args, kwargs, info.float_values_matter)
     tbl = registry._table
     device = tbl.devices[index] if tbl is not None and index < len(tbl.devices) else table().get(index)
     if info.server:
@@ -334,8 +342,9 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
         if info.random:
             g = _arg(info, info.generator_pos, args, kwargs) if info.generator_pos is not None else None
             _seed_if_needed(device, g)
-        targets = {id(o) for o in outs if isinstance(o, torch.Tensor)}
-        args, kwargs = tree_map(lambda a: _resolved(a, targets), (args, kwargs))
+        if math_bits:
+            targets = {id(o) for o in outs if isinstance(o, torch.Tensor)}
+            args, kwargs = tree_map(lambda a: _resolved(a, targets), (args, kwargs))
         device.connection.op(device.local_index, info.name, args, kwargs, wire_outs, encoder_for(device))
     if leaf:
         return outs[0]
