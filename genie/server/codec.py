@@ -24,7 +24,7 @@ import torch
 from genie.errors import FrameError, ProtocolError
 from genie.server.store import StorageError
 from genie.wire.frame import unpack_body
-from genie.wire.values import DTYPES, dtype_code, dtype_from_code, encode_common, make_ext_hook
+from genie.wire.values import DTYPES, dtype_code, dtype_from_code, encode_common, make_ext_hook, unpack_descriptor
 
 #: Most dimensions a shape or stride may have.
 MAX_DIMS = 64
@@ -83,6 +83,14 @@ class Descriptor:
         self.extent = extent
         #: Bytes from the storage's start to the end of the last element (0 for an empty tensor).
         self.span = 0 if numel == 0 else (last + 1) * dtype.itemsize
+
+    def with_id(self, storage_id: int) -> Descriptor:
+        """The same layout over another storage (its id already checked)."""
+        d = _new_descriptor(Descriptor)
+        d.storage_id = storage_id
+        d.dtype, d.sizes, d.strides, d.offset = self.dtype, self.sizes, self.strides, self.offset
+        d.storage_nbytes, d.numel, d.extent, d.span = self.storage_nbytes, self.numel, self.extent, self.span
+        return d
 
     def __repr__(self) -> str:
         return (f"Descriptor({self.storage_id}, {self.dtype}, {list(self.sizes)}, {list(self.strides)}, "
@@ -146,11 +154,54 @@ class Descriptor:
                 and t.storage_offset() == self.offset)
 
 
+_new_descriptor = object.__new__
+
+
 def _tensor_tag(value: Any) -> Descriptor:
     return Descriptor.parse(value)
 
 
-_EXT_HOOK = make_ext_hook(_tensor_tag, DeviceRef, GeneratorRef)
+#: Checked descriptor layouts: the msgpack bytes after the storage id -> a descriptor with that layout.
+_layouts: dict[bytes, Descriptor] = {}
+#: Most layouts kept (a client sending endless new shapes only empties the cache).
+MAX_LAYOUTS = 4096
+#: Byte length of a msgpack unsigned int by its first byte (fixint: 1; uint8/16/32/64: 2, 3, 5, 9).
+_UINT_LENGTH = {0xcc: 2, 0xcd: 3, 0xce: 5, 0xcf: 9}
+
+
+def _tensor_from_bytes(data: bytes) -> Descriptor | None:
+    """A tensor tag's descriptor from its raw msgpack, when its layout was checked before; else None.
+
+    A descriptor is ``[storage_id, dtype, sizes, strides, offset, storage_nbytes]``: everything after the
+    storage id repeats from op to op while the id changes (a fresh output per op). A payload whose bytes
+    after a well-formed unsigned storage id equal a layout :meth:`Descriptor.parse` accepted is that
+    layout over the new id, so it skips the msgpack decode and the checks; anything else (a new layout,
+    a malformed payload) returns None and takes the full path, which caches it when it is valid.
+    """
+    if len(data) < 3 or data[0] != 0x96:  # a fixarray of 6
+        return None
+    first = data[1]
+    if first < 0x80:
+        end, storage_id = 2, first
+    else:
+        n = _UINT_LENGTH.get(first)
+        if n is None:
+            return None
+        end = 1 + n
+        storage_id = int.from_bytes(data[2:end], "big")
+        if storage_id > MAX_ID:
+            return None
+    layout = _layouts.get(data[end:])
+    if layout is None:
+        desc = Descriptor.parse(unpack_descriptor(data))
+        if len(_layouts) >= MAX_LAYOUTS:
+            _layouts.clear()
+        _layouts[data[end:]] = desc
+        return desc
+    return layout.with_id(storage_id)
+
+
+_EXT_HOOK = make_ext_hook(_tensor_tag, DeviceRef, GeneratorRef, _tensor_from_bytes)
 
 
 #: Types resolve() must look into or replace.

@@ -36,11 +36,11 @@ from genie.errors import (
 )
 from genie.server import codec
 from genie.server.codec import MAX_NBYTES, Descriptor, DeviceRef, check_id, is_int
-from genie.server.devargs import check_device_args
+from genie.server.devargs import check_device_args, device_params
 from genie.server.metrics import NULL_SESSION_METRICS, SessionMetrics
 from genie.server.ops import resolve_op, run_op
 from genie.server.outputs import OutputMismatch, store_call_result, store_outputs
-from genie.server.rng import SessionGenerators
+from genie.server.rng import GENERATORLESS, SessionGenerators, generator_arg
 from genie.server.store import StorageError, StorageStore, zeroed_storage
 from genie.transport.base import Channel
 from genie.wire.buffers import prefault, tensor_bytes
@@ -112,6 +112,39 @@ def _zero_from(storage: torch.UntypedStorage, start: int) -> None:
     """Zero a storage's bytes from ``start`` on (what resize_ grew is uninitialised memory)."""
     raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
     raw[start:].zero_()
+
+
+class _OpPlan:
+    """What running one op name needs, worked out on its first use and reused by every later command.
+
+    The per-op facts that do not depend on the arguments: the resolved OpOverload (after
+    :func:`~genie.server.ops.resolve_op`'s checks, which raise ForbiddenOpError and leave no plan),
+    whether a Device-typed argument needs :func:`check_device_args`, the generator argument the
+    session's default fills, the runner of a generatorless random op, and the zero-fill rule.
+    """
+
+    __slots__ = ("devargs", "generator_arg", "generatorless", "op", "uninitialised")
+
+    def __init__(self, name: str) -> None:
+        self.op = resolve_op(name)
+        self.devargs = bool(device_params(self.op))
+        self.generator_arg = generator_arg(self.op)[1] != ""
+        self.generatorless = name in GENERATORLESS
+        self.uninitialised = _hands_out_uninitialised(name)
+
+
+#: Op name -> its plan, for every session (plans hold nothing of a session). Bounded: only names that
+#: resolved are kept, and there are a few thousand of those.
+_plans: dict[str, _OpPlan] = {}
+
+
+def op_plan(name: Any) -> _OpPlan:
+    """The plan of a client-named op; ForbiddenOpError (from resolve_op) when it may not run."""
+    plan = _plans.get(name) if type(name) is str else None
+    if plan is None:
+        plan = _OpPlan(name)  # resolve_op checks the name, whatever its type
+        _plans[name] = plan
+    return plan
 
 
 class _CommandFailed(Exception):
@@ -367,19 +400,23 @@ class Executor:
         """Resolve and run an op; raise _CommandFailed with a deferred-error record on any failure."""
         label = _label(name)
         try:
-            op = resolve_op(name)
+            plan = op_plan(name)
         except ForbiddenOpError as exc:
             raise _CommandFailed(_error(label, [], "forbidden", str(exc), storage_ids)) from None
-        if not isinstance(args, list) or not all(isinstance(k, str) for k in kwargs):
+        op = plan.op
+        if type(args) is not list or (kwargs and not all(isinstance(k, str) for k in kwargs)):
             raise FrameError(f"{label}: args must be a list and kwargs a map with string keys")
         try:
             self._begin(device_index)
             generator = self._generator_of(device_index)
             args = codec.resolve(args, self._tensor, self._device, generator)
-            kwargs = codec.resolve(kwargs, self._tensor, self._device, generator)
-            check_device_args(op, label, args, kwargs)  # "meta", "cuda:7": never devices outside the node's list
-            self.generators.fill_default(op, args, kwargs, device_index)
-            runner = self.generators.generatorless(label, device_index)
+            if kwargs:
+                kwargs = codec.resolve(kwargs, self._tensor, self._device, generator)
+            if plan.devargs:  # "meta", "cuda:7": never devices outside the node's list
+                check_device_args(op, label, args, kwargs)
+            if plan.generator_arg:
+                self.generators.fill_default(op, args, kwargs, device_index)
+            runner = self.generators.generatorless(label, device_index) if plan.generatorless else None
             self._precheck_outputs(label, storage_ids, outs)
         except (GenieError, IndexError, RuntimeError) as exc:  # RuntimeError: torch refused to build a tensor
             raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
@@ -396,7 +433,7 @@ class Executor:
             self._account_resizes(used)
         self.ops_run += 1
         self.metrics.record_op(label, "ok", time.perf_counter() - started)  # metrics
-        if _hands_out_uninitialised(label):
+        if plan.uninitialised:
             held = self._held()
             for t in tensor_leaves(result):
                 # A fresh result is zeroed whole (a strided one has gaps); an out= result lives in a storage of

@@ -30,7 +30,8 @@ _NO_GENERATOR = (-1, "")
 _generator_args: dict[int, tuple[int, str]] = {}
 
 
-def _generator_arg(op: torch._ops.OpOverload) -> tuple[int, str]:
+def generator_arg(op: torch._ops.OpOverload) -> tuple[int, str]:
+    """(position of ``op``'s Generator argument, -1 when keyword-only; its name), or (-1, "") without one."""
     found = _generator_args.get(id(op))
     if found is None:
         found = _NO_GENERATOR
@@ -88,7 +89,7 @@ class SessionGenerators:
     def fill_default(self, op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any],
                      device_index: int) -> None:
         """Give ``op`` the session's default generator where its ``generator`` argument is None or left out."""
-        index, name = _generator_arg(op)
+        index, name = generator_arg(op)
         if not name:
             return
         if 0 <= index < len(args):

@@ -143,15 +143,22 @@ def make_ext_hook(
     resolve_tensor: Callable[[Any], Any],
     resolve_device: Callable[[int], Any],
     resolve_generator: Callable[[int], Any],
+    tensor_bytes: Callable[[bytes], Any] | None = None,
 ) -> Callable[[int, bytes], Any]:
     """An ext_hook for :func:`genie.wire.frame.unpack_body`.
 
     ``resolve_tensor`` gets the decoded msgpack of a tensor descriptor (unchecked: whatever the peer
-    sent), ``resolve_device`` and ``resolve_generator`` an integer.
+    sent), ``resolve_device`` and ``resolve_generator`` an integer. ``tensor_bytes``, when given, gets a
+    tensor tag's raw payload instead and returns the descriptor or None to fall back to ``resolve_tensor``
+    (a cache of descriptor layouts already checked).
     """
 
     def ext_hook(code: int, data: bytes) -> Any:
         if code == EXT_TENSOR:
+            if tensor_bytes is not None:
+                found = tensor_bytes(data)
+                if found is not None:
+                    return found
             return resolve_tensor(_unpack_small(data))
         if code == EXT_GENERATOR:
             return resolve_generator(_small_int(data))
@@ -187,6 +194,11 @@ def _unpack_small(data: bytes) -> Any:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, **_DESC_LIMITS)
     except Exception as exc:
         raise FrameError(f"malformed tensor descriptor: {exc}") from None
+
+
+def unpack_descriptor(data: bytes) -> Any:
+    """A tensor tag's payload decoded (bounded; FrameError when malformed), not yet checked."""
+    return _unpack_small(data)
 
 
 def _small_int(data: bytes) -> int:
