@@ -39,7 +39,7 @@ from genie.server.codec import MAX_NBYTES, Descriptor, DeviceRef, check_id, is_i
 from genie.server.devargs import check_device_args, device_params
 from genie.server.metrics import NULL_SESSION_METRICS, SessionMetrics
 from genie.server.ops import resolve_op, run_op
-from genie.server.outputs import OutputMismatch, store_call_result, store_outputs
+from genie.server.outputs import OutputMismatch, functional_of, store_call_result, store_outputs
 from genie.server.rng import GENERATORLESS, SessionGenerators, generator_arg
 from genie.server.store import StorageError, StorageStore, zeroed_storage
 from genie.transport.base import Channel
@@ -123,7 +123,7 @@ class _OpPlan:
     session's default fills, the runner of a generatorless random op, and the zero-fill rule.
     """
 
-    __slots__ = ("devargs", "generator_arg", "generatorless", "op", "uninitialised")
+    __slots__ = ("devargs", "functional", "generator_arg", "generatorless", "op", "out_names", "uninitialised")
 
     def __init__(self, name: str) -> None:
         self.op = resolve_op(name)
@@ -131,6 +131,10 @@ class _OpPlan:
         self.generator_arg = generator_arg(self.op)[1] != ""
         self.generatorless = name in GENERATORLESS
         self.uninitialised = _hands_out_uninitialised(name)
+        #: for an out= op: the names of its out arguments and its functional overload (see _run_fresh)
+        self.out_names, self.functional = functional_of(self.op)
+        if self.generator_arg or self.generatorless:
+            self.functional = None  # running it and then maybe the out= form would draw twice
 
 
 #: Op name -> its plan, for every session (plans hold nothing of a session). Bounded: only names that
@@ -409,6 +413,7 @@ class Executor:
         try:
             self._begin(device_index)
             generator = self._generator_of(device_index)
+            fresh = self._fresh_outs(plan, kwargs, outs)
             args = codec.resolve(args, self._tensor, self._device, generator)
             if kwargs:
                 kwargs = codec.resolve(kwargs, self._tensor, self._device, generator)
@@ -424,7 +429,10 @@ class Executor:
         used = self._used
         started = time.perf_counter()  # metrics
         try:
-            result = runner(args, kwargs) if runner is not None else run_op(op, args, kwargs)
+            if fresh is not None:
+                result = self._run_fresh(plan, args, kwargs, fresh, outs, generator)
+            else:
+                result = runner(args, kwargs) if runner is not None else run_op(op, args, kwargs)
         except Exception as exc:
             self.metrics.record_op(label, "error", time.perf_counter() - started)  # metrics
             raise _CommandFailed(_error(label, _shapes((args, kwargs)), "execution", _message(exc),
@@ -441,6 +449,42 @@ class Executor:
                 if t.layout == torch.strided and t.untyped_storage().data_ptr() not in held:
                     _zero_from(t.untyped_storage(), 0)
         return result, inputs
+
+    def _fresh_outs(self, plan: _OpPlan, kwargs: dict[str, Any], outs: Sequence[Descriptor | None]) -> list[Any] | None:
+        """For an out= op whose every out argument is a storage this session has not made yet: the out
+        arguments, taken out of ``kwargs`` (then run by :meth:`_run_fresh`); else None.
+
+        Structured ops reach the client's fallback as their ``.out`` form with a fresh ``[]`` output
+        (``mse_loss``); running that form here would build the output at the wrong size and make
+        torch warn on the server's stderr, once per op, that it resized it.
+        """
+        if plan.functional is None or len(outs) != len(plan.out_names):
+            return None
+        for desc in outs:
+            if desc is None or desc.storage_id in self.store:
+                return None
+            self.store.check_usable(desc.storage_id)  # a freed or poisoned id fails as it would in resolve
+        values = [kwargs.get(n) for n in plan.out_names]
+        if not all(type(v) is Descriptor for v in values):
+            return None
+        for n in plan.out_names:
+            del kwargs[n]
+        return values
+
+    def _run_fresh(self, plan: _OpPlan, args: list[Any], kwargs: dict[str, Any], fresh: list[Any],
+                   outs: Sequence[Descriptor | None], generator: Any) -> Any:
+        """Run the functional form; where its results differ in dtype or size from the out arguments
+        (out= may cast), run the out= form after all, as the client asked."""
+        assert plan.functional is not None
+        result = run_op(plan.functional, args, kwargs)
+        results = [result] if isinstance(result, torch.Tensor) else list(result)
+        if len(results) == len(outs) and all(
+                isinstance(t, torch.Tensor) and d is not None and t.dtype == d.dtype and tuple(t.shape) == d.sizes
+                for t, d in zip(results, outs, strict=True)):
+            return result
+        for n, value in zip(plan.out_names, fresh, strict=True):
+            kwargs[n] = codec.resolve(value, self._tensor, self._device, generator)
+        return run_op(plan.op, args, kwargs)
 
     def _account_resizes(self, used: dict[int, torch.UntypedStorage]) -> None:
         """Ops like resize_ grow a storage in place: zero what it gained and count it."""

@@ -136,3 +136,25 @@ def store_call_result(result: Any, storage_ids: list[int], store: StorageStore, 
     from genie.server.codec import encode_result
 
     return encode_result(result, keep)
+
+
+def functional_of(op: torch._ops.OpOverload) -> tuple[tuple[str, ...], torch._ops.OpOverload | None]:
+    """(names of ``op``'s out arguments, the overload of the same op that takes the same other arguments
+    and mutates nothing), or ``((), None)`` when ``op`` is not an out= op with plain Tensor outs or has no
+    such overload (``aten::mse_loss.out`` -> ``aten::mse_loss``; ``sum.IntList_out`` -> ``sum.dim_IntList``)."""
+    schema = op._schema
+    outs = [a for a in schema.arguments if a.is_out]
+    if not outs or any(str(a.type) != "Tensor" for a in outs) or len(schema.returns) != len(outs):
+        return (), None
+    inputs = [(a.name, str(a.type), a.kwarg_only) for a in schema.arguments if not a.is_out]
+    packet = getattr(getattr(torch.ops, schema.name.split("::")[0]), op._overloadpacket.__name__)
+    for overload in packet.overloads():  # names from the dispatcher's own registry, never from a client
+        candidate = getattr(packet, overload)
+        other = candidate._schema
+        if any(a.is_out or (a.alias_info is not None and a.alias_info.is_write) for a in other.arguments):
+            continue
+        if [(a.name, str(a.type), a.kwarg_only) for a in other.arguments] == inputs \
+                and len(other.returns) == len(outs):
+            return tuple(a.name for a in outs), candidate
+    return (), None
+
