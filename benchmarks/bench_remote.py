@@ -300,6 +300,15 @@ def measure_genie(port: int, raw: RawPeer, samples: int, pipelined_ops: int, rou
         out["pipelined"], out["client_cpu_per_op"], out["local_op"] = rates, client_cpu, local_op
 
         out["step_client"], out["step_remote"], out["step_local"] = _transformer_steps(dev, rounds)
+        # The same step with fixed 512-command batches (the flush policy before adaptive batches).
+        from genie.device import connection
+
+        adaptive = connection.MIN_BATCH_CMDS
+        connection.MIN_BATCH_CMDS = connection.MAX_BATCH_CMDS
+        try:
+            _, out["step_remote_fixed"], _ = _transformer_steps(dev, rounds)
+        finally:
+            connection.MIN_BATCH_CMDS = adaptive
 
         a = torch.randn(MATMUL_N, MATMUL_N)
         expect = a @ a
@@ -517,6 +526,14 @@ def run_parent(kids: c.Children, args: argparse.Namespace, samples: int, rounds:
           f"vs the step on the local CPU {c.fmt_ms(step_local)}: client CPU {step_client / step_local:.2f}x local")
     table.add("transformer step, client CPU", c.fmt_ms(step_client), f"local step {c.fmt_ms(step_local)}",
               f"{step_client / step_local:.2f}x", "report", None)
+    step_fixed = statistics.median(g["step_remote_fixed"])
+    print(f"genie 2-layer transformer training step, wall: adaptive batches {c.fmt_ms(step_remote)} vs fixed "
+          f"512-command batches {c.fmt_ms(step_fixed)} = {step_remote / step_fixed:.2f}x; local CPU "
+          f"{c.fmt_ms(step_local)} = {step_remote / step_local:.2f}x local")
+    table.add("transformer step, wall", c.fmt_ms(step_remote), f"local step {c.fmt_ms(step_local)}",
+              f"{step_remote / step_local:.2f}x", "report", None)
+    table.add("transformer step, wall", c.fmt_ms(step_remote), f"fixed batches {c.fmt_ms(step_fixed)}",
+              f"{step_remote / step_fixed:.2f}x", "report", None)
 
     rate = statistics.median(g["pipelined"])
     print(f"genie pipelined y = y + 1: {rate:,.0f} ops/s (runs: {', '.join(f'{r:,.0f}' for r in g['pipelined'])})"

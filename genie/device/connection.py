@@ -3,6 +3,8 @@
 Ops are encoded on the calling thread and appended to a batch; the batch is sent
 when it grows past a bound, at a sync point, or when the runtime's idle flusher
 finds it waiting (so fire-and-forget work starts even if no sync point comes).
+The bound adapts: small right after a sync point (the server is idle), doubling
+with each batch while the server has work (see ``MIN_BATCH_CMDS``).
 A sync point sends the batch and its request in one frame and reads the reply on
 the calling thread: one round trip, no thread hand-off. A lock serialises the
 user's thread, autograd's device thread and the flusher.
@@ -41,6 +43,12 @@ log = logging.getLogger("genie.device")
 
 MAX_BATCH_CMDS = 512
 MAX_BATCH_BYTES = 1 << 20
+#: The first batch after a sync point: the server has just answered everything, so it is idle, and a
+#: small batch sets it to work while this thread encodes the next ones. Each later batch doubles the
+#: bound up to MAX_BATCH_CMDS: by then the server is busy and bigger batches cost it fewer frames.
+#: (512-command batches serialised the two sides: the server started late and ran the last batch
+#: after the client had finished.) Set it to MAX_BATCH_CMDS for fixed-size batches.
+MIN_BATCH_CMDS = 16
 
 #: Moves storages freed by genie._C (any thread) to their connections' free lists; set by
 #: genie.device.registration. Called at each flush, so frees go out with the next batch.
@@ -72,6 +80,8 @@ class NodeConnection:
         self.backend = "tcp"
         self.encoder: Callable[[Any], Any] | None = None
         self._pending_request = False
+        #: commands that make a batch full now (adaptive: see MIN_BATCH_CMDS)
+        self.flush_at = MIN_BATCH_CMDS
         self._packer: msgpack.Packer | None = None
         self._packer_default: Callable[[Any], Any] | None = None
         self.stats = {"ops": 0, "bytes_up": 0, "bytes_down": 0, "round_trips": 0, "batches": 0}
@@ -140,7 +150,7 @@ class NodeConnection:
             self._cmd_bytes += len(cmd)
             self.stats["ops"] += 1
             STATS.op_queued()  # stats
-            if len(self._cmds) >= MAX_BATCH_CMDS or self._cmd_bytes >= MAX_BATCH_BYTES:
+            if len(self._cmds) >= self.flush_at or self._cmd_bytes >= MAX_BATCH_BYTES:
                 self._flush_locked()
 
     def command(self, cmd: list[Any]) -> None:
@@ -185,7 +195,7 @@ class NodeConnection:
     def _append(self, cmd: bytes) -> None:
         self._cmds.append(cmd)
         self._cmd_bytes += len(cmd)
-        if len(self._cmds) >= MAX_BATCH_CMDS or self._cmd_bytes >= MAX_BATCH_BYTES:
+        if len(self._cmds) >= self.flush_at or self._cmd_bytes >= MAX_BATCH_BYTES:
             self._flush_locked()
 
     # -- sending -------------------------------------------------------------------------------
@@ -246,6 +256,7 @@ class NodeConnection:
             self._cmds, self._uploads, self._payload, self._keepalive = [], [], [], []
             self._cmd_bytes = 0
         self.last_send = time.monotonic()
+        self.flush_at = min(self.flush_at * 2, MAX_BATCH_CMDS)  # the server has work now: grow
         self.stats["batches"] += 1
         STATS.batch_sent()  # stats
 
@@ -288,6 +299,7 @@ class NodeConnection:
                 self.mark_lost(f"no answer: {exc}")
                 raise self._device_lost(device) from exc
             self.stats["round_trips"] += 1
+            self.flush_at = MIN_BATCH_CMDS  # everything sent has run: the server is idle again
             STATS.round_trip(command, started, header.payload_len)  # stats
         if deferred:
             raise _execution_error(deferred[0], more=len(deferred) - 1)
