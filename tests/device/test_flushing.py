@@ -24,7 +24,7 @@ def test_batches_start_small_after_a_sync_and_double_up_to_the_maximum() -> None
     assert conn.flush_at == connection.MIN_BATCH_CMDS
     queued = 0
     with conn.lock:
-        sizes = []
+        sizes: list[int] = []
         bound = connection.MIN_BATCH_CMDS
         while bound <= connection.MAX_BATCH_CMDS and len(sizes) < 8:
             before = conn.stats["batches"]

@@ -28,20 +28,18 @@ def server() -> Iterator[NodeProcess]:
             genie.shutdown_sync()
 
 
-def test_mse_loss_training_prints_no_resize_warning_on_the_server(server: NodeProcess) -> None:
-    def run(device: str) -> list[torch.Tensor]:
-        torch.manual_seed(2)
-        model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2)).to(device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        x, y = torch.randn(16, 6).to(device), torch.randn(16, 2).to(device)
-        for _ in range(3):
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-        return [p.detach().cpu() for p in model.parameters()]
-
-    for r, c in zip(run(D0), run("cpu"), strict=True):
-        assert torch.equal(r, c)
+def test_mse_loss_backward_prints_no_resize_warning_on_the_server(server: NodeProcess) -> None:
+    """mse_loss reaches the fallback as mse_loss.out with a fresh [] output (once per training step)."""
+    torch.manual_seed(2)
+    a, b = torch.randn(16, 2), torch.randn(16, 2)
+    ra = a.to(D0).requires_grad_()
+    loss = nn.functional.mse_loss(ra, b.to(D0))
+    loss.backward()
+    ca = a.clone().requires_grad_()
+    expect = nn.functional.mse_loss(ca, b)
+    expect.backward()
+    assert torch.equal(loss.detach().cpu(), expect.detach())
+    assert ra.grad is not None and ca.grad is not None and torch.equal(ra.grad.cpu(), ca.grad)
     log = server.log()
     assert "was resized" not in log, log[-2000:]
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("remote")
 
 
 def test_torch_defaults_to_foreach_on_the_device() -> None:
-    params = list(nn.Linear(3, 3).to(D0).parameters())
+    params: list[torch.Tensor] = list(nn.Linear(3, 3).to(D0).parameters())
     assert _default_to_fused_or_foreach(params, differentiable=False, use_fused=False) == (False, True)
 
 
