@@ -123,7 +123,8 @@ class _OpPlan:
     session's default fills, the runner of a generatorless random op, and the zero-fill rule.
     """
 
-    __slots__ = ("devargs", "functional", "generator_arg", "generatorless", "op", "out_names", "uninitialised")
+    __slots__ = ("devargs", "functional", "generator_arg", "generatorless", "op", "out_names", "uninitialised",
+                 "writes")
 
     def __init__(self, name: str) -> None:
         self.op = resolve_op(name)
@@ -131,6 +132,9 @@ class _OpPlan:
         self.generator_arg = generator_arg(self.op)[1] != ""
         self.generatorless = name in GENERATORLESS
         self.uninitialised = _hands_out_uninitialised(name)
+        #: whether it may write (and so resize) an argument: in-place, out=, resize_, set_; a functional
+        #: op's schema promises it leaves its inputs alone, so their sizes need no second look
+        self.writes = any(a.alias_info is not None and a.alias_info.is_write for a in self.op._schema.arguments)
         #: for an out= op: the names of its out arguments and its functional overload (see _run_fresh)
         self.out_names, self.functional = functional_of(self.op)
         if self.generator_arg or self.generatorless:
@@ -438,7 +442,8 @@ class Executor:
             raise _CommandFailed(_error(label, _shapes((args, kwargs)), "execution", _message(exc),
                                         storage_ids)) from None
         finally:
-            self._account_resizes(used)
+            if plan.writes or runner is not None or fresh is not None:
+                self._account_resizes(used)
         self.ops_run += 1
         self.metrics.record_op(label, "ok", time.perf_counter() - started)  # metrics
         if plan.uninitialised:
