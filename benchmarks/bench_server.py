@@ -46,15 +46,30 @@ def encode_chain(first_id: int, n: int) -> list[list[bytes]]:
     return batches
 
 
-def kernel_seconds(n: int) -> float:
-    """The bare kernel, n times, in this process (grad mode off, as on the server)."""
+def kernel_seconds(n: int) -> tuple[float, float]:
+    """The bare kernel, n times, in this process (grad mode off, as on the server): (wall, thread CPU)."""
     y = torch.zeros(1)
     add = torch.ops.aten.add.Tensor
     with torch.no_grad():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(n):
             y = add(y, 1)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.thread_time() - c0
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time every thread of process ``pid`` has run so far (``/proc/PID/task/*/schedstat``, ns).
+
+    On a machine other processes load, wall time per op measures the load as much as the server;
+    the server's own CPU time per op does not."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that ended meanwhile
+    return total / 1e9
 
 
 def main() -> None:
@@ -66,17 +81,18 @@ def main() -> None:
     with serve_subprocess("--port", "0", "--devices", "cpu", log_level="WARNING") as server, \
             RawClient(server.port, timeout=120) as c:
         c.handshake()
-        totals = []
+        totals, cpus = [], []
         next_id = 1
         for _ in range(args.rounds):
             c.send_batch([], uploads=[(next_id, 0, torch.zeros(1))])
             c.sync()
             batches = encode_chain(next_id, n)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_seconds(server.pid)
             for cmds in batches:
                 c.send_batch(cmds)
             r = c.sync()
             totals.append(time.perf_counter() - t0)
+            cpus.append(cpu_seconds(server.pid) - c0)
             assert r.error is None and r.deferred == [], r
             last = next_id + n
             assert c.fetch(last, torch.empty(1)).item() == float(n), "wrong result"
@@ -84,11 +100,16 @@ def main() -> None:
             next_id = last + 1
     kernels = [kernel_seconds(n) for _ in range(args.rounds)]
     total_us = statistics.median(totals) / n * 1e6
-    kernel_us = statistics.median(kernels) / n * 1e6
+    kernel_us = statistics.median(k[0] for k in kernels) / n * 1e6
+    cpu_us = statistics.median(cpus) / n * 1e6
+    kernel_cpu_us = statistics.median(k[1] for k in kernels) / n * 1e6
     print(f"pipelined tiny ops (aten::add.Tensor on 1 float, {n:,} ops x {args.rounds} rounds, batches of {BATCH}):")
     print(f"  server, end to end:      {total_us:6.2f} us/op  ({1e6 / total_us:,.0f} ops/s)")
     print(f"  bare kernel (baseline):  {kernel_us:6.2f} us/op")
     print(f"  server beyond the kernel: {total_us - kernel_us:5.2f} us/op  ({total_us / kernel_us:.1f}x the kernel)")
+    print(f"  server CPU (all threads): {cpu_us:5.2f} us/op vs the kernel's CPU {kernel_cpu_us:5.2f} us/op (baseline): "
+          f"{cpu_us - kernel_cpu_us:5.2f} us/op beyond the kernel ({cpu_us / kernel_cpu_us:.1f}x)")
+    print(f"  load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
 
 
 if __name__ == "__main__":
