@@ -305,10 +305,11 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
         # layout, so the answer holds for every later call with the same signature.
         conform = [m is not None and info.kind_of(i)[0] == "inplace"
                    and _differs(_target(info, i, args, kwargs), m) for i, m in enumerate(metas)]
-        cached = (metas, spec, values, conform, len(metas) == 1 and spec.is_leaf())
+        kinds = [info.kind_of(i) for i in range(len(metas))]
+        cached = (metas, spec, values, conform, len(metas) == 1 and spec.is_leaf(), kinds)
         if key is not None:
             _meta_cache.store(key, cached)
-    metas, spec, values, conform, leaf = cached
+    metas, spec, values, conform, leaf, kinds = cached
     if info.mask_pos is not None:  # backward ops skip masked-off outputs (undefined tensors); meta does not
         mask = _arg(info, info.mask_pos, args, kwargs)
         metas = [m if i >= len(mask) or mask[i] else None for i, m in enumerate(metas)]
@@ -321,7 +322,7 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
             if info.mask_pos is not None and i < len(info.returns):
                 wire_outs.append(None)
             continue
-        kind, pos = info.kind_of(i)
+        kind, pos = kinds[i]
         if kind == "inplace":
             out = _target(info, i, args, kwargs)
             if conform[i]:
