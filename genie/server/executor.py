@@ -299,7 +299,8 @@ class Executor:
     def _cmd_op(self, cmd: list[Any]) -> None:
         if len(cmd) != 6 or not isinstance(cmd[4], dict) or not isinstance(cmd[5], list):
             raise FrameError("OP must be [CMD_OP, device, op, args, kwargs, outs]")
-        outs = [None if o is None else Descriptor.parse(o, "output descriptor") for o in cmd[5]]
+        # A tensor tag (decoded by the codec, layouts cached) or a plain descriptor list, checked the same way.
+        outs = [o if o is None or type(o) is Descriptor else Descriptor.parse(o, "output descriptor") for o in cmd[5]]
         storage_ids = [o.storage_id for o in outs if o is not None and o.storage_id]
         label = _label(cmd[2])
         try:

@@ -300,3 +300,21 @@ def test_call_with_an_empty_result_describes_storage_zero(client):
     assert r.error is None
     storage_id, code, sizes, _, _, nbytes = r.result
     assert (storage_id, code, sizes, nbytes) == (0, dtype_code(torch.int64), [0, 1], 0)
+
+
+def test_output_descriptors_may_be_tensor_tags(client):
+    """The device client sends outs as tensor tags (the layout cache decodes them); the checks are the same."""
+    a = torch.randn(4, 3)
+    r = client.request(
+        [op("aten::mul.Tensor", [T(1, a), T(1, a)], {}, [T(5, a)]),
+         op("aten::add.Tensor", [T(5, a), T(1, a)], {}, [T(6, a)]),
+         fetch(client.next_req(), desc(6, a))],
+        uploads=[(1, 0, a)],
+    )
+    assert r.error is None and r.deferred == []
+    got = torch.frombuffer(bytearray(r.payload), dtype=torch.float32).reshape(4, 3)
+    torch.testing.assert_close(got, a * a + a)
+    # a tag that leaves its storage is refused like a descriptor list, for that command only
+    bad = [7, dtype_code(torch.float32), [4, 3], [3, 1], 0, 8]
+    r = client.request([op("aten::mul.Tensor", [T(1, a), T(1, a)], {}, [T(bad)]), sync(client.next_req())])
+    assert r.deferred and r.deferred[0]["kind"] == "protocol" and "storage 7" in r.deferred[0]["message"]
