@@ -59,7 +59,7 @@ class OpInfo:
     """What the fallback needs to know about an op's schema."""
 
     __slots__ = ("name", "arg_names", "returns", "generator_pos", "random", "mask_pos", "list_return", "all_views",
-                 "special", "server", "float_values_matter")
+                 "special", "server", "float_values_matter", "result_kinds")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
@@ -98,6 +98,10 @@ class OpInfo:
                 self.list_return = True
             self.returns.append(kind)
         self.all_views = bool(self.returns) and all(k == "view" for k, _ in self.returns)
+        #: per return, how a round trip's reply describes it: "list" of tensors, one "tensor", or a plain value
+        self.result_kinds = tuple(
+            "list" if str(r.type).startswith(("Tensor[]", "List[Tensor]"))
+            else "tensor" if str(r.type).startswith("Tensor") else "value" for r in schema.returns)
         #: whether float argument values can change the outputs' metadata (then the meta cache keys them
         #: by value; else by type, so AdamW's lr and bias corrections, new every step, still hit the cache)
         self.float_values_matter = floats_decide_metadata(self.name, schema)
@@ -427,12 +431,12 @@ def _resolved(a: Any, targets: set[int]) -> Any:
 
 def call_on_server(func: Any, args: Any, kwargs: Any, device: RemoteDevice) -> Any:
     """Run an op synchronously: data-dependent shapes and number results."""
-    info = op_info(func)
+    info = _infos.get(id(func)) or op_info(func)
     count = 64 if info.list_return else len(info.returns)
     ids = [_C.new_storage_id() for _ in range(count)]
     result = device.connection.call(device.local_index, info.name, args, kwargs, ids, encoder_for(device),
                                     device=device.label)
-    return _decode_call_result(func, result, device)
+    return _decode_call_result(info, result, device)
 
 
 def adopt(desc: Any, device: RemoteDevice) -> torch.Tensor:
@@ -441,19 +445,18 @@ def adopt(desc: Any, device: RemoteDevice) -> torch.Tensor:
     return _C.make_tensor(sid, nbytes, device.index, dtype_from_code(code), sizes, strides, offset)
 
 
-def _decode_call_result(func: Any, result: Any, device: RemoteDevice) -> Any:
-    returns = func._schema.returns
-    values = result if len(returns) != 1 else [result]
+def _decode_call_result(info: OpInfo, result: Any, device: RemoteDevice) -> Any:
+    kinds = info.result_kinds
+    values = result if len(kinds) != 1 else [result]
     out: list[Any] = []
-    for r, v in zip(returns, values, strict=False):
-        kind = str(r.type)
-        if kind.startswith("Tensor[]") or kind.startswith("List[Tensor]"):
+    for kind, v in zip(kinds, values, strict=False):
+        if kind == "list":
             out.append([adopt(d, device) for d in v])
-        elif kind.startswith("Tensor"):
+        elif kind == "tensor":
             out.append(adopt(v, device) if v is not None else None)
         else:
             out.append(v)
-    return out[0] if len(returns) == 1 else tuple(out)
+    return out[0] if len(kinds) == 1 else tuple(out)
 
 
 #: Ops whose result is a number or a data-dependent shape: always a round trip.
