@@ -1,0 +1,221 @@
+"""The process's DPDK: one EAL, ports per channel, the shim's reliable streams and its polling thread.
+
+DPDK allows one EAL per process and it cannot be started again after cleanup, so
+:func:`ensure_eal` starts it once (``--no-huge --no-pci --no-shconf``, a unique
+``--file-prefix``) and it lives as long as the process. The polling thread is
+different: it runs only while at least one :class:`Stream` is open (reference
+counted here) and is joined when the last one closes, so an idle genie process
+polls nothing.
+
+The shim (``shim.c``, compiled at install) does every burst; this module owns
+lifetimes: a stream is freed only after every thread inside one of its calls has
+left it (closing wakes them with an error first).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from typing import Any
+
+from genie.errors import BackendUnavailableError, ConnectionClosedError
+
+log = logging.getLogger("genie.transport.dpdk")
+
+NO_SHIM = ("DPDK headers/libs not found when genie-dpdk was installed, so its data path (a C shim) was not "
+           "built: apt install libdpdk-dev pkg-config, then reinstall genie-dpdk")
+#: DPDK's memory for the data path (MiB, --no-huge); each port's mbuf pool takes ~45 MiB of it.
+MEMORY_MB = int(os.environ.get("GENIE_DPDK_MEMORY_MB", "256"))
+MBUFS_PER_PORT = 4095
+#: The engine's statistics, in the order gd_chan_stats writes them.
+STAT_NAMES = ("tx_frames", "retransmits", "rx_frames", "injected_drops", "duplicates", "srtt_us")
+
+_lock = threading.Lock()
+_eal_error: str | None = None
+_eal_started = False
+_streams = 0
+
+
+def load_shim() -> tuple[Any, Any]:
+    """The compiled shim's (ffi, lib); BackendUnavailableError naming the fix when it was not built."""
+    try:
+        from genie_dpdk._shim import ffi, lib  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise BackendUnavailableError(f"{NO_SHIM} ({exc})") from exc
+    return ffi, lib
+
+
+def shim_built() -> bool:
+    """Whether the shim module exists (without loading DPDK)."""
+    import importlib.util
+
+    return importlib.util.find_spec("genie_dpdk._shim") is not None
+
+
+def eal_args() -> list[str]:
+    """The data path's EAL arguments (this process: the first CPU it may use, a unique file prefix)."""
+    try:
+        cpu = min(os.sched_getaffinity(0))
+    except (AttributeError, OSError, ValueError):
+        cpu = 0
+    return ["genie-dpdk", "--no-huge", "-m", str(MEMORY_MB), "--no-pci", "--no-shconf", "--no-telemetry",
+            "-l", str(cpu), "--file-prefix", f"genie-dpdk-{os.getpid()}", "--log-level=warning"]
+
+
+def ensure_eal() -> tuple[Any, Any]:
+    """Start this process's EAL if it is not running; (ffi, lib). BackendUnavailableError with DPDK's reason."""
+    global _eal_started, _eal_error
+    ffi, lib = load_shim()
+    with _lock:
+        if _eal_started:
+            return ffi, lib
+        if _eal_error is not None:
+            raise BackendUnavailableError(_eal_error)
+        args = eal_args()
+        keep = [ffi.new("char[]", a.encode()) for a in args]
+        rc = lib.gd_eal_init(len(keep), ffi.new("char *[]", keep))
+        if rc < 0:
+            _eal_error = (f"rte_eal_init failed for genie-dpdk's data path: "
+                          f"{ffi.string(lib.gd_strerror(rc)).decode(errors='replace')} (rte_errno {-rc}; "
+                          f"arguments {' '.join(args[1:])})")
+            raise BackendUnavailableError(_eal_error)
+        _eal_started = True
+        log.info("DPDK EAL started for the data path (%s)", " ".join(args[1:]))
+    return ffi, lib
+
+
+class Port:
+    """One DPDK port (a vdev: ``net_memif...`` or ``net_af_packet...``), configured and started."""
+
+    def __init__(self, driver: str, args: str, mtu: int) -> None:
+        self.ffi, self.lib = ensure_eal()
+        self.name = f"{driver}_{uuid.uuid4().hex[:10]}"
+        rc = self.lib.gd_port_open(self.name.encode(), args.encode(), mtu, MBUFS_PER_PORT)
+        if rc < 0:
+            why = self.ffi.string(self.lib.gd_strerror(rc)).decode(errors="replace")
+            raise BackendUnavailableError(f"DPDK could not open {driver} ({args}): {why} (errno {-rc})")
+        self.id = rc
+        self.mtu = mtu
+        self._closed = False
+
+    @property
+    def mac(self) -> bytes:
+        out = self.ffi.new("uint8_t[6]")
+        self.lib.gd_port_mac(self.id, out)
+        return bytes(out)
+
+    def link_up(self) -> bool:
+        return bool(self.lib.gd_port_link_up(self.id))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.lib.gd_port_close(self.id, self.name.encode())
+
+
+class Stream:
+    """A reliable byte stream over ``port`` to one peer (the shim's channel); the engine runs while any is open."""
+
+    def __init__(self, port: Port, chan_id: int, server_side: bool, peer_mac: bytes, mss: int) -> None:
+        global _streams
+        self.port = port
+        self.ffi, self.lib = port.ffi, port.lib
+        self._users = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        handle = self.lib.gd_chan_new(port.id, chan_id, int(server_side), peer_mac, mss)
+        if handle == self.ffi.NULL:
+            raise BackendUnavailableError("the DPDK shim has no room for another channel (64 per process)")
+        self._handle = handle
+        with _lock:
+            _streams += 1
+            rc = self.lib.gd_engine_start()
+        if rc < 0:
+            self.close()
+            raise BackendUnavailableError(f"cannot start the DPDK polling thread (errno {-rc})")
+
+    def set_loss(self, probability: float, seed: int) -> None:
+        """Drop received frames with ``probability`` (seeded), before the protocol sees them: tests only."""
+        self.lib.gd_chan_set_loss(self._handle, int(probability * 1_000_000), seed)
+
+    def send(self, view: memoryview, timeout: float | None) -> None:
+        """Every byte of ``view``, acknowledged by the peer; ConnectionClosedError on timeout or close."""
+        with self._use() as handle:
+            rc = self.lib.gd_send(handle, self.ffi.from_buffer(view), view.nbytes, -1.0 if timeout is None else timeout)
+        self._check(rc, "send", timeout)
+
+    def recv_into(self, view: memoryview, timeout: float | None) -> None:
+        """Exactly ``view.nbytes`` bytes of the stream into ``view``."""
+        with self._use() as handle:
+            buf = self.ffi.from_buffer(view, require_writable=True)
+            rc = self.lib.gd_recv(handle, buf, view.nbytes, -1.0 if timeout is None else timeout)
+        self._check(rc, "receive", timeout)
+
+    def stats(self) -> dict[str, int]:
+        """Frames sent, retransmitted, received, dropped by injection, duplicates; smoothed RTT (µs)."""
+        out = self.ffi.new("uint64_t[8]")
+        with self._use() as handle:
+            self.lib.gd_chan_stats(handle, out)
+        return dict(zip(STAT_NAMES, (int(v) for v in out), strict=False))
+
+    def close(self, wait: float = 5.0) -> None:
+        """Wake every waiter, wait (bounded) until they left, free the channel and its port; stop the engine
+        when this was the last stream. A waiter that never leaves keeps the memory (leaked, not freed
+        under it)."""
+        global _streams
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self.lib.gd_chan_close(self._handle)
+            left = self._cond.wait_for(lambda: self._users == 0, timeout=wait)
+        if not left:
+            log.warning("a thread is still inside a DPDK call after close; the channel's memory is kept")
+            return
+        self.lib.gd_chan_free(self._handle)
+        self.port.close()
+        with _lock:
+            _streams -= 1
+            if _streams == 0:
+                self.lib.gd_engine_stop()
+
+    def _check(self, rc: int, what: str, timeout: float | None) -> None:
+        if rc == 0:
+            return
+        if rc == -110:  # ETIMEDOUT
+            raise ConnectionClosedError(f"DPDK {what} timed out after {timeout:g} s (the peer stopped "
+                                        "acknowledging or sending)")
+        raise ConnectionClosedError(f"DPDK stream closed during {what}")
+
+    def _use(self) -> _InUse:
+        return _InUse(self)
+
+
+class _InUse:
+    """Counts a thread inside a shim call, so close() frees nothing under it."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> Any:
+        with self.stream._cond:
+            if self.stream._closed:
+                raise ConnectionClosedError("the DPDK stream is closed")
+            self.stream._users += 1
+        return self.stream._handle
+
+    def __exit__(self, *exc: object) -> None:
+        with self.stream._cond:
+            self.stream._users -= 1
+            self.stream._cond.notify_all()
+
+
+def engine_running() -> bool:
+    """Whether the polling thread runs now (False when the shim is not built)."""
+    try:
+        _, lib = load_shim()
+    except BackendUnavailableError:
+        return False
+    return bool(lib.gd_engine_running())
