@@ -21,6 +21,8 @@ transport authors.
 
 from __future__ import annotations
 
+import socket
+import ssl
 import struct
 import threading
 from collections.abc import Sequence
@@ -150,6 +152,24 @@ class RecordChannel(ChannelLifecycle):
                 raise ConnectionClosedError(f"{self.peer} refused the {self._protocol} upgrade: "
                                             f"{answer.decode('utf-8', 'replace')}")
             return answer
+
+    def _check_peer_alive(self) -> None:
+        """Raise (closing) when the control stream shows the peer is gone; consumes nothing.
+
+        For waits on the backend's own path (an RDMA READ, DPDK acknowledgements), where a dead
+        peer would otherwise be noticed only at the timeout.
+        """
+        sock = getattr(self.inner, "_sock", None)
+        if sock is None:
+            return
+        try:
+            data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+            return
+        except OSError as exc:
+            raise self._failed(f"connection to {self.peer} failed: {exc}") from exc
+        if data == b"":
+            raise self._failed(f"{self.peer} closed the connection during a transfer")
 
     def _unexpected(self, kind: int, length: int) -> Exception:
         """Close and return the error for a record this protocol does not allow here."""

@@ -123,7 +123,7 @@ class DpdkChannel(RecordChannel):
                         self._send_inline(small)
                         small = []
                     self.inner.sendv([RECORD.pack(DATA, view.nbytes)])
-                    self.stream.send(view, self._timeout)
+                    self.stream.send(view, self._timeout, self._check_peer_alive)
                 if small:
                     self._send_inline(small)
             except ConnectionClosedError as exc:
@@ -279,7 +279,7 @@ class DpdkChannel(RecordChannel):
         if self._data_left:
             n = min(self._data_left, view.nbytes)
             assert self.stream is not None
-            self.stream.recv_into(view[:n], self._timeout)
+            self.stream.recv_into(view[:n], self._timeout, self._check_peer_alive)
             self._data_left -= n
             return n
         while not self._rec_left:

@@ -17,7 +17,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
+from collections.abc import Callable
+from errno import EAGAIN
 from typing import Any
 
 from genie.errors import BackendUnavailableError, ConnectionClosedError
@@ -31,6 +34,9 @@ MEMORY_MB = int(os.environ.get("GENIE_DPDK_MEMORY_MB", "256"))
 MBUFS_PER_PORT = 4095
 #: The engine's statistics, in the order gd_chan_stats writes them.
 STAT_NAMES = ("tx_frames", "retransmits", "rx_frames", "injected_drops", "duplicates", "srtt_us")
+
+#: How often a waiting send or receive looks at its deadline and the peer (s).
+SLICE = 0.1
 
 _lock = threading.Lock()
 _eal_error: str | None = None
@@ -84,6 +90,10 @@ def ensure_eal() -> tuple[Any, Any]:
         _eal_started = True
         log.info("DPDK EAL started for the data path (%s)", " ".join(args[1:]))
     return ffi, lib
+
+
+def _nothing() -> None:
+    """The default liveness check: none."""
 
 
 class Port:
@@ -140,18 +150,51 @@ class Stream:
         """Drop received frames with ``probability`` (seeded), before the protocol sees them: tests only."""
         self.lib.gd_chan_set_loss(self._handle, int(probability * 1_000_000), seed)
 
-    def send(self, view: memoryview, timeout: float | None) -> None:
-        """Every byte of ``view``, acknowledged by the peer; ConnectionClosedError on timeout or close."""
-        with self._use() as handle:
-            rc = self.lib.gd_send(handle, self.ffi.from_buffer(view), view.nbytes, -1.0 if timeout is None else timeout)
-        self._check(rc, "send", timeout)
+    def send(self, view: memoryview, timeout: float | None, alive: Callable[[], None] = _nothing) -> None:
+        """Every byte of ``view``, acknowledged by the peer; ConnectionClosedError on timeout or close.
 
-    def recv_into(self, view: memoryview, timeout: float | None) -> None:
-        """Exactly ``view.nbytes`` bytes of the stream into ``view``."""
+        ``alive`` runs every :data:`SLICE` s while waiting and raises when the peer is known gone
+        (the channel checks its TCP stream), so a dead peer is noticed long before the timeout.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._use() as handle:
+            buf = self.ffi.from_buffer(view)
+            if self.lib.gd_send_post(handle, buf, view.nbytes) < 0:
+                raise ConnectionClosedError("the DPDK stream is closed")
+            try:
+                while True:
+                    rc = self.lib.gd_send_wait(handle, SLICE)
+                    if rc == 0:
+                        return
+                    if rc != -EAGAIN:
+                        raise ConnectionClosedError("the DPDK stream closed during a send")
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise ConnectionClosedError(f"DPDK send timed out after {timeout:g} s (the peer stopped "
+                                                    "acknowledging)")
+                    alive()
+            except BaseException:
+                self.lib.gd_fail(handle)  # the engine lets go of ``buf`` before it is released
+                raise
+
+    def recv_into(self, view: memoryview, timeout: float | None, alive: Callable[[], None] = _nothing) -> None:
+        """Exactly ``view.nbytes`` bytes of the stream into ``view`` (``alive`` as for :meth:`send`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._use() as handle:
             buf = self.ffi.from_buffer(view, require_writable=True)
-            rc = self.lib.gd_recv(handle, buf, view.nbytes, -1.0 if timeout is None else timeout)
-        self._check(rc, "receive", timeout)
+            got, want = 0, view.nbytes
+            while got < want:
+                n = self.lib.gd_recv(handle, buf + got, want - got, SLICE)
+                if n < 0:
+                    raise ConnectionClosedError("the DPDK stream closed during a receive")
+                if n:
+                    got += n
+                    if deadline is not None:
+                        deadline = time.monotonic() + timeout  # type: ignore[operator]  # progress restarts it
+                    continue
+                if deadline is not None and time.monotonic() > deadline:
+                    self.lib.gd_fail(handle)
+                    raise ConnectionClosedError(f"DPDK receive timed out after {timeout:g} s (no bytes arrived)")
+                alive()
 
     def stats(self) -> dict[str, int]:
         """Frames sent, retransmitted, received, dropped by injection, duplicates; smoothed RTT (µs)."""
@@ -180,14 +223,6 @@ class Stream:
             _streams -= 1
             if _streams == 0:
                 self.lib.gd_engine_stop()
-
-    def _check(self, rc: int, what: str, timeout: float | None) -> None:
-        if rc == 0:
-            return
-        if rc == -110:  # ETIMEDOUT
-            raise ConnectionClosedError(f"DPDK {what} timed out after {timeout:g} s (the peer stopped "
-                                        "acknowledging or sending)")
-        raise ConnectionClosedError(f"DPDK stream closed during {what}")
 
     def _use(self) -> _InUse:
         return _InUse(self)

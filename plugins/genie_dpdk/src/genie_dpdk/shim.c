@@ -25,6 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <rte_alarm.h>
 #include <rte_bus_vdev.h>
 #include <rte_cycles.h>
 #include <rte_eal.h>
@@ -190,7 +191,7 @@ int gd_port_link_up(uint16_t port) {
     return link.link_status == RTE_ETH_LINK_UP;
 }
 
-void gd_port_close(uint16_t port, const char *name) {
+static void port_close_now(uint16_t port, const char *name) {
     struct rte_mempool *pool = port < RTE_MAX_ETHPORTS ? port_pool[port] : NULL;
     if (pool != NULL)
         port_pool[port] = NULL;
@@ -199,6 +200,38 @@ void gd_port_close(uint16_t port, const char *name) {
     rte_vdev_uninit(name);
     if (pool != NULL)
         rte_mempool_free(pool);
+}
+
+struct close_req {
+    uint16_t port;
+    const char *name;
+    int done;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+};
+
+static void close_on_intr_thread(void *arg) {
+    struct close_req *r = arg;
+    port_close_now(r->port, r->name);
+    pthread_mutex_lock(&r->mu);
+    r->done = 1;
+    pthread_cond_signal(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
+
+/* Stop, close and remove a port. It runs on EAL's interrupt thread (an alarm): memif handles its
+ * peer's messages there, and removing a port from another thread while a message for it is being
+ * handled crashes DPDK 22.11's memif. */
+void gd_port_close(uint16_t port, const char *name) {
+    struct close_req r = {port, name, 0, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+    if (rte_eal_alarm_set(1, close_on_intr_thread, &r) != 0) {
+        port_close_now(port, name);
+        return;
+    }
+    pthread_mutex_lock(&r.mu);
+    while (!r.done)
+        pthread_cond_wait(&r.cv, &r.mu);
+    pthread_mutex_unlock(&r.mu);
 }
 
 /* ---- channels ------------------------------------------------------------------------- */
@@ -298,16 +331,11 @@ static void deadline_of(struct timespec *ts, double timeout) {
     }
 }
 
-/* Send `len` bytes of `buf`; returns when the peer acknowledged all of them (0),
- * -ETIMEDOUT after `timeout` s (< 0: forever), -EPIPE when closed. */
-int gd_send(struct gd_chan *c, const uint8_t *buf, uint64_t len, double timeout) {
-    if (len == 0)
-        return 0;
-    struct timespec ts;
-    if (timeout >= 0)
-        deadline_of(&ts, timeout);
+/* Post a send of `len` bytes of `buf` (one at a time per channel); the engine moves it, gd_send_wait
+ * waits for the peer's acknowledgement. `buf` must stay valid until then. 0 or -EPIPE (closed). */
+int gd_send_post(struct gd_chan *c, const uint8_t *buf, uint64_t len) {
     pthread_mutex_lock(&c->mu);
-    if (c->closed || c->error) {
+    if (c->closed || c->error || c->tx_active) {
         pthread_mutex_unlock(&c->mu);
         return -EPIPE;
     }
@@ -315,46 +343,61 @@ int gd_send(struct gd_chan *c, const uint8_t *buf, uint64_t len, double timeout)
     c->tx_len = len;
     c->tx_first = c->snd_nxt;
     c->tx_end = c->tx_first + (len + c->mss - 1) / c->mss;
-    c->tx_active = 1;
+    c->tx_active = len > 0;
+    pthread_mutex_unlock(&c->mu);
+    return 0;
+}
+
+/* Wait up to `slice` s for the posted send: 0 when every byte is acknowledged, -EAGAIN when not yet,
+ * -EPIPE when the channel closed or failed. */
+int gd_send_wait(struct gd_chan *c, double slice) {
+    struct timespec ts;
+    deadline_of(&ts, slice);
+    pthread_mutex_lock(&c->mu);
     int rc = 0;
-    while (c->snd_una < c->tx_end && !c->closed && !c->error) {
-        if (timeout < 0)
-            pthread_cond_wait(&c->cv, &c->mu);
-        else if (pthread_cond_timedwait(&c->cv, &c->mu, &ts) == ETIMEDOUT) {
-            rc = -ETIMEDOUT;
+    while (c->tx_active && c->snd_una < c->tx_end) {
+        if (c->closed || c->error) {
+            rc = -EPIPE;
+            break;
+        }
+        if (pthread_cond_timedwait(&c->cv, &c->mu, &ts) == ETIMEDOUT) {
+            rc = c->snd_una < c->tx_end ? -EAGAIN : 0;
             break;
         }
     }
-    if (rc == 0 && c->snd_una < c->tx_end)
-        rc = -EPIPE;
-    if (rc != 0)
-        c->error = 1; /* the stream position is lost: the channel cannot go on */
-    c->tx_active = 0;
-    c->tx_buf = NULL;
+    if (rc != -EAGAIN) {
+        c->tx_active = 0;
+        c->tx_buf = NULL;
+    }
     pthread_mutex_unlock(&c->mu);
     return rc;
 }
 
-/* Receive exactly `len` bytes into `buf` (0), -ETIMEDOUT or -EPIPE. */
-int gd_recv(struct gd_chan *c, uint8_t *buf, uint64_t len, double timeout) {
+/* Give up on the posted send: the stream position is lost, so the channel fails for good. */
+void gd_fail(struct gd_chan *c) {
+    pthread_mutex_lock(&c->mu);
+    c->error = 1;
+    c->tx_active = 0;
+    c->tx_buf = NULL;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* Receive up to `len` bytes into `buf`, waiting at most `slice` s for the first ones: how many
+ * arrived (0 when none in time), or -EPIPE when the channel closed or failed. */
+int64_t gd_recv(struct gd_chan *c, uint8_t *buf, uint64_t len, double slice) {
     struct timespec ts;
-    if (timeout >= 0)
-        deadline_of(&ts, timeout);
+    deadline_of(&ts, slice);
     uint64_t got = 0;
     pthread_mutex_lock(&c->mu);
     while (got < len) {
         if (c->closed || c->error) {
             pthread_mutex_unlock(&c->mu);
-            return -EPIPE;
+            return got ? (int64_t)got : -EPIPE;
         }
         if (c->rcv_read == c->rcv_nxt) {
-            if (timeout < 0)
-                pthread_cond_wait(&c->cv, &c->mu);
-            else if (pthread_cond_timedwait(&c->cv, &c->mu, &ts) == ETIMEDOUT) {
-                c->error = 1;
-                pthread_mutex_unlock(&c->mu);
-                return -ETIMEDOUT;
-            }
+            if (got || pthread_cond_timedwait(&c->cv, &c->mu, &ts) == ETIMEDOUT)
+                break;
             continue;
         }
         /* Slots in [rcv_read, rcv_nxt) are complete and the engine leaves them alone: copy unlocked. */
@@ -383,7 +426,7 @@ int gd_recv(struct gd_chan *c, uint8_t *buf, uint64_t len, double timeout) {
         c->read_off = off;
     }
     pthread_mutex_unlock(&c->mu);
-    return 0;
+    return (int64_t)got;
 }
 
 /* ---- the engine ----------------------------------------------------------------------- */

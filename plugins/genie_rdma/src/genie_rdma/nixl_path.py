@@ -312,17 +312,6 @@ class RdmaChannel(RecordChannel):
             pause = min(0.0005, pause + 0.00002)
             time.sleep(pause)
 
-    def _check_peer_alive(self) -> None:
-        sock = self.inner._sock
-        try:
-            data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            raise self._failed(f"connection to {self.peer} failed while sending: {exc}") from exc
-        if data == b"":
-            raise self._failed(f"{self.peer} closed the connection during an RDMA transfer")
-
     def _recv_some(self, view: memoryview) -> int:
         taken = self._take_pending(view)
         if taken:
