@@ -73,8 +73,13 @@ def af_packet_port(name: str) -> Port:
     if not re.fullmatch(r"[\w.-]{1,15}", name):
         raise BackendUnavailableError(f"GENIE_DPDK_IFACE={name!r} is not an interface name")
     mtu = interface_mtu(name)
-    frame = 16384 if mtu > 1500 else 2048  # a multiple of 16 holding the frame and af_packet's header
-    return Port("net_af_packet", f"iface={name},framesz={frame},blocksz={frame * 4},framecnt=2048,qpairs=1", mtu)
+    # A ring slot holds the frame after the kernel's tpacket header and alignment (80 bytes before the
+    # frame on receive: a tighter slot truncates the frame). The PMD addresses slot i at i * framesz,
+    # so a block must hold a whole number of slots with nothing left over; its mbufs take a full slot.
+    frame, block = next((f, b) for f, b in ((2048, 16384), (4096, 16384), (8192, 16384), (10240, 40960))
+                        if f >= mtu + 14 + 80)
+    count = 1024
+    return Port("net_af_packet", f"iface={name},framesz={frame},blocksz={block},framecnt={count},qpairs=1", mtu)
 
 
 def memif_port(socket_path: str, server: bool) -> Port:

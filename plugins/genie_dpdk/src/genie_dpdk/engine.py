@@ -135,6 +135,8 @@ class Stream:
         self._users = 0
         self._cond = threading.Condition()
         self._closed = False
+        self._freed = False
+        self._final: dict[str, int] = {}
         handle = self.lib.gd_chan_new(port.id, chan_id, int(server_side), peer_mac, mss)
         if handle == self.ffi.NULL:
             raise BackendUnavailableError("the DPDK shim has no room for another channel (64 per process)")
@@ -197,26 +199,38 @@ class Stream:
                 alive()
 
     def stats(self) -> dict[str, int]:
-        """Frames sent, retransmitted, received, dropped by injection, duplicates; smoothed RTT (µs)."""
-        out = self.ffi.new("uint64_t[8]")
-        with self._use() as handle:
-            self.lib.gd_chan_stats(handle, out)
+        """Frames sent, retransmitted, received, dropped by injection, duplicates; smoothed RTT (µs).
+
+        After close: the counters as they were when the stream was freed."""
+        with self._cond:
+            if self._freed or self._closed:
+                return dict(self._final)
+            out = self.ffi.new("uint64_t[8]")
+            self.lib.gd_chan_stats(self._handle, out)
         return dict(zip(STAT_NAMES, (int(v) for v in out), strict=False))
 
-    def close(self, wait: float = 5.0) -> None:
-        """Wake every waiter, wait (bounded) until they left, free the channel and its port; stop the engine
-        when this was the last stream. A waiter that never leaves keeps the memory (leaked, not freed
-        under it)."""
-        global _streams
+    def close(self) -> None:
+        """Wake every waiter (they raise ConnectionClosedError); the channel and its port are freed
+        when the last thread inside a call has left (at once when none is), the polling thread
+        stops with the last stream of the process. Safe from a thread inside a call."""
         with self._cond:
             if self._closed:
                 return
+            out = self.ffi.new("uint64_t[8]")
+            self.lib.gd_chan_stats(self._handle, out)
+            self._final = dict(zip(STAT_NAMES, (int(v) for v in out), strict=False))
             self._closed = True
             self.lib.gd_chan_close(self._handle)
-            left = self._cond.wait_for(lambda: self._users == 0, timeout=wait)
-        if not left:
-            log.warning("a thread is still inside a DPDK call after close; the channel's memory is kept")
-            return
+            if self._users:
+                return  # the last one out frees (see _InUse)
+        self._free()
+
+    def _free(self) -> None:
+        global _streams
+        with self._cond:
+            if self._freed:
+                return
+            self._freed = True
         self.lib.gd_chan_free(self._handle)
         self.port.close()
         with _lock:
@@ -244,7 +258,9 @@ class _InUse:
     def __exit__(self, *exc: object) -> None:
         with self.stream._cond:
             self.stream._users -= 1
-            self.stream._cond.notify_all()
+            last = self.stream._closed and self.stream._users == 0
+        if last:
+            self.stream._free()
 
 
 def engine_running() -> bool:

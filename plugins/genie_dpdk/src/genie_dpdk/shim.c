@@ -140,7 +140,7 @@ int gd_port_open(const char *name, const char *args, uint32_t mtu, uint32_t nmbu
         return -ENODEV;
     char pool_name[RTE_MEMPOOL_NAMESIZE];
     snprintf(pool_name, sizeof pool_name, "gd%u_%s", port, name + (strlen(name) > 20 ? strlen(name) - 20 : 0));
-    uint32_t room = mtu + RTE_ETHER_HDR_LEN + 64 + RTE_PKTMBUF_HEADROOM;
+    uint32_t room = mtu + 1280 + RTE_PKTMBUF_HEADROOM; /* the frame and a whole af_packet ring slot */
     struct rte_mempool *pool = rte_pktmbuf_pool_create(pool_name, nmbufs, 256, 0, room, SOCKET_ID_ANY);
     if (pool == NULL) {
         rc = -rte_errno;
