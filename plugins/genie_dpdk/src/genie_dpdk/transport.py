@@ -84,6 +84,10 @@ def result_from_report(report: eal.EalReport, name: str = "dpdk", priority: int 
         return ProbeResult(name, False, "library_missing", f"{engine.NO_SHIM} (the EAL itself started: "
                            f"{report.version or 'DPDK'}, ports {', '.join(report.ports) or 'none'})",
                            priority=priority, details=details)
+    problem = data_port_problem(report.libs)
+    if problem:
+        details["data_path_note"] = problem[1]
+        return ProbeResult(name, False, problem[0], problem[1], priority=priority, details=details)
     if not report.ports:
         return ProbeResult(name, False, "no_ports", "EAL started but no Ethernet port is available "
                            "(check GENIE_DPDK_EAL_ARGS and that the NIC is bound to a DPDK driver)",
@@ -96,6 +100,25 @@ def result_from_report(report: eal.EalReport, name: str = "dpdk", priority: int 
         f"{report.version or 'DPDK'}: EAL started, {len(report.ports)} port(s) ({', '.join(report.ports)}; {kind})",
         priority=priority, figures=declared_figures(), details=details,
     )
+
+
+def data_port_problem(libs: dict[str, str | None]) -> tuple[str, str] | None:
+    """(reason code, text) when the data path's port cannot open here: its driver or interface missing."""
+    import os
+
+    from genie_dpdk.channel import interface_mtu
+
+    iface = interface()
+    driver, package = ("net_af_packet", "librte-net-af-packet23") if iface else ("net_memif", "librte-net-memif23")
+    dirs = [d for d in eal.pmd_dirs(libs) if os.path.isdir(d)]
+    if dirs and not any(f.startswith(f"librte_{driver}.so") for d in dirs for f in os.listdir(d)):
+        return "library_missing", f"DPDK's {driver} driver is not installed (apt install {package})"
+    if iface:
+        try:
+            interface_mtu(iface)
+        except BackendUnavailableError as exc:
+            return "no_ports", str(exc)
+    return None
 
 
 def _greet(tcp: TcpChannel) -> DpdkChannel | None:
