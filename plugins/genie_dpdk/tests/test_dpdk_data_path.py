@@ -1,7 +1,7 @@
 """genie-dpdk's data path for real: memif between two processes, af_packet over veth with injected loss.
 
 Every test runs real DPDK (Debian's 22.11, the shim built at install) in real processes;
-the two peers are ``dpdk_peer.py`` (server echoes, client checks every byte). The
+the two peers are :mod:`genie_dpdk.peer` (server echoes, client checks every byte). The
 af_packet tests need root for network namespaces (genie.testing's ``veth_namespaces``)
 and skip with the reason elsewhere. Each DPDK process polls a core while its channel is
 open, so transfers are kept small.
@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from genie_dpdk import engine
@@ -22,7 +21,6 @@ from genie_dpdk.transport import DpdkTransport
 from genie.errors import BackendUnavailableError
 from genie.testing import VethPair
 
-PEER = str(Path(__file__).with_name("dpdk_peer.py"))
 requires_shim = pytest.mark.skipif(not engine.shim_built(), reason=engine.NO_SHIM)
 pytestmark = requires_shim
 
@@ -36,13 +34,13 @@ def _exchange(server_prefix: list[str], client_prefix: list[str], host: str, ser
               client_env: dict[str, str], nbytes: int, seed: int) -> tuple[dict, dict]:
     """Run the echo server on ``host`` and the client (each under its command prefix: a namespace);
     both reports (the client's checked every byte)."""
-    server = subprocess.Popen([*server_prefix, sys.executable, PEER, "serve", host],
+    server = subprocess.Popen([*server_prefix, sys.executable, "-m", "genie_dpdk.peer", "serve", host],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=server_env)
     try:
         assert server.stdout is not None
         port = server.stdout.readline().strip()
         assert port.isdigit(), server.communicate(timeout=30)[1]
-        client = subprocess.run([*client_prefix, sys.executable, PEER, "client", host, port, str(nbytes), str(seed)],
+        client = subprocess.run([*client_prefix, sys.executable, "-m", "genie_dpdk.peer", "client", host, port, str(nbytes), str(seed)],
                                 capture_output=True, text=True, timeout=120, env=client_env)
         assert client.returncode == 0, client.stdout + client.stderr
         out, err = server.communicate(timeout=60)

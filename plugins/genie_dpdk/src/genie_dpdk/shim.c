@@ -5,8 +5,8 @@
  *
  * Frames (Ethernet, ethertype 0x88B5) carry a 40-byte header (struct gd_hdr):
  *   DATA  segment `seq` of the sender's stream, `len` payload bytes;
- *   ACK   every segment < `seq` arrived (cumulative), `sack` bit i: segment seq+1+i
- *         arrived too; the sender may send segments < `limit` (the receiver's window);
+ *   ACK   every segment < `seq` arrived (cumulative); its payload, SACK_WORDS 64-bit words, has
+ *         bit i set when segment seq+1+i arrived too (the whole window); the sender may send segments < `limit` (the receiver's window);
  *   PROBE the sender's window is closed and nothing is in flight: answer with an ACK.
  * The receiver keeps NSLOT segment slots (selective repeat: out-of-order segments are
  * kept); the sender retransmits a segment after its timeout or when a later one was
@@ -43,6 +43,7 @@
 #define T_DATA 1
 #define T_ACK 2
 #define T_PROBE 3
+#define SACK_WORDS (NSLOT / 64)
 
 struct gd_hdr {
     uint32_t chan;
@@ -51,7 +52,7 @@ struct gd_hdr {
     uint16_t len;
     uint32_t pad;
     uint64_t seq;
-    uint64_t sack;
+    uint64_t spare;
     uint64_t limit;
 } __attribute__((packed));
 
@@ -451,15 +452,16 @@ static struct rte_mbuf *frame(struct gd_chan *c, uint8_t type, uint64_t seq, con
     h->len = len;
     h->seq = seq;
     if (type == T_ACK) {
-        uint64_t sack = 0;
-        for (int i = 0; i < 64; i++)
-            if (c->have[(c->rcv_nxt + 1 + i) % NSLOT] && c->rcv_nxt + 1 + i < c->rcv_read + NSLOT)
-                sack |= 1ULL << i;
-        h->sack = sack;
+        uint64_t sack[SACK_WORDS];
+        memset(sack, 0, sizeof sack);
+        for (uint64_t s = c->rcv_nxt + 1; s < c->rcv_read + NSLOT && s - c->rcv_nxt - 1 < NSLOT; s++)
+            if (c->have[s % NSLOT])
+                sack[(s - c->rcv_nxt - 1) / 64] |= 1ULL << ((s - c->rcv_nxt - 1) % 64);
         h->limit = c->rcv_read + NSLOT;
-    }
-    if (len)
+        memcpy((uint8_t *)(h + 1), sack, sizeof sack);
+    } else if (len) {
         memcpy((uint8_t *)(h + 1), payload, len);
+    }
     return m;
 }
 
@@ -469,6 +471,8 @@ static void send_frames(struct gd_chan *c, struct rte_mbuf **ms, uint64_t *seqs,
     for (int i = 0; i < n; i++) {
         if (i < sent) {
             c->tx_frames++;
+            if (seqs[i] != UINT64_MAX && !is_new[i])
+                c->retransmits++;
             if (seqs[i] != UINT64_MAX)
                 c->sent_tsc[seqs[i] % NSLOT] = now;
             continue;
@@ -490,7 +494,7 @@ static void pump_tx(struct gd_chan *c, uint64_t now) {
     int is_new[BURST];
     int n = 0;
     if (c->ack_due) {
-        struct rte_mbuf *m = frame(c, T_ACK, c->rcv_nxt, NULL, 0);
+        struct rte_mbuf *m = frame(c, T_ACK, c->rcv_nxt, NULL, SACK_WORDS * 8);
         if (m != NULL) {
             ms[n] = m;
             seqs[n] = UINT64_MAX;
@@ -501,15 +505,19 @@ static void pump_tx(struct gd_chan *c, uint64_t now) {
     if (c->tx_active && c->tx_buf != NULL) {
         for (uint64_t s = c->snd_una; s < c->snd_nxt && n < BURST; s++) {
             uint32_t slot = s % NSLOT;
-            if (c->acked[slot] || (c->sent_tsc[slot] && now - c->sent_tsc[slot] < c->rto_tsc))
+            /* Resend what SACK marked lost (sent_tsc 0) or what the ring refused; on a timeout only the
+             * oldest segment, with the timeout doubled until an ack comes (a stalled peer must not
+             * cost a whole window of spurious copies). */
+            if (c->acked[slot] || (c->sent_tsc[slot] && (s != c->snd_una || now - c->sent_tsc[slot] < c->rto_tsc)))
                 continue;
+            if (c->sent_tsc[slot] && c->rto_tsc < hz / 5)
+                c->rto_tsc *= 2;
             uint64_t off = (s - c->tx_first) * c->mss;
             uint16_t len = (uint16_t)(c->tx_len - off < c->mss ? c->tx_len - off : c->mss);
             struct rte_mbuf *m = frame(c, T_DATA, s, c->tx_buf + off, len);
             if (m == NULL)
                 break;
             c->retx[slot] = 1;
-            c->retransmits++;
             ms[n] = m;
             seqs[n] = s;
             is_new[n++] = 0;
@@ -558,7 +566,7 @@ static int drop_injected(struct gd_chan *c) {
     return (c->rng % 1000000) < c->loss_ppm;
 }
 
-static void on_ack(struct gd_chan *c, const struct gd_hdr *h, uint64_t now) {
+static void on_ack(struct gd_chan *c, const struct gd_hdr *h, const uint64_t *sack, uint64_t now) {
     if (h->limit > c->snd_limit)
         c->snd_limit = h->limit;
     uint64_t cum = h->seq;
@@ -573,18 +581,21 @@ static void on_ack(struct gd_chan *c, const struct gd_hdr *h, uint64_t now) {
         c->acked[slot] = 1;
         c->snd_una++;
     }
-    uint64_t rto = 3 * c->srtt_tsc + hz / 5000; /* + 200 us */
-    if (rto < hz / 2000)
-        rto = hz / 2000;
-    if (rto > hz / 20)
-        rto = hz / 20;
+    /* Twice the smoothed round trip plus 1 ms, within [2 ms, 200 ms]: a window of jumbo frames queues
+     * for milliseconds, and a shared machine stalls a process for as long; a spurious retransmission
+     * costs a frame, a late one only the tail of a transfer (SACK recovers holes sooner). */
+    uint64_t rto = 2 * c->srtt_tsc + hz / 1000;
+    if (rto < hz / 500)
+        rto = hz / 500;
+    if (rto > hz / 5)
+        rto = hz / 5;
     c->rto_tsc = rto;
     int highest = -1;
-    for (int i = 0; i < 64; i++) {
+    for (int i = 0; i < NSLOT - 1; i++) {
         uint64_t s = cum + 1 + i;
         if (s >= c->snd_nxt)
             break;
-        if (s >= c->snd_una && (h->sack >> i & 1)) {
+        if (s >= c->snd_una && (sack[i / 64] >> (i % 64) & 1)) {
             c->acked[s % NSLOT] = 1;
             highest = i;
         }
@@ -641,7 +652,13 @@ static void on_frame(struct gd_chan *c, struct rte_mbuf *m, uint64_t now) {
     }
     c->rx_frames++;
     if (h.type == T_ACK) {
-        on_ack(c, &h, now);
+        uint64_t sack[SACK_WORDS];
+        const void *bits = h.len == sizeof sack ? rte_pktmbuf_read(m, HDR_BYTES, sizeof sack, sack) : NULL;
+        if (bits == NULL)
+            return; /* a short or malformed ack: ignore it, a later one says the same */
+        if (bits != sack)
+            memcpy(sack, bits, sizeof sack); /* aligned copy of the bitmap */
+        on_ack(c, &h, sack, now);
     } else if (h.type == T_PROBE) {
         c->ack_due = 1;
     } else if (h.type == T_DATA) {

@@ -1,7 +1,7 @@
-"""One end of a DPDK channel in its own process (run by the data-path tests and the benchmark).
+"""One end of a DPDK channel in its own process (run by the data-path tests and benchmarks/bench_backends.py).
 
-    python dpdk_peer.py serve HOST              prints the port, then echoes each transfer back
-    python dpdk_peer.py client HOST PORT N SEED sends N seeded bytes, checks the echo, prints a JSON report
+    python -m genie_dpdk.peer serve HOST                prints the port, then echoes each transfer back
+    python -m genie_dpdk.peer client HOST PORT N SEED   sends N seeded bytes, checks the echo, prints a JSON report
 
 Each transfer is an 8-byte length then the bytes; the server echoes them back whole and
 the client compares every byte. A zero length ends the session. The DPDK port comes
@@ -17,6 +17,7 @@ import random
 import struct
 import sys
 import time
+from typing import Any
 
 from genie_dpdk import engine
 from genie_dpdk.transport import DpdkTransport
@@ -26,7 +27,7 @@ from genie.transport.base import handshake_complete
 LENGTH = struct.Struct("<Q")
 
 
-def recv_exact(channel, n: int) -> bytearray:
+def recv_exact(channel: Any, n: int) -> bytearray:
     buf = bytearray(n)
     channel.recv_into(memoryview(buf))
     return buf
