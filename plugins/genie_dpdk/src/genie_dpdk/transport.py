@@ -97,7 +97,8 @@ def result_from_report(report: eal.EalReport, name: str = "dpdk", priority: int 
     kind = "virtual" if virtual else "including physical"
     return ProbeResult(
         name, True, "ok",
-        f"{report.version or 'DPDK'}: EAL started, {len(report.ports)} port(s) ({', '.join(report.ports)}; {kind})",
+        f"{report.version or 'DPDK'}: EAL started, {len(report.ports)} port(s) ({', '.join(report.ports)}; {kind}); "
+        f"data path: {details['port_kind']}",
         priority=priority, figures=declared_figures(), details=details,
     )
 
