@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from genie.errors import ConnectionClosedError
-from genie.transport.base import ChannelLifecycle, flat_views
+from genie.transport.base import ChannelLifecycle
 
 if TYPE_CHECKING:
     from genie.transport.base import Channel

@@ -19,10 +19,9 @@ import sys
 import time
 from typing import Any
 
+from genie.transport.base import handshake_complete
 from genie_dpdk import engine
 from genie_dpdk.transport import DpdkTransport
-
-from genie.transport.base import handshake_complete
 
 LENGTH = struct.Struct("<Q")
 
