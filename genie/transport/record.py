@@ -26,10 +26,10 @@ import ssl
 import struct
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from genie.errors import ConnectionClosedError
-from genie.transport.base import ChannelLifecycle
+from genie.errors import ConnectionClosedError, TransportError
+from genie.transport.base import ChannelLifecycle, MemoryRegion, host_view, region_view
 
 if TYPE_CHECKING:
     from genie.transport.base import Channel
@@ -87,6 +87,43 @@ class RecordChannel(ChannelLifecycle):
         self._send_lock = threading.Lock()
         self._rec_left = 0  # bytes left of the INLINE record being read
         self._pending = bytearray()  # stream bytes that arrived while the client waited for UPGRADE_OK
+
+    def _recv_some(self, view: memoryview) -> int:  # pragma: no cover - every subclass defines it
+        """Receive at least one and at most ``view.nbytes`` bytes of the stream into ``view``."""
+        raise NotImplementedError
+
+    def recv_into(self, view: memoryview) -> None:
+        """Fill ``view`` exactly (through ``_recv_some``); a failure closes the channel and raises
+        ConnectionClosedError naming the peer."""
+        self._check_open("receive from")
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        got = 0
+        try:
+            while got < view.nbytes:
+                got += self._recv_some(view[got:])
+        except ConnectionClosedError as exc:
+            if self._closed:
+                raise
+            raise self._failed(f"receive from {self.peer} failed: {exc}") from exc
+        except (OSError, ValueError, TransportError) as exc:
+            raise self._failed(f"connection to {self.peer} failed while receiving: {exc}") from exc
+
+    # -- the bulk path for host memory (a backend taking device memory overrides these) ----------
+    def register(self, buffer: Any) -> MemoryRegion:
+        """Host memory; nothing to pin (the backend copies from and into it)."""
+        return MemoryRegion(host_view(buffer))
+
+    def deregister(self, region: MemoryRegion) -> None:
+        """Nothing to release."""
+
+    def send_region(self, region: MemoryRegion, offset: int = 0, nbytes: int | None = None) -> None:
+        self.sendv([region_view(region, offset, nbytes)])
+
+    def recv_region(self, region: MemoryRegion, offset: int = 0, nbytes: int | None = None) -> None:
+        self.recv_into(region_view(region, offset, nbytes))
+
+    def sendv(self, buffers: Sequence[Any]) -> None:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
 
     def settimeout(self, seconds: float | None) -> None:
         """Bound each blocking send or receive on the control stream (None: forever)."""

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from genie.errors import BackendUnavailableError, ConnectionClosedError, TransportError
-from genie.transport.base import Buffer, Capabilities, MemoryRegion, flat_views, host_view, region_view
+from genie.transport.base import Buffer, Capabilities, flat_views
 from genie.transport.record import DATA, INLINE, RECORD, UPGRADE, UPGRADE_OK, RecordChannel, read_body, read_header
 from genie_dpdk.engine import Port, Stream
 
@@ -134,20 +134,6 @@ class DpdkChannel(RecordChannel):
             except ConnectionClosedError as exc:
                 raise self._failed(f"send to {self.peer} failed: {exc}") from exc
 
-    def recv_into(self, view: memoryview) -> None:
-        self._check_open("receive from")
-        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        got = 0
-        try:
-            while got < view.nbytes:
-                got += self._recv_some(view[got:])
-        except ConnectionClosedError as exc:
-            if self._closed:
-                raise
-            raise self._failed(f"receive from {self.peer} failed: {exc}") from exc
-        except (OSError, ValueError, TransportError) as exc:
-            raise self._failed(f"connection to {self.peer} failed while receiving: {exc}") from exc
-
     def close(self) -> None:
         """Close TCP, then the DPDK stream and its port (the polling thread stops with the last stream)."""
         if not self._begin_close():
@@ -160,21 +146,9 @@ class DpdkChannel(RecordChannel):
 
     # -- bulk path ---------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
-        """A native bulk path for host memory over DPDK frames."""
+        """A native bulk path for host memory over DPDK frames (GPU memory through DPDK is genie-gpudev's,
+        hardware only); regions as for every record channel."""
         return Capabilities("dpdk", bulk=True, device_memory=("cpu",))
-
-    def register(self, buffer: Any) -> MemoryRegion:
-        """Host memory only (GPU memory through DPDK is genie-gpudev's, hardware only)."""
-        return MemoryRegion(host_view(buffer))
-
-    def deregister(self, region: MemoryRegion) -> None:
-        """Nothing to release: frames are copied from and into the region."""
-
-    def send_region(self, region: MemoryRegion, offset: int = 0, nbytes: int | None = None) -> None:
-        self.sendv([region_view(region, offset, nbytes)])
-
-    def recv_region(self, region: MemoryRegion, offset: int = 0, nbytes: int | None = None) -> None:
-        self.recv_into(region_view(region, offset, nbytes))
 
     def stats(self) -> dict[str, int]:
         """The DPDK stream's counters (empty before the upgrade)."""

@@ -175,18 +175,6 @@ class RdmaChannel(RecordChannel):
                 self._send_bulk(host_view(view), "DRAM", 0)
             self._send_inline(small)
 
-    def recv_into(self, view: memoryview) -> None:
-        self._check_open("receive from")
-        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        got = 0
-        try:
-            while got < view.nbytes:
-                got += self._recv_some(view[got:])
-        except ConnectionClosedError:
-            raise
-        except (OSError, ValueError, TransportError) as exc:
-            raise self._failed(f"connection to {self.peer} failed while receiving: {exc}") from exc
-
     def close(self) -> None:
         if not self._begin_close():
             return

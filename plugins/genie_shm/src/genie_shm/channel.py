@@ -50,10 +50,7 @@ from genie.errors import ConnectionClosedError, TransportError
 from genie.transport.base import (
     Buffer,
     Capabilities,
-    MemoryRegion,
     flat_views,
-    host_view,
-    region_view,
 )
 from genie.transport.record import DATA, INLINE, MAX_IOV, RECORD, UPGRADE, UPGRADE_NO, UPGRADE_OK, RecordChannel
 from genie_shm.ring import create_ring, map_peer_ring
@@ -200,18 +197,6 @@ class ShmChannel(RecordChannel):
         """A native bulk path for host memory through the rings; same host only."""
         return Capabilities("shm", bulk=True, device_memory=("cpu",), same_host_only=True)
 
-    def register(self, buffer: Any) -> MemoryRegion:
-        """Host memory only; nothing to pin (the ring is the registered memory)."""
-        return MemoryRegion(host_view(buffer))
-
-    def deregister(self, region: MemoryRegion) -> None:
-        """Nothing to release."""
-
-    def send_region(self, region: MemoryRegion, offset: int = 0, nbytes: int | None = None) -> None:
-        self.sendv([region_view(region, offset, nbytes)])
-
-    def recv_region(self, region: MemoryRegion, offset: int = 0, nbytes: int | None = None) -> None:
-        self.recv_into(region_view(region, offset, nbytes))
 
     # -- the upgrade -----------------------------------------------------------------------------
     def handshake_complete(self, welcome: dict[str, Any]) -> None:
