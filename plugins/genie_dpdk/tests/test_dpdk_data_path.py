@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 from genie_dpdk import engine
@@ -130,4 +131,42 @@ def test_an_unknown_interface_is_refused_with_its_name(monkeypatch: pytest.Monke
 
     with pytest.raises(ConnectionClosedError, match="genie-nosuch0.*no such network interface"):
         Pair().make_pair()
+    assert not engine.engine_running()
+
+
+@pytest.mark.parametrize("body", [b"not json", b'{"mode": "pigeon", "id": 1, "mss": 8960}',
+                                  b'{"mode": "af_packet", "id": 1, "mss": 8960, "mac": "zz"}',
+                                  b'{"mode": "memif", "id": -5, "mss": 8960}'])
+def test_a_bad_upgrade_is_refused_and_the_server_side_keeps_serving(body: bytes):
+    """A peer's malformed UPGRADE gets UPGRADE_NO naming the problem; its channel stays a usable stream."""
+    from genie.transport.conformance import TransportConformance
+    from genie.transport.record import UPGRADE, UPGRADE_NO
+
+    class Pair(TransportConformance):
+        transport_class = DpdkTransport
+        complete_handshake = False
+
+    client, server, listener = Pair().make_pair()
+    try:
+        answer: list[tuple[int, bytes]] = []
+
+        def serve() -> None:
+            got = bytearray(5)
+            server.recv_into(memoryview(got))  # reads the UPGRADE on the way, answers it, then the data
+            server.sendv([bytes(got)])
+
+        worker = threading.Thread(target=serve, daemon=True)
+        worker.start()
+        client._send_control(UPGRADE, body)  # what handshake_complete would send, spoiled
+        answer.append(client._read_control())
+        client.sendv([b"hello"])
+        back = bytearray(5)
+        client.recv_into(memoryview(back))
+        worker.join(10)
+        assert answer[0][0] == UPGRADE_NO and answer[0][1], answer
+        assert bytes(back) == b"hello" and not server.upgraded
+    finally:
+        client.close()
+        server.close()
+        listener.close()
     assert not engine.engine_running()
