@@ -43,8 +43,14 @@ def _exchange(server_prefix: list[str], client_prefix: list[str], host: str, ser
         assert port.isdigit(), server.communicate(timeout=30)[1]
         client = subprocess.run([*client_prefix, sys.executable, "-m", "genie_dpdk.peer", "client", host, port, str(nbytes), str(seed)],
                                 capture_output=True, text=True, timeout=120, env=client_env)
-        assert client.returncode == 0, client.stdout + client.stderr
-        out, err = server.communicate(timeout=60)
+        try:
+            out, err = server.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            out, err = server.communicate()
+            raise AssertionError(f"the server did not finish; client: {client.stdout + client.stderr}; "
+                                 f"server: {out + err}") from None
+        assert client.returncode == 0, client.stdout + client.stderr + "\nserver: " + out + err
         assert server.returncode == 0, out + err
         return json.loads(client.stdout.strip().splitlines()[-1]), json.loads(out.strip().splitlines()[-1])
     finally:
