@@ -13,10 +13,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
-from genie_dpdk import engine
+from genie_dpdk import eal, engine
 from genie_dpdk.transport import DpdkTransport
 
 from genie.errors import BackendUnavailableError
@@ -108,15 +110,19 @@ def test_polling_thread_runs_only_while_a_channel_is_open():
     class Pair(TransportConformance):
         transport_class = DpdkTransport
 
+    sockets_before = set(Path(tempfile.gettempdir()).glob("genie-dpdk-*.sock"))
     client, server, listener = Pair().make_pair()
     try:
         assert engine.engine_running()
+        assert len(set(Path(tempfile.gettempdir()).glob("genie-dpdk-*.sock")) - sockets_before) == 1
         handshake_complete(client, {})  # a second call changes nothing
     finally:
         client.close()
         server.close()
         listener.close()
     assert not engine.engine_running()
+    assert set(Path(tempfile.gettempdir()).glob("genie-dpdk-*.sock")) <= sockets_before  # memif's socket is gone
+    assert (eal._runtime_base() / f"genie-dpdk-{os.getpid()}").exists()  # this process's EAL: removed at exit
 
 
 def test_memif_is_refused_at_once_for_another_host(monkeypatch: pytest.MonkeyPatch):

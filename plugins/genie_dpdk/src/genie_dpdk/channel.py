@@ -22,6 +22,7 @@ Thread rules as for every Channel: one sender and one receiver at a time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -107,6 +108,7 @@ class DpdkChannel(RecordChannel):
         self.mode = ""
         self._port: Port | None = None
         self._data_left = 0  # bytes left of the DATA record being read (on the DPDK stream)
+        self._socket_path = ""  # the memif socket this (server) side created
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else (f"dpdk {self.mode}" if self.upgraded else "stream")
@@ -143,6 +145,9 @@ class DpdkChannel(RecordChannel):
             self.stream.close()
         elif self._port is not None:
             self._port.close()
+        if self._socket_path:  # DPDK's memif leaves its socket file behind
+            with contextlib.suppress(OSError):
+                os.unlink(self._socket_path)
 
     # -- bulk path ---------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
@@ -215,6 +220,7 @@ class DpdkChannel(RecordChannel):
                 mss = min(ask["mss"], self._port.mtu - FRAME_HEADER)
             else:
                 socket_path = os.path.join(tempfile.gettempdir(), f"genie-dpdk-{os.urandom(16).hex()}.sock")
+                self._socket_path = socket_path
                 self._port = memif_port(socket_path, server=True)
                 mss = min(ask["mss"], JUMBO_MTU - FRAME_HEADER)
             self._start_stream(ask["id"], peer_mac, mss)

@@ -77,6 +77,30 @@ def eal_args() -> list[str]:
             "-l", str(cpu), "--file-prefix", f"genie-dpdk-{os.getpid()}", "--log-level=warning"]
 
 
+def _tidy_runtime_dirs(own: str) -> None:
+    """Remove EAL runtime directories of data-path EALs whose process is gone; ours goes at exit.
+
+    EAL makes ``<runtime dir>/genie-dpdk-<pid>`` even with ``--no-shconf``; a process that
+    exits leaves it behind.
+    """
+    import atexit
+    import shutil
+
+    from genie_dpdk.eal import _pid_alive, _runtime_base
+
+    base = _runtime_base()
+    try:
+        entries = list(base.iterdir())
+    except OSError:
+        entries = []
+    for entry in entries:
+        parts = entry.name.split("-")
+        if entry.name.startswith("genie-dpdk-") and len(parts) == 3 and parts[2].isdigit() \
+                and not _pid_alive(int(parts[2])):
+            shutil.rmtree(entry, ignore_errors=True)
+    atexit.register(shutil.rmtree, base / own, True)
+
+
 def ensure_eal() -> tuple[Any, Any]:
     """Start this process's EAL if it is not running; (ffi, lib). BackendUnavailableError with DPDK's reason."""
     global _eal_started, _eal_error
@@ -87,6 +111,7 @@ def ensure_eal() -> tuple[Any, Any]:
         if _eal_error is not None:
             raise BackendUnavailableError(_eal_error)
         args = eal_args()
+        _tidy_runtime_dirs(f"genie-dpdk-{os.getpid()}")
         keep = [ffi.new("char[]", a.encode()) for a in args]
         rc = lib.gd_eal_init(len(keep), ffi.new("char *[]", keep))
         if rc < 0:
