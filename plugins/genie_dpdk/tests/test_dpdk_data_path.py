@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from genie_dpdk import eal, engine
+from genie_dpdk.channel import DpdkChannel
 from genie_dpdk.transport import DpdkTransport
 
 from genie.errors import BackendUnavailableError
@@ -158,7 +159,9 @@ def test_a_bad_upgrade_is_refused_and_the_server_side_keeps_serving(body: bytes)
         transport_class = DpdkTransport
         complete_handshake = False
 
-    client, server, listener = Pair().make_pair()
+    client_channel, server_channel, listener = Pair().make_pair()
+    assert isinstance(client_channel, DpdkChannel) and isinstance(server_channel, DpdkChannel)
+    client, server = client_channel, server_channel
     try:
         answer: list[tuple[int, bytes]] = []
 
