@@ -85,6 +85,7 @@ struct gd_chan {
     uint64_t rcv_nxt, rcv_read;
     uint32_t read_off;
     int ack_due;
+    int final_acks; /* acks still to send after close (gd_chan_close) */
     /* loss injection */
     uint32_t loss_ppm;
     uint64_t rng;
@@ -288,10 +289,22 @@ void gd_chan_set_loss(struct gd_chan *c, uint32_t ppm, uint64_t seed) {
 }
 
 /* Wake every waiter with an error; the channel stays registered until gd_chan_free. */
+static void deadline_of(struct timespec *ts, double timeout);
+
+/* Wake every waiter with an error; the channel stays registered until gd_chan_free. Before that,
+ * the engine sends a last ack (twice, bounded to ~20 ms), so a peer whose final segments we took
+ * just before closing learns it instead of waiting for its timeout. */
 void gd_chan_close(struct gd_chan *c) {
     pthread_mutex_lock(&c->mu);
     c->closed = 1;
+    c->final_acks = engine_started ? 2 : 0;
     pthread_cond_broadcast(&c->cv);
+    struct timespec ts;
+    deadline_of(&ts, 0.02);
+    while (c->final_acks > 0)
+        if (pthread_cond_timedwait(&c->cv, &c->mu, &ts) == ETIMEDOUT)
+            break;
+    c->final_acks = 0;
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -478,8 +491,10 @@ static void send_frames(struct gd_chan *c, struct rte_mbuf **ms, uint64_t *seqs,
             continue;
         }
         rte_pktmbuf_free(ms[i]);
-        if (seqs[i] == UINT64_MAX)
+        if (seqs[i] == UINT64_MAX) {
+            c->ack_due = 1; /* an ack (or probe) the ring refused: the next pass sends a fresh one */
             continue;
+        }
         if (is_new[i] && seqs[i] < c->snd_nxt)
             c->snd_nxt = seqs[i]; /* the ring was full: send it again next pass */
         else
@@ -702,6 +717,15 @@ static void *engine_main(void *unused) {
                 pump_tx(c, now);
                 if (c->tx_frames != before)
                     work = 1;
+            } else if (c->final_acks > 0) {
+                struct rte_mbuf *m = frame(c, T_ACK, c->rcv_nxt, NULL, SACK_WORDS * 8);
+                if (m != NULL && rte_eth_tx_burst(c->port, 0, &m, 1) == 1)
+                    c->final_acks--;
+                else if (m != NULL)
+                    rte_pktmbuf_free(m);
+                if (c->final_acks == 0)
+                    pthread_cond_broadcast(&c->cv);
+                work = 1;
             }
             pthread_mutex_unlock(&c->mu);
             if (n)
