@@ -472,6 +472,25 @@ def veth_namespaces() -> Iterator[VethPair]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
 
 
+def same_host_backends() -> list[str]:
+    """The backends two genie processes on this host advertise, best first, from what is installed here.
+
+    ``shm`` when genie-shm is installed; ``dpdk`` when genie-dpdk's data path can run (its shim
+    built, DPDK's libraries present); ``tcp`` always. Tests that check selection use it instead of
+    hard-coding which plugins the environment has.
+    """
+    import importlib.util
+
+    names = ["shm"] if importlib.util.find_spec("genie_shm") else []
+    if importlib.util.find_spec("genie_dpdk") is not None:
+        from genie_dpdk import eal, engine
+
+        libs = eal.find_libraries()
+        if engine.shim_built() and libs["eal"] and libs["ethdev"]:
+            names.append("dpdk")
+    return [*names, "tcp"]
+
+
 # -- client processes ------------------------------------------------------------------------------
 
 

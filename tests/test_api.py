@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import socket
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import pytest
 
 import genie
 from genie.errors import AlreadyInitializedError, ConfigError, ConnectError, InitTimeoutError, NotInitializedError
+from genie.testing import same_host_backends
 from tests.conftest import refused_port
 
 
@@ -58,8 +58,8 @@ def test_init_twice_is_refused_and_async_api_works_from_an_asyncio_loop(cpu_serv
             assert genie.is_initialized()
             assert genie.get_cluster_state() is state
             assert set(state.phase_durations) == {"config", "local_node", "discovery", "connect", "monitoring"}
-            # Client and server share this host: shm when genie-shm is installed, else tcp.
-            assert state.backend == ("shm" if importlib.util.find_spec("genie_shm") else "tcp")
+            # Client and server share this host: shm when genie-shm is installed, else dpdk (memif), else tcp.
+            assert state.backend == same_host_backends()[0]
             with pytest.raises(AlreadyInitializedError):
                 await genie.init(master_addr="127.0.0.1", master_port=cpu_server.control_port)
         finally:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -14,6 +13,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from genie.cluster.launch import NodeProcess
+from genie.testing import same_host_backends
 from tests.cli.conftest import Cluster, genie, genie_many, refused_port, wait_until
 
 
@@ -41,8 +41,8 @@ def test_status_json_lists_the_master_and_both_workers_connected(shared_cluster:
     assert by_id["master"]["role"] == "server" and by_id["w1"]["role"] == by_id["w2"]["role"] == "worker"
     for n in by_id.values():
         assert n["status"] == "connected"
-        # Every node shares this host: shm ranks first when genie-shm is installed.
-        assert n["backends"] == (["shm"] if importlib.util.find_spec("genie_shm") else []) + ["tcp"]
+        # Every node shares this host: shm ranks first when genie-shm is installed, then dpdk (memif).
+        assert n["backends"] == same_host_backends()
         assert n["address"] == "127.0.0.1" and n["data_port"] > 0
         assert n["last_heartbeat_age"] < 1.0
         assert n["health"] in ("healthy", "degraded", "unhealthy", "critical")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from genie_dpdk import eal
+from genie_dpdk import eal, engine
 from genie_dpdk.transport import DpdkTransport
 
 from genie.errors import BackendUnavailableError
@@ -46,7 +46,8 @@ def test_probe_starts_a_real_eal_and_finds_the_null_port():
     assert result.details["ports"] == ["net_null0"]
     assert result.details["dpdk_version"].startswith("DPDK 22.11")
     assert result.details["virtual_ports_only"] is True
-    assert result.details["data_path"] is False  # honest: the probe is real, the data path is not there yet
+    assert result.details["data_path"] is engine.shim_built()
+    assert result.details["port_kind"] == "memif (this host only)"
     assert all(not f.measured for f in result.figures.values())
 
 
@@ -111,11 +112,20 @@ def test_dpdk_and_gpudev_probes_share_one_eal_start():
     assert time.perf_counter() - started < 0.05
 
 
-def test_connect_and_listen_say_the_data_path_is_not_implemented():
-    with pytest.raises(BackendUnavailableError, match="data path is not implemented"):
+@requires_dpdk
+def test_without_the_shim_the_probe_says_dpdk_headers_were_missing_and_connect_refuses(monkeypatch):
+    """What a machine without libdpdk-dev sees: the plugin installed, its C shim not built."""
+    def no_shim() -> tuple:
+        raise BackendUnavailableError(f"{engine.NO_SHIM} (No module named 'genie_dpdk._shim')")
+
+    monkeypatch.setattr(engine, "shim_built", lambda: False)
+    monkeypatch.setattr(engine, "load_shim", no_shim)
+    result = probe()
+    assert (result.available, result.reason_code) == (False, "library_missing")
+    assert result.reason.startswith("DPDK headers/libs not found") and "apt install libdpdk-dev" in result.reason
+    assert result.details["data_path"] is False
+    with pytest.raises(BackendUnavailableError, match="DPDK headers/libs not found"):
         DpdkTransport().connect("127.0.0.1", 1, timeout=1.0)
-    with pytest.raises(BackendUnavailableError, match="data path is not implemented"):
-        DpdkTransport().listen("127.0.0.1", 0)
 
 
 @requires_dpdk
@@ -127,3 +137,11 @@ def test_entry_point_discovery_and_the_capability_cache():
     assert cold.results["dpdk"].reason_code == "ok" and cold.cached == frozenset()
     assert warm.cached == {"dpdk"} and warm.results["dpdk"] == cold.results["dpdk"]
     assert warm.elapsed < 0.1
+
+
+@requires_dpdk
+def test_a_missing_interface_makes_the_probe_say_no_ports(monkeypatch):
+    monkeypatch.setenv("GENIE_DPDK_IFACE", "genie-nosuch0")
+    result = probe()
+    assert (result.available, result.reason_code) == (False, "no_ports")
+    assert "GENIE_DPDK_IFACE='genie-nosuch0': no such network interface" in result.reason

@@ -1,18 +1,44 @@
-"""The ``dpdk`` transport: a real EAL probe; the data path is not in this release."""
+"""The ``dpdk`` transport: a real EAL probe and a reliable data path over memif or af_packet.
+
+Its listener serves dpdk peers (preamble ``GDPD``) and plain TCP peers alike
+(:class:`genie_tcp.sniff.SniffingListener`). Which DPDK port a channel uses:
+
+- ``GENIE_DPDK_IFACE`` unset: ``net_memif`` between two processes on one host
+  (shared-memory rings driven by DPDK); ``connect`` refuses other hosts at once;
+- ``GENIE_DPDK_IFACE=<interface>`` on both ends: ``net_af_packet`` on that
+  interface (a veth pair between network namespaces here; a real NIC's PMD on
+  hardware), jumbo frames when the interface's MTU allows.
+
+See :mod:`genie_dpdk.channel` for the protocol and :mod:`genie_dpdk.engine` for the
+EAL and the polling thread.
+"""
 
 from __future__ import annotations
 
-from genie.transport.base import PRIORITY_DPDK, ProbeOnlyTransport, ProbeTarget
+import contextlib
+import logging
+import socket
+import struct
+from typing import Any
+
+from genie_tcp import TcpChannel
+from genie_tcp.sniff import SniffingListener, answer_preamble, connect_with_preamble
+
+from genie.errors import BackendUnavailableError
+from genie.transport.base import PRIORITY_DPDK, ProbeOnlyTransport, ProbeTarget, Transport
 from genie.types import Figure, ProbeResult
-from genie_dpdk import eal
+from genie_dpdk import eal, engine
+from genie_dpdk.channel import DpdkChannel, interface
+
+log = logging.getLogger("genie.transport.dpdk")
+
+MAGIC = b"GDPD"
+PREAMBLE = struct.Struct("<4sB")
+VERSION = 1
 
 INSTALL_HINT = (
     "install dpdk (Debian: apt install dpdk), or point GENIE_DPDK_LIB_DIR at the directory "
     f"holding librte_eal.so.{eal.ABI}"
-)
-NO_DATA_PATH = (
-    "the DPDK data path is not implemented in genie-dpdk 0.1.0: this release probes DPDK for real "
-    "but cannot move frames yet; use backend=auto (genie then uses another backend) or name another backend"
 )
 #: Port names of DPDK's virtual devices (the probe's own net_null0 is one).
 VIRTUAL_PREFIXES = ("net_null", "net_memif", "net_ring", "net_tap", "net_pcap", "net_af_packet")
@@ -27,8 +53,9 @@ def declared_figures() -> dict[str, Figure]:
     }
 
 
-def result_from_report(report: eal.EalReport, name: str = "dpdk", priority: int = PRIORITY_DPDK) -> ProbeResult:
-    """Turn an EAL report into the ``dpdk`` probe result."""
+def result_from_report(report: eal.EalReport, name: str = "dpdk", priority: int = PRIORITY_DPDK,
+                       *, shim: bool | None = None) -> ProbeResult:
+    """Turn an EAL report (and whether the data path's shim was built) into the ``dpdk`` probe result."""
     details: dict[str, object] = {
         "stage": report.stage, "libs": report.libs, "probe_ms": report.elapsed_ms,
     }
@@ -49,8 +76,18 @@ def result_from_report(report: eal.EalReport, name: str = "dpdk", priority: int 
                            f"rte_eal_init failed: {report.error}{errno}{said}", priority=priority, details=details)
     details["ports"] = list(report.ports)
     details["eal_init_ms"] = report.eal_init_ms
-    details["data_path"] = False
-    details["data_path_note"] = NO_DATA_PATH
+    shim = engine.shim_built() if shim is None else shim
+    details["data_path"] = shim
+    details["port_kind"] = f"af_packet on {interface()}" if interface() else "memif (this host only)"
+    if not shim:
+        details["data_path_note"] = engine.NO_SHIM
+        return ProbeResult(name, False, "library_missing", f"{engine.NO_SHIM} (the EAL itself started: "
+                           f"{report.version or 'DPDK'}, ports {', '.join(report.ports) or 'none'})",
+                           priority=priority, details=details)
+    problem = data_port_problem(report.libs)
+    if problem:
+        details["data_path_note"] = problem[1]
+        return ProbeResult(name, False, problem[0], problem[1], priority=priority, details=details)
     if not report.ports:
         return ProbeResult(name, False, "no_ports", "EAL started but no Ethernet port is available "
                            "(check GENIE_DPDK_EAL_ARGS and that the NIC is bound to a DPDK driver)",
@@ -60,25 +97,88 @@ def result_from_report(report: eal.EalReport, name: str = "dpdk", priority: int 
     kind = "virtual" if virtual else "including physical"
     return ProbeResult(
         name, True, "ok",
-        f"{report.version or 'DPDK'}: EAL started, {len(report.ports)} port(s) ({', '.join(report.ports)}; {kind})",
+        f"{report.version or 'DPDK'}: EAL started, {len(report.ports)} port(s) ({', '.join(report.ports)}; {kind}); "
+        f"data path: {details['port_kind']}",
         priority=priority, figures=declared_figures(), details=details,
     )
 
 
-class DpdkTransport(ProbeOnlyTransport):
-    """DPDK (user-space Ethernet). Probe: start an EAL in a subprocess and count ports."""
+def data_port_problem(libs: dict[str, str | None]) -> tuple[str, str] | None:
+    """(reason code, text) when the data path's port cannot open here: its driver or interface missing."""
+    import os
+
+    from genie_dpdk.channel import interface_mtu
+
+    iface = interface()
+    driver, package = ("net_af_packet", "librte-net-af-packet23") if iface else ("net_memif", "librte-net-memif23")
+    dirs = [d for d in eal.pmd_dirs(libs) if os.path.isdir(d)]
+    if dirs and not any(f.startswith(f"librte_{driver}.so") for d in dirs for f in os.listdir(d)):
+        return "library_missing", f"DPDK's {driver} driver is not installed (apt install {package})"
+    if iface:
+        try:
+            interface_mtu(iface)
+        except BackendUnavailableError as exc:
+            return "no_ports", str(exc)
+    return None
+
+
+def _greet(tcp: TcpChannel) -> DpdkChannel | None:
+    raw = bytearray(PREAMBLE.size)
+    tcp.recv_into(memoryview(raw))
+    _, version = PREAMBLE.unpack(raw)
+    reason = "" if version == VERSION else f"dpdk protocol version {version} is not supported (this node: {VERSION})"
+    if not reason:
+        try:
+            engine.load_shim()
+        except BackendUnavailableError as exc:
+            reason = str(exc)
+    answer_preamble(tcp, reason)
+    if reason:
+        log.warning("refused dpdk peer %s: %s", tcp.peer, reason)
+        return None
+    return DpdkChannel(tcp, server_side=True)
+
+
+def _is_local(host: str) -> bool:
+    """Whether ``host`` is an address of this host (a socket binds only to the host's own addresses)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    for family, _, _, _, address in infos:
+        with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((address[0], 0))
+            return True
+    return False
+
+
+class DpdkTransport(Transport):
+    """DPDK (user-space Ethernet). Probe: start an EAL in a subprocess and count ports; data: memif or af_packet."""
 
     name = "dpdk"
-    no_data_path = NO_DATA_PATH
     default_priority = PRIORITY_DPDK
 
     @classmethod
-    def host_fingerprint(cls) -> dict[str, object]:
-        """Library files, driver directory and EAL arguments (see :func:`genie_dpdk.eal.host_fingerprint`)."""
-        return eal.host_fingerprint()
+    def host_fingerprint(cls) -> dict[str, Any]:
+        """Library files, driver directory and EAL arguments (see :func:`genie_dpdk.eal.host_fingerprint`),
+        whether the shim is built, and the interface af_packet would use."""
+        return {**eal.host_fingerprint(), "shim": engine.shim_built(), "iface": interface()}
 
     async def probe(self, target: ProbeTarget) -> ProbeResult:
-        """Start an EAL (shared with dpdk_gpudev's probe) and report library, EAL and port state."""
-        report = await self.run_blocking_probe(eal.eal_report, target)
+        """Start an EAL (shared with dpdk_gpudev's probe) and report library, EAL, port and data-path state."""
+        report = await ProbeOnlyTransport.run_blocking_probe(eal.eal_report, target)
         return result_from_report(report, self.name, self.default_priority)
 
+    def connect(self, host: str, port: int, *, timeout: float) -> DpdkChannel:
+        """TCP for control now; the DPDK port follows the handshake (:meth:`DpdkChannel.handshake_complete`)."""
+        engine.load_shim()  # BackendUnavailableError naming the fix when the shim was not built
+        if not interface() and not _is_local(host):
+            raise BackendUnavailableError(f"dpdk cannot reach {host}:{port}: without GENIE_DPDK_IFACE it uses memif, "
+                                          "which works only between processes on one host; set GENIE_DPDK_IFACE "
+                                          "to the interface facing the peer (af_packet) on both ends")
+        tcp = connect_with_preamble(host, port, PREAMBLE.pack(MAGIC, VERSION), timeout=timeout, backend="dpdk")
+        return DpdkChannel(tcp, server_side=False)
+
+    def listen(self, host: str, port: int) -> SniffingListener:
+        """Listen on ``host:port`` for dpdk peers and plain TCP peers."""
+        return SniffingListener(host, port, MAGIC, _greet, name="dpdk")

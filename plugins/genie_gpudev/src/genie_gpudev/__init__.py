@@ -23,7 +23,11 @@ CPU-only torch build or a missing NVIDIA driver is recognised from files.
 
 Honest limits: the GPUDirect data path is not implemented in this release;
 ``connect()``/``listen()`` raise ``BackendUnavailableError`` and the probe result
-carries ``details["data_path"] = False``.
+carries ``details["data_path"] = False``. The route it would take is hardware only:
+genie-dpdk's reliable stream with payload buffers in GPU memory, registered with
+``rte_gpu_mem_register`` and attached to mbufs as external buffers, which needs
+DPDK's ``gpu_cuda`` driver, a CUDA GPU and a GPUDirect-capable NIC
+(docs/backends.md). GPU memory is reachable today through rdma (NIXL).
 """
 
 from __future__ import annotations

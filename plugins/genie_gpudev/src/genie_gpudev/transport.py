@@ -15,8 +15,10 @@ from genie.transport.cache import find_library_file, path_fingerprint
 from genie.types import Figure, ProbeResult
 
 NO_DATA_PATH = (
-    "the GPUDirect (dpdk_gpudev) data path is not implemented in genie-gpudev 0.1.0; "
-    "use backend=auto or name another backend"
+    "the GPUDirect (dpdk_gpudev) data path is not implemented in genie-gpudev 0.1.0: it needs payload buffers in "
+    "GPU memory (rte_gpu_mem_register, external mbufs), which only a DPDK built with its gpu_cuda driver, a CUDA "
+    "GPU and a GPUDirect-capable NIC provide (hardware only); genie-dpdk carries host memory over DPDK today and "
+    "rdma (NIXL) reaches GPU memory; use backend=auto or name another backend"
 )
 NVIDIA_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl")
 

@@ -29,7 +29,6 @@ import logging
 import os
 import socket
 import struct
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -40,11 +39,21 @@ from genie.errors import BackendUnavailableError, ConnectionClosedError, Transpo
 from genie.transport.base import (
     Buffer,
     Capabilities,
-    ChannelLifecycle,
     MemoryRegion,
     flat_views,
     host_view,
     region_view,
+)
+from genie.transport.record import (
+    DATA,
+    INLINE,
+    MAX_CONTROL,
+    RECORD,
+    UPGRADE,
+    UPGRADE_OK,
+    RecordChannel,
+    read_body,
+    read_header,
 )
 
 if TYPE_CHECKING:
@@ -52,12 +61,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("genie.transport.rdma")
 
-RECORD = struct.Struct("<BQ")
-INLINE, BULK, UPGRADE, UPGRADE_OK, UPGRADE_NO = 1, 2, 3, 4, 5
+BULK = DATA  # a DATA record: the buffer crosses by RDMA READ (see genie.transport.record)
 BULK_BODY = struct.Struct("<QQB16sI")  # address, device id, kind (0 DRAM, 1 VRAM), tag, metadata length
 #: Buffers from this size go by RDMA READ; smaller ones inline on the stream.
 BULK_MIN = 256 << 10
-MAX_METADATA = 1 << 20
+MAX_METADATA = MAX_CONTROL
 _KINDS = ("DRAM", "VRAM")
 INSTALL_HINT = "pip install --no-deps nixl-cu12==1.5.1 numpy (no-deps: it would pull another torch and CUDA)"
 
@@ -137,32 +145,21 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
 
-class RdmaChannel(ChannelLifecycle):
+class RdmaChannel(RecordChannel):
     """A NIXL-backed channel (see the module docstring); also a :class:`~genie.transport.base.BulkChannel`."""
 
+    _protocol = "rdma"
+
     def __init__(self, inner: TcpChannel, agent: Agent, *, server_side: bool) -> None:
-        self.inner = inner
-        self.peer = inner.peer
+        super().__init__(inner, server_side=server_side)
         self.agent = agent
-        self.server_side = server_side
-        self.upgraded = False
         self._peer_agent: str | None = None
-        self._timeout: float | None = None
-        self._init_lifecycle()
-        self._send_lock = threading.Lock()
-        self._rec_left = 0
-        self._pending = bytearray()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("nixl" if self.upgraded else "stream")
         return f"<RdmaChannel peer={self.peer} {state}>"
 
     # -- Channel -----------------------------------------------------------------------------
-    def settimeout(self, seconds: float | None) -> None:
-        self._timeout = seconds
-        if not self._closed:
-            self.inner.settimeout(seconds)
-
     def sendv(self, buffers: Sequence[Buffer]) -> None:
         """Small buffers inline on the stream; each large one by RDMA READ from its own memory."""
         self._check_open("send to")
@@ -177,18 +174,6 @@ class RdmaChannel(ChannelLifecycle):
                 small = []
                 self._send_bulk(host_view(view), "DRAM", 0)
             self._send_inline(small)
-
-    def recv_into(self, view: memoryview) -> None:
-        self._check_open("receive from")
-        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        got = 0
-        try:
-            while got < view.nbytes:
-                got += self._recv_some(view[got:])
-        except ConnectionClosedError:
-            raise
-        except (OSError, ValueError, TransportError) as exc:
-            raise self._failed(f"connection to {self.peer} failed while receiving: {exc}") from exc
 
     def close(self) -> None:
         if not self._begin_close():
@@ -250,18 +235,7 @@ class RdmaChannel(ChannelLifecycle):
             return
         self._check_open("upgrade")
         try:
-            mine = self.agent.metadata()
-            with self._send_lock:
-                self.inner.sendv([RECORD.pack(UPGRADE, len(mine)), mine])
-            while True:
-                kind, body = self._read_control()
-                if kind == INLINE:
-                    self._pending += body
-                    continue
-                if kind == UPGRADE_NO:
-                    raise ConnectionClosedError(f"{self.peer} refused the NIXL upgrade: "
-                                                f"{body.decode('utf-8', 'replace')}")
-                break
+            body = self._client_upgrade(self.agent.metadata())
             self._peer_agent = self.agent.load_peer(body)
         except ConnectionClosedError:
             self.close()
@@ -273,26 +247,19 @@ class RdmaChannel(ChannelLifecycle):
         log.debug("channel to %s uses NIXL (peer agent %s)", self.peer, self._peer_agent)
 
     def _serve_upgrade(self, length: int) -> None:
-        body = self._read_body(length)
+        body = read_body(self.inner, length)
         try:
             self._peer_agent = self.agent.load_peer(body)
             mine = self.agent.metadata()
         except Exception as exc:  # NIXL's own exception types
-            reason = f"cannot load the peer's NIXL metadata: {exc}".encode()[:1024]
             log.warning("NIXL upgrade requested by %s failed: %s", self.peer, exc)
-            with self._send_lock:
-                self.inner.sendv([RECORD.pack(UPGRADE_NO, len(reason)), reason])
+            self._refuse_upgrade(f"cannot load the peer's NIXL metadata: {exc}")
             return
         with self._send_lock:
-            self.inner.sendv([RECORD.pack(UPGRADE_OK, len(mine)), mine])
+            self._send_control(UPGRADE_OK, mine)
             self.upgraded = True
 
     # -- records -----------------------------------------------------------------------------
-    def _send_inline(self, views: list[memoryview]) -> None:
-        for i in range(0, len(views), 500):
-            part = views[i:i + 500]
-            self.inner.sendv([RECORD.pack(INLINE, sum(v.nbytes for v in part)), *part])
-
     def _send_bulk(self, view: memoryview, kind: str, device: int) -> None:
         self._send_bulk_raw(_address(view), view.nbytes, kind, device, keep=view)
 
@@ -333,23 +300,10 @@ class RdmaChannel(ChannelLifecycle):
             pause = min(0.0005, pause + 0.00002)
             time.sleep(pause)
 
-    def _check_peer_alive(self) -> None:
-        sock = self.inner._sock
-        try:
-            data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            raise self._failed(f"connection to {self.peer} failed while sending: {exc}") from exc
-        if data == b"":
-            raise self._failed(f"{self.peer} closed the connection during an RDMA transfer")
-
     def _recv_some(self, view: memoryview) -> int:
-        if self._pending:
-            n = min(len(self._pending), view.nbytes)
-            view[:n] = self._pending[:n]
-            del self._pending[:n]
-            return n
+        taken = self._take_pending(view)
+        if taken:
+            return taken
         while not self._rec_left:
             kind, length = self._next_record()
             if kind == INLINE:
@@ -362,32 +316,26 @@ class RdmaChannel(ChannelLifecycle):
                 self._read_bulk(_address(memoryview(landing)), length, "DRAM", 0)
                 self._pending = landing
                 return self._recv_some(view)
-        n = min(self._rec_left, view.nbytes)
-        self.inner.recv_into(view[:n])
-        self._rec_left -= n
-        return n
+        return self._read_inline_part(view)
 
     def _next_record(self) -> tuple[int, int]:
         """The next data record's (kind, length), serving an UPGRADE on the way (server side)."""
         while True:
-            head = bytearray(RECORD.size)
-            self.inner.recv_into(memoryview(head))
-            kind, length = RECORD.unpack(head)
+            kind, length = read_header(self.inner)
             if kind == UPGRADE and self.server_side and not self.upgraded and length <= MAX_METADATA:
                 self._serve_upgrade(length)
                 continue
             if kind == INLINE or (kind == BULK and self.upgraded):
                 return kind, length
-            raise self._failed(f"{self.peer} sent an unexpected record (type {kind}, {length} bytes): "
-                               "it does not speak genie's rdma protocol")
+            raise self._unexpected(kind, length)
 
     def _read_bulk(self, address: int, nbytes: int, local_kind: str, local_device: int) -> None:
         """Read the announced region of the peer into local memory, then notify the peer with its tag."""
-        body = self._read_body(BULK_BODY.size)
+        body = read_body(self.inner, BULK_BODY.size)
         remote, device, kind, tag, meta_len = BULK_BODY.unpack(body)
         if kind >= len(_KINDS) or meta_len > MAX_METADATA:
             raise self._failed(f"{self.peer} sent a malformed BULK record")
-        meta = self._read_body(meta_len)
+        meta = read_body(self.inner, meta_len)
         nixl = self.agent.nixl
         try:
             self.agent.load_peer(meta)
@@ -421,20 +369,6 @@ class RdmaChannel(ChannelLifecycle):
                 nixl.deregister_memory(reg)
             except Exception:
                 log.debug("deregistering after a READ from %s", self.peer, exc_info=True)
-
-    def _read_control(self) -> tuple[int, bytes]:
-        head = bytearray(RECORD.size)
-        self.inner.recv_into(memoryview(head))
-        kind, length = RECORD.unpack(head)
-        if kind not in (INLINE, UPGRADE_OK, UPGRADE_NO) or length > MAX_METADATA:
-            raise self._failed(f"{self.peer} sent an unexpected record (type {kind}, {length} bytes)")
-        return kind, self._read_body(length)
-
-    def _read_body(self, length: int) -> bytes:
-        body = bytearray(length)
-        if length:
-            self.inner.recv_into(memoryview(body))
-        return bytes(body)
 
     def _require_upgraded(self, what: str) -> None:
         if not self.upgraded:

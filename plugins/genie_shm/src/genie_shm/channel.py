@@ -40,7 +40,6 @@ import select
 import socket
 import ssl
 import struct
-import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -51,12 +50,9 @@ from genie.errors import ConnectionClosedError, TransportError
 from genie.transport.base import (
     Buffer,
     Capabilities,
-    ChannelLifecycle,
-    MemoryRegion,
     flat_views,
-    host_view,
-    region_view,
 )
+from genie.transport.record import DATA, INLINE, MAX_IOV, RECORD, UPGRADE, UPGRADE_NO, UPGRADE_OK, RecordChannel
 from genie_shm.ring import create_ring, map_peer_ring
 from genie_shm.sockets import Reader, recv_fd, recv_fds, shut
 
@@ -65,34 +61,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("genie.transport.shm")
 
-RECORD = struct.Struct("<BQ")
-INLINE, RING, UPGRADE, UPGRADE_OK, UPGRADE_NO = 1, 2, 3, 4, 5
+RING = DATA  # a DATA record: ``n`` bytes at the reader's position in the writer's ring
 CREDIT = struct.Struct("<Q")
 #: Buffers below this go inside an INLINE record: a ring round trip costs more than copying them.
 INLINE_MAX = 64 << 10
-_MAX_IOV = 512
+_MAX_IOV = MAX_IOV
 _SECRET = 16
 _NAME = re.compile(rb"genie-shm-[0-9a-f]{32}")
 _UPGRADE_BODY = struct.Struct("<42s16sQ")  # socket name, secret, the client's ring size
 
 
-class ShmChannel(ChannelLifecycle):
+class ShmChannel(RecordChannel):
     """A shared-memory channel (see the module docstring); also a :class:`~genie.transport.base.BulkChannel`."""
 
+    _protocol = "shm"
+
     def __init__(self, inner: TcpChannel, *, server_side: bool, ring_bytes: int) -> None:
-        self.inner = inner
-        self.peer = inner.peer
-        self.server_side = server_side
+        super().__init__(inner, server_side=server_side)
+        self.inner: TcpChannel = inner
         self.ring_bytes = ring_bytes
-        self._timeout: float | None = None
-        self._init_lifecycle()
-        self._send_lock = threading.Lock()
-        # Receive state: the record being read, and bytes already read on the client's upgrade path.
-        self._rec_type = 0
-        self._rec_left = 0
-        self._pending = bytearray()
+        self._rec_type = 0  # the kind of the record being read
         # Set by the upgrade.
-        self.upgraded = False
         self._unix: socket.socket | None = None
         self._credit: socket.socket | None = None
         self._reader: Reader | None = None
@@ -135,7 +124,7 @@ class ShmChannel(ChannelLifecycle):
         with self._send_lock:
             try:
                 if not self._tx_unix:
-                    self._send_inline_tcp(views)
+                    self._send_inline(views)
                 else:
                     self._send_shared(views)
             except ConnectionClosedError:
@@ -208,18 +197,6 @@ class ShmChannel(ChannelLifecycle):
         """A native bulk path for host memory through the rings; same host only."""
         return Capabilities("shm", bulk=True, device_memory=("cpu",), same_host_only=True)
 
-    def register(self, buffer: Any) -> MemoryRegion:
-        """Host memory only; nothing to pin (the ring is the registered memory)."""
-        return MemoryRegion(host_view(buffer))
-
-    def deregister(self, region: MemoryRegion) -> None:
-        """Nothing to release."""
-
-    def send_region(self, region: MemoryRegion, offset: int = 0, nbytes: int | None = None) -> None:
-        self.sendv([region_view(region, offset, nbytes)])
-
-    def recv_region(self, region: MemoryRegion, offset: int = 0, nbytes: int | None = None) -> None:
-        self.recv_into(region_view(region, offset, nbytes))
 
     # -- the upgrade -----------------------------------------------------------------------------
     def handshake_complete(self, welcome: dict[str, Any]) -> None:
@@ -243,8 +220,7 @@ class ShmChannel(ChannelLifecycle):
             ring_fd, ring = create_ring(self.ring_bytes)
             credit_mine, credit_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             with self._send_lock:
-                body = _UPGRADE_BODY.pack(name, secret, self.ring_bytes)
-                self.inner.sendv([RECORD.pack(UPGRADE, len(body)), body])
+                self._send_control(UPGRADE, _UPGRADE_BODY.pack(name, secret, self.ring_bytes))
             unix = self._accept_server(listener, secret, deadline)
             try:
                 unix.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
@@ -283,7 +259,7 @@ class ShmChannel(ChannelLifecycle):
             ready, _, _ = select.select([listener, tcp], [], [], min(left, 0.05))
             if listener not in ready and tcp in ready and self._refusal_waiting(tcp):
                 # The server refused on the stream instead of connecting: read why.
-                kind, body = self._read_tcp_record()
+                kind, body = self._read_control()
                 reason = body.decode("utf-8", "replace") if kind == UPGRADE_NO else f"record {kind}"
                 raise ConnectionClosedError(f"{self.peer} refused the shared-memory upgrade: {reason}")
             if listener not in ready:
@@ -316,29 +292,9 @@ class ShmChannel(ChannelLifecycle):
     def _await_upgrade_ok(self, deadline: float) -> None:
         """Read the stream up to UPGRADE_OK, keeping any data the server sent before it."""
         self.inner.settimeout(max(0.01, deadline - time.monotonic()))
-        while True:
-            kind, body = self._read_tcp_record()
-            if kind == UPGRADE_OK:
-                break
-            if kind == UPGRADE_NO:
-                raise ConnectionClosedError(f"{self.peer} refused the shared-memory upgrade: "
-                                            f"{body.decode('utf-8', 'replace')}")
-            self._pending += body
+        self._await_answer()
         self.inner.settimeout(self._timeout)
         self.upgraded = True
-
-    def _read_tcp_record(self) -> tuple[int, bytes]:
-        if self._rec_left:
-            raise ConnectionClosedError(f"shared-memory upgrade with {self.peer} began inside a record")
-        head = bytearray(RECORD.size)
-        self.inner.recv_into(memoryview(head))
-        kind, length = RECORD.unpack(head)
-        if kind not in (INLINE, UPGRADE_OK, UPGRADE_NO) or length > INLINE_MAX * 16:
-            raise ConnectionClosedError(f"{self.peer} sent an unexpected record (type {kind}, {length} bytes)")
-        body = bytearray(length)
-        if length:
-            self.inner.recv_into(memoryview(body))
-        return kind, bytes(body)
 
     def _serve_upgrade(self, length: int) -> None:
         """Server side: the client asked for shared memory; connect, prove, swap rings, switch."""
@@ -371,12 +327,10 @@ class ShmChannel(ChannelLifecycle):
                 unix.close()
             reason = f"{exc}"
             log.warning("shared-memory upgrade requested by %s failed: %s", self.peer, reason)
-            with self._send_lock:
-                data = reason.encode()[:1024]
-                self.inner.sendv([RECORD.pack(UPGRADE_NO, len(data)), data])
+            self._refuse_upgrade(reason)
             return
         with self._send_lock:
-            self.inner.sendv([RECORD.pack(UPGRADE_OK, 0)])
+            self._send_control(UPGRADE_OK)
             self._install(unix, credit, ring, peer_ring)
             self._tx_unix = True
         self.upgraded = True
@@ -390,11 +344,6 @@ class ShmChannel(ChannelLifecycle):
         self.settimeout(self._timeout)
 
     # -- records -----------------------------------------------------------------------------
-    def _send_inline_tcp(self, views: list[memoryview]) -> None:
-        for i in range(0, len(views), _MAX_IOV - 1):
-            part = views[i:i + _MAX_IOV - 1]
-            self.inner.sendv([RECORD.pack(INLINE, sum(v.nbytes for v in part)), *part])
-
     def _send_shared(self, views: list[memoryview]) -> None:
         assert self._unix is not None
         total = sum(v.nbytes for v in views)
@@ -447,11 +396,9 @@ class ShmChannel(ChannelLifecycle):
 
     def _recv_some(self, view: memoryview) -> int:
         """Receive up to ``view.nbytes`` from the current record (reading the next header when needed)."""
-        if self._pending:
-            n = min(len(self._pending), view.nbytes)
-            view[:n] = self._pending[:n]
-            del self._pending[:n]
-            return n
+        taken = self._take_pending(view)
+        if taken:
+            return taken
         while not self._rec_left:
             self._next_record()
         n = min(self._rec_left, view.nbytes)
@@ -496,5 +443,4 @@ class ShmChannel(ChannelLifecycle):
         elif kind == UPGRADE and self.server_side and not self.upgraded and self._reader is None:
             self._serve_upgrade(length)
         else:
-            raise self._failed(f"{self.peer} sent an unexpected record (type {kind}, {length} bytes): "
-                               "it does not speak genie's shm protocol")
+            raise self._unexpected(kind, length)
