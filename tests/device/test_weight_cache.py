@@ -7,6 +7,7 @@ import stat
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,23 +17,35 @@ from genie.testing import run_client, wait_until
 from tests.conftest import unused_port
 
 # A model whose weights (two 256x512 float32 matrices, 512 KiB each) are above the 64 KiB threshold
-# and whose biases are below it; the client prints what went on the wire and the model's output.
+# and whose biases are below it. Each step is one session (genie.init ... genie.shutdown): the client
+# prints, per session, what went on the wire and what the model computed.
 MODEL = """
 import json
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.ReLU(), torch.nn.Linear(256, 512))
-x = torch.randn(8, 512)
-expected = model(x)
-cpu_sum = float(model[0].weight.sum())  # model.to() moves the parameters themselves: read them first
-dev = "remote_accelerator:0"
-remote = model.to(dev)
-got = remote(x.to(dev)).cpu()
 from genie.device.registry import table
-stats = table().get(0).connection.stats
-WRITE
-print("RESULT " + json.dumps({"up": stats["bytes_up"], "cached": stats["bytes_cached"],
-                              "exact": bool(torch.equal(got, expected)),
-                              "weight_sum": cpu_sum, "remote_sum": READ}))
+
+def session(write, read):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.ReLU(), torch.nn.Linear(256, 512))
+    x = torch.randn(8, 512)
+    expected = model(x)
+    cpu_sum = float(model[0].weight.sum())  # model.to() moves the parameters themselves: read them first
+    dev = "remote_accelerator:0"
+    remote = model.to(dev)
+    got = remote(x.to(dev)).cpu()
+    if write:
+        remote[0].weight.data.add_(1.0)
+    remote_sum = float(remote[0].weight.sum().cpu()) if read else 0.0
+    stats = table().get(0).connection.stats
+    return {"up": stats["bytes_up"], "cached": stats["bytes_cached"], "exact": bool(torch.equal(got, expected)),
+            "weight_sum": cpu_sum, "remote_sum": remote_sum}
+
+results = []
+for write, read in STEPS:
+    if results:
+        genie.shutdown_sync()
+        genie.init_sync(master_addr="127.0.0.1", master_port=PORT, timeout=30)
+    results.append(session(write, read))
+print("RESULT " + json.dumps(results))
 """
 WEIGHTS = 2 * 256 * 512 * 4
 BIASES = (256 + 512) * 4
@@ -46,8 +59,9 @@ def cache_server() -> Iterator[tuple[NodeProcess, int]]:
         yield server, mport
 
 
-def _run(server: NodeProcess, identity: Path, *, write: str = "", read: str = "0.0") -> dict[str, object]:
-    body = MODEL.replace("WRITE", write or "pass").replace("READ", read)
+def _run(server: NodeProcess, identity: Path, steps: list[tuple[bool, bool]]) -> list[dict[str, Any]]:
+    """Run ``steps`` (write in place?, read back?) as sessions of one client process of ``identity``."""
+    body = MODEL.replace("STEPS", repr(steps)).replace("PORT", str(server.control_port))
     done = run_client(server.control_port, body, env={"GENIE_CACHE_DIR": str(identity)})
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
@@ -63,28 +77,25 @@ def _metric(port: int, name: str) -> float:
 
 def test_a_new_session_moves_an_already_uploaded_model_without_sending_its_weights(
         cache_server: tuple[NodeProcess, int], tmp_path: Path) -> None:
-    """One test, five client processes (each costs seconds): first upload, hit, hit then in-place
-    writes, hit after those writes, and another identity."""
+    """Alice: a first upload; in a new process, a hit, a hit then in-place writes, a hit after those
+    writes. Bob, another identity: no hits."""
     server, mport = cache_server
     saved_before = _metric(mport, "genie_server_cache_saved")
-    first = _run(server, tmp_path / "alice")
+    (first,) = _run(server, tmp_path / "alice", [(False, False)])
     assert first["exact"] and first["cached"] == 0 and first["up"] >= WEIGHTS
-    second = _run(server, tmp_path / "alice")  # a new process, a new session, the same user identity
+
+    second, writer, reader = _run(server, tmp_path / "alice", [(False, False), (True, True), (False, True)])
     assert second["exact"]
     assert second["cached"] == WEIGHTS
     assert second["up"] < first["up"] - WEIGHTS + 1  # only the small biases and the input went on the wire
-    wait_until(lambda: _metric(mport, "genie_server_cache_saved") - saved_before >= WEIGHTS, timeout=10,
+    wait_until(lambda: _metric(mport, "genie_server_cache_saved") - saved_before >= 3 * WEIGHTS, timeout=10,
                what="the node's /metrics to count the bytes the cache saved")
-
-    writer = _run(server, tmp_path / "alice", write="remote[0].weight.data.add_(1.0)",
-                  read="float(remote[0].weight.sum().cpu())")
     assert writer["cached"] == WEIGHTS
     assert writer["remote_sum"] == pytest.approx(writer["weight_sum"] + 256 * 512, rel=1e-4)
-    reader = _run(server, tmp_path / "alice", read="float(remote[0].weight.sum().cpu())")
     assert reader["cached"] == WEIGHTS and reader["exact"]  # the writer's session changed nothing here
     assert reader["remote_sum"] == pytest.approx(reader["weight_sum"], rel=1e-5, abs=1e-3)
 
-    bob = _run(server, tmp_path / "bob")  # another user's identity: nothing of alice's
+    (bob,) = _run(server, tmp_path / "bob", [(False, False)])  # another user's identity: nothing of alice's
     assert bob["exact"] and bob["cached"] == 0 and bob["up"] >= WEIGHTS
 
 
