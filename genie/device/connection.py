@@ -182,14 +182,14 @@ class NodeConnection:
             candidate = content.hold(storage_id, device, src, view)
             with self.lock:
                 self.check_alive()
-                if overwrite and self.has_pending():
+                if overwrite and (self._cmds or self._writes_pending(storage_id)):
                     self._flush_locked()
                 if content.add(candidate):
                     self._flush_locked()
             return
         with self.lock:
             self.check_alive()
-            if overwrite and (self._cmds or content is not None and content.pending):
+            if overwrite and (self._cmds or content is not None and content.holds(storage_id)):
                 self._flush_locked()
             self._uploads.append([storage_id, device, view.nbytes])
             self._payload.append(view)
@@ -199,6 +199,11 @@ class NodeConnection:
             self._cmd_bytes += view.nbytes
             if self._cmd_bytes >= MAX_BATCH_BYTES:
                 self._flush_locked()
+
+    def _writes_pending(self, storage_id: int) -> bool:
+        """Whether a queued or held-back upload writes ``storage_id`` (a later one must not overtake it)."""
+        return any(u[0] == storage_id for u in self._uploads) or (self.content is not None
+                                                                 and self.content.holds(storage_id))
 
     def _append(self, cmd: bytes) -> None:
         self._cmds.append(cmd)

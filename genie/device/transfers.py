@@ -137,6 +137,10 @@ class ClientCache:
         self.pending_bytes += candidate.view.nbytes
         return self.pending_bytes >= MAX_PENDING_BYTES or len(self.pending) >= MAX_PENDING
 
+    def holds(self, storage_id: int) -> bool:
+        """Whether an upload into ``storage_id`` is held back."""
+        return any(c.storage_id == storage_id for c in self.pending)
+
     def take(self) -> list[Candidate]:
         """Every held-back upload, in order; none are held afterwards."""
         pending, self.pending, self.pending_bytes = self.pending, [], 0

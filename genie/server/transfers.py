@@ -26,7 +26,7 @@ import torch
 from genie.errors import FrameError, ProtocolError, QuotaExceededError, RemoteExecutionError
 from genie.server import codec
 from genie.server.codec import MAX_NBYTES, Descriptor, DeviceRef, check_id, is_int
-from genie.server.content import ContentCache
+from genie.server.content import ContentCache, Receiver
 from genie.server.store import StorageError
 from genie.wire.buffers import prefault, tensor_bytes
 from genie.wire.content import KEY_BYTES, NONCE_BYTES
@@ -60,12 +60,17 @@ class StagingPool:
         self.max_bytes = max_bytes
         self.min_bytes = min_bytes
         self._by_size: dict[int, list[torch.UntypedStorage]] = {}
+        #: data pointers of memory never to reuse (mappings of the weight cache's files)
+        self.skip: set[int] = set()
         self.bytes = 0
         self.reused = 0
 
     def give(self, storage: torch.UntypedStorage) -> None:
         """Offer a storage the session just freed."""
         nbytes = storage.nbytes()
+        if self.skip and storage.data_ptr() in self.skip:
+            self.skip.discard(storage.data_ptr())
+            return
         if (nbytes < self.min_bytes or storage.device.type != "cpu" or self.bytes + nbytes > self.max_bytes
                 or torch._C._storage_Use_Count(storage._cdata) != 1 or sys.getrefcount(storage) > _PY_REFS):
             return
@@ -99,8 +104,13 @@ class SessionTransfers:
         self.pool = StagingPool()
         self.cache = cache
         self.nonce = os.urandom(NONCE_BYTES)
-        #: hits of the last CMD_HAVE, (key, nbytes) -> the cache's bytes, for the next batch's ``cached``
+        #: hits of the last CMD_HAVE, (key, nbytes) -> a private mapping of the bytes, for the next batch's ``cached``
         self.reserved: dict[tuple[bytes, int], torch.Tensor] = {}
+
+    def mapped(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        """A uint8 tensor over a cache mapping; the pool never reuses such memory (a write to it copies pages)."""
+        self.pool.skip.add(storage.data_ptr())
+        return torch.empty(0, dtype=torch.uint8).set_(storage)
 
     def offer(self) -> dict[str, Any]:
         """The WELCOME's ``cache`` entry: ``{"enabled": False}`` when the node keeps no cache."""
@@ -159,15 +169,30 @@ def _receive_sent(ex: Executor, header: FrameHeader, specs: list[tuple[int, torc
         discard_payload(ex.channel, total)  # stay in step with the stream, then report the refusal on every storage
         _refused_all(ex, specs, exc)
         return
-    pool = ex.transfers.pool
-    buffers = [pool.take(nbytes) for *_, nbytes, _ in specs]
-    recv_payload(ex.channel, header, [tensor_bytes(b) for b in buffers])
-    cache = ex.transfers.cache
-    for (storage_id, device, nbytes, key), raw in zip(specs, buffers, strict=True):
-        ex.metrics.record_bytes("in", nbytes, device)  # metrics
-        if key is not None and cache is not None:
-            cache.insert(key, raw)  # before the session owns raw: it may write it in place later
-        _apply_checked(ex, storage_id, device, raw)
+    transfers = ex.transfers
+    cache = transfers.cache
+    # A keyed upload the cache may keep lands in a new memfd; the rest in pooled or prefaulted memory.
+    receivers = [Receiver(nbytes) if key is not None and cache is not None and cache.wants(nbytes) else None
+                 for _, _, nbytes, key in specs]
+    try:
+        buffers = [r.buffer if r is not None else transfers.pool.take(nbytes)
+                   for r, (*_, nbytes, _) in zip(receivers, specs, strict=True)]
+        for r in receivers:
+            if r is not None:
+                prefault(r.buffer)
+        recv_payload(ex.channel, header, [tensor_bytes(b) for b in buffers])
+        for (storage_id, device, nbytes, key), raw, received in zip(specs, buffers, receivers, strict=True):
+            ex.metrics.record_bytes("in", nbytes, device)  # metrics
+            if received is not None and key is not None and cache is not None:
+                # The session gets a private (copy-on-write) mapping; the cache keeps the file.
+                raw = transfers.mapped(received.private())
+                received.release()
+                cache.keep(key, received)
+            _apply_checked(ex, storage_id, device, raw)
+    finally:
+        for r in receivers:
+            if r is not None:
+                r.close()
 
 
 def _apply_checked(ex: Executor, storage_id: int, device: torch.device, raw: torch.Tensor, *,
@@ -194,18 +219,13 @@ def apply_upload(ex: Executor, storage_id: int, device: torch.device, raw: torch
             raw = raw.to(device)
         elif not owned:
             ex.store.check_room(1, raw.numel())  # before the copy's memory is taken
-            raw = _copy_into(ex.transfers.pool.take(raw.numel()), raw)
+            raw = ex.transfers.pool.take(raw.numel()).copy_(raw)
         ex.store.put(storage_id, raw.untyped_storage())
         return
     if existing.nbytes() != raw.numel():
         raise StorageError(f"upload of {raw.numel()} bytes into storage {storage_id}, which has "
                            f"{existing.nbytes()}; an upload overwrites a whole storage of the same size")
     torch.empty(0, dtype=torch.uint8, device=existing.device).set_(existing).copy_(raw)
-
-
-def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    dst.copy_(src)
-    return dst
 
 
 def _adopt_cached(ex: Executor, hits: list[tuple[int, torch.device, int, bytes | None]]) -> None:
@@ -220,8 +240,7 @@ def _adopt_cached(ex: Executor, hits: list[tuple[int, torch.device, int, bytes |
             ex.store.poison(storage_id, message)
             ex._defer(_error("upload", [[nbytes]], "protocol", message, [storage_id]))
             continue
-        ex.metrics.record_bytes("in", 0, device)  # metrics: the device received no bytes over the wire
-        _apply_checked(ex, storage_id, device, data, owned=False)
+        _apply_checked(ex, storage_id, device, data)  # data: this session's own copy-on-write mapping
 
 
 def have(ex: Executor, cmd: list[Any]) -> None:
@@ -241,7 +260,7 @@ def have(ex: Executor, cmd: list[Any]) -> None:
         data = None if transfers.cache is None else transfers.cache.lookup(key, nbytes, nonce=transfers.nonce,
                                                                            proof=proof)
         if data is not None:
-            transfers.reserved[(key, nbytes)] = data
+            transfers.reserved[(key, nbytes)] = transfers.mapped(data)
         answers.append(data is not None)
     ex._reply(cmd[1], None, answers)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from genie.server import DataPlaneServer
-from genie.server.content import ContentCache
+from genie.server.content import ContentCache, Receiver
 from genie.server.transfers import StagingPool
 from genie.wire.content import identity_key, possession_proof, shared_key
 from genie.wire.frame import MsgKind
@@ -159,20 +159,45 @@ def test_no_cache_when_cache_bytes_is_zero(inproc_server: Start) -> None:
     assert server.cache is None
 
 
+def _keep(cache: ContentCache, key: bytes, t: torch.Tensor) -> bool:
+    received = Receiver(t.numel())
+    received.buffer.copy_(t)
+    received.release()
+    try:
+        return cache.keep(key, received)
+    finally:
+        received.close()
+
+
 def test_the_cache_is_bounded_and_evicts_the_least_recently_used() -> None:
     cache = ContentCache(3 * NBYTES)
     tensors = [_weights(i).view(torch.uint8) for i in range(4)]
     keys = [_key(t) for t in tensors]
     for k, t in zip(keys[:3], tensors[:3], strict=True):
-        assert cache.insert(k, t)
+        assert _keep(cache, k, t)
     assert cache.lookup(keys[0], NBYTES) is not None  # 0 is now the most recently used
-    assert cache.insert(keys[3], tensors[3])
+    assert _keep(cache, keys[3], tensors[3])
     assert cache.lookup(keys[1], NBYTES) is None  # evicted
-    assert all(cache.lookup(k, NBYTES) is not None for k in (keys[0], keys[2], keys[3]))
+    for k, t in ((keys[0], tensors[0]), (keys[2], tensors[2]), (keys[3], tensors[3])):
+        storage = cache.lookup(k, NBYTES)
+        assert storage is not None and torch.equal(torch.empty(0, dtype=torch.uint8).set_(storage), t)
     stats = cache.stats()
-    assert stats["bytes"] == 3 * NBYTES and stats["evicted"] == 1
-    assert not cache.insert(os.urandom(32), torch.zeros(4 * NBYTES, dtype=torch.uint8))  # larger than the cache
-    assert not cache.insert(os.urandom(32), torch.zeros(1024, dtype=torch.uint8))  # below the threshold
+    assert stats["bytes"] == 3 * NBYTES and stats["evicted"] == 1 and stats["entries"] == 3
+    assert not _keep(cache, os.urandom(32), torch.zeros(4 * NBYTES, dtype=torch.uint8))  # larger than the cache
+    assert not _keep(cache, os.urandom(32), torch.zeros(1024, dtype=torch.uint8))  # below the threshold
+    cache.clear()
+    assert cache.stats()["entries"] == 0
+
+
+def test_a_hit_is_a_private_mapping_whose_writes_copy_pages_and_leave_the_entry_whole() -> None:
+    cache = ContentCache(4 * NBYTES)
+    w = _weights().view(torch.uint8)
+    assert _keep(cache, _key(w), w)
+    mine = cache.lookup(_key(w), NBYTES)
+    assert mine is not None
+    torch.empty(0, dtype=torch.uint8).set_(mine).fill_(0)
+    theirs = cache.lookup(_key(w), NBYTES)
+    assert theirs is not None and torch.equal(torch.empty(0, dtype=torch.uint8).set_(theirs), w)
 
 
 def _sessions(server: DataPlaneServer) -> list[Any]:
