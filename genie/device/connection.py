@@ -43,6 +43,9 @@ log = logging.getLogger("genie.device")
 MAX_BATCH_CMDS = 512
 MAX_BATCH_BYTES = 1 << 20
 
+#: Uploads this large send the frees waiting before them first (genie.server.transfers.POOL_MIN_BYTES).
+POOLED_UPLOAD_BYTES = 1 << 20
+
 #: Moves storages freed by genie._C (any thread) to their connections' free lists; set by
 #: genie.device.registration. Called at each flush, so frees go out with the next batch.
 free_router: Callable[[], None] | None = None
@@ -191,6 +194,12 @@ class NodeConnection:
             self.check_alive()
             if overwrite and (self._cmds or content is not None and content.holds(storage_id)):
                 self._flush_locked()
+            elif view.nbytes >= POOLED_UPLOAD_BYTES and free_router is not None:
+                # Frees run after their batch's uploads: send them first, so the node can receive this
+                # upload into the memory of a storage just freed (its staging pool: no page faults).
+                free_router()
+                if self.frees:
+                    self._flush_locked()
             self._uploads.append([storage_id, device, view.nbytes])
             self._payload.append(view)
             self._keepalive.append(src)

@@ -180,6 +180,7 @@ class Executor:
         elif code == CMD_FREE:
             if len(cmd) != 2 or not isinstance(cmd[1], list):
                 raise FrameError("FREE must be [CMD_FREE, [storage_id, ...]]")
+            self._used = {}  # the last command's storages: none may stay referenced, so the pool can reuse them
             self.store.free((s for s in cmd[1] if is_int(s)), recycle=self.transfers.pool.give)
         elif code == CMD_FETCH:
             if len(cmd) != 4:

@@ -86,6 +86,7 @@ class StagingPool:
                 del self._by_size[nbytes]
             self.bytes -= nbytes
             self.reused += 1
+            log.debug("upload of %d bytes received into a reused storage", nbytes)
             return torch.empty(0, dtype=torch.uint8).set_(storage)
         raw = torch.empty(nbytes, dtype=torch.uint8)
         prefault(raw)
