@@ -51,7 +51,9 @@ def supported() -> bool:
 
 def _mapping(fd: int, nbytes: int, *, shared: bool) -> torch.UntypedStorage:
     """A CPU storage over the memfd ``fd``: ``shared`` writes reach the file, else they stay private (COW)."""
-    return torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=shared, nbytes=nbytes)
+    storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=shared, nbytes=nbytes)
+    assert isinstance(storage, torch.UntypedStorage)
+    return storage
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> memoryview:

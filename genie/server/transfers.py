@@ -108,9 +108,13 @@ class SessionTransfers:
         #: hits of the last CMD_HAVE, (key, nbytes) -> a private mapping of the bytes, for the next batch's ``cached``
         self.reserved: dict[tuple[bytes, int], torch.Tensor] = {}
 
-    def mapped(self, storage: torch.UntypedStorage) -> torch.Tensor:
-        """A uint8 tensor over a cache mapping; the pool never reuses such memory (a write to it copies pages)."""
-        self.pool.skip.add(storage.data_ptr())
+    def mapped(self, storage: torch.UntypedStorage, device: torch.device | None = None) -> torch.Tensor:
+        """A uint8 tensor over a cache mapping; the pool never reuses such memory (a write to it copies pages).
+
+        ``device``: where it goes; only a CPU storage keeps the mapping (elsewhere it is copied).
+        """
+        if device is None or device.type == "cpu":
+            self.pool.skip.add(storage.data_ptr())
         return torch.empty(0, dtype=torch.uint8).set_(storage)
 
     def offer(self) -> dict[str, Any]:
@@ -186,7 +190,7 @@ def _receive_sent(ex: Executor, header: FrameHeader, specs: list[tuple[int, torc
             ex.metrics.record_bytes("in", nbytes, device)  # metrics
             if received is not None and key is not None and cache is not None:
                 # The session gets a private (copy-on-write) mapping; the cache keeps the file.
-                raw = transfers.mapped(received.private())
+                raw = transfers.mapped(received.private(), device)
                 received.release()
                 cache.keep(key, received)
             _apply_checked(ex, storage_id, device, raw)
@@ -241,6 +245,8 @@ def _adopt_cached(ex: Executor, hits: list[tuple[int, torch.device, int, bytes |
             ex.store.poison(storage_id, message)
             ex._defer(_error("upload", [[nbytes]], "protocol", message, [storage_id]))
             continue
+        if device.type != "cpu":
+            ex.transfers.pool.skip.discard(data.data_ptr())  # copied to the device; the mapping goes
         _apply_checked(ex, storage_id, device, data)  # data: this session's own copy-on-write mapping
 
 

@@ -12,6 +12,7 @@ import torch
 from genie.server import DataPlaneServer
 from genie.server.content import ContentCache, Receiver
 from genie.server.transfers import StagingPool
+from genie.wire.buffers import tensor_bytes
 from genie.wire.content import identity_key, possession_proof, shared_key
 from genie.wire.frame import MsgKind
 from tests.raw_client import RawClient, T, desc, fetch, free, have, op
@@ -26,7 +27,7 @@ def _weights(seed: int = 0) -> torch.Tensor:
 
 
 def _key(t: torch.Tensor, secret: bytes = SECRET) -> bytes:
-    return identity_key(secret, memoryview(t.numpy()).cast("B"))
+    return identity_key(secret, tensor_bytes(t))
 
 
 def _client(server: DataPlaneServer) -> RawClient:
@@ -67,7 +68,7 @@ def test_another_identity_naming_other_bytes_or_the_plain_hash_gets_nothing(inpr
     _upload_named(server, w, _key(w))
     with _client(server) as b:
         assert not _ask(b, _key(w, os.urandom(32)), NBYTES)  # another client's secret: another key
-        assert not _ask(b, shared_key(memoryview(w.numpy()).cast("B")), NBYTES)  # the hash alone names nothing
+        assert not _ask(b, shared_key(tensor_bytes(w)), NBYTES)  # the hash alone names nothing
         assert not _ask(b, _key(w), NBYTES - 4)  # the size is part of the name
     assert server.cache.stats()["misses"] == 3  # type: ignore[union-attr]
 
@@ -120,7 +121,7 @@ def test_a_malformed_have_closes_only_that_session(inproc_server: Start) -> None
 
 
 def _shared_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.numpy()).cast("B")
+    return tensor_bytes(t)
 
 
 def test_shared_scope_serves_every_client_only_with_a_proof_of_possession(inproc_server: Start) -> None:
