@@ -32,7 +32,6 @@ from genie.errors import (
     GenieError,
     ProtocolError,
     QuotaExceededError,
-    RemoteExecutionError,
 )
 from genie.server import codec, transfers
 from genie.server.codec import MAX_NBYTES, Descriptor, check_id, is_int
@@ -40,8 +39,11 @@ from genie.server.devargs import check_device_args
 from genie.server.metrics import NULL_SESSION_METRICS, SessionMetrics
 from genie.server.ops import resolve_op, run_op
 from genie.server.outputs import OutputMismatch, store_call_result, store_outputs
+from genie.server.records import error as _error
+from genie.server.records import kind_of as _kind_of
+from genie.server.records import message as _message
 from genie.server.rng import SessionGenerators
-from genie.server.store import StorageError, StorageStore, zeroed_storage
+from genie.server.store import StorageStore, zeroed_storage
 from genie.transport.base import Channel
 from genie.wire.frame import FrameHeader, MsgKind, send_frame
 from genie.wire.messages import CMD_CALL, CMD_FETCH, CMD_FREE, CMD_HAVE, CMD_OP, CMD_RESIZE, CMD_SEED, CMD_SYNC
@@ -61,31 +63,6 @@ def _hands_out_uninitialised(label: str) -> bool:
     session never reads bytes another session's tensors left behind. By name, so a new member of the
     family in a later torch release is covered too."""
     return "empty" in label
-
-
-def _error(op: str, shapes: list[Any], kind: str, message: str, storages: Sequence[int] = ()) -> dict[str, Any]:
-    return {"op": op, "shapes": shapes, "kind": kind, "message": message, "storages": list(storages)}
-
-
-def _kind_of(exc: BaseException) -> str:
-    if isinstance(exc, ForbiddenOpError):
-        return "forbidden"
-    if isinstance(exc, QuotaExceededError):
-        return "quota"
-    if isinstance(exc, StorageError):
-        return "storage"
-    if isinstance(exc, RemoteExecutionError):
-        return "execution"
-    if isinstance(exc, ProtocolError):
-        return "protocol"
-    return "execution"
-
-
-def _message(exc: BaseException) -> str:
-    if isinstance(exc, GenieError):
-        return str(exc)
-    text = str(exc).strip() or type(exc).__name__
-    return f"{type(exc).__name__}: {text}" if not isinstance(exc, RuntimeError) else text
 
 
 def tensor_leaves(value: Any) -> list[torch.Tensor]:

@@ -27,6 +27,9 @@ from genie.errors import FrameError, ProtocolError, QuotaExceededError, RemoteEx
 from genie.server import codec
 from genie.server.codec import MAX_NBYTES, Descriptor, DeviceRef, check_id, is_int
 from genie.server.content import ContentCache, Receiver
+from genie.server.records import error as _error
+from genie.server.records import kind_of as _kind_of
+from genie.server.records import message as _message
 from genie.server.store import StorageError
 from genie.wire.buffers import prefault, tensor_bytes
 from genie.wire.content import KEY_BYTES, NONCE_BYTES
@@ -158,7 +161,6 @@ def receive(ex: Executor, header: FrameHeader, msg: dict[str, Any]) -> None:
 
 
 def _refused_all(ex: Executor, specs: list[tuple[int, torch.device, int, bytes | None]], exc: Exception) -> None:
-    from genie.server.executor import _error
 
     for storage_id, *_ in specs:
         ex.store.poison(storage_id, str(exc))
@@ -203,7 +205,6 @@ def _receive_sent(ex: Executor, header: FrameHeader, specs: list[tuple[int, torc
 def _apply_checked(ex: Executor, storage_id: int, device: torch.device, raw: torch.Tensor, *,
                    owned: bool = True) -> None:
     """:func:`apply_upload`, a failure poisoning the storage and deferred to the next reply."""
-    from genie.server.executor import _error, _kind_of
 
     try:
         apply_upload(ex, storage_id, device, raw, owned=owned)
@@ -234,7 +235,6 @@ def apply_upload(ex: Executor, storage_id: int, device: torch.device, raw: torch
 
 
 def _adopt_cached(ex: Executor, hits: list[tuple[int, torch.device, int, bytes | None]]) -> None:
-    from genie.server.executor import _error
 
     reserved = ex.transfers.reserved
     for storage_id, device, nbytes, key in hits:
@@ -274,7 +274,6 @@ def have(ex: Executor, cmd: list[Any]) -> None:
 
 def fetch(ex: Executor, req: Any, device_index: Any, desc: Descriptor) -> None:
     """``CMD_FETCH``: reply with the described tensor's bytes, contiguous."""
-    from genie.server.executor import _error, _kind_of, _message
 
     try:
         ex._begin(device_index)
