@@ -120,6 +120,11 @@ _OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
     "max_preauth": (int, 512, lambda v: v > 0, "a positive count of connections that have not authenticated yet"),
     "max_sessions": (int, 1024, lambda v: v > 0, "a positive count of authenticated sessions open at once"),
     "insecure": (bool, False, None, "true or false (serve a non-loopback address without a cluster token)"),
+    # the weight cache (see docs/server.md, docs/device.md and genie/server/content.py)
+    "cache_bytes": (int, 1 << 30, lambda v: v >= 0, "0 (no weight cache) or a byte count of host memory"),
+    "share_cache": (bool, False, None, "true or false (one weight cache scope for every client of the token)"),
+    "upload_cache": (str, "params", lambda v: v in ("off", "params", "all"),
+                     "off, params (parameters and tensors that require grad) or all"),
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -194,6 +199,9 @@ class ClusterConfig:
     max_preauth: int
     max_sessions: int
     insecure: bool
+    cache_bytes: int
+    share_cache: bool
+    upload_cache: str
     sources: Mapping[str, str] = attrs.field(factory=dict, repr=False, eq=False)
 
     @classmethod

@@ -17,7 +17,17 @@ from genie_tcp import TcpTransport
 from genie.transport.base import Channel
 from genie.wire.buffers import tensor_bytes
 from genie.wire.frame import MsgKind, pack_body, recv_header_and_body, recv_payload, send_frame, unpack_body
-from genie.wire.messages import CMD_CALL, CMD_FETCH, CMD_FREE, CMD_OP, CMD_RESIZE, CMD_SEED, CMD_SYNC, hello_body
+from genie.wire.messages import (
+    CMD_CALL,
+    CMD_FETCH,
+    CMD_FREE,
+    CMD_HAVE,
+    CMD_OP,
+    CMD_RESIZE,
+    CMD_SEED,
+    CMD_SYNC,
+    hello_body,
+)
 from genie.wire.values import device_ext, dtype_code, dtype_from_code, encode_common, generator_ext, tensor_ext
 
 
@@ -103,6 +113,11 @@ def resize(device: int, storage_id: int, nbytes: int) -> bytes:
     return pack([CMD_RESIZE, device, storage_id, nbytes])
 
 
+def have(req: int, entries: list[list[Any]]) -> bytes:
+    """``CMD_HAVE``: entries are ``[key, nbytes, proof or None]``."""
+    return pack([CMD_HAVE, req, entries])
+
+
 class Reply:
     """A decoded REPLY frame."""
 
@@ -155,12 +170,16 @@ class RawClient:
         self.welcome = body
         return body
 
-    def send_batch(self, cmds: list[bytes], uploads: Sequence[tuple[int, int, torch.Tensor]] = ()) -> None:
-        """Send a BATCH: ``uploads`` are ``(storage_id, device index, CPU tensor)``; the storage gets its bytes."""
-        tensors = [t.contiguous() for _, _, t in uploads]
-        ups = [[s, d, t.numel() * t.element_size()] for (s, d, _), t in zip(uploads, tensors, strict=True)]
-        send_frame(self.channel, MsgKind.BATCH, pack_body({"uploads": ups, "cmds": cmds}),
-                   [tensor_bytes(t) for t in tensors])
+    def send_batch(self, cmds: list[bytes], uploads: Sequence[tuple[Any, ...]] = (),
+                   cached: Sequence[list[Any]] = ()) -> None:
+        """Send a BATCH: ``uploads`` are ``(storage_id, device index, CPU tensor[, content key])``; the storage
+        gets its bytes. ``cached`` entries are ``[storage_id, device, nbytes, key]`` (the weight cache)."""
+        tensors = [u[2].contiguous() for u in uploads]
+        ups = [[u[0], u[1], t.numel() * t.element_size(), *u[3:]] for u, t in zip(uploads, tensors, strict=True)]
+        body: dict[str, Any] = {"uploads": ups, "cmds": cmds}
+        if cached:
+            body["cached"] = list(cached)
+        send_frame(self.channel, MsgKind.BATCH, pack_body(body), [tensor_bytes(t) for t in tensors])
 
     def recv(self) -> tuple[MsgKind, Any, bytes]:
         """Any frame: (kind, decoded body, payload)."""
@@ -175,9 +194,10 @@ class RawClient:
         assert kind == MsgKind.REPLY, (kind, body)
         return Reply(body, payload)
 
-    def request(self, cmds: list[bytes], uploads: Sequence[tuple[int, int, torch.Tensor]] = ()) -> Reply:
+    def request(self, cmds: list[bytes], uploads: Sequence[tuple[Any, ...]] = (),
+                cached: Sequence[list[Any]] = ()) -> Reply:
         """Send a batch whose last command is a request and return its reply."""
-        self.send_batch(cmds, uploads)
+        self.send_batch(cmds, uploads, cached)
         return self.reply()
 
     def fetch(self, storage_id: int | list[Any], like: torch.Tensor | None = None, device: int = 0) -> torch.Tensor:

@@ -41,6 +41,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure", action="store_true", default=None,
                    help="serve a non-loopback --host without a cluster token (GENIE_AUTH_TOKEN); anyone who can "
                         "reach the ports can then run code on this node's devices (GENIE_INSECURE)")
+    p.add_argument("--cache-bytes", type=int, default=None,
+                   help="host memory for the weight cache, kept across sessions (default 1 GiB; 0: none; "
+                        "GENIE_CACHE_BYTES)")
+    p.add_argument("--share-cache", action="store_true", default=None,
+                   help="one weight cache scope for every client of the cluster token, not one per client "
+                        "identity; see docs/SECURITY.md (GENIE_SHARE_CACHE)")
 
 
 def register(sub: Any) -> None:
@@ -67,6 +73,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "heartbeat_timeout": args.heartbeat_timeout, "metrics_port": args.metrics_port,
         "gpu_poll_interval": args.gpu_poll_interval, "health_check_interval": args.health_check_interval,
         "health_check_timeout": min(args.health_check_interval, 5.0) if args.health_check_interval else None,
+        "cache_bytes": args.cache_bytes, "share_cache": args.share_cache,
         "insecure": args.insecure,  # the servers check the exposure themselves (genie.security.check_bind)
     }
 

@@ -60,6 +60,7 @@ def _open_session(pm: PluginManager, config: ClusterConfig, security: ClientSecu
     conn = NodeConnection(channel, node_id=node["node_id"], address=f"{address}:{node['data_port']}",
                           op_timeout=config.op_timeout)
     conn.backend = outcome.backend
+    conn.upload_cache = config.upload_cache
     started = time.perf_counter()
     try:
         conn.handshake(hello_body(node_id=client_id, role="client", backends=[outcome.backend]),

@@ -23,6 +23,7 @@ import msgpack
 import torch
 
 from genie.device.stats import STATS
+from genie.device.transfers import ClientCache
 from genie.errors import (
     ConnectionClosedError,
     FrameError,
@@ -49,6 +50,9 @@ MAX_BATCH_BYTES = 1 << 20
 #: (512-command batches serialised the two sides: the server started late and ran the last batch
 #: after the client had finished.) Set it to MAX_BATCH_CMDS for fixed-size batches.
 MIN_BATCH_CMDS = 16
+
+#: Uploads this large send the frees waiting before them first (genie.server.transfers.POOL_MIN_BYTES).
+POOLED_UPLOAD_BYTES = 1 << 20
 
 #: Moves storages freed by genie._C (any thread) to their connections' free lists; set by
 #: genie.device.registration. Called at each flush, so frees go out with the next batch.
@@ -84,7 +88,12 @@ class NodeConnection:
         self.flush_at = MIN_BATCH_CMDS
         self._packer: msgpack.Packer | None = None
         self._packer_default: Callable[[Any], Any] | None = None
-        self.stats = {"ops": 0, "bytes_up": 0, "bytes_down": 0, "round_trips": 0, "batches": 0}
+        self.stats = {"ops": 0, "bytes_up": 0, "bytes_down": 0, "round_trips": 0, "batches": 0, "bytes_cached": 0}
+        #: the weight cache policy (``upload_cache``) and, after the handshake, the node's cache (or None)
+        self.upload_cache = "params"
+        self.content: ClientCache | None = None
+        self._cached: list[list[Any]] = []
+        self._early_deferred: list[Any] = []  # errors a CMD_HAVE reply carried, raised at the next sync point
 
     # -- handshake ---------------------------------------------------------------------------
     def handshake(self, hello: dict[str, Any], timeout: float, *, token: bytes = b"") -> dict[str, Any]:
@@ -100,6 +109,7 @@ class NodeConnection:
             self.devices = list(reply.get("devices", []))
             self.limits = dict(reply.get("limits", {}))
             self.node_id = str(reply.get("node_id", self.node_id))
+            self.content = ClientCache.from_welcome(reply.get("cache"), self.upload_cache)
             self.channel.settimeout(self.op_timeout)
             return reply
 
@@ -172,17 +182,34 @@ class NodeConnection:
             self.stats["ops"] += 1
             STATS.op_queued()  # stats
 
-    def upload(self, storage_id: int, device: int, src: torch.Tensor, *, overwrite: bool) -> None:
+    def upload(self, storage_id: int, device: int, src: torch.Tensor, *, overwrite: bool, by_key: bool = False) -> None:
         """Queue a contiguous CPU tensor's bytes as all of storage ``storage_id`` on local device ``device``.
 
         Uploads run before the commands of their batch, so an upload that may ``overwrite`` a
         storage earlier commands still read first sends those commands in a batch of their own.
+        ``by_key``: name the bytes by content key first (the weight cache, genie.device.transfers).
         """
         view = tensor_bytes(src)
+        content = self.content
+        if by_key and content is not None and view.nbytes >= content.min_bytes:
+            candidate = content.hold(storage_id, device, src, view)
+            with self.lock:
+                self.check_alive()
+                if overwrite and (self._cmds or self._writes_pending(storage_id)):
+                    self._flush_locked()
+                if content.add(candidate):
+                    self._flush_locked()
+            return
         with self.lock:
             self.check_alive()
-            if overwrite and self._cmds:
+            if overwrite and (self._cmds or content is not None and content.holds(storage_id)):
                 self._flush_locked()
+            elif view.nbytes >= POOLED_UPLOAD_BYTES and free_router is not None:
+                # Frees run after their batch's uploads: send them first, so the node can receive this
+                # upload into the memory of a storage just freed (its staging pool: no page faults).
+                free_router()
+                if self.frees:
+                    self._flush_locked()
             self._uploads.append([storage_id, device, view.nbytes])
             self._payload.append(view)
             self._keepalive.append(src)
@@ -191,6 +218,11 @@ class NodeConnection:
             self._cmd_bytes += view.nbytes
             if self._cmd_bytes >= MAX_BATCH_BYTES:
                 self._flush_locked()
+
+    def _writes_pending(self, storage_id: int) -> bool:
+        """Whether a queued or held-back upload writes ``storage_id`` (a later one must not overtake it)."""
+        return any(u[0] == storage_id for u in self._uploads) or (self.content is not None
+                                                                 and self.content.holds(storage_id))
 
     def _append(self, cmd: bytes) -> None:
         self._cmds.append(cmd)
@@ -206,7 +238,13 @@ class NodeConnection:
                 self._flush_locked()
 
     def try_flush(self) -> None:
-        """Flush unless another thread holds the session (the runtime loop must never block here)."""
+        """Flush unless another thread holds the session (the runtime loop must never block here).
+
+        Uploads held back for the weight cache wait for a user thread's flush: asking the node
+        about them is a round trip, which the runtime loop must not wait for.
+        """
+        if self.content is not None and self.content.pending:
+            return
         if self.lock.acquire(blocking=False):
             try:
                 if self._lost is None:
@@ -230,9 +268,11 @@ class NodeConnection:
                 self.lock.release()
 
     def has_pending(self) -> bool:
-        return bool(self._cmds or self._uploads or self.frees)
+        return bool(self._cmds or self._uploads or self.frees or self.content is not None and self.content.pending)
 
     def _flush_locked(self) -> None:
+        if self.content is not None and self.content.pending:
+            self._ask_cache()
         if free_router is not None:
             free_router()
         if self.frees:
@@ -243,9 +283,12 @@ class NodeConnection:
                 self._cmds.insert(len(self._cmds) - 1, free_cmd)  # ...but before a request, so it is answered last
             else:
                 self._cmds.append(free_cmd)
-        if not self._cmds and not self._uploads:
+        if not self._cmds and not self._uploads and not self._cached:
             return
-        body = msgpack.packb({"uploads": self._uploads, "cmds": self._cmds}, use_bin_type=True)
+        batch: dict[str, Any] = {"uploads": self._uploads, "cmds": self._cmds}
+        if self._cached:
+            batch["cached"] = self._cached
+        body = msgpack.packb(batch, use_bin_type=True)
         payload = self._payload
         try:
             wf.send_frame(self.channel, wf.MsgKind.BATCH, body, payload)
@@ -253,7 +296,7 @@ class NodeConnection:
             self.mark_lost(f"send failed: {exc}")
             raise self._device_lost() from exc
         finally:
-            self._cmds, self._uploads, self._payload, self._keepalive = [], [], [], []
+            self._cmds, self._uploads, self._payload, self._keepalive, self._cached = [], [], [], [], []
             self._cmd_bytes = 0
         self.last_send = time.monotonic()
         self.flush_at = min(self.flush_at * 2, MAX_BATCH_CMDS)  # the server has work now: grow
@@ -301,11 +344,48 @@ class NodeConnection:
             self.stats["round_trips"] += 1
             self.flush_at = MIN_BATCH_CMDS  # everything sent has run: the server is idle again
             STATS.round_trip(command, started, header.payload_len)  # stats
+            if self._early_deferred:
+                deferred, self._early_deferred = [*self._early_deferred, *deferred], []
         if deferred:
             raise _execution_error(deferred[0], more=len(deferred) - 1)
         if error is not None:
             raise _execution_error(error)
         return out if payload_into is not None else result
+
+    def _ask_cache(self) -> None:
+        """One CMD_HAVE round trip for the uploads held back: hits go out as ``cached``, misses with their bytes."""
+        assert self.content is not None
+        candidates = self.content.take()
+        req = next(self._requests)
+        started, command = time.perf_counter(), [wm.CMD_HAVE, req, self.content.question(candidates)]  # stats
+        body = msgpack.packb({"uploads": [], "cmds": [msgpack.packb(command, use_bin_type=True)]}, use_bin_type=True)
+        try:
+            wf.send_frame(self.channel, wf.MsgKind.BATCH, body)
+            header, reply_body = wf.recv_header_and_body(self.channel)
+            if header.kind != wf.MsgKind.REPLY or header.payload_len:
+                raise FrameError(f"node {self.node_id} answered CMD_HAVE with a {header.kind.name} frame")
+            reply = wf.unpack_body(reply_body)
+        except (ConnectionClosedError, TimeoutError, OSError, FrameError, TransportError) as exc:
+            self.mark_lost(f"no answer: {exc}")
+            raise self._device_lost() from exc
+        if not (isinstance(reply, list) and len(reply) == 4 and reply[0] == req and isinstance(reply[2], list)
+                and len(reply[2]) == len(candidates)):
+            self.mark_lost("a CMD_HAVE reply out of step")
+            raise ProtocolError(f"node {self.node_id} sent a CMD_HAVE reply out of step: {str(reply)[:200]}")
+        self.stats["round_trips"] += 1
+        STATS.round_trip(command, started, 0)  # stats
+        self._early_deferred.extend(reply[3] or ())
+        for candidate, hit in zip(candidates, reply[2], strict=True):
+            entry = [candidate.storage_id, candidate.device, candidate.view.nbytes, candidate.key]
+            if hit is True:
+                self._cached.append(entry)
+                self.stats["bytes_cached"] += candidate.view.nbytes
+                continue
+            self._uploads.append(entry)
+            self._payload.append(candidate.view)
+            self._keepalive.append(candidate.src)
+            self.stats["bytes_up"] += candidate.view.nbytes
+            STATS.uploaded(candidate.view.nbytes)  # stats
 
     def fetch(self, local: int, desc: list[Any], out: torch.Tensor, device: str = "") -> torch.Tensor:
         """Download the described tensor's values into ``out`` (a contiguous CPU tensor of its dtype and shape)."""

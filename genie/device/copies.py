@@ -3,7 +3,8 @@
 ``tensor.to(device)`` is ATen's own ``_to_copy``: an ``empty`` (a C++ kernel: a new storage
 id, no round trip) and a ``copy_`` that arrives here as ``_copy_from``. A copy that fills a
 whole fresh storage is a plain upload under that storage's id; anything else uploads into a
-temporary storage and queues a server-side ``copy_``. Device to host is a FETCH (one round
+temporary storage and queues a server-side ``copy_``. Large uploads of parameters may be named
+by content key instead (the node's weight cache: :mod:`genie.device.transfers`). Device to host is a FETCH (one round
 trip). Copies between two remote devices go through this client.
 """
 
@@ -49,6 +50,7 @@ def upload_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Host -> device: ``dst.copy_(src)`` for a CPU ``src``."""
     device = table().get(dst.get_device())
     conn = device.connection
+    by_key = conn.content is not None and conn.content.wants(src)  # the weight cache: before detach drops grad
     src = src.detach()
     if src.is_conj():
         src = src.resolve_conj()
@@ -59,10 +61,11 @@ def upload_into(dst: torch.Tensor, src: torch.Tensor) -> None:
             _queue_copy(dst, src, device)
         return
     if src.dtype == dst.dtype and tuple(src.shape) == tuple(dst.shape) and _covers_storage(dst):
-        conn.upload(_C.storage_id(dst), device.local_index, src.contiguous(), overwrite=True)
+        conn.upload(_C.storage_id(dst), device.local_index, src.contiguous(), overwrite=True, by_key=by_key)
         return
     tmp = torch.empty(tuple(src.shape), dtype=dst.dtype, device=dst.device)
-    conn.upload(_C.storage_id(tmp), device.local_index, src.to(dst.dtype).contiguous(), overwrite=False)
+    conn.upload(_C.storage_id(tmp), device.local_index, src.to(dst.dtype).contiguous(), overwrite=False,
+                by_key=by_key)
     _queue_copy(dst, tmp, device)
 
 

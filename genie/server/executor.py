@@ -32,20 +32,21 @@ from genie.errors import (
     GenieError,
     ProtocolError,
     QuotaExceededError,
-    RemoteExecutionError,
 )
-from genie.server import codec
-from genie.server.codec import MAX_NBYTES, Descriptor, DeviceRef, check_id, is_int
+from genie.server import codec, transfers
+from genie.server.codec import MAX_NBYTES, Descriptor, check_id, is_int
 from genie.server.devargs import check_device_args, device_params
 from genie.server.metrics import NULL_SESSION_METRICS, SessionMetrics
 from genie.server.ops import resolve_op, run_op
 from genie.server.outputs import OutputMismatch, functional_of, store_call_result, store_outputs
+from genie.server.records import error as _error
+from genie.server.records import kind_of as _kind_of
+from genie.server.records import message as _message
 from genie.server.rng import GENERATORLESS, SessionGenerators, generator_arg
-from genie.server.store import StorageError, StorageStore, zeroed_storage
+from genie.server.store import StorageStore, zeroed_storage
 from genie.transport.base import Channel
-from genie.wire.buffers import prefault, tensor_bytes
-from genie.wire.frame import FrameHeader, MsgKind, discard_payload, recv_payload, send_frame
-from genie.wire.messages import CMD_CALL, CMD_FETCH, CMD_FREE, CMD_OP, CMD_RESIZE, CMD_SEED, CMD_SYNC
+from genie.wire.frame import FrameHeader, MsgKind, send_frame
+from genie.wire.messages import CMD_CALL, CMD_FETCH, CMD_FREE, CMD_HAVE, CMD_OP, CMD_RESIZE, CMD_SEED, CMD_SYNC
 
 log = logging.getLogger("genie.server.executor")
 
@@ -62,31 +63,6 @@ def _hands_out_uninitialised(label: str) -> bool:
     session never reads bytes another session's tensors left behind. By name, so a new member of the
     family in a later torch release is covered too."""
     return "empty" in label
-
-
-def _error(op: str, shapes: list[Any], kind: str, message: str, storages: Sequence[int] = ()) -> dict[str, Any]:
-    return {"op": op, "shapes": shapes, "kind": kind, "message": message, "storages": list(storages)}
-
-
-def _kind_of(exc: BaseException) -> str:
-    if isinstance(exc, ForbiddenOpError):
-        return "forbidden"
-    if isinstance(exc, QuotaExceededError):
-        return "quota"
-    if isinstance(exc, StorageError):
-        return "storage"
-    if isinstance(exc, RemoteExecutionError):
-        return "execution"
-    if isinstance(exc, ProtocolError):
-        return "protocol"
-    return "execution"
-
-
-def _message(exc: BaseException) -> str:
-    if isinstance(exc, GenieError):
-        return str(exc)
-    text = str(exc).strip() or type(exc).__name__
-    return f"{type(exc).__name__}: {text}" if not isinstance(exc, RuntimeError) else text
 
 
 def tensor_leaves(value: Any) -> list[torch.Tensor]:
@@ -181,6 +157,8 @@ class Executor:
         # The command being resolved: its device (where unseen storages are made) and the storages it used.
         self._device_now = self.devices[0]
         self._used: dict[int, torch.UntypedStorage] = {}
+        #: uploads, fetches, the weight cache (genie.server.transfers); the server sets the node's cache
+        self.transfers = transfers.SessionTransfers()
 
     # -- batches ------------------------------------------------------------------------------
 
@@ -196,75 +174,18 @@ class Executor:
         cmds = msg.get("cmds", [])
         if len(cmds) > MAX_COMMANDS:
             raise FrameError(f"a batch of {len(cmds)} commands exceeds the limit of {MAX_COMMANDS}")
-        inflight = len(cmds) + len(msg.get("uploads", []))
+        inflight = len(cmds) + len(msg.get("uploads", [])) + len(msg.get("cached", []) or ())
         if inflight > self.max_inflight:
             raise QuotaExceededError(
                 f"session in-flight limit exceeded: a batch of {inflight} commands and uploads, limit "
                 f"{self.max_inflight} (max_session_inflight); send smaller batches")
-        self._receive_uploads(header, msg.get("uploads", []))
+        transfers.receive(self, header, msg)
         self.metrics.queue_depth = len(cmds)  # metrics
         for cmd in cmds:
             if not isinstance(cmd, bytes):
                 raise FrameError(f"each command must be msgpack bytes, got {type(cmd).__name__}")
             self._run_command(codec.decode(cmd))
             self.metrics.queue_depth -= 1  # metrics
-
-    def _receive_uploads(self, header: FrameHeader, uploads: list[Any]) -> None:
-        specs: list[tuple[int, torch.device, int]] = []
-        total = 0
-        for up in uploads:
-            if not isinstance(up, list) or len(up) != 3:
-                raise FrameError(f"an upload must be [storage_id, device, nbytes], got {codec._preview(up)}")
-            storage_id = check_id(up[0], "upload storage id")
-            index = up[1].index if isinstance(up[1], DeviceRef) else up[1]
-            if not is_int(index) or not 0 <= index < len(self.devices):
-                raise FrameError(f"upload {storage_id} names device {index!r}; this node has {len(self.devices)}")
-            nbytes = up[2]
-            if not is_int(nbytes) or not 0 <= nbytes <= MAX_NBYTES:
-                raise FrameError(f"upload {storage_id} has a bad byte count {codec._preview(nbytes)}")
-            if storage_id == 0:
-                raise FrameError("an upload cannot target storage 0 (the empty storage)")
-            specs.append((storage_id, self.devices[index], nbytes))
-            total += nbytes
-        if total != header.payload_len:
-            raise FrameError(f"uploads describe {total} payload bytes but the header says {header.payload_len}")
-        if not specs:
-            return
-        new = [(s, n) for s, _, n in specs if s not in self.store]
-        try:
-            self.store.check_room(len(new), sum(n for _, n in new))
-        except QuotaExceededError as exc:
-            # Stay in step with the stream, then report the refusal on every storage.
-            discard_payload(self.channel, total)
-            for storage_id, *_ in specs:
-                self.store.poison(storage_id, str(exc))
-            self._defer(_error("upload", [[s[2]] for s in specs], "quota", str(exc), [s[0] for s in specs]))
-            return
-        # Each upload's bytes become its storage, so they land in new memory; prefaulted in one call.
-        buffers = [torch.empty(nbytes, dtype=torch.uint8) for *_, nbytes in specs]
-        for raw in buffers:
-            prefault(raw)
-        recv_payload(self.channel, header, [tensor_bytes(b) for b in buffers])
-        for (storage_id, device, nbytes), raw in zip(specs, buffers, strict=True):
-            self.metrics.record_bytes("in", nbytes, device)  # metrics
-            try:
-                self._apply_upload(storage_id, device, raw)
-            except (QuotaExceededError, ProtocolError, RemoteExecutionError) as exc:
-                self.store.poison(storage_id, str(exc))
-                self._defer(_error("upload", [[nbytes]], _kind_of(exc), str(exc), [storage_id]))
-
-    def _apply_upload(self, storage_id: int, device: torch.device, raw: torch.Tensor) -> None:
-        try:
-            existing = self.store.get(storage_id)  # StorageError for a freed id
-        except RemoteExecutionError:
-            existing = None  # poisoned: every byte is written again, so the storage is whole again
-        if existing is None:
-            self.store.put(storage_id, (raw if device.type == "cpu" else raw.to(device)).untyped_storage())
-            return
-        if existing.nbytes() != raw.numel():
-            raise StorageError(f"upload of {raw.numel()} bytes into storage {storage_id}, which has "
-                               f"{existing.nbytes()}; an upload overwrites a whole storage of the same size")
-        torch.empty(0, dtype=torch.uint8, device=existing.device).set_(existing).copy_(raw)
 
     # -- commands -----------------------------------------------------------------------------
 
@@ -277,12 +198,13 @@ class Executor:
         elif code == CMD_FREE:
             if len(cmd) != 2 or not isinstance(cmd[1], list):
                 raise FrameError("FREE must be [CMD_FREE, [storage_id, ...]]")
-            self.store.free(s for s in cmd[1] if is_int(s))
+            self._used = {}  # the last command's storages: none may stay referenced, so the pool can reuse them
+            self.store.free((s for s in cmd[1] if is_int(s)), recycle=self.transfers.pool.give)
         elif code == CMD_FETCH:
             if len(cmd) != 4:
                 raise FrameError("FETCH must be [CMD_FETCH, req, device, tensor]")
             desc = cmd[3] if isinstance(cmd[3], Descriptor) else Descriptor.parse(cmd[3], "fetched tensor")
-            self._cmd_fetch(cmd[1], cmd[2], desc)
+            transfers.fetch(self, cmd[1], cmd[2], desc)
         elif code == CMD_CALL:
             self._cmd_call(cmd)
         elif code == CMD_SYNC:
@@ -293,6 +215,8 @@ class Executor:
             self._cmd_seed(cmd)
         elif code == CMD_RESIZE:
             self._cmd_resize(cmd)
+        elif code == CMD_HAVE:
+            transfers.have(self, cmd)
         else:
             raise FrameError(f"unknown command code {code}")
 
@@ -341,19 +265,6 @@ class Executor:
             for storage_id in storage_ids:
                 self.store.poison(storage_id, f"{error['op']}: {error['message']}")
         self._reply(req, error, encoded)
-
-    def _cmd_fetch(self, req: Any, device_index: Any, desc: Descriptor) -> None:
-        try:
-            self._begin(device_index)
-            out = self._tensor(desc).resolve_conj().resolve_neg()
-            if out.device.type != "cpu":
-                out = out.cpu()
-            out = out.contiguous()
-        except Exception as exc:
-            self._reply(req, _error("fetch", [list(desc.sizes)], _kind_of(exc), _message(exc), []), None)
-            return
-        self.metrics.record_bytes("out", out.nbytes, out.device)  # metrics
-        self._reply(req, None, codec.describe(0, out)[1:3], [tensor_bytes(out)], keep=out)
 
     def _cmd_sync(self, req: Any) -> None:
         error = None

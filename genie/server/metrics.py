@@ -211,6 +211,8 @@ class ServerMetrics:
         self.sessions_opened = 0
         #: what ended sessions counted (live sessions are added at collection time)
         self._retired = Tally()
+        #: the node's weight cache (anything with ``stats() -> dict``), set by the server; None: no cache
+        self.cache: Any = None
 
     # -- sessions (the server's accept and end paths) ---------------------------------------
     def open_session(self, session_id: int, source: SessionSource) -> SessionMetrics:
@@ -262,4 +264,9 @@ class ServerMetrics:
         totals = self.totals()
         return {"sessions": [s.summary() for s in self.sessions()], "sessions_opened": self.sessions_opened,
                 "ops": sum(totals.ops.values()), "bytes_in": totals.bytes.get("in", 0),
-                "bytes_out": totals.bytes.get("out", 0), "storage_bytes": self.storage_bytes()}
+                "bytes_out": totals.bytes.get("out", 0), "storage_bytes": self.storage_bytes(),
+                "cache": self.cache_stats()}
+
+    def cache_stats(self) -> dict[str, int]:
+        """The weight cache's counters (genie.server.content.ContentCache.stats); empty without a cache."""
+        return dict(self.cache.stats()) if self.cache is not None else {}

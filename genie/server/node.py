@@ -40,6 +40,7 @@ from genie._version import __version__
 from genie.config import ClusterConfig
 from genie.errors import ConfigError, ConnectionClosedError
 from genie.security import ServerSecurity, check_bind
+from genie.server.content import ContentCache
 from genie.server.metrics import ServerMetrics
 from genie.server.preauth import PreAuthGate, Ticket
 from genie.server.session import Session
@@ -114,7 +115,8 @@ class DataPlaneServer:
         ``tls_key``, ``tls_ca``, ``tls_require_client_cert`` (see genie.security);
         ``node_id`` names the node (a host-based id when empty); before authentication,
         ``handshake_timeout``, ``max_preauth_per_source`` and ``max_preauth``; ``max_sessions``;
-        ``insecure`` allows a non-loopback ``host`` without a token.
+        ``insecure`` allows a non-loopback ``host`` without a token; the weight cache from ``cache_bytes``
+        and ``share_cache``.
     :param hello_timeout: overrides ``handshake_timeout`` (the absolute deadline of a handshake).
     :param max_sessions: overrides ``max_sessions`` (authenticated sessions open at once).
     :raises ConfigError: a non-loopback ``host`` without a cluster token and without ``insecure``.
@@ -155,8 +157,11 @@ class DataPlaneServer:
         self._ids = itertools.count(1)
         self._device_info = describe_devices(self.devices)
         self.sessions_served = 0
+        #: the weight cache every session of this node shares (genie.server.content), None when cache_bytes is 0
+        self.cache = ContentCache(config.cache_bytes, shared=config.share_cache) if config.cache_bytes else None
         self.metrics = ServerMetrics(backend=getattr(transport, "name", "tcp"), authenticated=bool(self.security.token),
                                      enabled=config.enable_telemetry, devices=self.devices)  # metrics
+        self.metrics.cache = self.cache  # metrics
 
     @property
     def port(self) -> int:
@@ -279,6 +284,7 @@ class DataPlaneServer:
             on_open=self._session_opened,
             on_end=self._session_ended,
         )
+        session.executor.transfers.cache = self.cache
         session.executor.metrics = self.metrics.open_session(session.session_id, session)  # metrics
         session.thread = threading.Thread(target=session.run, name=f"genie-session-{session.session_id}", daemon=True)
         with self._lock:

@@ -166,7 +166,7 @@ class Session:
             return self._reject(
                 "protocol", f"client speaks genie protocol {protocol!r}, this server speaks {PROTOCOL_VERSION}; "
                 "install matching genie versions")
-        welcome = self._welcome()
+        welcome = {**self._welcome(), "cache": self.executor.transfers.offer()}
         if self._auth_token:
             proof = server_challenge(self.channel, body, hello, token=self._auth_token, peer=self.peer)
             if proof is None:

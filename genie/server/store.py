@@ -19,7 +19,7 @@ late use says "freed" instead of silently getting a fresh zeroed storage.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 import torch
@@ -165,11 +165,20 @@ class StorageStore:
         self._drop(storage_id)
         self._poisoned[storage_id] = cause
 
-    def free(self, storage_ids: Iterable[int]) -> int:
-        """Release storages (unknown ids are ignored); returns how many were released."""
+    def free(self, storage_ids: Iterable[int],
+             recycle: Callable[[torch.UntypedStorage], None] | None = None) -> int:
+        """Release storages (unknown ids are ignored); returns how many were released.
+
+        ``recycle`` is offered each released live storage (the session's staging pool reuses
+        the memory of those nothing else references for later uploads).
+        """
         released = 0
         for storage_id in storage_ids:
+            storage = self._storages.get(storage_id)
             if self._drop(storage_id) or self._poisoned.pop(storage_id, None) is not None:
+                if storage is not None and recycle is not None:
+                    recycle(storage)
+                    storage = None
                 released += 1
                 if len(self._freed) >= MAX_REMEMBERED_FREES:
                     self._freed.clear()  # bounded memory; only the wording of a late use's error is lost

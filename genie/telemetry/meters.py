@@ -160,6 +160,12 @@ class Telemetry:
              "Commands received in batches and not yet run."),
             ("updown", "genie.server.storage.usage", lambda o: [Observation(server.storage_bytes())], "By",
              "Bytes held by every session's tensors."),
+            ("counter", "genie.server.cache.lookups", self._observe_cache_lookups, "{lookup}",
+             "Weight cache lookups of uploads, by result (hit, miss)."),
+            ("counter", "genie.server.cache.saved", lambda o: [Observation(server.cache_stats().get("bytes_saved", 0))],
+             "By", "Upload bytes the weight cache saved from the wire."),
+            ("updown", "genie.server.cache.usage", lambda o: [Observation(server.cache_stats().get("bytes", 0))], "By",
+             "Host memory the weight cache holds."),
             ("updown", "genie.session.memory.usage", self._observe_session_memory, "By",
              "Bytes one session's tensors hold on one device."),
             ("counter", "genie.session.ops", self._observe_session_ops, "{operation}", "Ops one session executed."),
@@ -317,6 +323,11 @@ class Telemetry:
         assert self._server is not None
         return {"genie.session.id": str(s.session_id), "genie.client.id": s.client_id,
                 "genie.client.identity": self._server.identity}
+
+    def _observe_cache_lookups(self, options: CallbackOptions) -> Iterable[Observation]:
+        stats = self._server.cache_stats() if self._server is not None else {}
+        return [Observation(stats.get("hits", 0), {"result": "hit"}),
+                Observation(stats.get("misses", 0), {"result": "miss"})]
 
     def _observe_session_memory(self, options: CallbackOptions) -> Iterable[Observation]:
         assert self._server is not None

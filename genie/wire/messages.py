@@ -96,6 +96,7 @@ CMD_CALL = 5
 CMD_SYNC = 6
 CMD_SEED = 7
 CMD_RESIZE = 8
+CMD_HAVE = 9
 
 
 def hello_body(*, node_id: str, role: str, backends: list[str], extra: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -1,0 +1,41 @@
+"""Deferred-error records: what a failed command leaves for the next reply (shared by the executor and transfers).
+
+A record is a map ``{"op", "shapes", "kind", "message", "storages"}`` (genie.wire.messages);
+``kind`` is ``execution``, ``mismatch``, ``forbidden``, ``quota``, ``storage`` or ``protocol``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from genie.errors import ForbiddenOpError, GenieError, ProtocolError, QuotaExceededError, RemoteExecutionError
+from genie.server.store import StorageError
+
+
+def error(op: str, shapes: list[Any], kind: str, message: str, storages: Sequence[int] = ()) -> dict[str, Any]:
+    """A deferred-error record."""
+    return {"op": op, "shapes": shapes, "kind": kind, "message": message, "storages": list(storages)}
+
+
+def kind_of(exc: BaseException) -> str:
+    """The record ``kind`` of an exception."""
+    if isinstance(exc, ForbiddenOpError):
+        return "forbidden"
+    if isinstance(exc, QuotaExceededError):
+        return "quota"
+    if isinstance(exc, StorageError):
+        return "storage"
+    if isinstance(exc, RemoteExecutionError):
+        return "execution"
+    if isinstance(exc, ProtocolError):
+        return "protocol"
+    return "execution"
+
+
+def message(exc: BaseException) -> str:
+    """The record ``message`` of an exception (its type named unless it is genie's or torch's RuntimeError)."""
+    if isinstance(exc, GenieError):
+        return str(exc)
+    text = str(exc).strip() or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if not isinstance(exc, RuntimeError) else text

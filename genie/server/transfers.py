@@ -1,0 +1,288 @@
+"""A session's bulk transfers: uploads (sent or named by content key), fetches, and their buffers.
+
+The executor calls in here for a BATCH's ``uploads`` and ``cached`` lists and for the
+``CMD_FETCH`` and ``CMD_HAVE`` commands; everything about moving tensor bytes lives here.
+
+- **Uploads** are received straight into the memory that becomes the storage. That memory
+  comes from the session's :class:`StagingPool` when a storage of the same size was freed
+  before (pages already faulted in: a 64 MiB receive into fresh pages takes 16,385 page faults,
+  more time than the copy), else it is new and prefaulted in one system call.
+- **The weight cache** (:mod:`genie.server.content`): ``CMD_HAVE`` looks content keys up and
+  reserves the hits for the next batch, whose ``cached`` entries then become storages copied
+  from the cache; an upload that names a key is added to the cache after it lands.
+- **Fetches** send a storage's bytes from its own memory (a contiguous CPU tensor) or from a
+  contiguous CPU copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from genie.errors import FrameError, ProtocolError, QuotaExceededError, RemoteExecutionError
+from genie.server import codec
+from genie.server.codec import MAX_NBYTES, Descriptor, DeviceRef, check_id, is_int
+from genie.server.content import ContentCache, Receiver
+from genie.server.records import error as _error
+from genie.server.records import kind_of as _kind_of
+from genie.server.records import message as _message
+from genie.server.store import StorageError
+from genie.wire.buffers import prefault, tensor_bytes
+from genie.wire.content import KEY_BYTES, NONCE_BYTES
+from genie.wire.frame import FrameHeader, discard_payload, recv_payload
+
+if TYPE_CHECKING:
+    from genie.server.executor import Executor
+
+log = logging.getLogger("genie.server.transfers")
+
+#: Freed CPU storages at least this large are kept for reuse by later uploads of the same size.
+POOL_MIN_BYTES = 1 << 20
+#: Bytes a session's staging pool keeps at most (its freed storages waiting for reuse).
+POOL_MAX_BYTES = 512 << 20
+#: Python references to a storage StorageStore.free hands to StagingPool.give when nothing else holds it.
+_PY_REFS = 3
+#: Most content keys one CMD_HAVE may ask about.
+MAX_HAVE_KEYS = 1 << 16
+
+
+class StagingPool:
+    """Freed CPU storages of one session, by size, reused as the memory of later uploads (bounded).
+
+    A reused storage held this session's own bytes, and an upload overwrites every byte, so
+    nothing crosses sessions. Only storages nobody else references are taken: torch's use count
+    of 1 (no tensor, view or cache entry points at them) and no other Python reference than the
+    freeing store's (``_PY_REFS``: its local, this call's argument, ``getrefcount``'s own).
+    """
+
+    def __init__(self, max_bytes: int = POOL_MAX_BYTES, min_bytes: int = POOL_MIN_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.min_bytes = min_bytes
+        self._by_size: dict[int, list[torch.UntypedStorage]] = {}
+        #: data pointers of memory never to reuse (mappings of the weight cache's files)
+        self.skip: set[int] = set()
+        self.bytes = 0
+        self.reused = 0
+
+    def give(self, storage: torch.UntypedStorage) -> None:
+        """Offer a storage the session just freed."""
+        nbytes = storage.nbytes()
+        if self.skip and storage.data_ptr() in self.skip:
+            self.skip.discard(storage.data_ptr())
+            return
+        if (nbytes < self.min_bytes or storage.device.type != "cpu" or self.bytes + nbytes > self.max_bytes
+                or torch._C._storage_Use_Count(storage._cdata) != 1 or sys.getrefcount(storage) > _PY_REFS):
+            return
+        self._by_size.setdefault(nbytes, []).append(storage)
+        self.bytes += nbytes
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A CPU uint8 tensor of ``nbytes`` to receive into: a pooled storage's, else new and prefaulted."""
+        stack = self._by_size.get(nbytes)
+        if stack:
+            storage = stack.pop()
+            if not stack:
+                del self._by_size[nbytes]
+            self.bytes -= nbytes
+            self.reused += 1
+            log.debug("upload of %d bytes received into a reused storage", nbytes)
+            return torch.empty(0, dtype=torch.uint8).set_(storage)
+        raw = torch.empty(nbytes, dtype=torch.uint8)
+        prefault(raw)
+        return raw
+
+    def clear(self) -> None:
+        """Release every pooled storage."""
+        self._by_size.clear()
+        self.bytes = 0
+
+
+class SessionTransfers:
+    """One session's transfer state: its staging pool, the node's cache, this session's nonce and reservations."""
+
+    def __init__(self, cache: ContentCache | None = None) -> None:
+        self.pool = StagingPool()
+        self.cache = cache
+        self.nonce = os.urandom(NONCE_BYTES)
+        #: hits of the last CMD_HAVE, (key, nbytes) -> a private mapping of the bytes, for the next batch's ``cached``
+        self.reserved: dict[tuple[bytes, int], torch.Tensor] = {}
+
+    def mapped(self, storage: torch.UntypedStorage, device: torch.device | None = None) -> torch.Tensor:
+        """A uint8 tensor over a cache mapping; the pool never reuses such memory (a write to it copies pages).
+
+        ``device``: where it goes; only a CPU storage keeps the mapping (elsewhere it is copied).
+        """
+        if device is None or device.type == "cpu":
+            self.pool.skip.add(storage.data_ptr())
+        return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+    def offer(self) -> dict[str, Any]:
+        """The WELCOME's ``cache`` entry: ``{"enabled": False}`` when the node keeps no cache."""
+        return {"enabled": False} if self.cache is None else self.cache.offer(self.nonce)
+
+
+def _parse_upload(ex: Executor, up: Any, cached: bool) -> tuple[int, torch.device, int, bytes | None]:
+    if not isinstance(up, list) or len(up) not in ((4,) if cached else (3, 4)):
+        shape = "[storage_id, device, nbytes, key]" if cached else "[storage_id, device, nbytes(, key)]"
+        raise FrameError(f"an {'cached ' if cached else ''}upload must be {shape}, got {codec._preview(up)}")
+    storage_id = check_id(up[0], "upload storage id")
+    index = up[1].index if isinstance(up[1], DeviceRef) else up[1]
+    if not is_int(index) or not 0 <= index < len(ex.devices):
+        raise FrameError(f"upload {storage_id} names device {index!r}; this node has {len(ex.devices)}")
+    nbytes = up[2]
+    if not is_int(nbytes) or not 0 <= nbytes <= MAX_NBYTES:
+        raise FrameError(f"upload {storage_id} has a bad byte count {codec._preview(nbytes)}")
+    if storage_id == 0:
+        raise FrameError("an upload cannot target storage 0 (the empty storage)")
+    key = up[3] if len(up) == 4 else None
+    if key is not None and (not isinstance(key, bytes) or len(key) != KEY_BYTES):
+        raise FrameError(f"upload {storage_id} names a content key that is not {KEY_BYTES} bytes")
+    return storage_id, ex.devices[index], nbytes, key
+
+
+def receive(ex: Executor, header: FrameHeader, msg: dict[str, Any]) -> None:
+    """Apply a BATCH's ``uploads`` (reading its payload) and ``cached`` entries, before its commands run."""
+    uploads, cached = msg.get("uploads", []), msg.get("cached", [])
+    if not isinstance(cached, list):
+        raise FrameError("a BATCH's 'cached' must be a list")
+    specs = [_parse_upload(ex, up, False) for up in uploads]
+    hits = [_parse_upload(ex, up, True) for up in cached]
+    total = sum(s[2] for s in specs)
+    if total != header.payload_len:
+        raise FrameError(f"uploads describe {total} payload bytes but the header says {header.payload_len}")
+    if specs:
+        _receive_sent(ex, header, specs, total)
+    if hits:
+        _adopt_cached(ex, hits)
+
+
+def _refused_all(ex: Executor, specs: list[tuple[int, torch.device, int, bytes | None]], exc: Exception) -> None:
+
+    for storage_id, *_ in specs:
+        ex.store.poison(storage_id, str(exc))
+    ex._defer(_error("upload", [[s[2]] for s in specs], "quota", str(exc), [s[0] for s in specs]))
+
+
+def _receive_sent(ex: Executor, header: FrameHeader, specs: list[tuple[int, torch.device, int, bytes | None]],
+                  total: int) -> None:
+    new = [(s, n) for s, _, n, _ in specs if s not in ex.store]
+    try:
+        ex.store.check_room(len(new), sum(n for _, n in new))
+    except QuotaExceededError as exc:
+        discard_payload(ex.channel, total)  # stay in step with the stream, then report the refusal on every storage
+        _refused_all(ex, specs, exc)
+        return
+    transfers = ex.transfers
+    cache = transfers.cache
+    # A keyed upload the cache may keep lands in a new memfd; the rest in pooled or prefaulted memory.
+    receivers = [Receiver(nbytes) if key is not None and cache is not None and cache.wants(nbytes) else None
+                 for _, _, nbytes, key in specs]
+    try:
+        buffers = [r.buffer if r is not None else transfers.pool.take(nbytes)
+                   for r, (*_, nbytes, _) in zip(receivers, specs, strict=True)]
+        for r in receivers:
+            if r is not None:
+                prefault(r.buffer)
+        recv_payload(ex.channel, header, [tensor_bytes(b) for b in buffers])
+        for (storage_id, device, nbytes, key), raw, received in zip(specs, buffers, receivers, strict=True):
+            ex.metrics.record_bytes("in", nbytes, device)  # metrics
+            if received is not None and key is not None and cache is not None:
+                # The session gets a private (copy-on-write) mapping; the cache keeps the file.
+                raw = transfers.mapped(received.private(), device)
+                received.release()
+                cache.keep(key, received)
+            _apply_checked(ex, storage_id, device, raw)
+    finally:
+        for r in receivers:
+            if r is not None:
+                r.close()
+
+
+def _apply_checked(ex: Executor, storage_id: int, device: torch.device, raw: torch.Tensor, *,
+                   owned: bool = True) -> None:
+    """:func:`apply_upload`, a failure poisoning the storage and deferred to the next reply."""
+
+    try:
+        apply_upload(ex, storage_id, device, raw, owned=owned)
+    except (QuotaExceededError, ProtocolError, RemoteExecutionError) as exc:
+        ex.store.poison(storage_id, str(exc))
+        ex._defer(_error("upload", [[raw.numel()]], _kind_of(exc), str(exc), [storage_id]))
+
+
+def apply_upload(ex: Executor, storage_id: int, device: torch.device, raw: torch.Tensor, *,
+                 owned: bool = True) -> None:
+    """Make ``raw``'s bytes all of storage ``storage_id``: adopt them (``owned``) or copy them in."""
+    try:
+        existing = ex.store.get(storage_id)  # StorageError for a freed id
+    except RemoteExecutionError:
+        existing = None  # poisoned: every byte is written again, so the storage is whole again
+    if existing is None:
+        if device.type != "cpu":
+            raw = raw.to(device)
+        elif not owned:
+            ex.store.check_room(1, raw.numel())  # before the copy's memory is taken
+            raw = ex.transfers.pool.take(raw.numel()).copy_(raw)
+        ex.store.put(storage_id, raw.untyped_storage())
+        return
+    if existing.nbytes() != raw.numel():
+        raise StorageError(f"upload of {raw.numel()} bytes into storage {storage_id}, which has "
+                           f"{existing.nbytes()}; an upload overwrites a whole storage of the same size")
+    torch.empty(0, dtype=torch.uint8, device=existing.device).set_(existing).copy_(raw)
+
+
+def _adopt_cached(ex: Executor, hits: list[tuple[int, torch.device, int, bytes | None]]) -> None:
+
+    reserved = ex.transfers.reserved
+    for storage_id, device, nbytes, key in hits:
+        data = reserved.pop((key, nbytes), None) if key is not None else None
+        if data is None:
+            message = (f"cached upload {storage_id} names content that this session's last CMD_HAVE did not "
+                       "report as held; ask CMD_HAVE first and upload the bytes on a miss")
+            ex.store.poison(storage_id, message)
+            ex._defer(_error("upload", [[nbytes]], "protocol", message, [storage_id]))
+            continue
+        if device.type != "cpu":
+            ex.transfers.pool.skip.discard(data.data_ptr())  # copied to the device; the mapping goes
+        _apply_checked(ex, storage_id, device, data)  # data: this session's own copy-on-write mapping
+
+
+def have(ex: Executor, cmd: list[Any]) -> None:
+    """``[CMD_HAVE, req, [[key, nbytes, proof or None], ...]]``: reply with one bool per key; reserve the hits."""
+    if len(cmd) != 3 or not isinstance(cmd[2], list) or len(cmd[2]) > MAX_HAVE_KEYS:
+        raise FrameError(f"HAVE must be [CMD_HAVE, req, [[key, nbytes, proof], ...]] with at most {MAX_HAVE_KEYS} keys")
+    transfers = ex.transfers
+    transfers.reserved = {}  # reservations last one batch: a client that never used them holds nothing
+    answers = []
+    for entry in cmd[2]:
+        if (not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[0], bytes)
+                or len(entry[0]) != KEY_BYTES or not is_int(entry[1]) or not 0 <= entry[1] <= MAX_NBYTES
+                or not (entry[2] is None or isinstance(entry[2], bytes))):
+            raise FrameError(f"a HAVE entry must be [key ({KEY_BYTES} bytes), nbytes, proof or None], "
+                             f"got {codec._preview(entry)}")
+        key, nbytes, proof = entry
+        data = None if transfers.cache is None else transfers.cache.lookup(key, nbytes, nonce=transfers.nonce,
+                                                                           proof=proof)
+        if data is not None:
+            transfers.reserved[(key, nbytes)] = transfers.mapped(data)
+        answers.append(data is not None)
+    ex._reply(cmd[1], None, answers)
+
+
+def fetch(ex: Executor, req: Any, device_index: Any, desc: Descriptor) -> None:
+    """``CMD_FETCH``: reply with the described tensor's bytes, contiguous."""
+
+    try:
+        ex._begin(device_index)
+        out = ex._tensor(desc).resolve_conj().resolve_neg()
+        if out.device.type != "cpu":
+            out = out.cpu()
+        out = out.contiguous()
+    except Exception as exc:
+        ex._reply(req, _error("fetch", [list(desc.sizes)], _kind_of(exc), _message(exc), []), None)
+        return
+    ex.metrics.record_bytes("out", out.nbytes, out.device)  # metrics
+    ex._reply(req, None, codec.describe(0, out)[1:3], [tensor_bytes(out)], keep=out)
