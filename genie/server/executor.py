@@ -34,7 +34,7 @@ from genie.errors import (
     QuotaExceededError,
     RemoteExecutionError,
 )
-from genie.server import codec
+from genie.server import codec, graphs
 from genie.server.codec import MAX_NBYTES, Descriptor, DeviceRef, check_id, is_int
 from genie.server.devargs import check_device_args
 from genie.server.metrics import NULL_SESSION_METRICS, SessionMetrics
@@ -252,6 +252,8 @@ class Executor:
             self._cmd_seed(cmd)
         elif code == CMD_RESIZE:
             self._cmd_resize(cmd)
+        elif code in graphs.COMMANDS:  # graphs hook: CMD_GRAPH / CMD_REPLAY live in genie/server/graphs.py
+            graphs.run_command(self, cmd)
         else:
             raise FrameError(f"unknown command code {code}")
 
