@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 import torch
 from torch import fx
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from genie import _C
 from genie.compile.lower import Lowered
@@ -39,6 +39,8 @@ log = logging.getLogger("genie.compile")
 
 #: Graph ids: unique in the process, so unique in every session.
 _graph_ids = itertools.count(1)
+#: Process-wide tallies (graphs defined on servers, calls replayed, calls run op by op), for tests and tools.
+counts = {"defined": 0, "replayed": 0, "op_by_op": 0}
 #: Plans kept per graph (one per input signature); a graph called with ever new shapes starts over.
 MAX_PLANS = 64
 
@@ -119,8 +121,9 @@ def _run_meta(gm: fx.GraphModule, lowered: Lowered, inputs: list[Any]) -> Plan:
             elif n.op == "get_attr":
                 env[n] = next(constants)  # the constants follow the placeholders, in graph order
             elif n.op == "call_function":
-                args = fx.node.map_arg(n.args, env.__getitem__)
-                kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
+                # Factories name the remote device: on meta they must make meta tensors (as the op path's meta does).
+                args = tree_map(dispatch._to_meta_arg, fx.node.map_arg(n.args, env.__getitem__))
+                kwargs = tree_map(dispatch._to_meta_arg, fx.node.map_arg(n.kwargs, env.__getitem__))
                 try:
                     out = n.target(*args, **kwargs)
                 except (NotImplementedError, RuntimeError) as exc:
@@ -203,9 +206,9 @@ def _allocate(plan: Plan, inputs: list[Any], index: int) -> tuple[list[Any], lis
 class ReplayedGraph:
     """The compiled function AOTAutograd calls (boxed: it takes one list of inputs)."""
 
-    _boxed_call = True
-
     def __init__(self, gm: fx.GraphModule, lowered: Lowered, name: str) -> None:
+        # An instance attribute: dynamo's disable() wrapper copies __dict__, so the backward stays boxed too.
+        self._boxed_call = True
         self.gm = gm
         self.lowered = lowered
         self.name = name
@@ -231,6 +234,7 @@ class ReplayedGraph:
             blob = encode_definition(low.inputs, low.nodes, low.outputs, dispatch.encoder_for(device))
             conn._request(lambda req: [wm.CMD_GRAPH, req, device.local_index, gid, blob], device=device.label)
             ids[device.local_index] = gid
+            counts["defined"] += 1
             log.debug("%s defined on %s as graph %d (%d nodes)", self.name, device.label, gid, len(low.nodes))
         return gid
 
@@ -254,6 +258,7 @@ class ReplayedGraph:
         if plan.reason is not None:
             self._note(plan.reason)
             self.op_by_op += 1
+            counts["op_by_op"] += 1
             return self.gm(*inputs)
         assert found is not None
         return self._replay(plan, inputs, found[1])
@@ -286,6 +291,7 @@ class ReplayedGraph:
                             default=dispatch.encoder_for(device))
         device.connection.queue(cmd)
         self.replayed += 1
+        counts["replayed"] += 1
         return tuple(outs) if self.lowered.returns_tuple else outs
 
     def _note(self, reason: str) -> None:
