@@ -223,8 +223,16 @@ _NESTED = (Ref, list)
 
 
 def _replay(ex: Executor, cmd: list[Any]) -> None:
-    from genie.server.executor import _CommandFailed, _error, _hands_out_uninitialised, _kind_of, _message, _shapes
-    from genie.server.executor import _zero_from, tensor_leaves
+    from genie.server.executor import (
+        _CommandFailed,
+        _error,
+        _hands_out_uninitialised,
+        _kind_of,
+        _message,
+        _shapes,
+        _zero_from,
+        tensor_leaves,
+    )
 
     if len(cmd) != 5 or not isinstance(cmd[3], list) or not isinstance(cmd[4], list):
         raise FrameError("REPLAY must be [CMD_REPLAY, device, graph_id, inputs, outs]")
