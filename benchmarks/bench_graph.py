@@ -110,6 +110,9 @@ def measure(make: Callable[[str], Any], rounds: int) -> dict[str, list[float]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of this process and of the server (default 1: on a small shared machine "
+                             "more threads than free cores make every figure, the baseline included, noise)")
     args = parser.parse_args()
     rounds = 5 if args.quick else 15
 
@@ -119,10 +122,12 @@ def main() -> int:
     from genie.cluster.launch import NodeProcess
     from genie.compile import replay
 
-    print(f"bench_graph: torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
+    torch.set_num_threads(args.threads)
+    print(f"bench_graph: torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()} "
+          "(server too)")
     load = c.MachineLoad()
     table = c.Table()
-    with NodeProcess("serve", "--port", "0", "--devices", "cpu") as server:
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu", env={"OMP_NUM_THREADS": str(args.threads)}) as server:
         c.quiet(server)
         genie.init_sync(master_addr="127.0.0.1", master_port=server.control_port, timeout=60)
         try:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -30,14 +30,23 @@ from genie.errors import ForbiddenOpError, FrameError, GenieError, ProtocolError
 from genie.server import codec
 from genie.server.codec import DeviceRef, GeneratorRef, is_int
 from genie.server.devargs import check_device_args
+from genie.server.executor import (
+    COMMAND_HOOKS,
+    Executor,
+    _CommandFailed,
+    _error,
+    _hands_out_uninitialised,
+    _kind_of,
+    _message,
+    _shapes,
+    _zero_from,
+    tensor_leaves,
+)
 from genie.server.ops import resolve_op, run_op
 from genie.server.outputs import OutputMismatch, store_outputs
 from genie.server.rng import GENERATORLESS, _generator_arg
 from genie.wire.graph import Definition, Ref, decode_definition
 from genie.wire.messages import CMD_GRAPH, CMD_REPLAY
-
-if TYPE_CHECKING:
-    from genie.server.executor import Executor
 
 #: Most graphs, and most nodes over all graphs, one session may keep.
 MAX_GRAPHS = 4096
@@ -45,7 +54,6 @@ MAX_SESSION_NODES = 1 << 21
 #: Graph ids: positive 63-bit integers.
 _MAX_ID = (1 << 63) - 1
 
-COMMANDS = frozenset({CMD_GRAPH, CMD_REPLAY})
 #: genie.wire.graph.KERNELS -> dispatch keys (a fixed table: nothing received is looked up as an attribute).
 _DISPATCH_KEYS = {"CompositeExplicitAutograd": torch._C.DispatchKey.CompositeExplicitAutograd,
                   "CompositeExplicitAutogradNonFunctional":
@@ -106,14 +114,6 @@ def session_graphs(executor: Executor) -> SessionGraphs:
     return graphs
 
 
-def run_command(executor: Executor, cmd: list[Any]) -> None:
-    """Run a ``CMD_GRAPH`` or ``CMD_REPLAY`` command (the executor's hook)."""
-    if cmd[0] == CMD_GRAPH:
-        _define(executor, cmd)
-    else:
-        _replay(executor, cmd)
-
-
 # -- definitions ------------------------------------------------------------------------------------
 
 
@@ -126,8 +126,6 @@ def _has_ref(value: Any) -> bool:
 
 
 def _define(ex: Executor, cmd: list[Any]) -> None:
-    from genie.server.executor import _error, _kind_of, _message
-
     if len(cmd) != 5:
         raise FrameError("GRAPH must be [CMD_GRAPH, req, device, graph_id, definition]")
     req, device_index, graph_id, blob = cmd[1], cmd[2], cmd[3], cmd[4]
@@ -223,17 +221,6 @@ _NESTED = (Ref, list)
 
 
 def _replay(ex: Executor, cmd: list[Any]) -> None:
-    from genie.server.executor import (
-        _CommandFailed,
-        _error,
-        _hands_out_uninitialised,
-        _kind_of,
-        _message,
-        _shapes,
-        _zero_from,
-        tensor_leaves,
-    )
-
     if len(cmd) != 5 or not isinstance(cmd[3], list) or not isinstance(cmd[4], list):
         raise FrameError("REPLAY must be [CMD_REPLAY, device, graph_id, inputs, outs]")
     device_index, graph_id, inputs = cmd[1], cmd[2], cmd[3]
@@ -317,3 +304,7 @@ def _replay(ex: Executor, cmd: list[Any]) -> None:
         return
     for failure in failures:
         ex._defer(_error(label, [], _kind_of(failure), _message(failure), storage_ids))
+
+
+COMMAND_HOOKS[CMD_GRAPH] = _define
+COMMAND_HOOKS[CMD_REPLAY] = _replay
