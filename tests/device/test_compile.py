@@ -116,6 +116,27 @@ def test_tied_embedding_gpt_training_replayed_matches_op_by_op_bit_for_bit() -> 
     assert len(replayed[1]) == len(list(model.parameters()))  # the tie held: one parameter, not two
 
 
+def test_batchnorm_cnn_training_then_eval_replayed_matches_op_by_op_bit_for_bit() -> None:
+    """Running statistics are input mutations (applied by AOTAutograd's wrapper in training, by the graph's
+    own copy_ in an inference graph); eval-mode BatchNorm's saved outputs differ between meta and real kernels."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2))
+    batches = [torch.randn(2, 3, 4, 4) for _ in range(2)]
+    replayed = _train(model, "genie", batches, lambda out: out.pow(2).mean())
+    op_by_op = _train(model, "aot_eager", batches, lambda out: out.pow(2).mean())
+    _assert_same(replayed, op_by_op)
+    results = []
+    for backend in ("genie", "aot_eager"):
+        torch._dynamo.reset()
+        m = copy.deepcopy(model).to(D0)
+        with torch.no_grad():
+            m.train()
+            torch.compile(m, backend=backend)(batches[0].to(D0))  # running stats updated inside the graph
+            m.eval()
+            results.append((torch.compile(m, backend=backend)(batches[1].to(D0)).cpu(), m[1].running_mean.cpu()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def test_inference_under_no_grad_is_replayed_and_matches_eager() -> None:
     torch.manual_seed(0)
     model = _transformer().eval().to(D0)
