@@ -284,19 +284,21 @@ def _replay(ex: Executor, cmd: list[Any]) -> None:
         ex.metrics.record_op("genie::replay", "ok", time.perf_counter() - started)  # metrics
         results: list[Any] = []
         descs: list[Any] = []
-        for ref, desc in zip(graph.outputs, outs, strict=True):
-            value = None if ref is None else _value(env, ref)
-            if desc is not None or isinstance(value, torch.Tensor):
-                results.append(value)
-                descs.append(desc)
-        env.clear()
         try:
+            for i, (ref, desc) in enumerate(zip(graph.outputs, outs, strict=True)):
+                value = None if ref is None else _value(env, ref)
+                if desc is not None and value is not None and not isinstance(value, torch.Tensor):
+                    raise OutputMismatch(f"output {i} is a {type(value).__name__} here, the client described a tensor")
+                if desc is not None or isinstance(value, torch.Tensor):
+                    results.append(value)
+                    descs.append(desc)
+            env.clear()
             failures = store_outputs(label, results, descs, ex.store, ex._held(), ex._known_tensor)
         except OutputMismatch as exc:
             raise _CommandFailed(_error(label, [], "mismatch", f"server and client disagree on the output of "
                                         f"{label}: {exc}", storage_ids)) from None
-        except GenieError as exc:
-            raise _CommandFailed(_error(label, [], _kind_of(exc), str(exc), storage_ids)) from None
+        except (GenieError, IndexError, TypeError) as exc:  # TypeError, IndexError: an item of a non-sequence
+            raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
     except _CommandFailed as failed:
         for storage_id in storage_ids:
             ex.store.poison(storage_id, f"{failed.record['op']}: {failed.record['message']}")

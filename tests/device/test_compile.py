@@ -270,3 +270,19 @@ def test_operator_nodes_on_sizes_are_client_scalars() -> None:
     x_remote = torch.arange(8.0).reshape(4, 2).to(D0)
     out, n = replay.ReplayedGraph(fx.GraphModule(nn.Module(), g), lowered, "t")([x_remote])
     assert n == 8 and torch.equal(out.cpu(), torch.arange(8.0))
+
+
+@pytest.mark.parametrize("output, message", [(Ref(0), "is a int here"), (Ref(0, 3), "not subscriptable")],
+                         ids=["number-described-as-tensor", "item-of-a-number"])
+def test_a_hostile_replay_is_a_deferred_error_and_the_session_goes_on(output: Ref, message: str) -> None:
+    device = registry.table().get(0)
+    conn = device.connection
+    gid = next(_ids)
+    blob = encode_definition(1, [], [output], lambda o: o)
+    conn._request(lambda req: [wm.CMD_GRAPH, req, device.local_index, gid, blob])
+    out = torch.empty(4, device=D0)
+    conn.queue(msgpack.packb([wm.CMD_REPLAY, device.local_index, gid, [5], [dispatch.descriptor(out)]],
+                             default=dispatch.encoder_for(device)))
+    with pytest.raises(RemoteExecutionError, match=message):
+        conn.sync()
+    assert torch.equal((torch.ones(2).to(D0) + 1).cpu(), torch.full((2,), 2.0))
