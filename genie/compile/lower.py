@@ -46,6 +46,9 @@ class Lowered:
     returns_tuple: bool
     #: whether a node draws random numbers (the server's generator must be seeded first)
     random: bool
+    #: placeholders a node writes to (in place, out=, copy_): a call with a CPU tensor there runs op by op,
+    #: since the server would only write its own copy of the CPU tensor
+    mutated: frozenset[int] = frozenset()
 
     @property
     def inputs(self) -> int:
@@ -158,10 +161,18 @@ def lower(gm: fx.GraphModule) -> Lowered:
 
     lowered_nodes: list[list[Any]] = []
     random = False
+    placeholder_slots = {p: i for i, p in enumerate(placeholders)}
+    mutated: set[int] = set()
     for n in op_nodes:
         target = n.target
         assert isinstance(target, torch._ops.OpOverload)
         random = random or op_info(target).random
+        for i, a in enumerate(target._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                value = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+                for v in value if isinstance(value, (list, tuple)) else [value]:
+                    if isinstance(v, fx.Node) and v in placeholder_slots:
+                        mutated.add(placeholder_slots[v])
         node = [target.name(), arg(list(n.args)), {k: arg(v) for k, v in n.kwargs.items()}]
         kernel = device_kernel(target)
         if kernel:
@@ -179,4 +190,4 @@ def lower(gm: fx.GraphModule) -> Lowered:
         else:
             raise Unsupported(f"the graph returns a constant {type(r).__name__}")
     return Lowered(len(placeholders), constants, scalar_nodes, lowered_nodes, outputs,
-                   isinstance(results, tuple), random)
+                   isinstance(results, tuple), random, frozenset(mutated))

@@ -264,7 +264,11 @@ class ReplayedGraph:
         return self._replay(plan, inputs, found[1])
 
     def _plan(self, sig: Any, inputs: list[Any]) -> Plan:
-        for x in inputs:
+        for i, x in enumerate(inputs):
+            if i in self.lowered.mutated and isinstance(x, torch.Tensor) and x.get_device() < 0:
+                plan = _fallback(f"it writes to input {i}, a CPU tensor (the server would write only its copy; "
+                                 "keep such state on the device, e.g. torch.optim's capturable=True)")
+                break
             if isinstance(x, torch.Tensor) and x.get_device() < 0 and x.nbytes > MAX_INLINE_TENSOR_BYTES:
                 plan = _fallback(f"a CPU input of {x.nbytes} bytes is too large to send with each call")
                 break
