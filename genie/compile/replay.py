@@ -141,6 +141,8 @@ def _run_meta(gm: fx.GraphModule, lowered: Lowered, inputs: list[Any]) -> Plan:
         if not isinstance(value, torch.Tensor):
             outputs.append(("value", value))
             continue
+        if not value.is_meta:
+            return _fallback(f"an output is a {value.device} tensor, not one of the remote device")
         storage = value.untyped_storage()
         key = storage._cdata
         layout = (tuple(value.shape), tuple(value.stride()), value.storage_offset())

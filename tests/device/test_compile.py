@@ -313,3 +313,14 @@ def test_a_hostile_replay_is_a_deferred_error_and_the_session_goes_on(output: Re
     with pytest.raises(RemoteExecutionError, match=message):
         conn.sync()
     assert torch.equal((torch.ones(2).to(D0) + 1).cpu(), torch.full((2,), 2.0))
+
+
+def test_a_graph_returning_a_cpu_tensor_runs_op_by_op_and_keeps_its_device(caplog) -> None:
+    def f(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * scale, scale + 1  # the second output stays on the CPU
+
+    x, scale = torch.randn(4).to(D0), torch.tensor(2.0)
+    with caplog.at_level(logging.WARNING, logger="genie.compile"):
+        a, b = torch.compile(f, backend="genie")(x, scale)
+    assert a.device == torch.device(D0) and b.device == torch.device("cpu")
+    assert torch.equal(a.cpu(), x.cpu() * 2) and torch.equal(b, torch.tensor(3.0))
