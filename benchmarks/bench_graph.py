@@ -84,7 +84,7 @@ def _stepper(make: Callable[[str], Any], device: str, backend: str | None, optim
     # capturable: the step counters live on the device, so the compiled step's writes to them happen on the server
     # (with CPU counters, the default, genie runs that graph op by op: the server would write only its copy).
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=optimizer_too)
-    opt_step = torch.compile(opt.step, backend=backend) if optimizer_too else opt.step
+    opt_step = torch.compile(opt.step, backend=backend) if optimizer_too and backend else opt.step
 
     def step() -> float:
         opt.zero_grad()
