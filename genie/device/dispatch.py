@@ -476,7 +476,12 @@ def _batch_norm_eval(metas: list[Any], args: Any, kwargs: Any) -> list[Any]:
 
 
 #: Where a meta kernel's output layout differs from the real kernels' (the server checks it).
-META_FIXUPS: dict[Any, Any] = {_aten.native_batch_norm.default: _batch_norm_eval}
+META_FIXUPS: dict[Any, Any] = {
+    _aten.native_batch_norm.default: _batch_norm_eval,
+    # graph branch: AOTAutograd's graphs (torch.compile) call the _legit forms; the same rule holds for them
+    _aten._native_batch_norm_legit.default: _batch_norm_eval,
+    _aten._native_batch_norm_legit_no_training.default: lambda m, a, k: _batch_norm_eval(m, (*a[:5], False), {}),
+}
 
 def set_layout(t: torch.Tensor, shape: Any, stride: Any, offset: int, device: RemoteDevice | None = None) -> None:
     """Give ``t`` a new layout over its storage, growing the storage (here and on the server) if needed."""

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from genie import _C
+from genie.compile import inductor as _inductor
 from genie.device import connection as dconn
 from genie.device import copies as _copies  # noqa: F401 - fills dispatch.SPECIAL
 from genie.device import dispatch, module, registry
@@ -99,6 +100,7 @@ def ensure_registered() -> None:
         _libraries.extend([lib, aten])
         _C.set_sync_hook(module._sync_hook)
         dconn.free_router = _route_frees
+        _inductor.install()  # torch.compile's default backend hands remote graphs to backend="genie"
         _prime_autograd()
         _done = True
 

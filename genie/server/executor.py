@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +56,10 @@ MAX_DEFERRED = 256
 MAX_COMMANDS = 1 << 20
 #: Seeds accepted by CMD_SEED (torch.Generator.manual_seed's range).
 _SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+
+#: Commands run by other modules (code -> handler(executor, decoded command)): genie.server.graphs fills it.
+COMMAND_HOOKS: dict[int, Callable[[Executor, list[Any]], None]] = {}
+
 
 def _hands_out_uninitialised(label: str) -> bool:
     """Ops that return memory nobody wrote (the ``empty`` family: ``empty_strided``, ``new_empty``,
@@ -217,6 +221,8 @@ class Executor:
             self._cmd_resize(cmd)
         elif code == CMD_HAVE:
             transfers.have(self, cmd)
+        elif code in COMMAND_HOOKS:  # graphs hook: genie/server/graphs.py registers CMD_GRAPH and CMD_REPLAY
+            COMMAND_HOOKS[code](self, cmd)
         else:
             raise FrameError(f"unknown command code {code}")
 

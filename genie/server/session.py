@@ -35,6 +35,7 @@ import torch
 
 from genie.errors import ConnectionClosedError, FrameError, GenieError, ProtocolError, QuotaExceededError
 from genie.security import REFUSALS
+from genie.server import graphs as _graphs  # noqa: F401 - registers CMD_GRAPH and CMD_REPLAY with the executor
 from genie.server.executor import Executor
 from genie.server.store import StorageStore
 from genie.transport.base import Channel

@@ -38,6 +38,10 @@ a device index on the receiving node:
   (0: the device's default). Until then each is seeded from ``os.urandom``.
 - ``[CMD_RESIZE, device, storage_id, new_nbytes]`` grows or shrinks a storage
   in place, keeping its prefix; grown bytes are zero.
+- ``[CMD_GRAPH, req, device, graph_id, definition]`` defines a captured aten graph
+  (torch.compile's ``backend="genie"``), validated op by op like single ops; and
+  ``[CMD_REPLAY, device, graph_id, inputs, outs]`` runs it fire-and-forget. Their
+  schema is :mod:`genie.wire.graph`.
 
 A storage the session has not seen yet, named by an argument, a FETCH or a
 RESIZE, is made on the command's device, zero-filled (the client's allocator
@@ -97,6 +101,8 @@ CMD_SYNC = 6
 CMD_SEED = 7
 CMD_RESIZE = 8
 CMD_HAVE = 9
+CMD_GRAPH = 10
+CMD_REPLAY = 11
 
 
 def hello_body(*, node_id: str, role: str, backends: list[str], extra: dict[str, Any] | None = None) -> dict[str, Any]:

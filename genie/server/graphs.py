@@ -1,0 +1,312 @@
+"""Captured graphs of one session: defined once, validated op by op, replayed by one command each.
+
+``torch.compile(model, backend="genie")`` sends each aten graph AOTAutograd produces once
+(``CMD_GRAPH``, schema in :mod:`genie.wire.graph`) and then one ``CMD_REPLAY`` per call. A
+definition is checked whole before it is kept:
+
+- every node's op goes through :func:`genie.server.ops.resolve_op`, the same resolution, deny
+  list and namespace rules as a single ``CMD_OP`` (a graph can never run an op the op path
+  refuses); Device-typed arguments through :func:`genie.server.devargs.check_device_args`;
+- every reference names an earlier slot (no cycles, no forward references), outputs too.
+
+A replay resolves its inputs like an op's arguments (bounds-checked descriptors over the
+session's storages), runs the nodes in order with the op path's runner (decompositions for
+missing kernels, the session's generators for random ops, the ``empty`` family zeroed, storages
+grown by ``resize_`` zeroed and counted), drops each intermediate after its last use, and stores
+the outputs by the output rule of ``CMD_OP`` (:func:`genie.server.outputs.store_outputs`): the
+client's descriptors are checked, never trusted. A failure is a deferred error naming the graph,
+the node and its op, and poisons the replay's output storages, exactly as a failed op does.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from genie.errors import ForbiddenOpError, FrameError, GenieError, ProtocolError, QuotaExceededError
+from genie.server import codec
+from genie.server.codec import DeviceRef, GeneratorRef, is_int
+from genie.server.devargs import check_device_args
+from genie.server.executor import (
+    COMMAND_HOOKS,
+    Executor,
+    _CommandFailed,
+    _hands_out_uninitialised,
+    _shapes,
+    _zero_from,
+    tensor_leaves,
+)
+from genie.server.ops import resolve_op, run_op
+from genie.server.outputs import OutputMismatch, store_outputs
+from genie.server.records import error as _error
+from genie.server.records import kind_of as _kind_of
+from genie.server.records import message as _message
+from genie.server.rng import GENERATORLESS, generator_arg
+from genie.wire.graph import Definition, Ref, decode_definition
+from genie.wire.messages import CMD_GRAPH, CMD_REPLAY
+
+#: Most graphs, and most nodes over all graphs, one session may keep.
+MAX_GRAPHS = 4096
+MAX_SESSION_NODES = 1 << 21
+#: Graph ids: positive 63-bit integers.
+_MAX_ID = (1 << 63) - 1
+
+#: genie.wire.graph.KERNELS -> dispatch keys (a fixed table: nothing received is looked up as an attribute).
+_DISPATCH_KEYS = {"CompositeExplicitAutograd": torch._C.DispatchKey.CompositeExplicitAutograd,
+                  "CompositeExplicitAutogradNonFunctional":
+                      torch._C.DispatchKey.CompositeExplicitAutogradNonFunctional}
+
+
+class _Node:
+    """One validated node: its op, argument templates (with :class:`Ref` where values flow in) and run facts."""
+
+    __slots__ = ("args", "dyn_args", "dyn_kwargs", "empty", "generator", "kernel", "kwargs", "label", "op", "release",
+                 "runner_name")
+
+    def __init__(self, op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[str, Any],
+                 kernel: Any = None) -> None:
+        self.op = op
+        #: a composite kernel's dispatch key to run instead of the device's own (None: the device's)
+        self.kernel = kernel
+        self.label = label
+        self.args = args
+        self.kwargs = kwargs
+        #: positions (and keys) holding references: rebuilt per replay; the rest are copied as they are
+        self.dyn_args = [i for i, a in enumerate(args) if _has_ref(a)]
+        self.dyn_kwargs = [k for k, v in kwargs.items() if _has_ref(v)]
+        self.generator = bool(generator_arg(op)[1])
+        self.runner_name = label if label in GENERATORLESS else None
+        self.empty = "empty" in label  # the empty family hands out memory nobody wrote (zeroed, as for CMD_OP)
+        #: slots whose last use is this node: dropped after it runs
+        self.release: list[int] = []
+
+
+class Graph:
+    """A session's validated graph on one device."""
+
+    def __init__(self, graph_id: int, device_index: int, inputs: int, nodes: list[_Node], outputs: list[Ref | None]):
+        self.graph_id = graph_id
+        self.device_index = device_index
+        self.inputs = inputs
+        self.nodes = nodes
+        self.outputs = outputs
+
+
+class SessionGraphs:
+    """The graphs one session defined, by id."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[int, Graph] = {}
+        self.nodes = 0
+
+
+_sessions: weakref.WeakKeyDictionary[Executor, SessionGraphs] = weakref.WeakKeyDictionary()
+
+
+def session_graphs(executor: Executor) -> SessionGraphs:
+    """The graphs of ``executor``'s session (made on first use; dropped with the executor)."""
+    graphs = _sessions.get(executor)
+    if graphs is None:
+        graphs = _sessions[executor] = SessionGraphs()
+    return graphs
+
+
+# -- definitions ------------------------------------------------------------------------------------
+
+
+def _has_ref(value: Any) -> bool:
+    if type(value) is Ref:
+        return True
+    if type(value) is list:
+        return any(_has_ref(v) for v in value)
+    return False
+
+
+def _define(ex: Executor, cmd: list[Any]) -> None:
+    if len(cmd) != 5:
+        raise FrameError("GRAPH must be [CMD_GRAPH, req, device, graph_id, definition]")
+    req, device_index, graph_id, blob = cmd[1], cmd[2], cmd[3], cmd[4]
+    if not is_int(graph_id) or not 0 < graph_id <= _MAX_ID:
+        raise FrameError(f"a graph id must be an integer from 1 to 2**63-1, got {graph_id!r:.40}")
+    label = f"graph {graph_id}"
+    error = None
+    try:
+        ex._begin(device_index)
+        definition = decode_definition(blob, DeviceRef, GeneratorRef)
+        graphs = session_graphs(ex)
+        if graph_id in graphs.graphs:
+            raise ProtocolError(f"{label} is already defined in this session; graph ids are never reused")
+        if len(graphs.graphs) >= MAX_GRAPHS or graphs.nodes + len(definition.nodes) > MAX_SESSION_NODES:
+            raise QuotaExceededError(
+                f"session graph limit reached: {len(graphs.graphs)} graphs with {graphs.nodes} nodes (at most "
+                f"{MAX_GRAPHS} graphs, {MAX_SESSION_NODES} nodes); recompiling that often means shapes change "
+                "every call: mark them dynamic (torch.compile(dynamic=True))")
+        graph = _validate(ex, graph_id, device_index, definition)
+        graphs.graphs[graph_id] = graph
+        graphs.nodes += len(graph.nodes)
+    except FrameError:
+        raise
+    except (GenieError, RuntimeError) as exc:
+        error = _error(label, [], _kind_of(exc), _message(exc))
+    ex._reply(req, error, None)
+
+
+def _validate(ex: Executor, graph_id: int, device_index: int, definition: Definition) -> Graph:
+    n = definition.inputs
+    last_use: dict[int, int] = {}
+    nodes: list[_Node] = []
+    for i, (name, args, kwargs, *rest) in enumerate(definition.nodes):
+        slot = n + i
+        where = f"graph {graph_id} node {i}"
+        try:
+            op = resolve_op(name)
+        except ForbiddenOpError as exc:
+            raise ForbiddenOpError(f"{where}: {exc}") from None
+        label = name if isinstance(name, str) else "?"
+
+        def resolved(value: Any, slot: int = slot, i: int = i, where: str = where) -> Any:
+            kind = type(value)
+            if kind is Ref:
+                if value.slot >= slot:
+                    raise ProtocolError(f"{where} refers to slot {value.slot}, not an earlier one")
+                last_use[value.slot] = i
+                return value
+            if kind is list:
+                return [resolved(v) for v in value]
+            if kind is dict:
+                return {k: resolved(v) for k, v in value.items()}
+            if kind is DeviceRef:
+                return ex._device(value.index)
+            if kind is GeneratorRef:
+                return ex.generators.get(device_index, value.generator_id)
+            return value
+
+        node_args, node_kwargs = resolved(args), resolved(kwargs)
+        check_device_args(op, f"{where} ({label})", node_args, node_kwargs)
+        kernel = None
+        if rest:
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), rest[0]):
+                raise ProtocolError(f"{where}: {label} has no {rest[0]} kernel")
+            kernel = _DISPATCH_KEYS[rest[0]]
+        nodes.append(_Node(op, label, node_args, node_kwargs, kernel))
+    end = n + len(nodes)
+    for ref in definition.outputs:
+        if ref is not None and ref.slot >= end:
+            raise ProtocolError(f"graph {graph_id} output refers to slot {ref.slot}; the graph has {end} slots")
+    kept = {ref.slot for ref in definition.outputs if ref is not None}
+    for slot, i in last_use.items():
+        if slot not in kept:
+            nodes[i].release.append(slot)
+    return Graph(graph_id, device_index, n, nodes, list(definition.outputs))
+
+
+# -- replays ----------------------------------------------------------------------------------------
+
+
+def _value(env: list[Any], ref: Ref) -> Any:
+    value = env[ref.slot]
+    return value if ref.item < 0 else value[ref.item]
+
+
+def _build(value: Any, env: list[Any]) -> Any:
+    if type(value) is Ref:
+        return _value(env, value)
+    return [_build(v, env) if type(v) in _NESTED else v for v in value]  # only lists hold references
+
+
+_NESTED = (Ref, list)
+
+
+def _replay(ex: Executor, cmd: list[Any]) -> None:
+    if len(cmd) != 5 or not isinstance(cmd[3], list) or not isinstance(cmd[4], list):
+        raise FrameError("REPLAY must be [CMD_REPLAY, device, graph_id, inputs, outs]")
+    device_index, graph_id, inputs = cmd[1], cmd[2], cmd[3]
+    outs = [None if o is None else codec.Descriptor.parse(o, "output descriptor") for o in cmd[4]]
+    storage_ids = [o.storage_id for o in outs if o is not None and o.storage_id]
+    label = f"graph {graph_id!r:.40}"
+    try:
+        graph = session_graphs(ex).graphs.get(graph_id) if is_int(graph_id) else None
+        try:
+            if graph is None:
+                raise ProtocolError(f"{label} is not defined in this session; send CMD_GRAPH first")
+            if device_index != graph.device_index:
+                raise ProtocolError(f"{label} was defined on device {graph.device_index}, not {device_index!r:.20}")
+            if len(inputs) != graph.inputs or len(outs) != len(graph.outputs):
+                raise ProtocolError(f"{label} takes {graph.inputs} inputs and {len(graph.outputs)} outputs, got "
+                                    f"{len(inputs)} and {len(outs)}")
+            ex._begin(device_index)
+            generator = lambda gid: ex.generators.get(device_index, gid)  # noqa: E731
+            env = codec.resolve(inputs, ex._tensor, ex._device, generator)
+            ex._precheck_outputs(label, storage_ids, outs)
+        except (GenieError, IndexError, RuntimeError) as exc:
+            raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
+        env.extend([None] * len(graph.nodes))
+        used = ex._used
+        held = ex._held()
+        started = time.perf_counter()  # metrics
+        slot = graph.inputs
+        try:
+            for i, node in enumerate(graph.nodes):
+                args = list(node.args)
+                kwargs = dict(node.kwargs)
+                try:
+                    for p in node.dyn_args:
+                        args[p] = _build(args[p], env)
+                    for k in node.dyn_kwargs:
+                        kwargs[k] = _build(kwargs[k], env)
+                    if node.generator:
+                        ex.generators.fill_default(node.op, args, kwargs, device_index)
+                    if node.runner_name is not None:
+                        runner = ex.generators.generatorless(node.runner_name, device_index)
+                        assert runner is not None
+                        result = runner(args, kwargs)
+                    elif node.kernel is not None:
+                        result = node.op._op_dk(node.kernel, *args, **kwargs)
+                    else:
+                        result = run_op(node.op, args, kwargs)
+                except Exception as exc:
+                    ex.metrics.record_op("genie::replay", "error", time.perf_counter() - started)  # metrics
+                    raise _CommandFailed(_error(f"{label} node {i} ({node.label})", _shapes((args, kwargs)),
+                                                _kind_of(exc), _message(exc), storage_ids)) from None
+                if node.empty and _hands_out_uninitialised(node.label):
+                    for t in tensor_leaves(result):
+                        if t.layout == torch.strided and t.untyped_storage().data_ptr() not in held:
+                            _zero_from(t.untyped_storage(), 0)
+                env[slot + i] = result
+                for dead in node.release:
+                    env[dead] = None
+        finally:
+            ex._account_resizes(used)
+        ex.ops_run += len(graph.nodes)
+        ex.metrics.record_op("genie::replay", "ok", time.perf_counter() - started)  # metrics
+        results: list[Any] = []
+        descs: list[Any] = []
+        try:
+            for i, (ref, desc) in enumerate(zip(graph.outputs, outs, strict=True)):
+                value = None if ref is None else _value(env, ref)
+                if desc is not None and value is not None and not isinstance(value, torch.Tensor):
+                    raise OutputMismatch(f"output {i} is a {type(value).__name__} here, the client described a tensor")
+                if desc is not None or isinstance(value, torch.Tensor):
+                    results.append(value)
+                    descs.append(desc)
+            env.clear()
+            failures = store_outputs(label, results, descs, ex.store, ex._held(), ex._known_tensor)
+        except OutputMismatch as exc:
+            raise _CommandFailed(_error(label, [], "mismatch", f"server and client disagree on the output of "
+                                        f"{label}: {exc}", storage_ids)) from None
+        except (GenieError, IndexError, TypeError) as exc:  # TypeError, IndexError: an item of a non-sequence
+            raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
+    except _CommandFailed as failed:
+        for storage_id in storage_ids:
+            ex.store.poison(storage_id, f"{failed.record['op']}: {failed.record['message']}")
+        ex._defer(failed.record)
+        return
+    for failure in failures:
+        ex._defer(_error(label, [], _kind_of(failure), _message(failure), storage_ids))
+
+
+COMMAND_HOOKS[CMD_GRAPH] = _define
+COMMAND_HOOKS[CMD_REPLAY] = _replay
