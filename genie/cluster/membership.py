@@ -153,6 +153,19 @@ class Membership:
                 ))
         return events
 
+    def mark_lost(self, node_id: str, reason: str) -> list[ClusterEvent]:
+        """Declare a serving node lost now, on another failure detector's word (Ray's node
+        events, a scheduler), without waiting for ``heartbeat_timeout``. A node already lost or
+        unknown, a client and the master itself cause nothing. A later heartbeat or rejoin
+        recovers it as usual."""
+        member = self.members.get(node_id)
+        if (member is None or node_id == self.self_id or member.info.role == NodeRole.CLIENT
+                or member.status != NodeStatus.CONNECTED):
+            return []
+        member.status = NodeStatus.LOST
+        self._bump(member)
+        return [ClusterEvent(EventType.NODE_LOST, node_id, {"reason": reason, "role": member.info.role.value})]
+
     # -- views -----------------------------------------------------------------------------------
     def devices(self) -> list[dict[str, Any]]:
         """Every device in the stable cluster order, with its node and whether that node is up."""
