@@ -50,7 +50,11 @@ def _plugin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit code."""
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except GenieError as exc:  # a plugin's subcommand clashes with another's
+        print(f"genie: error: {exc}", file=sys.stderr)
+        return 1
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=(args.log_level or "WARNING").upper(),

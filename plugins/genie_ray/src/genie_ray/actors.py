@@ -126,6 +126,12 @@ class GenieMaster:
         """Where the control plane listens: what ``ray://`` resolves to."""
         return self.host, self.port
 
+    def pid(self) -> int:
+        """This actor's process id (the genie master's process)."""
+        import os
+
+        return os.getpid()
+
     def workers(self) -> list[dict[str, Any]]:
         """Every live worker's :meth:`GenieWorker.info` as last read."""
         with self._lock:
