@@ -44,7 +44,7 @@ def ray_cluster() -> Iterator[Any]:
     # Short: Ray's unix socket paths live under it (108 bytes at most).
     temp = tempfile.mkdtemp(prefix="gray", dir="/tmp")
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "_temp_dir": temp,
+        "num_cpus": 0, "include_dashboard": False, "temp_dir": temp,
         # Ray's own node failure detection, short for the test (defaults: 3 s x 5).
         "_system_config": {"health_check_period_ms": 200, "health_check_failure_threshold": 3,
                            "health_check_initial_delay_ms": 0},
