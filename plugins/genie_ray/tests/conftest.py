@@ -14,15 +14,25 @@ import shutil
 import socket
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 pytest.importorskip("ray", reason="ray is not installed: pip install 'ray[default]==2.60.0' (nox -s ray does)")
 
 #: The custom resource the test nodes offer in place of GPUs.
 SLOT = "genie_slot"
+
+
+@attrs.define
+class RayTestCluster:
+    """The running Ray cluster, its GCS address, the stand-in resource and the nodes that offer it."""
+
+    cluster: Any  #: ray.cluster_utils.Cluster: add_node, remove_node
+    address: str
+    slot: str
+    slot_nodes: list[Any]
 
 
 def isolated() -> bool:
@@ -32,7 +42,7 @@ def isolated() -> bool:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[Any]:
+def ray_cluster() -> Iterator[RayTestCluster]:
     """Head + two raylets with one ``genie_slot`` each; this process connected as a driver."""
     if not isolated():
         pytest.skip("Ray runs only inside a private network namespace here: run `nox -s ray`, or pytest under "
@@ -50,15 +60,11 @@ def ray_cluster() -> Iterator[Any]:
                            "health_check_initial_delay_ms": 0},
     })
     try:
-        cluster.slot_nodes = [cluster.add_node(num_cpus=0, resources={SLOT: 1}) for _ in range(2)]
+        slot_nodes = [cluster.add_node(num_cpus=0, resources={SLOT: 1}) for _ in range(2)]
         ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-        yield cluster
+        yield RayTestCluster(cluster, cluster.address, SLOT, slot_nodes)
     finally:
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
 
-
-@pytest.fixture(scope="session")
-def repo_root() -> Path:
-    return Path(__file__).resolve().parents[3]

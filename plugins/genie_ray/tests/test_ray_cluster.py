@@ -12,17 +12,19 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import SLOT
 
 import genie
 from genie.errors import RemoteDeviceLost
 from genie.testing import wait_until
 from genie.types import EventType
 
+#: The custom resource the test's Ray nodes offer in place of GPUs (conftest.py).
+SLOT = "genie_slot"
 NAME = "genie"  #: the genie cluster's Ray namespace (the default, so genie.init(ray=True) finds it)
 #: genie's own failure detection is slow on purpose: a loss seen within seconds came from Ray.
 HEARTBEAT_TIMEOUT = 60.0
@@ -51,6 +53,7 @@ def genie_on_ray(ray_cluster: Any) -> Iterator[dict[str, Any]]:
     """``genie_ray.up`` on the test cluster: the master on the head, a CPU-device worker per genie_slot node."""
     import genie_ray
 
+    assert ray_cluster.slot == SLOT
     result = genie_ray.up(name=NAME, resource=SLOT, devices="cpu", heartbeat_interval=0.5,
                           heartbeat_timeout=HEARTBEAT_TIMEOUT, poll_interval=0.2, timeout=120)
     try:
@@ -63,8 +66,8 @@ def genie_on_ray(ray_cluster: Any) -> Iterator[dict[str, Any]]:
 def worker_info(node_id: str) -> dict[str, Any]:
     import ray
 
-    info: dict[str, Any] = ray.get(ray.get_actor(f"worker-{node_id}", namespace=NAME).info.remote(), timeout=30)
-    return info
+    info: Any = ray.get(ray.get_actor(f"worker-{node_id}", namespace=NAME).info.remote(), timeout=30)
+    return dict(info)
 
 
 def test_up_starts_the_master_on_the_head_and_a_cpu_worker_on_each_slot_node(ray_cluster: Any,
@@ -134,7 +137,13 @@ def test_a_killed_ray_node_is_lost_in_genie_at_once_and_its_tensors_raise(
 
     state = genie.init_sync(ray=True, heartbeat_interval=0.5, heartbeat_timeout=HEARTBEAT_TIMEOUT, timeout=60)
     lost_events: list[Any] = []
-    genie.subscribe(lost_events.append, [EventType.NODE_LOST])
+    arrived: dict[str, float] = {}
+
+    def on_lost(event: Any) -> None:
+        arrived.setdefault(event.source, time.monotonic())
+        lost_events.append(event)
+
+    genie.subscribe(on_lost, [EventType.NODE_LOST])
     victim_node = ray_cluster.slot_nodes[1]
     victim = next(w for w in genie_on_ray["workers"] if w["ray_node_id"] == victim_node.node_id)
     survivor = next(w for w in genie_on_ray["workers"] if w is not victim)
@@ -142,9 +151,12 @@ def test_a_killed_ray_node_is_lost_in_genie_at_once_and_its_tensors_raise(
     doomed = torch.ones(3, device=f"remote_accelerator:{index[victim['node_id']]}")
     assert doomed.sum().item() == 3.0
 
-    ray_cluster.remove_node(victim_node, allow_graceful=False)
+    killed = time.monotonic()
+    ray_cluster.cluster.remove_node(victim_node, allow_graceful=False)
     event = wait_until(lambda: next((e for e in lost_events if e.source == victim["node_id"]), None), 15,
                        what=f"node_lost for {victim['node_id']}")
+    print(f"node_lost reached the client {arrived[victim['node_id']] - killed:.2f} s after the raylet was killed "
+          f"(genie's own heartbeat timeout: {HEARTBEAT_TIMEOUT:g} s)")
     assert "Ray reports" in event.data["reason"], event.data
     assert len([e for e in lost_events if e.source == victim["node_id"]]) == 1
     with pytest.raises(RemoteDeviceLost):
@@ -161,12 +173,29 @@ def test_a_killed_ray_node_is_lost_in_genie_at_once_and_its_tensors_raise(
     genie.shutdown_sync()
 
 
+def test_a_ray_node_that_joins_later_gets_a_worker_and_joins_genie(ray_cluster: Any,
+                                                                    genie_on_ray: dict[str, Any]) -> None:
+    """``follow`` (the default): the master starts a worker on a new node with the resource."""
+    import genie_ray
+
+    from genie.cluster.query import query_master_sync
+
+    newcomer = ray_cluster.cluster.add_node(num_cpus=0, resources={SLOT: 1})
+    reported = wait_until(lambda: next((w for w in (genie_ray.status(name=NAME) or {}).get("workers", [])
+                                        if w["ray_node_id"] == newcomer.node_id), None), 90,
+                          what="a worker on the new Ray node")
+    genie_on_ray["workers"].append(reported)  # down must take it too
+    host, port = genie_on_ray["master"]
+    members = {n["node_id"]: n["status"] for n in query_master_sync(host, port, timeout=10)["nodes"]}
+    assert members[reported["node_id"]] == "connected"
+
+
 def test_genie_ray_down_leaves_no_actor_placement_group_or_process(ray_cluster: Any,
                                                                   genie_on_ray: dict[str, Any]) -> None:
     import ray
     from ray.util.placement_group import placement_group_table
 
-    master_pid = ray.get(ray.get_actor("master", namespace=NAME).pid.remote(), timeout=30)
+    master_pid: Any = ray.get(ray.get_actor("master", namespace=NAME).pid.remote(), timeout=30)
     pids = [master_pid] + [w["pid"] for w in genie_on_ray["workers"]]
     removed = genie_cli("ray", "down", "--address", ray_cluster.address)
     assert removed.returncode == 0, removed.stderr
