@@ -7,7 +7,7 @@ On a machine of a running Ray cluster (``ray start --head`` ...)::
 
     pip install genie-ray
     genie ray up                     # master on the head node, one worker per GPU node
-    python -c "import genie, torch; genie.init(ray=True); print(torch.ones(2, device=genie.device()))"
+    python -c "import genie, torch; genie.init_sync(ray=True); print(torch.ones(2, device=genie.device()))"
     genie ray down                   # removes every actor and placement group it made
 
 or from Python: ``genie_ray.up(...)``, ``genie_ray.status()``, ``genie_ray.down()``.
