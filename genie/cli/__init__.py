@@ -39,7 +39,8 @@ def _plugin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     try:
         registers = get_plugin_manager().cli_commands()
     except GenieError as exc:
-        logging.getLogger("genie.cli").warning("plugin subcommands are unavailable: %s", exc)
+        # Not printed here: the command run next (genie plugins, init) names the broken plugin itself.
+        logging.getLogger("genie.cli").debug("plugin subcommands are unavailable: %s", exc)
         return
     for plugin_name, register in registers:
         try:
