@@ -19,8 +19,6 @@ from typing import Any
 import attrs
 import pytest
 
-pytest.importorskip("ray", reason="ray is not installed: pip install 'ray[default]==2.60.0' (nox -s ray does)")
-
 #: The custom resource the test nodes offer in place of GPUs.
 SLOT = "genie_slot"
 
@@ -44,6 +42,7 @@ def isolated() -> bool:
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[RayTestCluster]:
     """Head + two raylets with one ``genie_slot`` each; this process connected as a driver."""
+    pytest.importorskip("ray", reason="ray is not installed: pip install 'ray[default]==2.60.0' (nox -s ray does)")
     if not isolated():
         pytest.skip("Ray runs only inside a private network namespace here: run `nox -s ray`, or pytest under "
                     "`unshare -n sh -c 'ip link set lo up; ...'` as root")
