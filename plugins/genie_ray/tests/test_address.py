@@ -54,6 +54,8 @@ def test_bad_options_are_refused_before_ray_is_reached() -> None:
         up(heartbeat_intervall=1.0)
     with pytest.raises(ConfigError, match="'devices'"):
         up(devices="tpu")
+    with pytest.raises(ConfigError, match="'bind_addr'.*genie-ray sets it"):
+        up(bind_addr="0.0.0.0")
 
 
 def test_without_ray_installed_the_commands_say_what_to_install() -> None:

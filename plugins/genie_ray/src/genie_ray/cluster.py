@@ -24,6 +24,8 @@ log = logging.getLogger("genie.ray")
 #: The Ray namespace (and name) of a genie cluster when none is given.
 DEFAULT_NAME = "genie"
 SCHEME = "ray://"
+#: genie options genie-ray sets for each actor itself (its role, address, id, ports, devices).
+PER_ACTOR = frozenset({"node_role", "master_addr", "master_port", "bind_addr", "node_id", "data_port", "devices"})
 
 
 def _ray() -> Any:
@@ -126,6 +128,10 @@ def up(address: str | None = None, *, name: str = DEFAULT_NAME, resource: str = 
     if unknown:
         raise ConfigError(unknown[0], genie_options[unknown[0]], f"argument {unknown[0]}",
                           "one of genie's options: " + ", ".join(option_names()))
+    reserved = sorted(set(genie_options) & PER_ACTOR)
+    if reserved:
+        raise ConfigError(reserved[0], genie_options[reserved[0]], f"argument {reserved[0]}",
+                          "nothing: genie-ray sets it for each actor (use port=, devices=, master_devices=)")
     # Validated here, where a mistake is cheap to report, not in a Ray actor's constructor.
     ClusterConfig.from_sources({}, node_role="worker", devices=devices, **genie_options)
     ClusterConfig.from_sources({}, node_role="server", devices=master_devices, **genie_options)
