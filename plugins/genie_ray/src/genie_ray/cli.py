@@ -57,7 +57,7 @@ def register(sub: Any) -> None:
 def run_up(args: argparse.Namespace) -> int:
     from genie_ray.cluster import up
 
-    # The token and TLS settings come from this command's GENIE_* environment, like every genie command.
+    # The cluster token comes from this command's GENIE_* environment, like every genie command's.
     config = ClusterConfig.from_sources()
     options: dict[str, Any] = {"heartbeat_interval": args.heartbeat_interval,
                                "heartbeat_timeout": args.heartbeat_timeout, "insecure": args.insecure}
