@@ -109,7 +109,7 @@ def _node(node_id: str, role: NodeRole, gpus: int = 1) -> NodeInfo:
     return NodeInfo(node_id, "host", role, "127.0.0.1", 1234, tuple(GPUInfo(i, f"cpu{i}", "cpu") for i in range(gpus)))
 
 
-def test_mark_lost_declares_a_connected_serving_node_lost_once_and_a_heartbeat_recovers_it() -> None:
+def test_mark_lost_declares_a_connected_serving_node_lost_once_until_it_rejoins() -> None:
     membership = Membership(heartbeat_timeout=60.0, self_id="m")
     membership.join(_node("m", NodeRole.SERVER))
     membership.join(_node("w1", NodeRole.WORKER, gpus=2))
@@ -124,5 +124,13 @@ def test_mark_lost_declares_a_connected_serving_node_lost_once_and_a_heartbeat_r
     for node_id in ("w1", "m", "c1", "nobody"):
         assert membership.mark_lost(node_id, "again") == []
     assert [d["status"] for d in membership.devices() if d["node_id"] == "w1"] == ["lost", "lost"]
-    [back] = membership.heartbeat("w1", None)
+    # Its process may outlive the verdict by seconds: its heartbeats do not bring it back; a rejoin does.
+    assert membership.heartbeat("w1", None) == [] and membership.members["w1"].status == NodeStatus.LOST
+    [back] = membership.join(_node("w1", NodeRole.WORKER, gpus=2))
     assert back.type == EventType.NODE_RECOVERED and membership.members["w1"].status == NodeStatus.CONNECTED
+    # A node lost by heartbeat timeout is not fenced: its next heartbeat recovers it, as before.
+    membership.members["w1"].last_seen -= 120
+    [lost] = membership.sweep()
+    assert lost.type == EventType.NODE_LOST
+    [again] = membership.heartbeat("w1", None)
+    assert again.type == EventType.NODE_RECOVERED

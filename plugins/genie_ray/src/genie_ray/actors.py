@@ -16,6 +16,7 @@ These classes are plain Python; :mod:`genie_ray.cluster` makes them Ray actors.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -28,6 +29,8 @@ log = logging.getLogger("genie.ray")
 MASTER_NAME = "master"
 #: Prefix of the worker actors' names (and, after "NAMESPACE:", of their placement groups).
 WORKER_PREFIX = "worker-"
+#: Seconds between a worker's looks at its raylet (its parent process).
+FENCE_INTERVAL = 0.2
 #: Seconds before a node where a worker failed to start is tried again (with ``follow``).
 RETRY_AFTER = 30.0
 
@@ -74,11 +77,18 @@ class GenieWorker:
         self.runtime = _runtime("worker", spec, master_addr=master[0], master_port=master[1], node_id=node_id,
                                 bind_addr=self.host, devices=spec.get("devices", "auto"))
         self._stopped = threading.Event()
+        threading.Thread(target=self._fence, args=(os.getppid(),), name="genie-ray-fence", daemon=True).start()
+
+    def _fence(self, raylet: int) -> None:
+        """Stop serving as soon as this node's raylet (the actor process's parent) dies: the master has
+        declared this node lost by then, and a process outliving its node must not serve on."""
+        while not self._stopped.wait(FENCE_INTERVAL):
+            if os.getppid() != raylet:
+                log.warning("the raylet of %s died: stopping the genie worker", self.runtime.config.node_id)
+                self.stop()
 
     def info(self) -> dict[str, Any]:
         """The node id, where its data plane listens, its devices, its process and sessions opened so far."""
-        import os
-
         state = self.runtime.state
         dataplane = self.runtime.dataplane
         return {"node_id": state.local_node.node_id, "ray_node_id": self.ray_node_id, "host": self.host,
@@ -128,8 +138,6 @@ class GenieMaster:
 
     def pid(self) -> int:
         """This actor's process id (the genie master's process)."""
-        import os
-
         return os.getpid()
 
     def workers(self) -> list[dict[str, Any]]:
