@@ -80,12 +80,13 @@ class GenieWorker:
         threading.Thread(target=self._fence, args=(os.getppid(),), name="genie-ray-fence", daemon=True).start()
 
     def _fence(self, raylet: int) -> None:
-        """Stop serving as soon as this node's raylet (the actor process's parent) dies: the master has
-        declared this node lost by then, and a process outliving its node must not serve on."""
+        """Exit as soon as this node's raylet (the actor process's parent) dies: a process outliving its
+        node must not serve on. No goodbye: Ray reports the death and the master declares the node
+        lost with Ray's reason."""
         while not self._stopped.wait(FENCE_INTERVAL):
             if os.getppid() != raylet:
-                log.warning("the raylet of %s died: stopping the genie worker", self.runtime.config.node_id)
-                self.stop()
+                log.warning("the raylet of %s died: the genie worker exits", self.runtime.config.node_id)
+                os._exit(1)
 
     def info(self) -> dict[str, Any]:
         """The node id, where its data plane listens, its devices, its process and sessions opened so far."""
