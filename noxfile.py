@@ -8,6 +8,7 @@ tests. Passing there proves the core never needs any other plugin.
     nox -s tests         # the whole suite with every plugin
     nox -s lint          # ruff on everything, mypy on [tool.mypy] files (genie, plugins, tests, ...)
     nox -s opinfo        # PyTorch's OpInfo sweep against a real server, every case (a few minutes)
+    nox -s ray           # genie-ray on a real local Ray cluster, inside a private network namespace (root)
 
 torch is pinned to 2.13.0: other versions pull several GB of CUDA packages.
 """
@@ -100,6 +101,31 @@ def rdma(session: nox.Session) -> None:
 def nvml(session: nox.Session) -> None:
     """genie + genie-nvml: GPU metrics and checks."""
     plugin_session(session, "nvml")
+
+
+#: Ray for the genie-ray session: it does not depend on torch, so the pinned torch stays.
+RAY = "ray[default]==2.60.0"
+
+
+@nox.session
+def ray(session: nox.Session) -> None:
+    """genie + genie-ray + Ray: a real local Ray cluster of several raylets (ray.cluster_utils).
+
+    Ray's processes reach for addresses off this machine (usage reports, DNS), so pytest runs
+    inside a private network namespace with loopback only (``unshare -n``, root). Elsewhere the
+    tests skip, saying so. Not in the default sessions: a few minutes on 2 cores.
+    """
+    session.install(*BUILD)
+    session.install(*CORE, "-e", "plugins/genie_ray", RAY, TORCH)
+    session.run("python", "-c", "import torch, ray; print('torch', torch.__version__, 'ray', ray.__version__)")
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        session.warn("not root or no unshare: the Ray tests skip (they need a private network namespace)")
+        session.run("python", "-m", "pytest", "-q", "plugins/genie_ray/tests", *session.posargs)
+        return
+    python = os.path.join(session.bin, "python")
+    session.run("unshare", "-n", "sh", "-c",
+                f'ip link set lo up && exec "{python}" -m pytest -q plugins/genie_ray/tests "$@"', "sh",
+                *session.posargs, external=True)
 
 
 @nox.session

@@ -44,6 +44,7 @@ def init_sync(master_addr: str | None = None, master_port: int | None = None, ba
     AlreadyInitializedError.
     """
     global _runtime
+    master_addr = _scheme_shorthand(master_addr, options)
     config = ClusterConfig.from_sources(
         master_addr=master_addr, master_port=master_port, backend=backend, node_id=node_id,
         node_role=node_role, timeout=timeout, **options,
@@ -62,6 +63,19 @@ def init_sync(master_addr: str | None = None, master_port: int | None = None, ba
         with _lock:
             _runtime = None
         raise
+
+
+def _scheme_shorthand(master_addr: str | None, options: dict[str, Any]) -> str | None:
+    """``genie.init(ray=True)`` is short for ``master_addr="ray://"``: one ``NAME=True`` that is no
+    option of genie names the scheme of a plugin's master lookup (the ``genie_resolve_master`` hook,
+    asked when the runtime starts; without such a plugin the error says which to install)."""
+    from genie.config import option_names
+
+    names = [name for name, value in options.items() if value is True and name not in option_names()]
+    if master_addr is not None or len(names) != 1:
+        return master_addr
+    del options[names[0]]
+    return f"{names[0]}://"
 
 
 async def init(master_addr: str | None = None, master_port: int | None = None, backend: str | None = None,

@@ -12,12 +12,15 @@ import logging
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from genie.errors import ConfigError
 from genie.types import NodeRole
+
+if TYPE_CHECKING:
+    from genie.plugins import PluginManager
 
 _BACKEND_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -266,6 +269,20 @@ class ClusterConfig:
         sources = {name: (new.sources[name] if name in changes else self.sources.get(name, new.sources[name]))
                    for name in _OPTIONS}
         return attrs.evolve(new, sources=sources)
+
+    def resolve_master(self, pm: PluginManager) -> ClusterConfig:
+        """This configuration with a ``scheme://`` master address (``ray://...``) replaced by the
+        master it names, through the ``genie_resolve_master`` hook; itself for a plain host."""
+        if "://" not in self.master_addr:
+            return self
+        scheme = self.master_addr.split("://", 1)[0]
+        found = pm.resolve_master(address=self.master_addr, timeout=self.connect_timeout)
+        if found is None:
+            raise ConfigError("master_addr", self.master_addr, self.sources.get("master_addr", "argument master_addr"),
+                              f"a host name or IP address; no installed plugin resolves {scheme}:// addresses "
+                              f"(install the plugin for them, e.g. genie-{scheme})")
+        host, port = found
+        return self.replace(master_addr=host, master_port=port)
 
 
 def option_names() -> tuple[str, ...]:

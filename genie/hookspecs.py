@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import pluggy
 
 if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Callable
+
     from genie.cluster.placement import Candidate
     from genie.config import ClusterConfig
     from genie.transport.base import Transport
@@ -140,4 +143,35 @@ def genie_placement_score(candidate: Candidate, default_score: float, min_memory
         None to keep ``default_score``.
 
     Stops at first non-None result, see :ref:`firstresult`.
+    """
+
+
+@hookspec(firstresult=True)
+def genie_resolve_master(address: str, timeout: float) -> tuple[str, int] | None:
+    """Find the master behind an address with a scheme, such as ``ray://HOST:PORT``.
+
+    Called when ``master_addr`` (an argument, ``GENIE_MASTER_ADDR`` or a tool's ``--master``)
+    contains ``://``, once, on the calling thread, before anything connects; and by
+    ``genie.init(NAME=True)`` with ``address="NAME://"`` (``genie.init(ray=True)``).
+
+    :param address: the whole address as given, scheme included.
+    :param timeout: seconds the lookup may take (the connect timeout).
+    :return: the master's control plane as ``(host, port)``, or None when this plugin does not
+        handle the address's scheme. Raise :class:`genie.errors.ConnectError` (or another
+        GenieError) naming the problem when the scheme is yours but the master cannot be found.
+
+    Stops at first non-None result, see :ref:`firstresult`.
+    """
+
+
+@hookspec
+def genie_cli_commands() -> list[Callable[[argparse._SubParsersAction[Any]], None]]:
+    """Return functions that add subcommands to the ``genie`` command.
+
+    Called once, when ``genie`` builds its argument parser, after the core's own subcommands.
+
+    :return: a list of ``register(subparsers)`` functions, each adding its parser(s) with
+        ``subparsers.add_parser(...)`` and setting ``func`` (the parsed arguments in, an exit code
+        out), as the core's subcommands do. A name the core or another plugin already uses is an
+        error naming the plugin.
     """

@@ -195,6 +195,17 @@ class PluginManager:
         caller = self._pm.hook.genie_placement_score
         return caller if caller.get_hookimpls() else None
 
+    def resolve_master(self, *, address: str, timeout: float) -> tuple[str, int] | None:
+        """The first plugin's ``(host, port)`` for a ``scheme://`` master address, or None
+        (``genie_resolve_master``, firstresult)."""
+        answer: tuple[str, int] | None = self._pm.hook.genie_resolve_master(address=address, timeout=timeout)
+        return answer
+
+    def cli_commands(self) -> list[tuple[str, Callable[..., None]]]:
+        """(plugin name, ``register(subparsers)``) for every subcommand a plugin adds (``genie_cli_commands``)."""
+        return [(plugin_name, register) for plugin_name, call in self._each_plugin("genie_cli_commands")
+                for registers in call() for register in (registers or [])]
+
     def health_checks(self) -> list[HealthCheck]:
         """Every plugin's health checks (``genie_health_checks``), most recently registered plugin first."""
         return [c for checks in self._pm.hook.genie_health_checks() for c in (checks or [])]

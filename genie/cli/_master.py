@@ -23,8 +23,8 @@ UNREACHABLE = 2
 def add_master_arguments(p: argparse.ArgumentParser) -> None:
     """``--master HOST:PORT`` and ``--timeout``."""
     p.add_argument("--master", default=None,
-                   help="HOST:PORT of the master's control plane (default: GENIE_MASTER_ADDR:GENIE_MASTER_PORT, "
-                        "else 127.0.0.1:5555)")
+                   help="HOST:PORT of the master's control plane, or an address a plugin resolves such as "
+                        "ray://RAY_ADDRESS (default: GENIE_MASTER_ADDR:GENIE_MASTER_PORT, else 127.0.0.1:5555)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the master (default 5)")
 
 
@@ -42,11 +42,13 @@ def parse_master(text: str) -> tuple[str, int]:
 
 def master_address(args: argparse.Namespace) -> tuple[str, int]:
     """``--master`` as (host, port), or the configured master (arguments, then GENIE_* environment)."""
-    if args.master:
+    if args.master and "://" not in args.master:
         return parse_master(args.master)
     from genie.config import ClusterConfig
+    from genie.plugins import get_plugin_manager
 
-    config = ClusterConfig.from_sources()
+    # ``ray://...`` and other scheme addresses name a master a plugin finds (genie_resolve_master).
+    config = ClusterConfig.from_sources(master_addr=args.master).resolve_master(get_plugin_manager())
     return config.master_addr, config.master_port
 
 

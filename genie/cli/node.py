@@ -87,7 +87,9 @@ def run_worker(args: argparse.Namespace) -> int:
     from genie.cli._master import parse_master
 
     # --master wins; without it ClusterConfig reads GENIE_MASTER_ADDR / GENIE_MASTER_PORT.
-    host, port = parse_master(args.master) if args.master else (None, None)
+    # A ``ray://...`` address is resolved by the runtime (genie_resolve_master).
+    host, port = (parse_master(args.master) if args.master and "://" not in args.master
+                  else (args.master, None))
     return _run("worker", {"master_addr": host, "master_port": port, **_options(args)})
 
 

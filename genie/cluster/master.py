@@ -100,6 +100,15 @@ class ControlService:
             except Exception:
                 self.subscribers.discard(send)
 
+    async def declare_lost(self, node_id: str, reason: str) -> bool:
+        """Mark ``node_id`` lost at once on an outside failure detector's word (docs/server.md),
+        telling every subscriber and, in their next heartbeat acknowledgement, every client.
+        Runs on the master's runtime loop (``runtime.portal.call``). True if it was connected."""
+        events = self.membership.mark_lost(node_id, reason)
+        for event in events:
+            await self.emit(event)
+        return bool(events)
+
     async def _handle(self, raw: SocketStream) -> None:
         peer = raw.extra(anyio.abc.SocketAttribute.remote_address)
         peer_host = peer[0] if isinstance(peer, tuple) else str(peer)

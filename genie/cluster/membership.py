@@ -45,6 +45,8 @@ class Member:
     first_index: int = 0  #: cluster index of this node's first device (fixed at its first join)
     slots: int = 0  #: how many cluster indices it owns (its device count at its first join)
     changed: int = 0  #: membership version of this member's latest change
+    #: declared lost by an outside detector (mark_lost): its heartbeats no longer recover it, only a rejoin
+    fenced: bool = False
 
     def to_dict(self, now: float) -> dict[str, Any]:
         d = self.info.to_dict()
@@ -102,7 +104,7 @@ class Membership:
         if len(info.gpus) < old.slots:
             log.warning("node %s rejoined with %d device(s) but owns %d cluster indices; the missing ones "
                         "stay unusable until it serves them again", info.node_id, len(info.gpus), old.slots)
-        old.info, old.last_seen, old.status = info, now, NodeStatus.CONNECTED
+        old.info, old.last_seen, old.status, old.fenced = info, now, NodeStatus.CONNECTED, False
         self._bump(old)
         if was_lost:
             return [ClusterEvent(EventType.NODE_RECOVERED, info.node_id, {"role": info.role.value})]
@@ -117,7 +119,7 @@ class Membership:
         if report is not None and (report.snapshot is not None or report.health is not None
                                    or report.sessions is not None):
             member.report = report
-        if member.status == NodeStatus.LOST:
+        if member.status == NodeStatus.LOST and not member.fenced:
             member.status = NodeStatus.CONNECTED
             self._bump(member)
             return [ClusterEvent(EventType.NODE_RECOVERED, node_id, {})]
@@ -152,6 +154,20 @@ class Membership:
                     {"reason": f"no heartbeat for {now - member.last_seen:.1f} s", "role": member.info.role.value},
                 ))
         return events
+
+    def mark_lost(self, node_id: str, reason: str) -> list[ClusterEvent]:
+        """Declare a serving node lost now, on another failure detector's word (Ray's node
+        events, a scheduler), without waiting for ``heartbeat_timeout``. A node already lost or
+        unknown, a client and the master itself cause nothing. The node is fenced: heartbeats
+        still arriving from its process (which may outlive its host's death by seconds) do not
+        recover it; only a rejoin does."""
+        member = self.members.get(node_id)
+        if (member is None or node_id == self.self_id or member.info.role == NodeRole.CLIENT
+                or member.status != NodeStatus.CONNECTED):
+            return []
+        member.status, member.fenced = NodeStatus.LOST, True
+        self._bump(member)
+        return [ClusterEvent(EventType.NODE_LOST, node_id, {"reason": reason, "role": member.info.role.value})]
 
     # -- views -----------------------------------------------------------------------------------
     def devices(self) -> list[dict[str, Any]]:

@@ -124,6 +124,9 @@ class Runtime:
     def start(self) -> ClusterState:
         """Run init's phases on the runtime thread; blocking, bounded by ``config.timeout``."""
         started = time.perf_counter()
+        if self.config.node_role != NodeRole.SERVER:
+            # ``ray://...`` and other scheme addresses name a master a plugin finds (genie_resolve_master).
+            self.config = self.config.resolve_master(self.pm)
         self._portal_cm = anyio.from_thread.start_blocking_portal(name="genie-runtime")
         self.portal = self._portal_cm.__enter__()
         try:
