@@ -120,6 +120,14 @@ _OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
     "max_preauth": (int, 512, lambda v: v > 0, "a positive count of connections that have not authenticated yet"),
     "max_sessions": (int, 1024, lambda v: v > 0, "a positive count of authenticated sessions open at once"),
     "insecure": (bool, False, None, "true or false (serve a non-loopback address without a cluster token)"),
+    # session isolation (see docs/SECURITY.md and genie/server/isolation/)
+    "isolation": (str, "process", lambda v: v in ("process", "none"),
+                  "process (each session in its own worker process) or none (sessions in threads, one trusted user)"),
+    "op_deadline": (float, 300.0, _positive, "a positive number of seconds one op may run before its session "
+                    "worker is killed"),
+    "worker_memory_overhead": (int, 2 << 30, lambda v: v >= 0, "a byte count a session worker may hold beyond "
+                               "max_session_bytes (its cgroup's memory.max)"),
+    "worker_cpu_weight": (int, 100, lambda v: 1 <= v <= 10000, "a cgroup cpu.weight from 1 to 10000"),
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -194,6 +202,10 @@ class ClusterConfig:
     max_preauth: int
     max_sessions: int
     insecure: bool
+    isolation: str
+    op_deadline: float
+    worker_memory_overhead: int
+    worker_cpu_weight: int
     sources: Mapping[str, str] = attrs.field(factory=dict, repr=False, eq=False)
 
     @classmethod

@@ -186,6 +186,16 @@ class TcpChannel(ChannelLifecycle):
         except (OSError, ValueError) as exc:
             raise self._failed(f"TLS handshake with {self.peer} failed: {exc}") from exc
 
+    def handover_socket(self) -> socket.socket | None:
+        """The plain socket, for a session worker process to serve (``TcpChannel(sock, peer)`` there).
+
+        None once TLS wraps the stream: TLS state cannot cross processes, so a worker runs the TLS
+        handshake itself. This channel keeps its own descriptor; closing it shuts the stream for both.
+        """
+        if self._closed or isinstance(self._sock, ssl.SSLSocket):
+            return None
+        return self._sock
+
     @property
     def tls_version(self) -> str | None:
         """The TLS version in use (``"TLSv1.3"``), or None on a plain stream."""

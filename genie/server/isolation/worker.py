@@ -1,0 +1,162 @@
+"""The body of a session worker process: one client's session, over a socket the node handed over.
+
+The node accepted the connection and started this process from its zygote (the
+forkserver, which imported torch once) with the connected socket among its file
+descriptors, so the data path has no extra hop: the worker reads and writes the
+client's socket itself. It runs the ordinary :class:`~genie.server.session.Session`
+(TLS, HELLO, the token's challenge, then batches) and talks to the node over its
+control pipe with msgpack messages, never pickles (the node must not trust a worker
+that ran hostile ops):
+
+========================  ===============================================================
+worker → node             meaning
+========================  ===============================================================
+``["open", client]``      the handshake passed; may the session open? (``client``: HELLO's map)
+``["stats", seq, snap]``  the answer to ``["stats", seq]``: a :func:`snapshot`
+``["end", 0, snap]``      the session ended; the last snapshot
+``["log", level, name, text]``  a log record, logged by the node under ``name``
+========================  ===============================================================
+
+The node answers ``["open", refusal]`` (``None``: open) and asks ``["stats", seq]``.
+When the control pipe closes (the node is gone) the worker exits at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+import attrs
+import torch
+
+from genie.config import ClusterConfig
+from genie.security import server_tls_context
+from genie.server.isolation.clock import OpClock
+from genie.server.metrics import ServerMetrics, SessionMetrics
+from genie.server.session import Session
+from genie.wire.frame import pack_body, unpack_body
+
+log = logging.getLogger("genie.server.isolation")
+
+
+@attrs.frozen
+class WorkerSpec:
+    """What a worker needs to serve one session (pickled by the node into the worker: trusted direction)."""
+
+    session_id: int
+    peer: str
+    channel_type: type  #: the channel class, rebuilt around the socket as ``channel_type(sock, peer)``
+    devices: list[torch.device]
+    config: ClusterConfig
+    welcome: dict[str, Any]
+    token: bytes = attrs.field(repr=False)
+    tls: bool
+    hello_timeout: float
+    log_level: int
+
+
+def snapshot(session: Session, metrics: SessionMetrics) -> dict[str, Any]:
+    """What the node shows of this session: store counts, ops, and the metrics tally (plain msgpack values)."""
+    tally = metrics.tally
+    return {
+        "serving": session.serving,
+        "store": session.store.stats(),
+        "by_device": {str(k): int(v) for k, v in session.store.bytes_by_device().items()},
+        "ops_run": session.executor.ops_run,
+        "queue_depth": metrics.queue_depth,
+        "ops": [[op, status, n] for (op, status), n in list(tally.ops.items())],
+        "latency": {status: [list(lat.counts), lat.sum] for status, lat in list(tally.latency.items())},
+        "bytes": dict(tally.bytes),
+        "device_io": [[device, direction, n] for (device, direction), n in list(tally.device_io.items())],
+    }
+
+
+class _ToNode(logging.Handler):
+    """Sends the worker's log records to the node, which logs them under the same logger name."""
+
+    def __init__(self, control: _Control) -> None:
+        super().__init__()
+        self._control = control
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._control.send(["log", record.levelno, record.name, self.format(record)])
+        except Exception:  # a log line must never take the session down
+            self.handleError(record)
+
+
+class _Control:
+    """The worker's end of the control pipe: one reader thread, sends under a lock."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._send_lock = threading.Lock()
+        self._opened = threading.Event()
+        self._refusal: str | None = None
+        self.session: Session | None = None
+        self.metrics: SessionMetrics | None = None
+
+    def send(self, message: list[Any]) -> None:
+        with self._send_lock:
+            self.conn.send_bytes(pack_body(message))
+
+    def ask_open(self, session: Session) -> str | None:
+        """The session's ``on_open``: ask the node (which counts sessions) and wait for its answer."""
+        self.send(["open", {k: v for k, v in session.client.items() if isinstance(v, (str, int, type(None)))}])
+        if not self._opened.wait(60.0):
+            return "the node did not answer in time"
+        return self._refusal
+
+    def serve(self) -> None:
+        """Answer the node until the pipe closes; then the node is gone and so is this worker."""
+        try:
+            while True:
+                message = unpack_body(self.conn.recv_bytes())
+                if message[0] == "open":
+                    self._refusal = message[1]
+                    self._opened.set()
+                elif message[0] == "stats" and self.session is not None and self.metrics is not None:
+                    self.send(["stats", message[1], snapshot(self.session, self.metrics)])
+        except (EOFError, OSError):
+            pass
+        # The node went away (or closed us): nobody can see or use this session any more.
+        os._exit(3)
+
+
+def worker_main(spec: WorkerSpec, sock: Any, conn: Connection, clock: OpClock) -> None:
+    """Serve one session over ``sock``; returns (the process exits) when it ends."""
+    control = _Control(conn)
+    root = logging.getLogger("genie")
+    root.setLevel(spec.log_level)
+    root.addHandler(_ToNode(control))
+    root.propagate = False  # the node prints them, once
+    channel = spec.channel_type(sock, spec.peer)
+    session = Session(
+        channel,
+        session_id=spec.session_id,
+        welcome=lambda: spec.welcome,
+        devices=spec.devices,
+        max_storages=spec.config.max_session_handles,
+        max_bytes=spec.config.max_session_bytes,
+        max_payload=spec.config.max_frame_bytes,
+        auth_token=spec.token,
+        tls_context=server_tls_context(spec.config) if spec.tls else None,
+        idle_timeout=spec.config.session_idle_timeout,
+        max_inflight=spec.config.max_session_inflight,
+        hello_timeout=spec.hello_timeout,
+        on_open=control.ask_open,
+    )
+    node_metrics = ServerMetrics(enabled=True, devices=spec.devices)
+    metrics = node_metrics.open_session(spec.session_id, session)
+    session.executor.metrics = metrics
+    session.executor.clock = clock
+    control.session, control.metrics = session, metrics
+    threading.Thread(target=control.serve, name="genie-worker-control", daemon=True).start()
+    session.run()
+    try:
+        control.send(["end", 0, snapshot(session, metrics)])
+    except OSError:
+        pass
