@@ -41,6 +41,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure", action="store_true", default=None,
                    help="serve a non-loopback --host without a cluster token (GENIE_AUTH_TOKEN); anyone who can "
                         "reach the ports can then run code on this node's devices (GENIE_INSECURE)")
+    p.add_argument("--isolation", choices=("process", "none"), default=None,
+                   help="process (default): each client session in its own worker process; none: sessions in "
+                        "threads of the node's process, for one trusted user (GENIE_ISOLATION)")
+    p.add_argument("--op-deadline", type=float, default=None,
+                   help="seconds one op may run before its session's worker is killed (default 300; "
+                        "GENIE_OP_DEADLINE)")
 
 
 def register(sub: Any) -> None:
@@ -68,6 +74,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_poll_interval": args.gpu_poll_interval, "health_check_interval": args.health_check_interval,
         "health_check_timeout": min(args.health_check_interval, 5.0) if args.health_check_interval else None,
         "insecure": args.insecure,  # the servers check the exposure themselves (genie.security.check_bind)
+        "isolation": args.isolation, "op_deadline": args.op_deadline,
     }
 
 
@@ -112,6 +119,8 @@ def _run(role: str, options: dict[str, Any], *, state_file: str = "") -> int:
     runtime = Runtime(config, state_file=state_file)
     state = runtime.start()
     try:
+        if runtime.dataplane is not None:
+            print(runtime.dataplane.isolation_summary, flush=True)
         print(ready_line(role, config, state), flush=True)
         stop.wait()
     finally:

@@ -173,6 +173,13 @@ class DataPlaneServer:
             raise RuntimeError("DataPlaneServer.port is known only after start()")
         return self._listener.port
 
+    @property
+    def isolation_summary(self) -> str:
+        """What ``genie serve`` prints: how sessions are kept apart and which limits are enforced."""
+        if self.supervisor is None:
+            return "isolation: none (sessions run in threads of the node's process: one trusted user only)"
+        return self.supervisor.summary
+
     def welcome(self) -> dict[str, Any]:
         """The WELCOME body every accepted client gets."""
         return {
