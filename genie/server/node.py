@@ -312,7 +312,7 @@ class DataPlaneServer:
 
     def _can_hand_over(self, channel: Any) -> bool:
         handover = getattr(channel, "handover_socket", None)
-        if handover is not None and handover() is not None:
+        if handover is not None and hasattr(channel, "handover_factory") and handover() is not None:
             return True
         log.info("session from %s runs in the node's process: its %s channel cannot be handed to a worker",
                  getattr(channel, "peer", "?"), type(channel).__name__)

@@ -44,7 +44,7 @@ from genie.errors import GenieError
 from genie.security import ServerSecurity
 from genie.server.isolation.cgroups import Cgroups, probe
 from genie.server.isolation.clock import OpClock
-from genie.server.isolation.worker import WorkerSpec, worker_main
+from genie.server.isolation.worker import KILLED_EXIT, WorkerSpec, worker_main
 from genie.server.isolation.zygote import WorkerProcess, warm_up
 from genie.server.metrics import NULL_SESSION_METRICS, Latency, SessionMetrics, Tally
 from genie.wire.frame import MsgKind, pack_body, send_frame, unpack_body
@@ -53,6 +53,8 @@ log = logging.getLogger("genie.server.isolation")
 
 #: Seconds a worker may outlive its client's hang-up when no op runs (it normally sees EOF at once).
 GONE_GRACE = 2.0
+#: Seconds a worker asked to end (a deadline) has to tell its client why before SIGKILL.
+POLITE_KILL = 1.0
 #: How long :meth:`Supervisor.refresh` waits for workers' snapshots.
 REFRESH_WAIT = 1.0
 #: Modules the zygote imports once, so a worker starts with them loaded.
@@ -127,6 +129,7 @@ class WorkerSession:
         self.pid = 0
         self.cgroup: Path | None = None
         self.reason = ""  #: why the node killed the worker ("" while it did not)
+        self._kill_at: float | None = None  #: when a worker asked to end is killed
         self._proc: Any = None
         self._conn: Any = None
         self._clock: OpClock | None = None
@@ -147,10 +150,18 @@ class WorkerSession:
         self.kill("the node is stopping")
         self.channel.close()
 
-    def kill(self, reason: str) -> None:
-        """Kill the worker (SIGKILL) for ``reason``; the first reason is the one the client hears."""
+    def kill(self, reason: str, *, polite: float = 0.0) -> None:
+        """Kill the worker (SIGKILL) for ``reason``; the first reason is the one the client hears.
+
+        With ``polite`` seconds the worker is first asked to tell its client and exit by itself
+        (:mod:`~genie.server.isolation.worker`); the watcher kills it when that time has passed.
+        """
         if not self.reason:
             self.reason = reason
+        if polite and self._kill_at is None:
+            self._kill_at = time.monotonic() + polite
+            self._send(["kill", "" if self.closing else reason])
+            return
         if self._proc is not None and self._proc.exitcode is None:
             with contextlib.suppress(ProcessLookupError, OSError, ValueError, AttributeError):
                 self._proc.kill()
@@ -216,8 +227,11 @@ class WorkerSession:
             if exited:
                 break
             running = clock.running()
-            if running is not None and running[1] > deadline:
-                self.kill(f"session worker killed: deadline of {deadline:g} s exceeded by {running[0]}")
+            if self._kill_at is not None and time.monotonic() >= self._kill_at:
+                self.kill(self.reason)
+            elif running is not None and running[1] > deadline:
+                self.kill(f"session worker killed: deadline of {deadline:g} s exceeded by {running[0]}",
+                          polite=POLITE_KILL)
             elif gone_at is not None and (running is not None or time.monotonic() - gone_at > GONE_GRACE):
                 self.closing = True  # nobody to tell
                 self.kill("the client went away" + (f" while {running[0]} ran" if running else ""))
@@ -286,7 +300,7 @@ class WorkerSession:
             reason = f"session worker failed with exit code {code}"
         if reason:
             log.warning("session %d (%s, worker %d) ended: %s", self.session_id, self.peer, self.pid, reason)
-            if not self.closing:
+            if not self.closing and code != KILLED_EXIT:  # KILLED_EXIT: the worker told its client itself
                 self._tell_client(reason)
         self.serving = False
         self.channel.close()
@@ -343,7 +357,8 @@ class Supervisor:
         ``before_start`` sees the session before its worker can ask anything."""
         session = WorkerSession(self, session_id, channel)
         before_start(session)
-        spec = WorkerSpec(session_id=session_id, peer=session.peer, channel_type=type(channel),
+        make, kwargs = channel.handover_factory()
+        spec = WorkerSpec(session_id=session_id, peer=session.peer, make_channel=make, channel_kwargs=kwargs,
                           devices=self.devices, config=self.config, welcome=welcome, token=self.security.token,
                           tls=self.security.tls is not None, hello_timeout=self.hello_timeout,
                           log_level=logging.getLogger("genie").getEffectiveLevel())

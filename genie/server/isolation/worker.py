@@ -17,12 +17,15 @@ worker → node             meaning
 ``["log", level, name, text]``  a log record, logged by the node under ``name``
 ========================  ===============================================================
 
-The node answers ``["open", refusal]`` (``None``: open) and asks ``["stats", seq]``.
+The node answers ``["open", refusal]`` (``None``: open), asks ``["stats", seq]``, and sends
+``["kill", reason]`` before it kills a worker: the worker's control thread then tells the client
+why in the channel's own framing and exits (the node sends SIGKILL anyway after a moment).
 When the control pipe closes (the node is gone) the worker exits at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -37,9 +40,12 @@ from genie.security import server_tls_context
 from genie.server.isolation.clock import OpClock
 from genie.server.metrics import ServerMetrics, SessionMetrics
 from genie.server.session import Session
-from genie.wire.frame import pack_body, unpack_body
+from genie.wire.frame import MsgKind, pack_body, send_frame, unpack_body
 
 log = logging.getLogger("genie.server.isolation")
+
+#: The exit status of a worker that ended itself on the node's ``["kill", reason]`` (the client was told).
+KILLED_EXIT = 86
 
 
 @attrs.frozen
@@ -48,7 +54,8 @@ class WorkerSpec:
 
     session_id: int
     peer: str
-    channel_type: type  #: the channel class, rebuilt around the socket as ``channel_type(sock, peer)``
+    make_channel: Any  #: rebuilds the channel around the socket: ``make_channel(sock, peer, **channel_kwargs)``
+    channel_kwargs: dict[str, Any]
     devices: list[torch.device]
     config: ClusterConfig
     welcome: dict[str, Any]
@@ -110,6 +117,17 @@ class _Control:
             return "the node did not answer in time"
         return self._refusal
 
+    def _die(self, reason: str) -> None:
+        """The node is about to kill this worker (a deadline, a departed client): tell the client why, in
+        the channel's own framing (the session thread is inside an op, so it is not sending), and exit."""
+        if self.session is not None and reason:
+            with contextlib.suppress(Exception):
+                self.session.channel.settimeout(1.0)
+                send_frame(self.session.channel, MsgKind.ERROR, pack_body({"code": "lost", "reason": reason}))
+            with contextlib.suppress(Exception):
+                self.session.channel.close()
+        os._exit(KILLED_EXIT)
+
     def serve(self) -> None:
         """Answer the node until the pipe closes; then the node is gone and so is this worker."""
         try:
@@ -120,6 +138,8 @@ class _Control:
                     self._opened.set()
                 elif message[0] == "stats" and self.session is not None and self.metrics is not None:
                     self.send(["stats", message[1], snapshot(self.session, self.metrics)])
+                elif message[0] == "kill":
+                    self._die(str(message[1]))
         except (EOFError, OSError):
             pass
         # The node went away (or closed us): nobody can see or use this session any more.
@@ -133,7 +153,7 @@ def worker_main(spec: WorkerSpec, sock: Any, conn: Connection, clock: OpClock) -
     root.setLevel(spec.log_level)
     root.addHandler(_ToNode(control))
     root.propagate = False  # the node prints them, once
-    channel = spec.channel_type(sock, spec.peer)
+    channel = spec.make_channel(sock, spec.peer, **spec.channel_kwargs)
     session = Session(
         channel,
         session_id=spec.session_id,

@@ -24,6 +24,7 @@ import statistics
 import struct
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 
@@ -195,6 +196,10 @@ class TcpChannel(ChannelLifecycle):
         if self._closed or isinstance(self._sock, ssl.SSLSocket):
             return None
         return self._sock
+
+    def handover_factory(self) -> tuple[Any, dict[str, Any]]:
+        """``(make, kwargs)``: the worker rebuilds this channel as ``make(sock, peer, **kwargs)``."""
+        return TcpChannel, {}
 
     @property
     def tls_version(self) -> str | None:
