@@ -38,7 +38,7 @@ def start_server(kids: c.Children, mode: str) -> int:
     proc = kids.start([sys.executable, "-m", "genie.server", "--port", "0", "--devices", "cpu",
                        "--isolation", mode])
     line = c.read_line(proc, 120, lambda text: text.startswith("genie data plane listening"), "ready line")
-    return int(line.split()[4].rsplit(":", 1)[1])
+    return int(line.split()[5].rsplit(":", 1)[1])
 
 
 def tiny(client: Any, samples: int) -> list[float]:

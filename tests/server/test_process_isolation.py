@@ -20,7 +20,6 @@ from genie.wire.frame import MsgKind
 from tests.conftest import wait_until
 from tests.raw_client import RawClient, T, desc, op
 
-
 RUNAWAY = 1 << 40  # elements of an expanded one-element tensor: summing them takes hours
 
 

@@ -216,7 +216,7 @@ class WorkerSession:
         gone_at: float | None = None
         while True:
             exited = False
-            for fd, events in poller.poll(tick):
+            for fd, _events in poller.poll(tick):
                 if fd == sock_fd:
                     poller.unregister(sock_fd)
                     gone_at = time.monotonic()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import io
 import os
-from multiprocessing import context, forkserver, popen_forkserver, spawn, util
+from multiprocessing import context, forkserver, popen_forkserver, reduction, spawn, util
 from typing import Any
 
 #: Preparation keys that make a child import the parent's ``__main__``.
@@ -27,13 +27,13 @@ class _Popen(popen_forkserver.Popen):
         buf = io.BytesIO()
         context.set_spawning_popen(self)
         try:
-            context.reduction.dump(prep_data, buf)
-            context.reduction.dump(process_obj, buf)
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
         finally:
             context.set_spawning_popen(None)
-        self.sentinel, w = forkserver.connect_to_new_process(self._fds)
+        self.sentinel, w = forkserver.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
         _parent_w = os.dup(w)  # as multiprocessing: the child's sentinel of its parent
-        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))  # type: ignore[attr-defined]
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
         self.pid = forkserver.read_signed(self.sentinel)
