@@ -41,7 +41,7 @@ import torch
 
 from genie.config import ClusterConfig
 from genie.errors import GenieError
-from genie.security import ServerSecurity
+from genie.security import REFUSALS, ServerSecurity
 from genie.server.isolation.cgroups import Cgroups, probe
 from genie.server.isolation.clock import OpClock
 from genie.server.isolation.worker import KILLED_EXIT, WorkerSpec, worker_main
@@ -283,7 +283,11 @@ class WorkerSession:
 
     def _relog(self, level: Any, name: Any, text: Any) -> None:
         name = str(name) if str(name).startswith("genie.") else "genie.server"
-        logging.getLogger(name).log(_int(level), "%s", str(text)[:4000])
+        if name == REFUSALS.logger.name and _int(level) == logging.WARNING:
+            REFUSALS.warning("%s", str(text)[:4000])  # refusals stay rate-limited node-wide, not per worker
+        else:
+            logging.getLogger(name).log(_int(level), "%s", str(text)[:4000])
+        self._send(["logged"])  # the worker waits for this, so its log lines come before what it does next
 
     def _finish(self) -> None:
         proc = self._proc

@@ -14,7 +14,7 @@ worker → node             meaning
 ``["open", client]``      the handshake passed; may the session open? (``client``: HELLO's map)
 ``["stats", seq, snap]``  the answer to ``["stats", seq]``: a :func:`snapshot`
 ``["end", 0, snap]``      the session ended; the last snapshot
-``["log", level, name, text]``  a log record, logged by the node under ``name``
+``["log", level, name, text]``  a log record, logged by the node under ``name`` (answered ``["logged"]``)
 ========================  ===============================================================
 
 The node answers ``["open", refusal]`` (``None``: open), asks ``["stats", seq]``, and sends
@@ -44,6 +44,8 @@ from genie.wire.frame import MsgKind, pack_body, send_frame, unpack_body
 
 log = logging.getLogger("genie.server.isolation")
 
+#: Seconds a log record waits for the node's acknowledgement.
+LOG_ACK_WAIT = 1.0
 #: The exit status of a worker that ended itself on the node's ``["kill", reason]`` (the client was told).
 KILLED_EXIT = 86
 
@@ -90,7 +92,7 @@ class _ToNode(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self._control.send(["log", record.levelno, record.name, self.format(record)])
+            self._control.log(["log", record.levelno, record.name, self.format(record)])
         except Exception:  # a log line must never take the session down
             self.handleError(record)
 
@@ -102,6 +104,7 @@ class _Control:
         self.conn = conn
         self._send_lock = threading.Lock()
         self._opened = threading.Event()
+        self._logged = threading.Event()
         self._refusal: str | None = None
         self.session: Session | None = None
         self.metrics: SessionMetrics | None = None
@@ -109,6 +112,13 @@ class _Control:
     def send(self, message: list[Any]) -> None:
         with self._send_lock:
             self.conn.send_bytes(pack_body(message))
+
+    def log(self, message: list[Any]) -> None:
+        """Send a log record and wait (briefly) until the node logged it: a client that is refused
+        finds the refusal in the node's log already, as it would with sessions in threads."""
+        self._logged.clear()
+        self.send(message)
+        self._logged.wait(LOG_ACK_WAIT)
 
     def ask_open(self, session: Session) -> str | None:
         """The session's ``on_open``: ask the node (which counts sessions) and wait for its answer."""
@@ -138,6 +148,8 @@ class _Control:
                     self._opened.set()
                 elif message[0] == "stats" and self.session is not None and self.metrics is not None:
                     self.send(["stats", message[1], snapshot(self.session, self.metrics)])
+                elif message[0] == "logged":
+                    self._logged.set()
                 elif message[0] == "kill":
                     self._die(str(message[1]))
         except (EOFError, OSError):
