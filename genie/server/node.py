@@ -12,8 +12,11 @@ Embedding it (the cluster runtime does this for masters and workers)::
     ...
     server.stop()
 
-Threads: one accept loop, one thread per session. Each session's ops run in
-order on its thread; torch releases the GIL inside kernels, so sessions overlap.
+Sessions: with ``isolation = process`` (the default) each accepted connection is handed
+to a worker process of its own (:mod:`genie.server.isolation`), watched by one thread
+here that enforces ``op_deadline`` and cancels the work of a client that left; with
+``isolation = none`` each session runs on a thread of this process. Either way a
+session's ops run in order, and sessions overlap.
 Before authentication a connection is not a session: :class:`~genie.server.preauth.PreAuthGate`
 caps such connections per source address and in all, and closes each one whose
 handshake has not ended ``handshake_timeout`` seconds after accept; ``max_sessions``
