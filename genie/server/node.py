@@ -209,7 +209,7 @@ class DataPlaneServer:
         self._gate = PreAuthGate(deadline=self.hello_timeout, per_source=self.config.max_preauth_per_source,
                                  total=self.config.max_preauth)
         if self.supervisor is not None:
-            self.supervisor.start()
+            self.supervisor.start([type(self.transport).__module__])
         self._listener = self.transport.listen(self.host, self._requested_port)
         self._accept_thread = threading.Thread(target=self._accept_loop, name="genie-accept", daemon=True)
         self._accept_thread.start()

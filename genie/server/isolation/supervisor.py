@@ -33,7 +33,8 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ from genie.security import REFUSALS, ServerSecurity
 from genie.server.isolation.cgroups import Cgroups, probe
 from genie.server.isolation.clock import OpClock
 from genie.server.isolation.worker import KILLED_EXIT, WorkerSpec, worker_main
-from genie.server.isolation.zygote import WorkerProcess, warm_up
+from genie.server.isolation.zygote import WorkerProcess
 from genie.server.metrics import NULL_SESSION_METRICS, Latency, SessionMetrics, Tally
 from genie.wire.frame import MsgKind, pack_body, send_frame, unpack_body
 
@@ -344,16 +345,21 @@ class Supervisor:
         self._ctx = multiprocessing.get_context("forkserver")
         self._live: dict[int, WorkerSession] = {}
         self._lock = threading.Lock()
+        self._spare: tuple[Any, Any, OpClock] | None = None  #: a worker forked ahead, waiting for a session
+        self._closed = False
 
     @property
     def summary(self) -> str:
         """What ``genie serve`` prints: ``isolation: process, <cgroup limits or why none>``."""
         return f"isolation: process, {self.cgroups.summary}"
 
-    def start(self) -> None:
-        """Start the zygote now (it imports torch: seconds), so the first session does not wait for it."""
-        self._ctx.set_forkserver_preload(PRELOAD)
-        warm_up()
+    def start(self, modules: Sequence[str] = ()) -> None:
+        """Start the zygote now (it imports torch: seconds), so the first session does not wait for it;
+        ``modules`` (the transport's, whose channels workers rebuild) are imported there too."""
+        self._ctx.set_forkserver_preload([*PRELOAD, *modules])
+        spare = self._make_spare()  # the first start waits for the zygote's imports
+        with self._lock:
+            self._spare = spare
 
     def spawn(self, channel: Any, session_id: int, welcome: dict[str, Any],
               before_start: Callable[[WorkerSession], None] = lambda s: None) -> WorkerSession:
@@ -366,16 +372,63 @@ class Supervisor:
                           devices=self.devices, config=self.config, welcome=welcome, token=self.security.token,
                           tls=self.security.tls is not None, hello_timeout=self.hello_timeout,
                           log_level=logging.getLogger("genie").getEffectiveLevel())
-        ours, theirs = self._ctx.Pipe(duplex=True)
-        clock = OpClock()
-        proc = WorkerProcess(target=worker_main, args=(spec, session.sock, theirs, clock),
-                                 name=f"genie-session-{session_id}", daemon=True)
-        proc.start()
-        theirs.close()
+        for attempt in (1, 2):
+            proc, ours, clock = self._take_spare()
+            try:
+                ours.send(spec)
+                reduction.send_handle(ours, session.sock.fileno(), proc.pid)
+                break
+            except OSError:  # the spare died meanwhile: once more with a fresh one
+                self._discard((proc, ours, clock))
+                if attempt == 2:
+                    raise
         with self._lock:
             self._live[session_id] = session
         session.start(proc, ours, clock)
         return session
+
+    # -- spare workers: forked ahead, so a session's start is the hand-over only --------------
+
+    def _make_spare(self) -> tuple[Any, Any, OpClock]:
+        ours, theirs = self._ctx.Pipe(duplex=True)
+        clock = OpClock()
+        proc = WorkerProcess(target=worker_main, args=(theirs, clock), name="genie-session-worker", daemon=True)
+        proc.start()
+        theirs.close()
+        return proc, ours, clock
+
+    def _take_spare(self) -> tuple[Any, Any, OpClock]:
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare[0].exitcode is not None:
+            self._discard(spare)
+            spare = None
+        if spare is None:
+            spare = self._make_spare()
+        threading.Thread(target=self._refill, name="genie-spare-worker", daemon=True).start()
+        return spare
+
+    def _refill(self) -> None:
+        try:
+            spare: tuple[Any, Any, OpClock] | None = self._make_spare()
+        except Exception as exc:  # the next session forks its own then
+            log.warning("cannot start a spare session worker: %s", exc)
+            return
+        with self._lock:
+            if self._spare is None and not self._closed:
+                self._spare, spare = spare, None
+        if spare is not None:
+            self._discard(spare)
+
+    @staticmethod
+    def _discard(spare: tuple[Any, Any, OpClock]) -> None:
+        proc, conn, clock = spare
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            proc.kill()
+        proc.join(5.0)
+        for closer in (conn.close, clock.close):
+            with contextlib.suppress(OSError, ValueError):
+                closer()
 
     def forget(self, session: WorkerSession) -> None:
         """The session ended (from the node's end callback)."""
@@ -393,5 +446,10 @@ class Supervisor:
             session.wait_stats(deadline)
 
     def close(self) -> None:
-        """Remove the node's cgroup (its workers are gone)."""
+        """End the spare worker and remove the node's cgroup (its session workers are gone)."""
+        with self._lock:
+            self._closed = True
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            self._discard(spare)
         Cgroups.release(self.cgroups.base)

@@ -26,9 +26,12 @@ When the control pipe closes (the node is gone) the worker exits at once.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
+import socket
 import threading
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -37,9 +40,11 @@ import torch
 
 from genie.config import ClusterConfig
 from genie.security import server_tls_context
+from genie.server.executor import Executor
 from genie.server.isolation.clock import OpClock
 from genie.server.metrics import ServerMetrics, SessionMetrics
 from genie.server.session import Session
+from genie.server.store import StorageStore
 from genie.wire.frame import MsgKind, pack_body, send_frame, unpack_body
 
 log = logging.getLogger("genie.server.isolation")
@@ -158,7 +163,40 @@ class _Control:
         os._exit(3)
 
 
-def worker_main(spec: WorkerSpec, sock: Any, conn: Connection, clock: OpClock) -> None:
+def worker_main(conn: Connection, clock: OpClock) -> None:
+    """A spare worker: wait until the node hands it a session (its spec, then its socket), then serve it.
+
+    The node starts the next spare while this one serves, so a session's start costs the hand-over
+    only, never the fork. The spec is pickled by the node (the trusted direction); nothing the
+    worker sends back is ever unpickled.
+    """
+    _prewarm()
+    try:
+        spec = conn.recv()
+        fd = reduction.recv_handle(conn)
+    except (EOFError, OSError):
+        return  # the node stopped before it needed this spare
+    serve_session(spec, socket.socket(fileno=fd), conn, clock)
+
+
+def _prewarm() -> None:
+    """What every session's first steps would pay for, paid while the spare waits: the collector stops
+    walking the zygote's objects (each walk copies their pages, shared until then), and a throwaway
+    store and executor do torch's first-use initialisation."""
+    gc.freeze()
+    channel: Any = _NoChannel()
+    store = StorageStore(max_storages=1, max_bytes=0)
+    Executor(channel, store, [torch.device("cpu")])
+    torch.zeros(1).add_(1).sum().item()
+
+
+class _NoChannel:
+    """The channel of the throwaway executor :func:`_prewarm` builds (never used)."""
+
+    peer = "-"
+
+
+def serve_session(spec: WorkerSpec, sock: socket.socket, conn: Connection, clock: OpClock) -> None:
     """Serve one session over ``sock``; returns (the process exits) when it ends."""
     control = _Control(conn)
     root = logging.getLogger("genie")

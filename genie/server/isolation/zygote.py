@@ -46,13 +46,3 @@ class WorkerProcess(context.ForkServerProcess):
     def _Popen(process_obj: Any) -> Any:
         return _Popen(process_obj)
 
-
-def _nothing() -> None:
-    """A worker that exits at once (its start proves the zygote is up)."""
-
-
-def warm_up(timeout: float = 120.0) -> None:
-    """Start the zygote and wait until it has imported torch, so no session start waits for that."""
-    probe = WorkerProcess(target=_nothing, name="genie-zygote-warm-up", daemon=True)
-    probe.start()
-    probe.join(timeout)
