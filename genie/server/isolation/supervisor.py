@@ -1,12 +1,14 @@
 """The node's side of process isolation: start a worker per session, watch it, say why it ended.
 
 Workers come from a zygote: multiprocessing's *forkserver*, a single-threaded process
-started once per node that imported torch and genie already. A session costs one
-``fork()`` of that small process (no torch import, no exec), and no threads are
-forked: forking the node itself, which runs accept, watchdog and session threads and
-torch's thread pools, could copy a lock held by another thread and deadlock the child.
-The connected socket crosses with ``SCM_RIGHTS`` (multiprocessing's ``DupFd``), so the
-worker talks to the client directly.
+started once per node that imported torch, genie and the transport already. A worker is
+one ``fork()`` of that process (no torch import, no exec), and no threads are forked:
+forking the node itself, which runs accept, watchdog and session threads and torch's
+thread pools, could copy a lock held by another thread and deadlock the child. One spare
+worker is forked ahead and pre-warmed; a new session takes it (its spec, then the
+connected socket with ``SCM_RIGHTS``, over the spare's pipe) and the next spare is forked
+in the background, so a session's start costs the hand-over only. The worker then talks
+to the client directly.
 
 Per session the node keeps one watcher thread (:meth:`WorkerSession._watch`) that polls
 the worker's control pipe, its exit, and the client's socket for a hang-up, and reads
