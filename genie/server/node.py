@@ -333,6 +333,7 @@ class DataPlaneServer:
             log.exception("cannot start a worker for %s; closing the connection", channel.peer)
             with self._lock:
                 self._pending.pop(session_id, None)
+            self.metrics.end_session(session_id)  # metrics
             if self._gate is not None:
                 self._gate.release(ticket)
             channel.close()
