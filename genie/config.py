@@ -128,6 +128,14 @@ _OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
     "share_cache": (bool, False, None, "true or false (one weight cache scope for every client of the token)"),
     "upload_cache": (str, "params", lambda v: v in ("off", "params", "all"),
                      "off, params (parameters and tensors that require grad) or all"),
+    # session isolation (see docs/SECURITY.md and genie/server/isolation/)
+    "isolation": (str, "process", lambda v: v in ("process", "none"),
+                  "process (each session in its own worker process) or none (sessions in threads, one trusted user)"),
+    "op_deadline": (float, 300.0, _positive, "a positive number of seconds one op may run before its session "
+                    "worker is killed"),
+    "worker_memory_overhead": (int, 2 << 30, lambda v: v >= 0, "a byte count a session worker may hold beyond "
+                               "max_session_bytes (its cgroup's memory.max)"),
+    "worker_cpu_weight": (int, 100, lambda v: 1 <= v <= 10000, "a cgroup cpu.weight from 1 to 10000"),
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -205,6 +213,10 @@ class ClusterConfig:
     cache_bytes: int
     share_cache: bool
     upload_cache: str
+    isolation: str
+    op_deadline: float
+    worker_memory_overhead: int
+    worker_cpu_weight: int
     sources: Mapping[str, str] = attrs.field(factory=dict, repr=False, eq=False)
 
     @classmethod

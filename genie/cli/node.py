@@ -47,6 +47,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--share-cache", action="store_true", default=None,
                    help="one weight cache scope for every client of the cluster token, not one per client "
                         "identity; see docs/SECURITY.md (GENIE_SHARE_CACHE)")
+    p.add_argument("--isolation", choices=("process", "none"), default=None,
+                   help="process (default): each client session in its own worker process; none: sessions in "
+                        "threads of the node's process, for one trusted user (GENIE_ISOLATION)")
+    p.add_argument("--op-deadline", type=float, default=None,
+                   help="seconds one op may run before its session's worker is killed (default 300; "
+                        "GENIE_OP_DEADLINE)")
 
 
 def register(sub: Any) -> None:
@@ -75,6 +81,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "health_check_timeout": min(args.health_check_interval, 5.0) if args.health_check_interval else None,
         "cache_bytes": args.cache_bytes, "share_cache": args.share_cache,
         "insecure": args.insecure,  # the servers check the exposure themselves (genie.security.check_bind)
+        "isolation": args.isolation, "op_deadline": args.op_deadline,
     }
 
 
@@ -121,6 +128,8 @@ def _run(role: str, options: dict[str, Any], *, state_file: str = "") -> int:
     runtime = Runtime(config, state_file=state_file)
     state = runtime.start()
     try:
+        if runtime.dataplane is not None:
+            print(runtime.dataplane.isolation_summary, flush=True)
         print(ready_line(role, config, state), flush=True)
         stop.wait()
     finally:

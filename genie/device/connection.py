@@ -322,6 +322,8 @@ class NodeConnection:
                     text = wf.unpack_body(body) if body else {}
                     reason = text.get("reason", text) if isinstance(text, dict) else text
                     self.mark_lost(f"the node closed the session: {reason}")  # an ERROR frame ends the session
+                    if isinstance(text, dict) and text.get("code") == "lost":  # its worker died or was killed
+                        raise self._device_lost(device)
                     if isinstance(text, dict) and text.get("code") == "quota":
                         raise QuotaExceededError(f"node {self.node_id} closed this session: {reason}")
                     raise ProtocolError(f"node {self.node_id} sent {header.kind.name} instead of a reply: {reason}")

@@ -8,7 +8,8 @@ ready it prints exactly one line to stdout (flushed)::
 Options: ``--host`` (default 127.0.0.1), ``--port`` (default 0: any free port),
 ``--devices`` (``auto``, ``cpu,cpu``, ``cuda:0,cuda:1``), ``--node-id``,
 ``--backend`` (default tcp), ``--insecure`` (a non-loopback ``--host`` without a
-cluster token; refused otherwise), ``--log-level``. Limits come from the ``GENIE_*``
+cluster token; refused otherwise), ``--isolation`` (``process`` or ``none``), ``--op-deadline``,
+``--log-level``. What isolation enforces is written to stderr. Limits come from the ``GENIE_*``
 environment (``GENIE_MAX_SESSION_BYTES``, ``GENIE_MAX_SESSION_HANDLES``,
 ``GENIE_MAX_FRAME_BYTES``, ``GENIE_AUTH_TOKEN``, ``GENIE_HANDSHAKE_TIMEOUT``,
 ``GENIE_MAX_PREAUTH_PER_SOURCE``, ``GENIE_MAX_PREAUTH``, ``GENIE_MAX_SESSIONS``). ``genie serve`` runs the same
@@ -42,12 +43,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure", action="store_true", default=None,
                    help="serve a non-loopback --host without a cluster token (GENIE_AUTH_TOKEN): anyone who can "
                         "reach the port can then run code on this host's devices (GENIE_INSECURE)")
+    p.add_argument("--isolation", choices=("process", "none"), default=None,
+                   help="process (default): each session in its own worker process; none: sessions in threads "
+                        "(one trusted user; GENIE_ISOLATION)")
+    p.add_argument("--op-deadline", type=float, default=None,
+                   help="seconds one op may run before its session's worker is killed (default 300; GENIE_OP_DEADLINE)")
 
 
 def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM/SIGINT; prints the ready line once listening."""
     config = ClusterConfig.from_sources(devices=args.devices, node_id=args.node_id, data_port=args.port,
-                                        insecure=args.insecure)
+                                        insecure=args.insecure, isolation=args.isolation,
+                                        op_deadline=args.op_deadline)
     devices = parse_devices(config.devices, source=config.sources.get("devices", "argument devices"))
     transports = PluginManager().transports()
     if args.backend not in transports:
@@ -63,6 +70,7 @@ def serve(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.start()
+        sys.stderr.write(server.isolation_summary + "\n")  # stdout carries the ready line only
         sys.stdout.write(f"genie data plane listening on {args.host}:{server.port} devices={len(devices)}\n")
         sys.stdout.flush()
         while not stop.wait(0.5):

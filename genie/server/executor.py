@@ -36,6 +36,7 @@ from genie.errors import (
 from genie.server import codec, transfers
 from genie.server.codec import MAX_NBYTES, Descriptor, check_id, is_int
 from genie.server.devargs import check_device_args, device_params
+from genie.server.isolation.clock import NULL_CLOCK, NullClock, OpClock
 from genie.server.metrics import NULL_SESSION_METRICS, SessionMetrics
 from genie.server.ops import resolve_op, run_op
 from genie.server.outputs import OutputMismatch, functional_of, store_call_result, store_outputs
@@ -158,6 +159,7 @@ class Executor:
         #: make the server hold or queue at once without waiting for an answer.
         self.max_inflight = MAX_COMMANDS
         self.metrics: SessionMetrics = NULL_SESSION_METRICS  # metrics: the server sets each session's
+        self.clock: OpClock | NullClock = NULL_CLOCK  # isolation: a session worker's op deadline clock
         # The command being resolved: its device (where unseen storages are made) and the storages it used.
         self._device_now = self.devices[0]
         self._used: dict[int, torch.UntypedStorage] = {}
@@ -350,6 +352,7 @@ class Executor:
         inputs = (args, kwargs)  # for error messages only: _shapes() walks it when something fails
         used = self._used
         started = time.perf_counter()  # metrics
+        self.clock.begin(label)  # isolation
         try:
             if fresh is not None:
                 result = self._run_fresh(plan, args, kwargs, fresh, outs, generator)
@@ -360,6 +363,7 @@ class Executor:
             raise _CommandFailed(_error(label, _shapes((args, kwargs)), "execution", _message(exc),
                                         storage_ids)) from None
         finally:
+            self.clock.end()  # isolation
             if plan.writes or runner is not None or fresh is not None:
                 self._account_resizes(used)
         self.ops_run += 1

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 #: Bucket limits of the op latency histogram, in seconds (10 µs to 60 s).
@@ -213,6 +213,8 @@ class ServerMetrics:
         self._retired = Tally()
         #: the node's weight cache (anything with ``stats() -> dict``), set by the server; None: no cache
         self.cache: Any = None
+        #: brings live sessions' figures up to date before they are read (session workers report on request)
+        self.refresh: Callable[[], None] = lambda: None
 
     # -- sessions (the server's accept and end paths) ---------------------------------------
     def open_session(self, session_id: int, source: SessionSource) -> SessionMetrics:
@@ -234,6 +236,7 @@ class ServerMetrics:
 
     def sessions(self) -> list[SessionMetrics]:
         """Live sessions that finished their handshake."""
+        self.refresh()
         with self._lock:
             return [s for s in self._sessions.values() if s.open]
 
@@ -241,6 +244,7 @@ class ServerMetrics:
     def totals(self) -> Tally:
         """Everything counted so far: ended sessions plus live ones (monotonic)."""
         total = Tally()
+        self.refresh()
         with self._lock:
             total.add(self._retired)
             live = list(self._sessions.values())

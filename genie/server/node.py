@@ -12,8 +12,11 @@ Embedding it (the cluster runtime does this for masters and workers)::
     ...
     server.stop()
 
-Threads: one accept loop, one thread per session. Each session's ops run in
-order on its thread; torch releases the GIL inside kernels, so sessions overlap.
+Sessions: with ``isolation = process`` (the default) each accepted connection is handed
+to a worker process of its own (:mod:`genie.server.isolation`), watched by one thread
+here that enforces ``op_deadline`` and cancels the work of a client that left; with
+``isolation = none`` each session runs on a thread of this process. Either way a
+session's ops run in order, and sessions overlap.
 Before authentication a connection is not a session: :class:`~genie.server.preauth.PreAuthGate`
 caps such connections per source address and in all, and closes each one whose
 handshake has not ended ``handshake_timeout`` seconds after accept; ``max_sessions``
@@ -41,6 +44,7 @@ from genie.config import ClusterConfig
 from genie.errors import ConfigError, ConnectionClosedError
 from genie.security import ServerSecurity, check_bind
 from genie.server.content import ContentCache
+from genie.server.isolation.supervisor import Supervisor, WorkerSession
 from genie.server.metrics import ServerMetrics
 from genie.server.preauth import PreAuthGate, Ticket
 from genie.server.session import Session
@@ -149,8 +153,9 @@ class DataPlaneServer:
         self._requested_port = port
         self._listener: Listener | None = None
         self._accept_thread: threading.Thread | None = None
-        self._sessions: dict[int, Session] = {}  #: authenticated sessions
-        self._pending: dict[int, tuple[Session, Ticket]] = {}  #: connections still in their handshake
+        self._sessions: dict[int, Session | WorkerSession] = {}  #: authenticated sessions
+        #: connections still in their handshake
+        self._pending: dict[int, tuple[Session | WorkerSession, Ticket]] = {}
         self._gate: PreAuthGate | None = None
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -162,6 +167,12 @@ class DataPlaneServer:
         self.metrics = ServerMetrics(backend=getattr(transport, "name", "tcp"), authenticated=bool(self.security.token),
                                      enabled=config.enable_telemetry, devices=self.devices)  # metrics
         self.metrics.cache = self.cache  # metrics
+        #: starts and watches a worker process per session (None: ``isolation = none``, sessions in threads)
+        self.supervisor: Supervisor | None = None
+        if config.isolation == "process":
+            self.supervisor = Supervisor(config, self.devices, self.security, self.hello_timeout,
+                                         on_open=self._session_opened, on_end=self._session_ended)
+            self.metrics.refresh = self.supervisor.refresh
 
     @property
     def port(self) -> int:
@@ -169,6 +180,13 @@ class DataPlaneServer:
         if self._listener is None:
             raise RuntimeError("DataPlaneServer.port is known only after start()")
         return self._listener.port
+
+    @property
+    def isolation_summary(self) -> str:
+        """What ``genie serve`` prints: how sessions are kept apart and which limits are enforced."""
+        if self.supervisor is None:
+            return "isolation: none (sessions run in threads of the node's process: one trusted user only)"
+        return self.supervisor.summary
 
     def welcome(self) -> dict[str, Any]:
         """The WELCOME body every accepted client gets."""
@@ -195,6 +213,8 @@ class DataPlaneServer:
             raise RuntimeError("DataPlaneServer.start() called twice")
         self._gate = PreAuthGate(deadline=self.hello_timeout, per_source=self.config.max_preauth_per_source,
                                  total=self.config.max_preauth)
+        if self.supervisor is not None:
+            self.supervisor.start([type(self.transport).__module__])
         self._listener = self.transport.listen(self.host, self._requested_port)
         self._accept_thread = threading.Thread(target=self._accept_loop, name="genie-accept", daemon=True)
         self._accept_thread.start()
@@ -217,6 +237,8 @@ class DataPlaneServer:
         for thread in threads:
             if thread is not None and thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
+        if self.supervisor is not None:
+            self.supervisor.close()
         alive = [t.name for t in threads if t is not None and t.is_alive()]
         if alive:
             log.warning("data plane stopped with threads still running after %g s: %s", timeout, ", ".join(alive))
@@ -225,6 +247,8 @@ class DataPlaneServer:
 
     def stats(self) -> dict[str, Any]:
         """Live sessions and what they hold: ``{"sessions", "sessions_served", "storages", "bytes", "per_session"}``."""
+        if self.supervisor is not None:
+            self.supervisor.refresh()
         with self._lock:
             sessions = list(self._sessions.values())
         per = {s.session_id: s.stats() for s in sessions}
@@ -268,6 +292,9 @@ class DataPlaneServer:
         ticket = self._gate.admit(channel)  # a cap reached: closed and logged (rate-limited)
         if ticket is None:
             return
+        if self.supervisor is not None and self._can_hand_over(channel):
+            self._start_worker(channel, ticket)
+            return
         session = Session(
             channel,
             session_id=next(self._ids),
@@ -292,7 +319,39 @@ class DataPlaneServer:
             self.sessions_served += 1
         session.thread.start()
 
-    def _session_opened(self, session: Session) -> str | None:
+    def _can_hand_over(self, channel: Any) -> bool:
+        handover = getattr(channel, "handover_socket", None)
+        if handover is not None and hasattr(channel, "handover_factory") and handover() is not None:
+            return True
+        log.info("session from %s runs in the node's process: its %s channel cannot be handed to a worker",
+                 getattr(channel, "peer", "?"), type(channel).__name__)
+        return False
+
+    def _start_worker(self, channel: Any, ticket: Ticket) -> None:
+        assert self.supervisor is not None
+        session_id = next(self._ids)
+        with self._lock:
+            self.sessions_served += 1
+        try:
+            session = self.supervisor.spawn(channel, session_id, self.welcome(),
+                                            before_start=lambda s: self._track_pending(s, ticket))
+        except Exception:
+            log.exception("cannot start a worker for %s; closing the connection", channel.peer)
+            with self._lock:
+                self._pending.pop(session_id, None)
+            self.metrics.end_session(session_id)  # metrics
+            if self._gate is not None:
+                self._gate.release(ticket)
+            channel.close()
+            return
+        log.debug("session %d of %s served by worker %d", session_id, session.peer, session.pid)
+
+    def _track_pending(self, session: WorkerSession, ticket: Ticket) -> None:
+        session.metrics = self.metrics.open_session(session.session_id, session)  # metrics
+        with self._lock:
+            self._pending[session.session_id] = (session, ticket)
+
+    def _session_opened(self, session: Session | WorkerSession) -> str | None:
         """The handshake succeeded: count it as a session, or say why not (the client gets REJECT busy)."""
         assert self._gate is not None
         with self._lock:
@@ -307,7 +366,9 @@ class DataPlaneServer:
             self._sessions[session.session_id] = session
             return None
 
-    def _session_ended(self, session: Session) -> None:
+    def _session_ended(self, session: Session | WorkerSession) -> None:
+        if self.supervisor is not None and isinstance(session, WorkerSession):
+            self.supervisor.forget(session)
         with self._lock:
             self._sessions.pop(session.session_id, None)
             pending = self._pending.pop(session.session_id, None)

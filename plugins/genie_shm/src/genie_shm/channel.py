@@ -184,6 +184,17 @@ class ShmChannel(RecordChannel):
             raise ConnectionClosedError(f"TLS with {self.peer} must start before any data crossed")
         self.inner.start_tls(context, server_side=server_side, server_hostname=server_hostname)
 
+    def handover_socket(self) -> socket.socket | None:
+        """The TCP socket, for a session worker process to serve; only a server-side channel that has not
+        read or upgraded yet can move (its whole state is then the socket), None otherwise."""
+        if not self.server_side or self.upgraded or self._rec_type or self._pending or self._closed:
+            return None
+        return self.inner.handover_socket()
+
+    def handover_factory(self) -> tuple[Any, dict[str, Any]]:
+        """``(make, kwargs)``: the worker rebuilds this channel as ``make(sock, peer, **kwargs)``."""
+        return adopt_server_channel, {"ring_bytes": self.ring_bytes}
+
     def peek(self, nbytes: int) -> bytes:
         """The first bytes on the TCP stream, left there (the server sniffs TLS with this)."""
         return self.inner.peek(nbytes)
@@ -444,3 +455,10 @@ class ShmChannel(RecordChannel):
             self._serve_upgrade(length)
         else:
             raise self._unexpected(kind, length)
+
+
+def adopt_server_channel(sock: socket.socket, peer: str, *, ring_bytes: int) -> ShmChannel:
+    """A server-side channel over a socket handed to a session worker (see :meth:`ShmChannel.handover_socket`)."""
+    from genie_tcp import TcpChannel
+
+    return ShmChannel(TcpChannel(sock, peer), server_side=True, ring_bytes=ring_bytes)

@@ -24,6 +24,7 @@ import statistics
 import struct
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 
@@ -185,6 +186,20 @@ class TcpChannel(ChannelLifecycle):
             raise self._failed(f"TLS handshake with {self.peer} timed out after {self._timeout:g} s") from exc
         except (OSError, ValueError) as exc:
             raise self._failed(f"TLS handshake with {self.peer} failed: {exc}") from exc
+
+    def handover_socket(self) -> socket.socket | None:
+        """The plain socket, for a session worker process to serve (``TcpChannel(sock, peer)`` there).
+
+        None once TLS wraps the stream: TLS state cannot cross processes, so a worker runs the TLS
+        handshake itself. This channel keeps its own descriptor; closing it shuts the stream for both.
+        """
+        if self._closed or isinstance(self._sock, ssl.SSLSocket):
+            return None
+        return self._sock
+
+    def handover_factory(self) -> tuple[Any, dict[str, Any]]:
+        """``(make, kwargs)``: the worker rebuilds this channel as ``make(sock, peer, **kwargs)``."""
+        return TcpChannel, {}
 
     @property
     def tls_version(self) -> str | None:

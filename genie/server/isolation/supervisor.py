@@ -1,0 +1,457 @@
+"""The node's side of process isolation: start a worker per session, watch it, say why it ended.
+
+Workers come from a zygote: multiprocessing's *forkserver*, a single-threaded process
+started once per node that imported torch, genie and the transport already. A worker is
+one ``fork()`` of that process (no torch import, no exec), and no threads are forked:
+forking the node itself, which runs accept, watchdog and session threads and torch's
+thread pools, could copy a lock held by another thread and deadlock the child. One spare
+worker is forked ahead and pre-warmed; a new session takes it (its spec, then the
+connected socket with ``SCM_RIGHTS``, over the spare's pipe) and the next spare is forked
+in the background, so a session's start costs the hand-over only. The worker then talks
+to the client directly.
+
+Per session the node keeps one watcher thread (:meth:`WorkerSession._watch`) that polls
+the worker's control pipe, its exit, and the client's socket for a hang-up, and reads
+its :class:`~genie.server.isolation.clock.OpClock`. It kills the worker (SIGKILL) when
+
+- an op runs past ``op_deadline`` (``... deadline of 30 s exceeded by aten::sum``);
+- the client has gone (hang-up on the socket) while an op runs, or the worker has not
+  ended by itself :data:`GONE_GRACE` seconds later: its queued work is cancelled;
+- the node stops.
+
+When a worker dies any other way (SIGSEGV, SIGABRT, the cgroup's OOM kill) the client
+gets an ERROR frame ``{"code": "lost", "reason": "session worker killed: SIGSEGV"}``
+before the connection closes; the client raises :class:`~genie.errors.RemoteDeviceLost`
+with that reason. The node's own copy of the socket is what makes that possible, and
+what the pre-authentication deadline closes (``shutdown`` reaches the worker's copy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing import reduction
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from genie.config import ClusterConfig
+from genie.errors import GenieError
+from genie.security import REFUSALS, ServerSecurity
+from genie.server.isolation.cgroups import Cgroups, probe
+from genie.server.isolation.clock import OpClock
+from genie.server.isolation.worker import KILLED_EXIT, WorkerSpec, worker_main
+from genie.server.isolation.zygote import WorkerProcess
+from genie.server.metrics import NULL_SESSION_METRICS, Latency, SessionMetrics, Tally
+from genie.wire.frame import MsgKind, pack_body, send_frame, unpack_body
+
+log = logging.getLogger("genie.server.isolation")
+
+#: Seconds a worker may outlive its client's hang-up when no op runs (it normally sees EOF at once).
+GONE_GRACE = 2.0
+#: Seconds a worker asked to end (a deadline) has to tell its client why before SIGKILL.
+POLITE_KILL = 1.0
+#: How long :meth:`Supervisor.refresh` waits for workers' snapshots.
+REFRESH_WAIT = 1.0
+#: Modules the zygote imports once, so a worker starts with them loaded.
+PRELOAD = ["torch", "genie.server.isolation.worker"]
+
+_POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
+
+
+class StoreView:
+    """The last counts a worker reported for its store (what metrics and ``stats()`` read)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {"storages": 0, "poisoned": 0, "bytes": 0}
+        self.by_device: dict[str, int] = {}
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes the session's live storages hold."""
+        return self.counts["bytes"]
+
+    def bytes_by_device(self) -> dict[str, int]:
+        """Bytes per device (``cpu``, ``cuda:0``)."""
+        return dict(self.by_device)
+
+    def stats(self) -> dict[str, int]:
+        """Counts, as :meth:`genie.server.store.StorageStore.stats`."""
+        return dict(self.counts)
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an integer, got {type(value).__name__}")
+    return value
+
+
+def _tally(snap: dict[str, Any]) -> Tally:
+    """A :class:`Tally` from a worker's snapshot, every value checked (a worker is not trusted)."""
+    tally = Tally()
+    for op, status, n in snap["ops"]:
+        tally.ops[(str(op)[:200], str(status)[:32])] = _int(n)
+    for status, (counts, total) in snap["latency"].items():
+        lat = Latency()
+        if len(counts) != len(lat.counts):
+            raise ValueError("latency buckets differ")
+        lat.counts = [_int(c) for c in counts]
+        lat.sum = float(total)
+        tally.latency[str(status)[:32]] = lat
+    tally.bytes = {str(k)[:8]: _int(v) for k, v in snap["bytes"].items()}
+    for device, direction, n in snap["device_io"]:
+        tally.device_io[(str(device)[:32], str(direction)[:8])] = _int(n)
+    return tally
+
+
+class WorkerSession:
+    """A session served by a worker process, as the node sees it (the :class:`~genie.server.session.Session`
+    interface the node and its metrics use: ``session_id``, ``peer``, ``client``, ``serving``, ``store``,
+    ``thread``, :meth:`stats`, :meth:`close`)."""
+
+    def __init__(self, supervisor: Supervisor, session_id: int, channel: Any) -> None:
+        self.supervisor = supervisor
+        self.session_id = session_id
+        self.channel = channel
+        self.peer = str(getattr(channel, "peer", "?"))
+        self.client: dict[str, Any] = {}
+        self.serving = False
+        self.closing = False
+        self.store = StoreView()
+        self.ops_run = 0
+        self.metrics: SessionMetrics = NULL_SESSION_METRICS
+        self.thread: threading.Thread | None = None
+        self.sock = channel.handover_socket()
+        self.pid = 0
+        self.cgroup: Path | None = None
+        self.reason = ""  #: why the node killed the worker ("" while it did not)
+        self._kill_at: float | None = None  #: when a worker asked to end is killed
+        self._proc: Any = None
+        self._conn: Any = None
+        self._clock: OpClock | None = None
+        self._send_lock = threading.Lock()
+        self._stats_seq = 0
+        self._stats_event = threading.Event()
+
+    def __repr__(self) -> str:
+        return f"<WorkerSession {self.session_id} peer={self.peer} pid={self.pid}>"
+
+    def stats(self) -> dict[str, Any]:
+        """The session's store counts and ops (as last reported), and its worker's pid."""
+        return {"peer": self.peer, **self.store.stats(), "ops": self.ops_run, "pid": self.pid}
+
+    def close(self) -> None:
+        """End the session from another thread (the node stops): the worker is killed, the socket closed."""
+        self.closing = True
+        self.kill("the node is stopping")
+        self.channel.close()
+
+    def kill(self, reason: str, *, polite: float = 0.0) -> None:
+        """Kill the worker (SIGKILL) for ``reason``; the first reason is the one the client hears.
+
+        With ``polite`` seconds the worker is first asked to tell its client and exit by itself
+        (:mod:`~genie.server.isolation.worker`); the watcher kills it when that time has passed.
+        """
+        if not self.reason:
+            self.reason = reason
+        if polite and self._kill_at is None:
+            self._kill_at = time.monotonic() + polite
+            self._send(["kill", "" if self.closing else reason])
+            return
+        if self._proc is not None and self._proc.exitcode is None:
+            with contextlib.suppress(ProcessLookupError, OSError, ValueError, AttributeError):
+                self._proc.kill()
+
+    # -- the node's requests ------------------------------------------------------------------
+
+    def request_stats(self) -> None:
+        """Ask the worker for a snapshot (answered on the watcher thread)."""
+        self._stats_seq += 1
+        self._stats_event.clear()
+        self._send(["stats", self._stats_seq])
+
+    def wait_stats(self, deadline: float) -> None:
+        """Wait until the snapshot asked for arrived, the worker ended, or ``deadline`` (monotonic)."""
+        self._stats_event.wait(max(0.0, deadline - time.monotonic()))
+
+    def _send(self, message: list[Any]) -> None:
+        if self._conn is None:
+            return
+        with self._send_lock, contextlib.suppress(OSError, ValueError):
+            self._conn.send_bytes(pack_body(message))
+
+    # -- the watcher thread -------------------------------------------------------------------
+
+    def start(self, proc: Any, conn: Any, clock: OpClock) -> None:
+        """Watch the started worker ``proc`` on a thread of its own."""
+        self._proc, self._conn, self._clock, self.pid = proc, conn, clock, proc.pid
+        self.cgroup = self.supervisor.cgroups.attach(f"session-{self.session_id}", proc.pid)
+        self.thread = threading.Thread(target=self._watch, name=f"genie-session-{self.session_id}", daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        try:
+            self._watch_loop()
+        except Exception:  # the watcher must end the session whatever happened
+            log.exception("watcher of session %d failed; killing its worker", self.session_id)
+            self.kill("internal error of the node's session watcher")
+            self._proc.join(5.0)
+        finally:
+            self._finish()
+
+    def _watch_loop(self) -> None:
+        proc, conn, clock = self._proc, self._conn, self._clock
+        assert proc is not None and conn is not None and clock is not None
+        deadline = self.supervisor.op_deadline
+        tick = max(10, min(250, int(deadline * 100)))  # ms: a deadline is kept within about 1/10 of itself
+        poller = select.poll()
+        poller.register(conn.fileno(), select.POLLIN)
+        poller.register(proc.sentinel, select.POLLIN)
+        sock_fd = self.sock.fileno()
+        poller.register(sock_fd, _POLLRDHUP)
+        gone_at: float | None = None
+        while True:
+            exited = False
+            for fd, _events in poller.poll(tick):
+                if fd == sock_fd:
+                    poller.unregister(sock_fd)
+                    gone_at = time.monotonic()
+                elif fd == proc.sentinel:
+                    exited = True
+                elif not self._receive():
+                    poller.unregister(fd)
+            if exited:
+                break
+            running = clock.running()
+            if self._kill_at is not None and time.monotonic() >= self._kill_at:
+                self.kill(self.reason)
+            elif running is not None and running[1] > deadline:
+                self.kill(f"session worker killed: deadline of {deadline:g} s exceeded by {running[0]}",
+                          polite=POLITE_KILL)
+            elif gone_at is not None and (running is not None or time.monotonic() - gone_at > GONE_GRACE):
+                self.closing = True  # nobody to tell
+                self.kill("the client went away" + (f" while {running[0]} ran" if running else ""))
+        proc.join()
+        while self._receive(wait=False):
+            pass  # the last snapshot ("end") may still be in the pipe
+
+    def _receive(self, *, wait: bool = True) -> bool:
+        """Handle one message from the worker; False when the pipe is closed or empty (``wait=False``)."""
+        conn = self._conn
+        try:
+            if not wait and not conn.poll(0):
+                return False
+            message = unpack_body(conn.recv_bytes(1 << 20))
+            kind = message[0]
+            if kind == "open":
+                self._on_open(message[1])
+            elif kind in ("stats", "end"):
+                self._apply(message[2])
+                self._stats_event.set()
+            elif kind == "log":
+                self._relog(message[1], message[2], message[3])
+            return True
+        except (EOFError, OSError):
+            self._stats_event.set()
+            return False
+        except (GenieError, ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            # A worker that speaks nonsense has gone wrong: end it rather than trust it.
+            log.warning("session %d: bad message from its worker (%s); killing it", self.session_id, exc)
+            self.kill("session worker killed: it broke the control protocol")
+            return False
+
+    def _on_open(self, client: Any) -> None:
+        if not isinstance(client, dict):
+            raise ValueError("open needs a map")
+        self.client = {str(k): v for k, v in client.items() if isinstance(v, (str, int, type(None)))}
+        refusal = self.supervisor.on_open(self)
+        self.serving = refusal is None
+        self._send(["open", refusal])
+
+    def _apply(self, snap: Any) -> None:
+        store = snap["store"]
+        self.store.counts = {k: _int(store[k]) for k in ("storages", "poisoned", "bytes")}
+        self.store.by_device = {str(k): _int(v) for k, v in snap["by_device"].items()}
+        self.ops_run = _int(snap["ops_run"])
+        if self.metrics is not NULL_SESSION_METRICS:
+            self.metrics.tally = _tally(snap)
+            self.metrics.queue_depth = _int(snap["queue_depth"])
+
+    def _relog(self, level: Any, name: Any, text: Any) -> None:
+        name = str(name) if str(name).startswith("genie.") else "genie.server"
+        if name == REFUSALS.logger.name and _int(level) == logging.WARNING:
+            REFUSALS.warning("%s", str(text)[:4000])  # refusals stay rate-limited node-wide, not per worker
+        else:
+            logging.getLogger(name).log(_int(level), "%s", str(text)[:4000])
+        self._send(["logged"])  # the worker waits for this, so its log lines come before what it does next
+
+    def _finish(self) -> None:
+        proc = self._proc
+        code = proc.exitcode if proc is not None else None
+        reason = self.reason
+        if not reason and isinstance(code, int) and code < 0:
+            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+            if -code == signal.SIGKILL and Cgroups.oom_killed(self.cgroup):
+                reason = (f"session worker killed: memory limit of {self.supervisor.cgroups.memory_max} bytes "
+                          "exceeded (cgroup memory.max)")
+            else:
+                reason = f"session worker killed: {name}"
+        elif not reason and code not in (0, None):
+            reason = f"session worker failed with exit code {code}"
+        if reason:
+            log.warning("session %d (%s, worker %d) ended: %s", self.session_id, self.peer, self.pid, reason)
+            if not self.closing and code != KILLED_EXIT:  # KILLED_EXIT: the worker told its client itself
+                self._tell_client(reason)
+        self.serving = False
+        self.channel.close()
+        for closer in (self._conn.close if self._conn is not None else None,
+                       self._clock.close if self._clock is not None else None):
+            if closer is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    closer()
+        Cgroups.release(self.cgroup)
+        self.supervisor.on_end(self)
+
+    def _tell_client(self, reason: str) -> None:
+        with contextlib.suppress(GenieError, OSError):
+            self.channel.settimeout(2.0)
+            send_frame(self.channel, MsgKind.ERROR, pack_body({"code": "lost", "reason": reason}))
+
+
+class Supervisor:
+    """Starts and watches the session workers of one node; see the module docstring.
+
+    :param on_open: the node's check when a worker's handshake passed (a refusal text, or None).
+    :param on_end: called once a session's worker is gone and its socket closed.
+    """
+
+    def __init__(self, config: ClusterConfig, devices: list[torch.device], security: ServerSecurity,
+                 hello_timeout: float, *, on_open: Callable[[WorkerSession], str | None],
+                 on_end: Callable[[WorkerSession], None]) -> None:
+        self.config = config
+        self.devices = devices
+        self.security = security
+        self.hello_timeout = hello_timeout
+        self.op_deadline = config.op_deadline
+        self.on_open = on_open
+        self.on_end = on_end
+        memory = config.max_session_bytes + config.worker_memory_overhead if config.max_session_bytes else 0
+        self.cgroups = probe(memory, config.worker_cpu_weight)
+        self._ctx = multiprocessing.get_context("forkserver")
+        self._live: dict[int, WorkerSession] = {}
+        self._lock = threading.Lock()
+        self._spare: tuple[Any, Any, OpClock] | None = None  #: a worker forked ahead, waiting for a session
+        self._closed = False
+
+    @property
+    def summary(self) -> str:
+        """What ``genie serve`` prints: ``isolation: process, <cgroup limits or why none>``."""
+        return f"isolation: process, {self.cgroups.summary}"
+
+    def start(self, modules: Sequence[str] = ()) -> None:
+        """Start the zygote now (it imports torch: seconds), so the first session does not wait for it;
+        ``modules`` (the transport's, whose channels workers rebuild) are imported there too."""
+        self._ctx.set_forkserver_preload([*PRELOAD, *modules])
+        spare = self._make_spare()  # the first start waits for the zygote's imports
+        with self._lock:
+            self._spare = spare
+
+    def spawn(self, channel: Any, session_id: int, welcome: dict[str, Any],
+              before_start: Callable[[WorkerSession], None] = lambda s: None) -> WorkerSession:
+        """Start a worker serving ``channel`` (a channel whose socket can be handed over);
+        ``before_start`` sees the session before its worker can ask anything."""
+        session = WorkerSession(self, session_id, channel)
+        before_start(session)
+        make, kwargs = channel.handover_factory()
+        spec = WorkerSpec(session_id=session_id, peer=session.peer, make_channel=make, channel_kwargs=kwargs,
+                          devices=self.devices, config=self.config, welcome=welcome, token=self.security.token,
+                          tls=self.security.tls is not None, hello_timeout=self.hello_timeout,
+                          log_level=logging.getLogger("genie").getEffectiveLevel())
+        for attempt in (1, 2):
+            proc, ours, clock = self._take_spare()
+            try:
+                ours.send(spec)
+                reduction.send_handle(ours, session.sock.fileno(), proc.pid)
+                break
+            except OSError:  # the spare died meanwhile: once more with a fresh one
+                self._discard((proc, ours, clock))
+                if attempt == 2:
+                    raise
+        with self._lock:
+            self._live[session_id] = session
+        session.start(proc, ours, clock)
+        return session
+
+    # -- spare workers: forked ahead, so a session's start is the hand-over only --------------
+
+    def _make_spare(self) -> tuple[Any, Any, OpClock]:
+        ours, theirs = self._ctx.Pipe(duplex=True)
+        clock = OpClock()
+        proc = WorkerProcess(target=worker_main, args=(theirs, clock), name="genie-session-worker", daemon=True)
+        proc.start()
+        theirs.close()
+        return proc, ours, clock
+
+    def _take_spare(self) -> tuple[Any, Any, OpClock]:
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare[0].exitcode is not None:
+            self._discard(spare)
+            spare = None
+        if spare is None:
+            spare = self._make_spare()
+        threading.Thread(target=self._refill, name="genie-spare-worker", daemon=True).start()
+        return spare
+
+    def _refill(self) -> None:
+        try:
+            spare: tuple[Any, Any, OpClock] | None = self._make_spare()
+        except Exception as exc:  # the next session forks its own then
+            log.warning("cannot start a spare session worker: %s", exc)
+            return
+        with self._lock:
+            if self._spare is None and not self._closed:
+                self._spare, spare = spare, None
+        if spare is not None:
+            self._discard(spare)
+
+    @staticmethod
+    def _discard(spare: tuple[Any, Any, OpClock]) -> None:
+        proc, conn, clock = spare
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            proc.kill()
+        proc.join(5.0)
+        for closer in (conn.close, clock.close):
+            with contextlib.suppress(OSError, ValueError):
+                closer()
+
+    def forget(self, session: WorkerSession) -> None:
+        """The session ended (from the node's end callback)."""
+        with self._lock:
+            self._live.pop(session.session_id, None)
+
+    def refresh(self) -> None:
+        """Ask every live worker for its figures and wait for them (at most :data:`REFRESH_WAIT` in all)."""
+        with self._lock:
+            live = list(self._live.values())
+        for session in live:
+            session.request_stats()
+        deadline = time.monotonic() + REFRESH_WAIT
+        for session in live:
+            session.wait_stats(deadline)
+
+    def close(self) -> None:
+        """End the spare worker and remove the node's cgroup (its session workers are gone)."""
+        with self._lock:
+            self._closed = True
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            self._discard(spare)
+        Cgroups.release(self.cgroups.base)

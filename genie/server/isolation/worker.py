@@ -1,0 +1,232 @@
+"""The body of a session worker process: one client's session, over a socket the node handed over.
+
+The node accepted the connection and started this process from its zygote (the
+forkserver, which imported torch once) with the connected socket among its file
+descriptors, so the data path has no extra hop: the worker reads and writes the
+client's socket itself. It runs the ordinary :class:`~genie.server.session.Session`
+(TLS, HELLO, the token's challenge, then batches) and talks to the node over its
+control pipe with msgpack messages, never pickles (the node must not trust a worker
+that ran hostile ops):
+
+========================  ===============================================================
+worker → node             meaning
+========================  ===============================================================
+``["open", client]``      the handshake passed; may the session open? (``client``: HELLO's map)
+``["stats", seq, snap]``  the answer to ``["stats", seq]``: a :func:`snapshot`
+``["end", 0, snap]``      the session ended; the last snapshot
+``["log", level, name, text]``  a log record, logged by the node under ``name`` (answered ``["logged"]``)
+========================  ===============================================================
+
+The node answers ``["open", refusal]`` (``None``: open), asks ``["stats", seq]``, and sends
+``["kill", reason]`` before it kills a worker: the worker's control thread then tells the client
+why in the channel's own framing and exits (the node sends SIGKILL anyway after a moment).
+When the control pipe closes (the node is gone) the worker exits at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import socket
+import threading
+from multiprocessing import reduction
+from multiprocessing.connection import Connection
+from typing import Any
+
+import attrs
+import torch
+
+from genie.config import ClusterConfig
+from genie.security import server_tls_context
+from genie.server.executor import Executor
+from genie.server.isolation.clock import OpClock
+from genie.server.metrics import ServerMetrics, SessionMetrics
+from genie.server.session import Session
+from genie.server.store import StorageStore
+from genie.wire.frame import MsgKind, pack_body, send_frame, unpack_body
+
+log = logging.getLogger("genie.server.isolation")
+
+#: Seconds a log record waits for the node's acknowledgement.
+LOG_ACK_WAIT = 1.0
+#: The exit status of a worker that ended itself on the node's ``["kill", reason]`` (the client was told).
+KILLED_EXIT = 86
+
+
+@attrs.frozen
+class WorkerSpec:
+    """What a worker needs to serve one session (pickled by the node into the worker: trusted direction)."""
+
+    session_id: int
+    peer: str
+    make_channel: Any  #: rebuilds the channel around the socket: ``make_channel(sock, peer, **channel_kwargs)``
+    channel_kwargs: dict[str, Any]
+    devices: list[torch.device]
+    config: ClusterConfig
+    welcome: dict[str, Any]
+    token: bytes = attrs.field(repr=False)
+    tls: bool
+    hello_timeout: float
+    log_level: int
+
+
+def snapshot(session: Session, metrics: SessionMetrics) -> dict[str, Any]:
+    """What the node shows of this session: store counts, ops, and the metrics tally (plain msgpack values)."""
+    tally = metrics.tally
+    return {
+        "serving": session.serving,
+        "store": session.store.stats(),
+        "by_device": {str(k): int(v) for k, v in session.store.bytes_by_device().items()},
+        "ops_run": session.executor.ops_run,
+        "queue_depth": metrics.queue_depth,
+        "ops": [[op, status, n] for (op, status), n in list(tally.ops.items())],
+        "latency": {status: [list(lat.counts), lat.sum] for status, lat in list(tally.latency.items())},
+        "bytes": dict(tally.bytes),
+        "device_io": [[device, direction, n] for (device, direction), n in list(tally.device_io.items())],
+    }
+
+
+class _ToNode(logging.Handler):
+    """Sends the worker's log records to the node, which logs them under the same logger name."""
+
+    def __init__(self, control: _Control) -> None:
+        super().__init__()
+        self._control = control
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._control.log(["log", record.levelno, record.name, self.format(record)])
+        except Exception:  # a log line must never take the session down
+            self.handleError(record)
+
+
+class _Control:
+    """The worker's end of the control pipe: one reader thread, sends under a lock."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._send_lock = threading.Lock()
+        self._opened = threading.Event()
+        self._logged = threading.Event()
+        self._refusal: str | None = None
+        self.session: Session | None = None
+        self.metrics: SessionMetrics | None = None
+
+    def send(self, message: list[Any]) -> None:
+        with self._send_lock:
+            self.conn.send_bytes(pack_body(message))
+
+    def log(self, message: list[Any]) -> None:
+        """Send a log record and wait (briefly) until the node logged it: a client that is refused
+        finds the refusal in the node's log already, as it would with sessions in threads."""
+        self._logged.clear()
+        self.send(message)
+        self._logged.wait(LOG_ACK_WAIT)
+
+    def ask_open(self, session: Session) -> str | None:
+        """The session's ``on_open``: ask the node (which counts sessions) and wait for its answer."""
+        self.send(["open", {k: v for k, v in session.client.items() if isinstance(v, (str, int, type(None)))}])
+        if not self._opened.wait(60.0):
+            return "the node did not answer in time"
+        return self._refusal
+
+    def _die(self, reason: str) -> None:
+        """The node is about to kill this worker (a deadline, a departed client): tell the client why, in
+        the channel's own framing (the session thread is inside an op, so it is not sending), and exit."""
+        if self.session is not None and reason:
+            with contextlib.suppress(Exception):
+                self.session.channel.settimeout(1.0)
+                send_frame(self.session.channel, MsgKind.ERROR, pack_body({"code": "lost", "reason": reason}))
+            with contextlib.suppress(Exception):
+                self.session.channel.close()
+        os._exit(KILLED_EXIT)
+
+    def serve(self) -> None:
+        """Answer the node until the pipe closes; then the node is gone and so is this worker."""
+        try:
+            while True:
+                message = unpack_body(self.conn.recv_bytes())
+                if message[0] == "open":
+                    self._refusal = message[1]
+                    self._opened.set()
+                elif message[0] == "stats" and self.session is not None and self.metrics is not None:
+                    self.send(["stats", message[1], snapshot(self.session, self.metrics)])
+                elif message[0] == "logged":
+                    self._logged.set()
+                elif message[0] == "kill":
+                    self._die(str(message[1]))
+        except (EOFError, OSError):
+            pass
+        # The node went away (or closed us): nobody can see or use this session any more.
+        os._exit(3)
+
+
+def worker_main(conn: Connection, clock: OpClock) -> None:
+    """A spare worker: wait until the node hands it a session (its spec, then its socket), then serve it.
+
+    The node starts the next spare while this one serves, so a session's start costs the hand-over
+    only, never the fork. The spec is pickled by the node (the trusted direction); nothing the
+    worker sends back is ever unpickled.
+    """
+    _prewarm()
+    try:
+        spec = conn.recv()
+        fd = reduction.recv_handle(conn)
+    except (EOFError, OSError):
+        return  # the node stopped before it needed this spare
+    serve_session(spec, socket.socket(fileno=fd), conn, clock)
+
+
+def _prewarm() -> None:
+    """What every session's first steps would pay for, paid while the spare waits: the collector stops
+    walking the zygote's objects (each walk copies their pages, shared until then), and a throwaway
+    store and executor do torch's first-use initialisation."""
+    gc.freeze()
+    channel: Any = _NoChannel()
+    store = StorageStore(max_storages=1, max_bytes=0)
+    Executor(channel, store, [torch.device("cpu")])
+    torch.zeros(1).add_(1).sum().item()
+
+
+class _NoChannel:
+    """The channel of the throwaway executor :func:`_prewarm` builds (never used)."""
+
+    peer = "-"
+
+
+def serve_session(spec: WorkerSpec, sock: socket.socket, conn: Connection, clock: OpClock) -> None:
+    """Serve one session over ``sock``; returns (the process exits) when it ends."""
+    control = _Control(conn)
+    root = logging.getLogger("genie")
+    root.setLevel(spec.log_level)
+    root.addHandler(_ToNode(control))
+    root.propagate = False  # the node prints them, once
+    channel = spec.make_channel(sock, spec.peer, **spec.channel_kwargs)
+    session = Session(
+        channel,
+        session_id=spec.session_id,
+        welcome=lambda: spec.welcome,
+        devices=spec.devices,
+        max_storages=spec.config.max_session_handles,
+        max_bytes=spec.config.max_session_bytes,
+        max_payload=spec.config.max_frame_bytes,
+        auth_token=spec.token,
+        tls_context=server_tls_context(spec.config) if spec.tls else None,
+        idle_timeout=spec.config.session_idle_timeout,
+        max_inflight=spec.config.max_session_inflight,
+        hello_timeout=spec.hello_timeout,
+        on_open=control.ask_open,
+    )
+    node_metrics = ServerMetrics(enabled=True, devices=spec.devices)
+    metrics = node_metrics.open_session(spec.session_id, session)
+    session.executor.metrics = metrics
+    session.executor.clock = clock
+    control.session, control.metrics = session, metrics
+    threading.Thread(target=control.serve, name="genie-worker-control", daemon=True).start()
+    session.run()
+    try:
+        control.send(["end", 0, snapshot(session, metrics)])
+    except OSError:
+        pass
