@@ -73,6 +73,15 @@ class Receiver:
             os.close(self.fd)
             raise
 
+    @classmethod
+    def adopt(cls, fd: int, nbytes: int) -> Receiver:
+        """A receiver over a memfd another process filled (a session worker's; see
+        :mod:`genie.server.isolation.cache`): no writable mapping; :meth:`close` closes ``fd``."""
+        received = cls.__new__(cls)
+        received.nbytes, received.fd = nbytes, fd
+        received.buffer = torch.empty(0, dtype=torch.uint8)
+        return received
+
     def private(self) -> torch.UntypedStorage:
         """The received bytes as a storage of the session's own (copy on write)."""
         return _mapping(self.fd, self.nbytes, shared=False)
@@ -121,15 +130,28 @@ class ContentCache:
     def lookup(self, key: bytes, nbytes: int, *, nonce: bytes = b"",
                proof: bytes | None = None) -> torch.UntypedStorage | None:
         """A private (copy-on-write) CPU storage of the bytes under ``key``, or None (counted)."""
+        fd = self.lookup_fd(key, nbytes, nonce=nonce, proof=proof)
+        if fd is None:
+            return None
+        try:
+            return _mapping(fd, nbytes, shared=False)
+        finally:
+            os.close(fd)
+
+    def lookup_fd(self, key: bytes, nbytes: int, *, nonce: bytes = b"", proof: bytes | None = None) -> int | None:
+        """A new descriptor of the sealed memfd holding the bytes under ``key`` (the caller closes it), or
+        None; in the shared scope only with a valid ``proof`` of possession under ``nonce``. Counted."""
         with self._lock:
             fd = self._entries.get((key, nbytes))
-            storage = None
             if fd is not None:
                 self._entries.move_to_end((key, nbytes))
-                storage = _mapping(fd, nbytes, shared=False)  # under the lock: eviction closes fd
-        if storage is not None and self.shared:
-            expected = possession_proof(nonce, key, _bytes_of(storage))
+                fd = os.dup(fd)  # under the lock: eviction closes the cache's own descriptor
+        if fd is not None and self.shared:
+            mapping = _mapping(fd, nbytes, shared=False)  # alive while its bytes are read
+            expected = possession_proof(nonce, key, _bytes_of(mapping))
+            del mapping
             if not isinstance(proof, bytes) or not hmac.compare_digest(expected, proof):
+                os.close(fd)
                 with self._lock:
                     self.refused += 1
                     self.misses += 1
@@ -137,12 +159,12 @@ class ContentCache:
                             nbytes)
                 return None
         with self._lock:
-            if storage is None:
+            if fd is None:
                 self.misses += 1
             else:
                 self.hits += 1
                 self.bytes_saved += nbytes
-        return storage
+        return fd
 
     def keep(self, key: bytes, received: Receiver) -> bool:
         """Keep the bytes ``received`` holds under ``key`` (its descriptor passes to the cache); False if not kept."""

@@ -171,7 +171,8 @@ class DataPlaneServer:
         self.supervisor: Supervisor | None = None
         if config.isolation == "process":
             self.supervisor = Supervisor(config, self.devices, self.security, self.hello_timeout,
-                                         on_open=self._session_opened, on_end=self._session_ended)
+                                         on_open=self._session_opened, on_end=self._session_ended,
+                                         cache=self.cache)
             self.metrics.refresh = self.supervisor.refresh
 
     @property

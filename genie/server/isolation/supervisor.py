@@ -45,6 +45,8 @@ import torch
 from genie.config import ClusterConfig
 from genie.errors import GenieError
 from genie.security import REFUSALS, ServerSecurity
+from genie.server.content import ContentCache
+from genie.server.isolation.cache import adopt_upload, answer_lookup, offer_of
 from genie.server.isolation.cgroups import Cgroups, probe
 from genie.server.isolation.clock import OpClock
 from genie.server.isolation.worker import KILLED_EXIT, WorkerSpec, worker_main
@@ -257,6 +259,10 @@ class WorkerSession:
                 self._stats_event.set()
             elif kind == "log":
                 self._relog(message[1], message[2], message[3])
+            elif kind == "cache_get":
+                answer_lookup(self.supervisor.cache, conn, self._send_lock, message)
+            elif kind == "cache_keep":
+                adopt_upload(self.supervisor.cache, conn, message)
             return True
         except (EOFError, OSError):
             self._stats_event.set()
@@ -334,7 +340,7 @@ class Supervisor:
 
     def __init__(self, config: ClusterConfig, devices: list[torch.device], security: ServerSecurity,
                  hello_timeout: float, *, on_open: Callable[[WorkerSession], str | None],
-                 on_end: Callable[[WorkerSession], None]) -> None:
+                 on_end: Callable[[WorkerSession], None], cache: ContentCache | None = None) -> None:
         self.config = config
         self.devices = devices
         self.security = security
@@ -342,6 +348,7 @@ class Supervisor:
         self.op_deadline = config.op_deadline
         self.on_open = on_open
         self.on_end = on_end
+        self.cache = cache  #: the node's weight cache, which workers reach through their pipes
         memory = config.max_session_bytes + config.worker_memory_overhead if config.max_session_bytes else 0
         self.cgroups = probe(memory, config.worker_cpu_weight)
         self._ctx = multiprocessing.get_context("forkserver")
@@ -373,7 +380,7 @@ class Supervisor:
         spec = WorkerSpec(session_id=session_id, peer=session.peer, make_channel=make, channel_kwargs=kwargs,
                           devices=self.devices, config=self.config, welcome=welcome, token=self.security.token,
                           tls=self.security.tls is not None, hello_timeout=self.hello_timeout,
-                          log_level=logging.getLogger("genie").getEffectiveLevel())
+                          log_level=logging.getLogger("genie").getEffectiveLevel(), cache=offer_of(self.cache))
         for attempt in (1, 2):
             proc, ours, clock = self._take_spare()
             try:

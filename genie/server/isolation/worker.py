@@ -15,6 +15,8 @@ worker → node             meaning
 ``["stats", seq, snap]``  the answer to ``["stats", seq]``: a :func:`snapshot`
 ``["end", 0, snap]``      the session ended; the last snapshot
 ``["log", level, name, text]``  a log record, logged by the node under ``name`` (answered ``["logged"]``)
+``["cache_get", ...]``    the weight cache (:mod:`genie.server.isolation.cache`)
+``["cache_keep", ...]``   ditto
 ========================  ===============================================================
 
 The node answers ``["open", refusal]`` (``None``: open), asks ``["stats", seq]``, and sends
@@ -41,6 +43,7 @@ import torch
 from genie.config import ClusterConfig
 from genie.security import server_tls_context
 from genie.server.executor import Executor
+from genie.server.isolation.cache import WorkerCache
 from genie.server.isolation.clock import OpClock
 from genie.server.metrics import ServerMetrics, SessionMetrics
 from genie.server.session import Session
@@ -70,6 +73,7 @@ class WorkerSpec:
     tls: bool
     hello_timeout: float
     log_level: int
+    cache: dict[str, Any] | None = None  #: :func:`~genie.server.isolation.cache.offer_of` the node's weight cache
 
 
 def snapshot(session: Session, metrics: SessionMetrics) -> dict[str, Any]:
@@ -113,6 +117,7 @@ class _Control:
         self._refusal: str | None = None
         self.session: Session | None = None
         self.metrics: SessionMetrics | None = None
+        self.cache: WorkerCache | None = None
 
     def send(self, message: list[Any]) -> None:
         with self._send_lock:
@@ -155,6 +160,8 @@ class _Control:
                     self.send(["stats", message[1], snapshot(self.session, self.metrics)])
                 elif message[0] == "logged":
                     self._logged.set()
+                elif message[0] == "cache_got" and self.cache is not None:
+                    self.cache.answered(message[1], message[2])
                 elif message[0] == "kill":
                     self._die(str(message[1]))
         except (EOFError, OSError):
@@ -223,6 +230,9 @@ def serve_session(spec: WorkerSpec, sock: socket.socket, conn: Connection, clock
     metrics = node_metrics.open_session(spec.session_id, session)
     session.executor.metrics = metrics
     session.executor.clock = clock
+    if spec.cache is not None:
+        control.cache = WorkerCache(spec.cache, conn, control._send_lock)
+        session.executor.transfers.cache = control.cache  # type: ignore[assignment]
     control.session, control.metrics = session, metrics
     threading.Thread(target=control.serve, name="genie-worker-control", daemon=True).start()
     session.run()

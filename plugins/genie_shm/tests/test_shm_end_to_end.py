@@ -27,8 +27,18 @@ def _free_port() -> int:
 
 
 def _ring_maps(pid: int) -> int:
-    with open(f"/proc/{pid}/maps", encoding="utf-8") as f:
-        return sum("genie-shm-ring" in line for line in f)
+    """Rings mapped by the node ``pid`` and its processes (session workers serve the channels)."""
+    import psutil
+
+    total = 0
+    node = psutil.Process(pid)
+    for proc in [node, *node.children(recursive=True)]:
+        try:
+            with open(f"/proc/{proc.pid}/maps", encoding="utf-8") as f:
+                total += sum("genie-shm-ring" in line for line in f)
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a worker that ended meanwhile maps nothing
+    return total
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +82,16 @@ def test_server_maps_rings_only_for_authenticated_clients(server: NodeProcess):
     held = _client(server, f"""
         t = torch.ones(1024).to("remote_accelerator:0")
         assert t.sum().item() == 1024
-        with open("/proc/{server.proc.pid}/maps") as f:
-            print("MAPS", sum("genie-shm-ring" in line for line in f))
+        import psutil
+        node = psutil.Process({server.proc.pid})
+        maps = 0
+        for proc in [node, *node.children(recursive=True)]:
+            try:
+                with open(f"/proc/{{proc.pid}}/maps") as f:
+                    maps += sum("genie-shm-ring" in line for line in f)
+            except FileNotFoundError:
+                pass
+        print("MAPS", maps)
     """)
     assert held.returncode == 0, held.stdout + held.stderr
     assert int(held.stdout.split("MAPS")[1]) >= 2  # its own ring (rw) and the client's (ro), at least
