@@ -25,6 +25,8 @@ class Node:
                                      stderr=stderr, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()  # the ready line, or nothing when the node exits first
+        while line and " ready: " not in line:  # lines before it (e.g. "isolation: process, ...")
+            line = self.proc.stdout.readline()
         if " ready: " not in line:
             code = self.proc.wait()
             raise RuntimeError(f"genie {role} exited with code {code} before it was ready")

@@ -356,6 +356,7 @@ class Supervisor:
         self._lock = threading.Lock()
         self._spare: tuple[Any, Any, OpClock] | None = None  #: a worker forked ahead, waiting for a session
         self._closed = False
+        self._starting: threading.Thread | None = None  #: starts the zygote and the first spare (see start)
 
     @property
     def summary(self) -> str:
@@ -363,12 +364,25 @@ class Supervisor:
         return f"isolation: process, {self.cgroups.summary}"
 
     def start(self, modules: Sequence[str] = ()) -> None:
-        """Start the zygote now (it imports torch: seconds), so the first session does not wait for it;
-        ``modules`` (the transport's, whose channels workers rebuild) are imported there too."""
+        """Start the zygote (it imports torch: seconds) and the first spare worker in the background, so the
+        node listens at once and the first session waits only for what is left of that start (it is
+        usually over before a client has imported torch itself); ``modules`` (the transport's, whose
+        channels workers rebuild) are imported in the zygote too."""
         self._ctx.set_forkserver_preload([*PRELOAD, *modules])
-        spare = self._make_spare()  # the first start waits for the zygote's imports
+        self._starting = threading.Thread(target=self._first_spare, name="genie-zygote-start", daemon=True)
+        self._starting.start()
+
+    def _first_spare(self) -> None:
+        try:
+            spare: tuple[Any, Any, OpClock] | None = self._make_spare()  # waits for the zygote's imports
+        except Exception as exc:  # the first session forks its own then, and fails with the reason
+            log.warning("cannot start the session worker zygote: %s", exc)
+            return
         with self._lock:
-            self._spare = spare
+            if self._spare is None and not self._closed:
+                self._spare, spare = spare, None
+        if spare is not None:
+            self._discard(spare)
 
     def spawn(self, channel: Any, session_id: int, welcome: dict[str, Any],
               before_start: Callable[[WorkerSession], None] = lambda s: None) -> WorkerSession:
@@ -407,6 +421,8 @@ class Supervisor:
         return proc, ours, clock
 
     def _take_spare(self) -> tuple[Any, Any, OpClock]:
+        if self._starting is not None:
+            self._starting.join()
         with self._lock:
             spare, self._spare = self._spare, None
         if spare is not None and spare[0].exitcode is not None:
