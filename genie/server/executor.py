@@ -34,11 +34,11 @@ from genie.errors import (
     QuotaExceededError,
     RemoteExecutionError,
 )
-from genie.server import codec
+from genie.server import codec, preflight
 from genie.server.codec import MAX_NBYTES, Descriptor, DeviceRef, check_id, is_int
 from genie.server.devargs import check_device_args
 from genie.server.metrics import NULL_SESSION_METRICS, SessionMetrics
-from genie.server.ops import resolve_op, run_op
+from genie.server.ops import resolve_op, run_op, scrub
 from genie.server.outputs import OutputMismatch, store_call_result, store_outputs
 from genie.server.rng import SessionGenerators
 from genie.server.store import StorageError, StorageStore, zeroed_storage
@@ -65,7 +65,7 @@ def _hands_out_uninitialised(label: str) -> bool:
 
 
 def _error(op: str, shapes: list[Any], kind: str, message: str, storages: Sequence[int] = ()) -> dict[str, Any]:
-    return {"op": op, "shapes": shapes, "kind": kind, "message": message, "storages": list(storages)}
+    return {"op": op, "shapes": shapes, "kind": kind, "message": scrub(message), "storages": list(storages)}
 
 
 def _kind_of(exc: BaseException) -> str:
@@ -136,6 +136,8 @@ class Executor:
         #: Most commands plus uploads one batch may carry (``max_session_inflight``): everything a client can
         #: make the server hold or queue at once without waiting for an answer.
         self.max_inflight = MAX_COMMANDS
+        #: Most elements one op may iterate over or produce (``max_op_elements``; 0: unbounded).
+        self.max_op_elements = preflight.DEFAULT_MAX_OP_ELEMENTS
         self.metrics: SessionMetrics = NULL_SESSION_METRICS  # metrics: the server sets each session's
         # The command being resolved: its device (where unseen storages are made) and the storages it used.
         self._device_now = self.devices[0]
@@ -381,6 +383,8 @@ class Executor:
             self.generators.fill_default(op, args, kwargs, device_index)
             runner = self.generators.generatorless(label, device_index)
             self._precheck_outputs(label, storage_ids, outs)
+            preflight.check(op, label, args, kwargs, max_elements=self.max_op_elements,
+                            remaining_bytes=self.store.max_bytes - self.store.bytes_used if self.store.max_bytes else None)
         except (GenieError, IndexError, RuntimeError) as exc:  # RuntimeError: torch refused to build a tensor
             raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
         inputs = (args, kwargs)  # for error messages only: _shapes() walks it when something fails

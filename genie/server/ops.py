@@ -23,6 +23,7 @@ rename in a new torch release is noticed instead of silently re-allowing it.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
@@ -124,7 +125,28 @@ def resolve_op(name: object) -> torch._ops.OpOverload:
         raise ForbiddenOpError(f"op {name!r} is registered but cannot be called from Python: {exc}") from None
     with _lock:
         _resolved[name] = op
+    _record(name)
     return op
+
+
+def _record(name: str) -> None:
+    """With ``GENIE_RECORD_OPS=PATH``, append each op name this process resolves (once) to PATH.
+
+    How the allow-list's "used by the suites" groups were collected (scripts/allowed-ops); off by default.
+    """
+    path = os.environ.get("GENIE_RECORD_OPS")
+    if path:
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(name + "\n")
+
+
+#: A heap address: 0x and at least 8 hex digits (torch puts raw pointers in some error messages).
+_POINTER = re.compile(r"0x[0-9a-fA-F]{8,}")
+
+
+def scrub(message: str) -> str:
+    """``message`` with every heap address replaced by ``0x…``: error text sent to clients carries no raw memory."""
+    return _POINTER.sub("0x…", message)
 
 
 def _preview(value: object) -> str:

@@ -1,0 +1,205 @@
+"""Pre-flight: before an op runs, work out on meta tensors what it will allocate, and refuse what is too big.
+
+The client computes every op's outputs on meta tensors for its own bookkeeping,
+but a server must not trust that. So before the real kernel runs, the server
+runs the op once more on meta tensors built from the *resolved* arguments
+(shapes, strides and dtypes only; no data) and refuses, naming the op, the
+size and the limit:
+
+- any input that iterates over more than ``max_op_elements`` elements (a
+  stride-0 ``expand`` of one element to 2**40 makes a tiny tensor whose
+  reduction runs for twenty minutes) - :class:`~genie.errors.ForbiddenOpError`;
+- any output of more than ``max_op_elements`` elements - ForbiddenOpError;
+- new memory (fresh outputs plus in-place growth such as ``resize_`` or an
+  ``out=`` tensor being resized) beyond the session's remaining byte budget
+  (``max_session_bytes`` minus what it holds) -
+  :class:`~genie.errors.QuotaExceededError`. So ``ones([2**28])`` under a
+  64 MiB quota is refused before a byte is allocated.
+
+A meta kernel that raises (mismatched shapes, a dim out of range, malformed
+lists) refuses the op too: the real CPU/CUDA kernel is never reached with
+arguments its own checks may miss. Ops whose meta kernel is missing or whose
+output size depends on data (``nonzero``) are left to the real kernel and the
+quota checks after it: their outputs are bounded by their inputs.
+
+The result of a meta run depends only on the op and the arguments' shapes,
+strides, dtypes and plain values, so it is cached by that signature; a repeated
+op costs one signature walk and one dict lookup.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import attrs
+import torch
+
+from genie.errors import ForbiddenOpError, QuotaExceededError, RemoteExecutionError
+
+log = logging.getLogger("genie.server.preflight")
+
+#: Default cap on the elements one op may iterate over or produce (``max_op_elements``).
+DEFAULT_MAX_OP_ELEMENTS = 1 << 32
+#: Most cached signatures; the cache is emptied when full (cheap, and hostile clients cannot grow it).
+CACHE_SIZE = 8192
+_META = torch.device("meta")
+
+
+@attrs.frozen
+class Plan:
+    """What a meta run found: new bytes the op allocates, its largest output, or the meta kernel's refusal."""
+
+    new_bytes: int = 0
+    max_elements: int = 0
+    error: str | None = None
+    #: False when the op could not be planned (no meta kernel, data-dependent output): nothing is refused.
+    planned: bool = True
+
+
+_UNPLANNED = Plan(planned=False)
+#: Meta kernels raise these for what meta tensors cannot do at all (read data): not the arguments' fault.
+_META_LIMITS = ("meta tensor", "meta device", "on meta", "'meta'", "data-dependent", "data dependent")
+
+
+_cache: dict[Any, Plan] = {}
+#: Ops whose meta run raised NotImplementedError (no meta kernel): never tried again.
+_no_meta: set[torch._ops.OpOverload] = set()
+
+
+class _Unhashable(Exception):
+    """An argument the signature cannot key (internal: the op is planned without the cache)."""
+
+
+def _sig(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), value.stride(), value.dtype, value.layout)
+    if isinstance(value, (list, tuple)):
+        return tuple(_sig(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _sig(v)) for k, v in value.items())
+    if isinstance(value, torch.Generator):
+        return "G"
+    if isinstance(value, (int, float, bool, str, complex, torch.dtype, torch.device, torch.layout,
+                          torch.memory_format)) or value is None:
+        return value if not isinstance(value, float) or value == value else "nan"  # NaN keys never hit
+    raise _Unhashable
+
+
+def _to_meta(value: Any, inputs: list[torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.is_quantized:
+            raise NotImplementedError("pre-flight covers strided, unquantized tensors")
+        meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=_META)
+        inputs.append(meta)
+        return meta
+    if isinstance(value, list):
+        return [_to_meta(v, inputs) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_to_meta(v, inputs) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta(v, inputs) for k, v in value.items()}
+    if isinstance(value, torch.device):
+        return _META
+    if isinstance(value, torch.Generator):
+        return None  # meta kernels draw nothing; a CPU generator would be refused for a meta tensor
+    return value
+
+
+def _leaves(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _leaves(item, out)
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> Plan:
+    """Run ``op`` on meta copies of its arguments (``planned`` is False when that cannot be done)."""
+    if op in _no_meta:
+        return _UNPLANNED
+    inputs: list[torch.Tensor] = []
+    try:
+        meta_args = _to_meta(args, inputs)
+        meta_kwargs = _to_meta(kwargs, inputs)
+        before = {id(t): _nbytes(t) for t in inputs}
+        storages = {t.untyped_storage()._cdata for t in inputs}
+        result = op(*meta_args, **meta_kwargs)
+    except NotImplementedError as exc:
+        if "pre-flight covers" not in str(exc):
+            _no_meta.add(op)
+        return _UNPLANNED
+    except (RuntimeError, ValueError, IndexError, TypeError, OverflowError) as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if any(limit in text for limit in _META_LIMITS):
+            return _UNPLANNED  # item(), nonzero(), unique() ...: their outputs are bounded by their inputs
+        return Plan(error=text[:500])
+    new_bytes = max_elements = 0
+    seen: set[int] = set()
+    for t in _leaves(result, []):
+        if not isinstance(t, torch.Tensor) or t.device != _META:
+            continue
+        max_elements = max(max_elements, t.numel())
+        key = t.untyped_storage()._cdata
+        if key in seen:
+            continue
+        seen.add(key)
+        if key in storages:  # an input (in place, out=, a view): only what it grew by is new
+            grown = _nbytes(t) - before.get(id(t), _nbytes(t))
+            new_bytes += max(0, grown)
+        else:
+            new_bytes += _nbytes(t)
+    # In-place growth of an input the op does not return (resize_ on an out= argument returned elsewhere).
+    for t in inputs:
+        if t.untyped_storage()._cdata not in seen:
+            new_bytes += max(0, _nbytes(t) - before[id(t)])
+    return Plan(new_bytes=new_bytes, max_elements=max_elements)
+
+
+def cached_plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> Plan:
+    """:func:`plan`, cached by the op and the arguments' signature."""
+    try:
+        key = (op, _sig(args), _sig(kwargs))
+    except _Unhashable:
+        return plan(op, args, kwargs)
+    found = _cache.get(key)
+    if found is None:
+        if len(_cache) >= CACHE_SIZE:
+            _cache.clear()
+        _cache[key] = found = plan(op, args, kwargs)
+    return found
+
+
+def _too_many(label: str, what: str, count: int, limit: int) -> ForbiddenOpError:
+    return ForbiddenOpError(
+        f"{label} refused before running: {what} has {count} elements (2**{math.log2(count):.1f}), more than "
+        f"this server's limit of {limit} elements per op (max_op_elements); split the work into smaller ops")
+
+
+def check(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[str, Any], *,
+          max_elements: int, remaining_bytes: int | None) -> None:
+    """Refuse ``op`` on these resolved arguments before it runs (see the module docstring).
+
+    ``remaining_bytes`` is the session's unused byte budget (None: unbounded);
+    ``max_elements`` the per-op element cap (0: unbounded).
+    """
+    if max_elements:
+        for t in _leaves(args, []) + _leaves(list(kwargs.values()), []):
+            if t.numel() > max_elements:
+                raise _too_many(label, f"an input of shape {list(t.shape)}", t.numel(), max_elements)
+    found = cached_plan(op, args, kwargs)
+    if found.error is not None:
+        raise RemoteExecutionError(f"{label} refused before running: its arguments fail the shape checks: "
+                                   f"{found.error}")
+    if max_elements and found.max_elements > max_elements:
+        raise _too_many(label, "an output", found.max_elements, max_elements)
+    if remaining_bytes is not None and found.new_bytes > remaining_bytes:
+        raise QuotaExceededError(
+            f"{label} refused before running: it would allocate {found.new_bytes} bytes, more than the "
+            f"{remaining_bytes} bytes left of this session's limit (max_session_bytes)")
