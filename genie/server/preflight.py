@@ -135,7 +135,7 @@ def plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> 
         if "pre-flight covers" not in str(exc):
             _no_meta.add(op)
         return _UNPLANNED
-    except (RuntimeError, ValueError, IndexError, TypeError, OverflowError) as exc:
+    except Exception as exc:  # noqa: BLE001 - meta registrations raise AssertionError, RuntimeError, ValueError ...
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if any(limit in text for limit in _META_LIMITS):
             return _UNPLANNED  # item(), nonzero(), unique() ...: their outputs are bounded by their inputs
@@ -176,6 +176,32 @@ def cached_plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, An
     return found
 
 
+_ENUMS = {"ScalarType": torch.dtype, "Layout": torch.layout, "MemoryFormat": torch.memory_format}
+_enum_args: dict[torch._ops.OpOverload, tuple[tuple[int, str, type], ...]] = {}
+
+
+def _enum_spec(op: torch._ops.OpOverload) -> tuple[tuple[int, str, type], ...]:
+    """(position, name, python type) of the op's dtype/layout/memory-format arguments (ints in the JIT schema)."""
+    spec = _enum_args.get(op)
+    if spec is None:
+        found = []
+        for position, argument in enumerate(op._schema.arguments):
+            real = str(argument.real_type).removeprefix("Optional[").removesuffix("]")
+            if real in _ENUMS:
+                found.append((-1 if argument.kwarg_only else position, argument.name, _ENUMS[real]))
+        _enum_args[op] = spec = tuple(found)
+    return spec
+
+
+def _check_enums(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """A dtype, layout or memory format must arrive as one (the schema takes ints: torch would trust any int)."""
+    for position, name, kind in _enum_spec(op):
+        value = kwargs.get(name) if position < 0 or position >= len(args) else args[position]
+        if value is not None and not isinstance(value, kind):
+            raise RemoteExecutionError(f"{label}: argument {name!r} must be a {kind.__name__} or None, got "
+                                       f"{type(value).__name__} {str(value)[:40]}")
+
+
 def _too_many(label: str, what: str, count: int, limit: int) -> ForbiddenOpError:
     return ForbiddenOpError(
         f"{label} refused before running: {what} has {count} elements (2**{math.log2(count):.1f}), more than "
@@ -189,6 +215,7 @@ def check(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[s
     ``remaining_bytes`` is the session's unused byte budget (None: unbounded);
     ``max_elements`` the per-op element cap (0: unbounded).
     """
+    _check_enums(op, label, args, kwargs)
     if max_elements:
         for t in _leaves(args, []) + _leaves(list(kwargs.values()), []):
             if t.numel() > max_elements:
