@@ -37,11 +37,12 @@ import attrs
 import torch
 
 from genie.errors import ForbiddenOpError, QuotaExceededError, RemoteExecutionError
+from genie.server import validators
 
 log = logging.getLogger("genie.server.preflight")
 
 #: Default cap on the elements one op may iterate over or produce (``max_op_elements``).
-DEFAULT_MAX_OP_ELEMENTS = 1 << 32
+DEFAULT_MAX_OP_ELEMENTS = 1 << 31
 #: Most cached signatures; the cache is emptied when full (cheap, and hostile clients cannot grow it).
 CACHE_SIZE = 8192
 _META = torch.device("meta")
@@ -216,6 +217,9 @@ def check(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[s
     ``max_elements`` the per-op element cap (0: unbounded).
     """
     _check_enums(op, label, args, kwargs)
+    validate = validators.check_for(op)
+    if validate is not None:
+        validate(label, args, kwargs)
     if max_elements:
         for t in _leaves(args, []) + _leaves(list(kwargs.values()), []):
             if t.numel() > max_elements:
