@@ -42,7 +42,7 @@ from genie.server import validators
 log = logging.getLogger("genie.server.preflight")
 
 #: Default cap on the elements one op may iterate over or produce (``max_op_elements``).
-DEFAULT_MAX_OP_ELEMENTS = 1 << 31
+DEFAULT_MAX_OP_ELEMENTS = (1 << 31) - 1
 #: Most cached signatures; the cache is emptied when full (cheap, and hostile clients cannot grow it).
 CACHE_SIZE = 8192
 _META = torch.device("meta")

@@ -102,6 +102,27 @@ def check_index_put_impl(label: str, args: list[Any], kwargs: dict[str, Any]) ->
         raise _fail(label, "unsafe=True is not accepted (use index_put_)")
 
 
+def check_batch_norm(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """``native_batch_norm`` and kin: the CPU kernel indexes weight, bias and the running and saved
+    statistics by channel unchecked (a 1-element running_mean for 3 channels read past it): each one given
+    must be 1-d with one element per channel (``input.size(1)``), and the input at least 2-d."""
+    backward = "backward" in label
+    tensors = [a for a in args if isinstance(a, torch.Tensor) or a is None]
+    start = 2 if backward else 1
+    if len(tensors) < start or tensors[start - 1] is None:
+        return  # the schema check refuses it
+    x = tensors[start - 1]
+    assert isinstance(x, torch.Tensor)
+    if x.dim() < 2:
+        raise _fail(label, f"the input must have a batch and a channel dimension, got shape {list(x.shape)}")
+    if backward and isinstance(tensors[0], torch.Tensor) and tensors[0].shape != x.shape:
+        raise _fail(label, f"grad_out {list(tensors[0].shape)} and input {list(x.shape)} differ")
+    channels = x.size(1)
+    for t in tensors[start:]:
+        if t is not None and (t.dim() != 1 or t.numel() != channels):
+            raise _fail(label, f"a per-channel tensor of shape {list(t.shape)} for {channels} channels")
+
+
 #: Checks by op packet name (``aten::_foreach_add_`` covers all its overloads).
 _BY_PACKET: dict[str, Check] = {
     "aten::_fused_adam_": check_fused_optimizer,
@@ -109,6 +130,11 @@ _BY_PACKET: dict[str, Check] = {
     "aten::_fused_sgd_": check_fused_optimizer,
     "aten::_embedding_bag_per_sample_weights_backward": check_embedding_bag_psw_backward,
     "aten::_index_put_impl_": check_index_put_impl,
+    "aten::native_batch_norm": check_batch_norm,
+    "aten::native_batch_norm_backward": check_batch_norm,
+    "aten::_native_batch_norm_legit": check_batch_norm,
+    "aten::_native_batch_norm_legit_no_training": check_batch_norm,
+    "aten::_native_batch_norm_legit_functional": check_batch_norm,
 }
 _cache: dict[torch._ops.OpOverload, Check | None] = {}
 
