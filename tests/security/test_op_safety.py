@@ -163,7 +163,7 @@ def test_an_in_place_resize_over_the_quota_is_refused_before_allocating(server, 
     before = _rss(server)
     error = _only_error(client, op("aten::resize_", [T(3, V3), [2**28]], outs=[desc(3, V3)]), [(3, 0, V3)])
     assert error["kind"] == "quota" and "aten::resize_" in error["message"], error
-    r = client.request([resize_cmd(0, 3, 1 << 30), sync(client.next_req())])
+    r = client.request([resize_cmd(0, 8, 1 << 30), sync(client.next_req())], [(8, 0, V3)])
     assert r.deferred and r.deferred[0]["kind"] == "quota"
     assert _rss(server) - before < 2 * (64 << 20)
 
