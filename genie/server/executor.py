@@ -383,10 +383,14 @@ class Executor:
             self.generators.fill_default(op, args, kwargs, device_index)
             runner = self.generators.generatorless(label, device_index)
             self._precheck_outputs(label, storage_ids, outs)
-            preflight.check(op, label, args, kwargs, max_elements=self.max_op_elements,
-                            remaining_bytes=self.store.max_bytes - self.store.bytes_used if self.store.max_bytes else None)
         except (GenieError, IndexError, RuntimeError) as exc:  # RuntimeError: torch refused to build a tensor
             raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
+        try:  # limits and argument checks on meta tensors before the kernel sees anything (genie.server.preflight)
+            preflight.check(op, label, args, kwargs, max_elements=self.max_op_elements,
+                            remaining_bytes=self.store.max_bytes - self.store.bytes_used if self.store.max_bytes else None)
+        except GenieError as exc:
+            raise _CommandFailed(_error(label, _shapes((args, kwargs)), _kind_of(exc), _message(exc),
+                                        storage_ids)) from None
         inputs = (args, kwargs)  # for error messages only: _shapes() walks it when something fails
         used = self._used
         started = time.perf_counter()  # metrics

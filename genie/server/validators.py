@@ -131,6 +131,7 @@ _BY_PACKET: dict[str, Check] = {
     "aten::_embedding_bag_per_sample_weights_backward": check_embedding_bag_psw_backward,
     "aten::_index_put_impl_": check_index_put_impl,
     "aten::native_batch_norm": check_batch_norm,
+    "aten::cudnn_batch_norm": check_batch_norm,
     "aten::native_batch_norm_backward": check_batch_norm,
     "aten::_native_batch_norm_legit": check_batch_norm,
     "aten::_native_batch_norm_legit_no_training": check_batch_norm,
