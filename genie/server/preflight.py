@@ -54,12 +54,14 @@ class Plan:
 
     new_bytes: int = 0
     max_elements: int = 0
+    #: The largest input's element count and shape (a stride-0 view counts in full).
+    max_input: int = 0
+    input_shape: tuple[int, ...] = ()
     error: str | None = None
     #: False when the op could not be planned (no meta kernel, data-dependent output): nothing is refused.
     planned: bool = True
 
 
-_UNPLANNED = Plan(planned=False)
 #: Meta kernels raise these for what meta tensors cannot do at all (read data): not the arguments' fault.
 _META_LIMITS = ("meta tensor", "meta device", "on meta", "'meta'", "data-dependent", "data dependent")
 
@@ -73,19 +75,39 @@ class _Unhashable(Exception):
     """An argument the signature cannot key (internal: the op is planned without the cache)."""
 
 
-def _sig(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return ("T", tuple(value.shape), value.stride(), value.dtype, value.layout)
-    if isinstance(value, (list, tuple)):
-        return tuple(_sig(v) for v in value)
-    if isinstance(value, dict):
-        return tuple((k, _sig(v)) for k, v in value.items())
-    if isinstance(value, torch.Generator):
-        return "G"
-    if isinstance(value, (int, float, bool, str, complex, torch.dtype, torch.device, torch.layout,
-                          torch.memory_format)) or value is None:
-        return value if not isinstance(value, float) or value == value else "nan"  # NaN keys never hit
-    raise _Unhashable
+# Markers no decoded wire value can equal, so a list of numbers never keys like a tensor (the cache is shared
+# by every session of the process: a colliding key would let one session's plan answer for another's op).
+_TENSOR, _NAN, _GENERATOR = object(), object(), object()
+_PLAIN = frozenset({int, float, bool, str, complex, type(None), torch.dtype, torch.device, torch.layout,
+                    torch.memory_format})
+
+
+def _sig(values: Any) -> tuple[Any, ...]:
+    """A hashable key of argument values: tensors by shape, strides and dtype, plain values as they are.
+
+    The hot path of every op: one type lookup per value, no recursion for flat argument lists. Keys carry
+    types (``_TENSOR``, ``float``) so that values which compare equal across types never share a plan.
+    """
+    out: list[Any] = []
+    append = out.append
+    for value in values:
+        kind = type(value)
+        if kind is torch.Tensor:
+            append((_TENSOR, value.shape, value.stride(), value.dtype))
+        elif kind is int:
+            append(value)
+        elif kind in _PLAIN:
+            # (type, value): 1, 1.0 and True hash alike but make different ops; NaN never equals itself
+            append((kind, value if kind is not float or value == value else _NAN))
+        elif kind is list or kind is tuple:
+            append(_sig(value))
+        elif isinstance(value, torch.Generator):
+            append(_GENERATOR)
+        elif isinstance(value, torch.Tensor):  # a subclass: same key as a tensor
+            append((_TENSOR, value.shape, value.stride(), value.dtype))
+        else:
+            raise _Unhashable
+    return tuple(out)
 
 
 def _to_meta(value: Any, inputs: list[torch.Tensor]) -> Any:
@@ -123,8 +145,12 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> Plan:
     """Run ``op`` on meta copies of its arguments (``planned`` is False when that cannot be done)."""
+    leaves = _leaves(args, []) + _leaves(list(kwargs.values()), [])
+    biggest = max(leaves, key=lambda t: t.numel(), default=None)
+    sizes = {"max_input": biggest.numel(), "input_shape": tuple(biggest.shape)} if biggest is not None else {}
+    unplanned = Plan(planned=False, **sizes)
     if op in _no_meta:
-        return _UNPLANNED
+        return unplanned
     inputs: list[torch.Tensor] = []
     try:
         meta_args = _to_meta(args, inputs)
@@ -135,12 +161,12 @@ def plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> 
     except NotImplementedError as exc:
         if "pre-flight covers" not in str(exc):
             _no_meta.add(op)
-        return _UNPLANNED
+        return unplanned
     except Exception as exc:  # noqa: BLE001 - meta registrations raise AssertionError, RuntimeError, ValueError ...
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if any(limit in text for limit in _META_LIMITS):
-            return _UNPLANNED  # item(), nonzero(), unique() ...: their outputs are bounded by their inputs
-        return Plan(error=text[:500])
+            return unplanned  # item(), nonzero(), unique() ...: their outputs are bounded by their inputs
+        return Plan(error=text[:500], **sizes)
     new_bytes = max_elements = 0
     seen: set[int] = set()
     for t in _leaves(result, []):
@@ -160,13 +186,13 @@ def plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> 
     for t in inputs:
         if t.untyped_storage()._cdata not in seen:
             new_bytes += max(0, _nbytes(t) - before[id(t)])
-    return Plan(new_bytes=new_bytes, max_elements=max_elements)
+    return Plan(new_bytes=new_bytes, max_elements=max_elements, **sizes)
 
 
 def cached_plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> Plan:
     """:func:`plan`, cached by the op and the arguments' signature."""
     try:
-        key = (op, _sig(args), _sig(kwargs))
+        key = (op, _sig(args), _sig(kwargs.items()) if kwargs else ())
     except _Unhashable:
         return plan(op, args, kwargs)
     found = _cache.get(key)
@@ -203,6 +229,15 @@ def _check_enums(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs:
                                        f"{type(value).__name__} {str(value)[:40]}")
 
 
+_extras: dict[torch._ops.OpOverload, tuple[bool, validators.Check | None]] = {}
+
+
+def _extras_of(op: torch._ops.OpOverload) -> tuple[bool, validators.Check | None]:
+    """(whether the op takes dtype/layout/memory-format arguments, its validator), cached per op."""
+    _extras[op] = found = (bool(_enum_spec(op)), validators.check_for(op))
+    return found
+
+
 def _too_many(label: str, what: str, count: int, limit: int) -> ForbiddenOpError:
     return ForbiddenOpError(
         f"{label} refused before running: {what} has {count} elements (2**{math.log2(count):.1f}), more than "
@@ -216,15 +251,14 @@ def check(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[s
     ``remaining_bytes`` is the session's unused byte budget (None: unbounded);
     ``max_elements`` the per-op element cap (0: unbounded).
     """
-    _check_enums(op, label, args, kwargs)
-    validate = validators.check_for(op)
-    if validate is not None:
-        validate(label, args, kwargs)
-    if max_elements:
-        for t in _leaves(args, []) + _leaves(list(kwargs.values()), []):
-            if t.numel() > max_elements:
-                raise _too_many(label, f"an input of shape {list(t.shape)}", t.numel(), max_elements)
+    extras = _extras.get(op) or _extras_of(op)
+    if extras[0]:
+        _check_enums(op, label, args, kwargs)
     found = cached_plan(op, args, kwargs)
+    if max_elements and found.max_input > max_elements:
+        raise _too_many(label, f"an input of shape {list(found.input_shape)}", found.max_input, max_elements)
+    if extras[1] is not None:  # after the size check: some validators read the data
+        extras[1](label, args, kwargs)
     if found.error is not None:
         raise RemoteExecutionError(f"{label} refused before running: its arguments fail the shape checks: "
                                    f"{found.error}")
