@@ -147,8 +147,8 @@ def plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> 
     """Run ``op`` on meta copies of its arguments (``planned`` is False when that cannot be done)."""
     leaves = _leaves(args, []) + _leaves(list(kwargs.values()), [])
     biggest = max(leaves, key=lambda t: t.numel(), default=None)
-    sizes = {"max_input": biggest.numel(), "input_shape": tuple(biggest.shape)} if biggest is not None else {}
-    unplanned = Plan(planned=False, **sizes)
+    max_input, input_shape = (biggest.numel(), tuple(biggest.shape)) if biggest is not None else (0, ())
+    unplanned = Plan(planned=False, max_input=max_input, input_shape=input_shape)
     if op in _no_meta:
         return unplanned
     inputs: list[torch.Tensor] = []
@@ -166,7 +166,7 @@ def plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> 
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if any(limit in text for limit in _META_LIMITS):
             return unplanned  # item(), nonzero(), unique() ...: their outputs are bounded by their inputs
-        return Plan(error=text[:500], **sizes)
+        return Plan(error=text[:500], max_input=max_input, input_shape=input_shape)
     new_bytes = max_elements = 0
     seen: set[int] = set()
     for t in _leaves(result, []):
@@ -186,7 +186,7 @@ def plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> 
     for t in inputs:
         if t.untyped_storage()._cdata not in seen:
             new_bytes += max(0, _nbytes(t) - before[id(t)])
-    return Plan(new_bytes=new_bytes, max_elements=max_elements, **sizes)
+    return Plan(new_bytes=new_bytes, max_elements=max_elements, max_input=max_input, input_shape=input_shape)
 
 
 def cached_plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> Plan:
