@@ -173,6 +173,9 @@ def plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> 
         if not isinstance(t, torch.Tensor) or t.device != _META:
             continue
         max_elements = max(max_elements, t.numel())
+        if t.layout != torch.strided:  # no storage to look at: count its elements
+            new_bytes += t.numel() * t.element_size()
+            continue
         key = t.untyped_storage()._cdata
         if key in seen:
             continue
@@ -208,7 +211,8 @@ _enum_args: dict[torch._ops.OpOverload, tuple[tuple[int, str, type], ...]] = {}
 
 
 def _enum_spec(op: torch._ops.OpOverload) -> tuple[tuple[int, str, type], ...]:
-    """(position, name, python type) of the op's dtype/layout/memory-format arguments (ints in the JIT schema)."""
+    """(position, name, python type) of the op's dtype/layout/memory-format arguments (ints in the JIT schema)
+    and its ``pin_memory`` flag."""
     spec = _enum_args.get(op)
     if spec is None:
         found = []
@@ -216,6 +220,8 @@ def _enum_spec(op: torch._ops.OpOverload) -> tuple[tuple[int, str, type], ...]:
             real = str(argument.real_type).removeprefix("Optional[").removesuffix("]")
             if real in _ENUMS:
                 found.append((-1 if argument.kwarg_only else position, argument.name, _ENUMS[real]))
+            elif argument.name == "pin_memory":
+                found.append((-1 if argument.kwarg_only else position, argument.name, bool))
         _enum_args[op] = spec = tuple(found)
     return spec
 
@@ -227,6 +233,11 @@ def _check_enums(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs:
         if value is not None and not isinstance(value, kind):
             raise RemoteExecutionError(f"{label}: argument {name!r} must be a {kind.__name__} or None, got "
                                        f"{type(value).__name__} {str(value)[:40]}")
+        if kind is bool and value:
+            raise ForbiddenOpError(f"{label}: pin_memory=True is not served (page-locked memory is outside the "
+                                   "session's byte quota)")
+        if kind is torch.layout and value is not None and value != torch.strided:
+            raise ForbiddenOpError(f"{label}: layout {value} is not served (genie tensors are strided)")
 
 
 _extras: dict[torch._ops.OpOverload, tuple[bool, validators.Check | None]] = {}
@@ -259,6 +270,10 @@ def check(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[s
         raise _too_many(label, f"an input of shape {list(found.input_shape)}", found.max_input, max_elements)
     if extras[1] is not None:  # after the size check: some validators read the data
         extras[1](label, args, kwargs)
+    if not found.planned and not found.max_input:
+        # Nothing bounds what an op without tensor inputs makes if its meta run failed: refuse it.
+        raise ForbiddenOpError(f"{label} refused before running: its output size cannot be worked out in "
+                               "advance on these arguments")
     if found.error is not None:
         raise RemoteExecutionError(f"{label} refused before running: its arguments fail the shape checks: "
                                    f"{found.error}")

@@ -239,8 +239,12 @@ def run(*, seed: int, seconds: float, max_calls: int = 0, only: list[str] | None
                             break
                         report.session_losses += 1
                         report.losses.append(f"{name}: {type(exc).__name__}: {str(exc)[:200]}")
+                        if log:
+                            log(f"session lost on {name} (call {report.calls}, {cmd!r:.400}): {server.log()[-1500:]}")
                         attacker.close()
                         attacker = _Session(server.port, _BASE)
+                    if log and time.monotonic() - began > 10:
+                        log(f"slow call: {name} took {time.monotonic() - began:.1f} s: {cmd!r:.400}")
                     report.slowest = sorted([*report.slowest, (time.monotonic() - began, name)], reverse=True)[:5]
                     if report.calls % check_every == 0:
                         _check_bystander(bystander, report)

@@ -181,3 +181,14 @@ def test_fuzzer_short_seeded_run_keeps_the_server_and_a_bystander_alive():
     assert not report.bystander_failures, report.bystander_failures
     assert not report.leaks, report.leaks
     assert len(report.ops) > 300 and report.bystander_checks > 10
+
+
+@pytest.mark.parametrize(("name", "args", "kwargs", "expect"), [
+    # found by the fuzzer: a sparse layout made the pre-flight fail inside the session (closing it)
+    ("aten::empty.memory_format", [[2, 3]], {"layout": torch.sparse_coo, "device": Dev(0)}, "layout"),
+    # found by the fuzzer: pin_memory=True skipped the plan and allocated 16 GiB outside the quota
+    ("aten::arange", [2**31], {"pin_memory": True, "device": Dev(0)}, "pin_memory=True"),
+])
+def test_factory_arguments_outside_what_is_served_are_refused(client, name, args, kwargs, expect):
+    error = _only_error(client, op(name, args, kwargs, outs=[None]))
+    assert error["kind"] == "forbidden" and expect in error["message"], error
