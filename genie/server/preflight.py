@@ -20,7 +20,12 @@ A meta kernel that raises (mismatched shapes, a dim out of range, malformed
 lists) refuses the op too: the real CPU/CUDA kernel is never reached with
 arguments its own checks may miss. Ops whose meta kernel is missing or whose
 output size depends on data (``nonzero``) are left to the real kernel and the
-quota checks after it: their outputs are bounded by their inputs.
+quota checks after it: their outputs are bounded by their inputs (one with no
+tensor input that cannot be planned is refused). Before the plan: dtype,
+layout and memory-format arguments must be those types (the JIT schema takes
+ints, and torch trusts any int), layouts strided, ``pin_memory`` false; after
+the size checks, the op's validator runs if it has one
+(:mod:`genie.server.validators`).
 
 The result of a meta run depends only on the op and the arguments' shapes,
 strides, dtypes and plain values, so it is cached by that signature; a repeated
