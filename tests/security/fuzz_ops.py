@@ -242,7 +242,12 @@ def run(*, seed: int, seconds: float, max_calls: int = 0, only: list[str] | None
                         if log:
                             log(f"session lost on {name} (call {report.calls}, {cmd!r:.400}): {server.log()[-1500:]}")
                         attacker.close()
-                        attacker = _Session(server.port, _BASE)
+                        try:
+                            attacker = _Session(server.port, _BASE)
+                        except (GenieError, OSError, AssertionError) as again:
+                            # The server is alive but still busy (a slow op of the lost session): start afresh.
+                            report.losses.append(f"reconnect after {name}: {type(again).__name__}: {again}"[:300])
+                            break
                     if log and time.monotonic() - began > 10:
                         log(f"slow call: {name} took {time.monotonic() - began:.1f} s: {cmd!r:.400}")
                     report.slowest = sorted([*report.slowest, (time.monotonic() - began, name)], reverse=True)[:5]
