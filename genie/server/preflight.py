@@ -135,6 +135,44 @@ def _to_meta(value: Any, inputs: list[torch.Tensor]) -> Any:
     return value
 
 
+_device_kwarg: dict[torch._ops.OpOverload, bool] = {}
+
+
+def _takes_device(op: torch._ops.OpOverload) -> bool:
+    """Whether the op has a keyword-only ``device`` argument (the factories)."""
+    found = _device_kwarg.get(op)
+    if found is None:
+        found = _device_kwarg[op] = any(a.name == "device" and a.kwarg_only for a in op._schema.arguments)
+    return found
+
+
+#: Most tensors one op may return in a list (split, unbind, chunk, tensor_split ...).
+MAX_LIST_OUTPUTS = 1 << 16
+_COUNTED = ("split", "unbind", "chunk")
+
+
+def _list_outputs(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> int:
+    """How many tensors a split-like op will return (before any run: the meta run would make them all)."""
+    named = dict(zip((a.name for a in op._schema.arguments), args, strict=False)) | kwargs  # fewer args: defaults
+    x = named.get("self")
+    count = 0
+    for key in ("sections", "chunks"):
+        if isinstance(named.get(key), int):
+            count = max(count, named[key])
+    dim = named.get("dim", 0)
+    if isinstance(x, torch.Tensor) and isinstance(dim, int) and -x.dim() <= dim < max(x.dim(), 1) and x.dim():
+        size = x.size(dim)
+        if "unbind" in op.name():
+            count = max(count, size)
+        split = named.get("split_size")
+        if isinstance(split, int) and split > 0:
+            count = max(count, -(-size // split))
+    for key in ("split_sizes", "indices", "tensor_indices_or_sections"):
+        if isinstance(named.get(key), list):
+            count = max(count, len(named[key]))
+    return count
+
+
 def _leaves(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         out.append(value)
@@ -160,6 +198,8 @@ def plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> 
     try:
         meta_args = _to_meta(args, inputs)
         meta_kwargs = _to_meta(kwargs, inputs)
+        if _takes_device(op):
+            meta_kwargs["device"] = _META  # device=None means the CPU: a factory must not allocate for real here
         before = {id(t): _nbytes(t) for t in inputs}
         storages = {t.untyped_storage()._cdata for t in inputs}
         result = op(*meta_args, **meta_kwargs)
@@ -245,12 +285,14 @@ def _check_enums(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs:
             raise ForbiddenOpError(f"{label}: layout {value} is not served (genie tensors are strided)")
 
 
-_extras: dict[torch._ops.OpOverload, tuple[bool, validators.Check | None]] = {}
+_extras: dict[torch._ops.OpOverload, tuple[bool, validators.Check | None, bool]] = {}
 
 
-def _extras_of(op: torch._ops.OpOverload) -> tuple[bool, validators.Check | None]:
-    """(whether the op takes dtype/layout/memory-format arguments, its validator), cached per op."""
-    _extras[op] = found = (bool(_enum_spec(op)), validators.check_for(op))
+def _extras_of(op: torch._ops.OpOverload) -> tuple[bool, validators.Check | None, bool]:
+    """(whether the op takes dtype/layout/memory-format arguments, its validator, whether it is split-like),
+    cached per op."""
+    counted = any(word in op.name() for word in _COUNTED)
+    _extras[op] = found = (bool(_enum_spec(op)), validators.check_for(op), counted)
     return found
 
 
@@ -270,6 +312,11 @@ def check(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[s
     extras = _extras.get(op) or _extras_of(op)
     if extras[0]:
         _check_enums(op, label, args, kwargs)
+    if extras[2]:
+        count = _list_outputs(op, args, kwargs)
+        if count > MAX_LIST_OUTPUTS:
+            raise ForbiddenOpError(f"{label} refused before running: it would return {count} tensors, more than "
+                                   f"{MAX_LIST_OUTPUTS}")
     found = cached_plan(op, args, kwargs)
     if max_elements and found.max_input > max_elements:
         raise _too_many(label, f"an input of shape {list(found.input_shape)}", found.max_input, max_elements)

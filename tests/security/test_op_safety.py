@@ -192,3 +192,16 @@ def test_fuzzer_short_seeded_run_keeps_the_server_and_a_bystander_alive():
 def test_factory_arguments_outside_what_is_served_are_refused(client, name, args, kwargs, expect):
     error = _only_error(client, op(name, args, kwargs, outs=[None]))
     assert error["kind"] == "forbidden" and expect in error["message"], error
+
+
+@pytest.mark.parametrize(("name", "args", "kwargs", "expect"), [
+    # found by the fuzzer: with device=None the meta plan ran the factory on the CPU for real (16 GiB)
+    ("aten::arange", [2**31], {}, "an output has 2147483648 elements"),
+    ("aten::full", [[2**31], -(2**63)], {}, "an output has 2147483648 elements"),
+    # found by the fuzzer: 2**31-1 sections made as many views (30 s, and again in the meta plan)
+    ("aten::tensor_split.sections", [T(2, V3), 2**31 - 1], {}, "it would return 2147483647 tensors"),
+    ("aten::unbind.int", [T([2, _F32, [2**26], [0], 0, 12])], {}, "it would return 67108864 tensors"),
+])
+def test_factories_without_a_device_and_huge_splits_are_refused_at_once(client, name, args, kwargs, expect):
+    error = _only_error(client, op(name, args, kwargs, outs=[None]), [(2, 0, V3)])
+    assert error["kind"] == "forbidden" and expect in error["message"], error
