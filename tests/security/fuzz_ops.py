@@ -50,6 +50,8 @@ _BASE: dict[int, torch.Tensor] = {
     8: torch.tensor([1 + 2j, -3j], dtype=torch.complex64),
     9: torch.tensor([200, 0, 7], dtype=torch.uint8),
 }
+#: Calls between two fresh attacker sessions.
+FRESH_EVERY = 100
 _POINTER = re.compile(r"0x[0-9a-fA-F]{8,}")
 _BYSTANDER = torch.arange(1000, dtype=torch.float64) * 1.5
 
@@ -253,6 +255,11 @@ def run(*, seed: int, seconds: float, max_calls: int = 0, only: list[str] | None
                     report.slowest = sorted([*report.slowest, (time.monotonic() - began, name)], reverse=True)[:5]
                     if report.calls % check_every == 0:
                         _check_bystander(bystander, report)
+                    if report.calls % FRESH_EVERY == 0:
+                        # In-place ops (resize_, set_) change the fuzzer's storages until every descriptor fails its
+                        # bounds check: a fresh session gets fresh ones.
+                        attacker.close()
+                        attacker = _Session(server.port, _BASE)
                 if server.alive():
                     _check_bystander(bystander, report)
             finally:
