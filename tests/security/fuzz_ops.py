@@ -35,7 +35,7 @@ import torch
 from genie.errors import GenieError
 from genie.server.allowlist import entries
 from genie.server.ops import registered_op_names, resolve_op
-from genie.testing import serve_subprocess
+from genie.testing import serve_subprocess, wait_until
 from tests.raw_client import Dev, Gen, RawClient, T, desc, op, sync
 
 #: Storage ids of the fuzzer's own tensors (uploaded once per session), and what each holds.
@@ -247,8 +247,13 @@ def run(*, seed: int, seconds: float, max_calls: int = 0, only: list[str] | None
                         try:
                             attacker = _Session(server.port, _BASE)
                         except (GenieError, OSError, AssertionError) as again:
-                            # The server is alive but still busy (a slow op of the lost session): start afresh.
-                            report.losses.append(f"reconnect after {name}: {type(again).__name__}: {again}"[:300])
+                            # Busy with a slow op of the lost session, or dying (its listener is gone): start afresh.
+                            with contextlib.suppress(AssertionError):
+                                wait_until(lambda: not server.alive(), timeout=2.0, what="the server to exit")
+                            if not server.alive():
+                                report.deaths.append(f"{name}: {cmd!r:.300}")
+                            else:
+                                report.losses.append(f"reconnect after {name}: {type(again).__name__}: {again}"[:300])
                             break
                     if log and time.monotonic() - began > 10:
                         log(f"slow call: {name} took {time.monotonic() - began:.1f} s: {cmd!r:.400}")
