@@ -171,3 +171,14 @@ def fuzz(session: nox.Session) -> None:
     session.install(*CORE, "atheris")
     args = session.posargs or ["-max_total_time=180", "-print_final_stats=1"]
     session.run("python", "fuzz/fuzz_frames.py", *args)
+
+
+@nox.session
+def fuzz_ops(session: nox.Session) -> None:
+    """The schema-driven op fuzzer (tests/security/fuzz_ops.py): every allowed op, edge-case arguments, a real server.
+
+    ``nox -s fuzz_ops`` runs 15 minutes with a fresh seed; pass ``-- --seconds N --seed S --op NAME``.
+    """
+    session.install(TORCH, *CORE)
+    args = session.posargs or ["--seconds", "900"]
+    session.run("python", "-m", "tests.security.fuzz_ops", *args)

@@ -12,7 +12,9 @@ checks, tensor building, the kernel, the output rule, frees) plus the socket.
 
 Baseline, measured in the same run: the same aten kernel called directly in this
 process on a tensor of the same size. Prints both, and the server's overhead per
-op (total minus kernel). Asserts nothing.
+op (total minus kernel), and what the op allow-list and the pre-flight
+(genie/server/preflight.py, a cache hit for a repeated op) cost alone, per op, in
+this process. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -72,6 +74,22 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
+def preflight_seconds(n: int) -> float:
+    """The per-op checks issue 11 added (allow-listed resolve, pre-flight with its cache hit), n times, in this
+    process, on the arguments the server sees for ``y + 1``: the share of the server's overhead they cost."""
+    from genie.server import preflight
+    from genie.server.ops import resolve_op
+
+    y = torch.zeros(1)
+    args: list = [y, 1]
+    t0 = time.perf_counter()
+    for _ in range(n):
+        add = resolve_op("aten::add.Tensor")
+        preflight.check(add, "aten::add.Tensor", args, {}, max_elements=preflight.DEFAULT_MAX_OP_ELEMENTS,
+                        remaining_bytes=1 << 30)
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", type=int, default=20_000)
@@ -99,6 +117,8 @@ def main() -> None:
             c.send_batch([free(last)])
             next_id = last + 1
     kernels = [kernel_seconds(n) for _ in range(args.rounds)]
+    checks = [preflight_seconds(n) for _ in range(args.rounds)]
+    check_us = statistics.median(checks) / n * 1e6
     total_us = statistics.median(totals) / n * 1e6
     kernel_us = statistics.median(k[0] for k in kernels) / n * 1e6
     cpu_us = statistics.median(cpus) / n * 1e6
@@ -110,6 +130,8 @@ def main() -> None:
     print(f"  server CPU (all threads): {cpu_us:5.2f} us/op vs the kernel's CPU {kernel_cpu_us:5.2f} us/op (baseline): "
           f"{cpu_us - kernel_cpu_us:5.2f} us/op beyond the kernel ({cpu_us / kernel_cpu_us:.1f}x)")
     print(f"  load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    print(f"  of which allow-list + pre-flight (cache hit), alone: {check_us:5.2f} us/op "
+          f"({check_us / (total_us - kernel_us):.0%} of the overhead)")
 
 
 if __name__ == "__main__":

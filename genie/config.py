@@ -113,6 +113,8 @@ _OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
     "tls_key": (str, "", None, "the PEM private key of tls_cert, or empty (the key is in tls_cert)"),
     "tls_ca": (str, "", None, "a PEM CA bundle that peers' certificates must chain to, or empty"),
     "tls_require_client_cert": (bool, False, None, "true or false (mutual TLS: servers demand client certificates)"),
+    "max_op_elements": (int, (1 << 31) - 1, lambda v: v >= 0, "0 (unbounded) or a count of elements one op may "
+                        "iterate over or produce"),
     "max_session_inflight": (int, 65536, lambda v: v > 0, "a positive count of commands and uploads per batch"),
     "session_idle_timeout": (float, 3600.0, lambda v: v >= 0, "seconds a silent session lives (0: forever)"),
     # before authentication (see docs/SECURITY.md and genie/server/preauth.py)
@@ -203,6 +205,7 @@ class ClusterConfig:
     tls_key: str
     tls_ca: str
     tls_require_client_cert: bool
+    max_op_elements: int
     max_session_inflight: int
     session_idle_timeout: float
     handshake_timeout: float

@@ -33,7 +33,7 @@ from genie.errors import (
     ProtocolError,
     QuotaExceededError,
 )
-from genie.server import codec, transfers
+from genie.server import codec, preflight, transfers
 from genie.server.codec import MAX_NBYTES, Descriptor, check_id, is_int
 from genie.server.devargs import check_device_args, device_params
 from genie.server.isolation.clock import NULL_CLOCK, NullClock, OpClock
@@ -158,6 +158,8 @@ class Executor:
         #: Most commands plus uploads one batch may carry (``max_session_inflight``): everything a client can
         #: make the server hold or queue at once without waiting for an answer.
         self.max_inflight = MAX_COMMANDS
+        #: Most elements one op may iterate over or produce (``max_op_elements``; 0: unbounded).
+        self.max_op_elements = preflight.DEFAULT_MAX_OP_ELEMENTS
         self.metrics: SessionMetrics = NULL_SESSION_METRICS  # metrics: the server sets each session's
         self.clock: OpClock | NullClock = NULL_CLOCK  # isolation: a session worker's op deadline clock
         # The command being resolved: its device (where unseen storages are made) and the storages it used.
@@ -349,6 +351,14 @@ class Executor:
             self._precheck_outputs(label, storage_ids, outs)
         except (GenieError, IndexError, RuntimeError) as exc:  # RuntimeError: torch refused to build a tensor
             raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
+        try:  # limits and argument checks on meta tensors before the kernel sees anything (genie.server.preflight)
+            planned = plan.functional if fresh is not None and plan.functional is not None else op
+            preflight.check(planned, label, args, kwargs,
+                            max_elements=self.max_op_elements,
+                            remaining_bytes=self.store.max_bytes - self.store.bytes_used if self.store.max_bytes else None)
+        except GenieError as exc:
+            raise _CommandFailed(_error(label, _shapes((args, kwargs)), _kind_of(exc), _message(exc),
+                                        storage_ids)) from None
         inputs = (args, kwargs)  # for error messages only: _shapes() walks it when something fails
         used = self._used
         started = time.perf_counter()  # metrics

@@ -313,6 +313,7 @@ class DataPlaneServer:
             on_end=self._session_ended,
         )
         session.executor.transfers.cache = self.cache
+        session.executor.max_op_elements = self.config.max_op_elements
         session.executor.metrics = self.metrics.open_session(session.session_id, session)  # metrics
         session.thread = threading.Thread(target=session.run, name=f"genie-session-{session.session_id}", daemon=True)
         with self._lock:

@@ -6,7 +6,8 @@ no overload means ``default``). The name is accepted only if
 1. it is a string of sane length whose namespace is ``aten`` or ``prims``
    (``OpOverload.name()`` gives exactly this form; ``.default`` is accepted too),
 2. it is registered with the dispatcher (``torch._C._dispatch_get_all_op_names()``),
-3. it is not on :data:`DENY_LIST`.
+3. it is not on :data:`DENY_LIST`,
+4. it is on the allow-list of reviewed ops (:mod:`genie.server.allowlist`, genie/server/allowed_ops.txt).
 
 Only then is it looked up on ``torch.ops``: the attribute names come from a
 *validated registered name*, never from unchecked client input. Anything else
@@ -23,6 +24,7 @@ rename in a new torch release is noticed instead of silently re-allowing it.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
@@ -32,6 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from genie.errors import ForbiddenOpError
+from genie.server.allowlist import is_allowed, refusal
 
 log = logging.getLogger("genie.server.ops")
 
@@ -115,6 +118,9 @@ def resolve_op(name: object) -> torch._ops.OpOverload:
     reason = deny_reason(registered)
     if reason is not None:
         raise ForbiddenOpError(f"op {name!r} is refused by genie servers: it {reason}")
+    _record(name)  # before the allow-list: a recording run collects what a workload needs
+    if not is_allowed(registered):
+        raise ForbiddenOpError(refusal(name))
     namespace, packet_name, overload = match.group(1), match.group(2), match.group(3) or "default"
     # Attribute names below come from a name validated against the dispatcher's registry.
     try:
@@ -125,6 +131,26 @@ def resolve_op(name: object) -> torch._ops.OpOverload:
     with _lock:
         _resolved[name] = op
     return op
+
+
+def _record(name: str) -> None:
+    """With ``GENIE_RECORD_OPS=PATH``, append each op name clients ask for (allowed or not) to PATH.
+
+    How the allow-list's "used by the suites" groups were collected (scripts/allowed-ops); off by default.
+    """
+    path = os.environ.get("GENIE_RECORD_OPS")
+    if path:
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(name + "\n")
+
+
+#: A heap address: 0x and at least 8 hex digits (torch puts raw pointers in some error messages).
+_POINTER = re.compile(r"0x[0-9a-fA-F]{8,}")
+
+
+def scrub(message: str) -> str:
+    """``message`` with every heap address replaced by ``0x…``: error text sent to clients carries no raw memory."""
+    return _POINTER.sub("0x…", message)
 
 
 def _preview(value: object) -> str:

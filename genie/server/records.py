@@ -10,12 +10,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from genie.errors import ForbiddenOpError, GenieError, ProtocolError, QuotaExceededError, RemoteExecutionError
+from genie.server.ops import scrub
 from genie.server.store import StorageError
 
 
 def error(op: str, shapes: list[Any], kind: str, message: str, storages: Sequence[int] = ()) -> dict[str, Any]:
-    """A deferred-error record."""
-    return {"op": op, "shapes": shapes, "kind": kind, "message": message, "storages": list(storages)}
+    """A deferred-error record; its message scrubbed of heap addresses (:func:`genie.server.ops.scrub`)."""
+    return {"op": op, "shapes": shapes, "kind": kind, "message": scrub(message), "storages": list(storages)}
 
 
 def kind_of(exc: BaseException) -> str:

@@ -64,6 +64,30 @@ def test_five_optimizer_steps_match_cpu(opt_name: str) -> None:
         torch.testing.assert_close(r, c, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("opt_name", ["SGD", "Adam", "AdamW"])
+def test_foreach_optimizer_steps_match_cpu(opt_name: str) -> None:
+    """The server's allow-list admits the ``_foreach_*`` ops torch.optim and clip_grad_norm_ send (validated first).
+
+    (``fused=True`` is not covered: the client does not yet handle ops that return nothing, like ``_fused_adamw_``.)
+    """
+
+    def run(device: str) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2)).to(device)
+        extra = {"momentum": 0.9} if opt_name == "SGD" else {}
+        opt = getattr(torch.optim, opt_name)(model.parameters(), lr=0.05, foreach=True, **extra)
+        x, y = torch.randn(16, 6).to(device), torch.randn(16, 2).to(device)
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            opt.step()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    for r, c in zip(run(D0), run("cpu"), strict=True):
+        torch.testing.assert_close(r, c, rtol=1e-5, atol=1e-6)
+
+
 def test_module_to_keeps_weights_on_the_server() -> None:
     model = nn.Linear(4, 4).to(D0)
     for p in model.parameters():

@@ -1,4 +1,4 @@
-"""Op resolution and the deny list."""
+"""Op resolution, the deny list and the allow-list."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from genie.errors import ForbiddenOpError
+from genie.server.allowlist import entries, is_allowed, parse
 from genie.server.ops import DENY_LIST, deny_reason, registered_op_names, resolve_op
 
 
@@ -68,3 +69,62 @@ def test_unregistered_names_are_refused_naming_torch_version(name):
 def test_non_string_names_are_refused(value):
     with pytest.raises(ForbiddenOpError, match="must be a string"):
         resolve_op(value)
+
+
+# -- the allow-list (genie/server/allowed_ops.txt) ------------------------------------------------------
+
+
+def _allow_entries() -> list[str]:
+    exact, packets = entries()
+    return sorted(exact) + sorted(p + ".*" for p in packets)
+
+
+@pytest.mark.parametrize("entry", _allow_entries())
+def test_every_allow_list_entry_names_a_registered_op(entry):
+    """A torch upgrade that renames or drops an allowed op must fail here, not leave a stale entry."""
+    names = registered_op_names()
+    if entry.endswith(".*"):
+        assert any(n == entry[:-2] or n.startswith(entry[:-1]) for n in names), \
+            f"allow-list packet {entry!r} has no op registered in torch {torch.__version__}"
+    else:
+        assert entry in names, f"allow-list entry {entry!r} is not registered in torch {torch.__version__}"
+
+
+def test_allow_list_keeps_denied_ops_out():
+    for name in registered_op_names():
+        if deny_reason(name):
+            with pytest.raises(ForbiddenOpError, match="refused by genie servers"):
+                resolve_op(name)
+
+
+def test_private_ops_are_listed_one_packet_at_a_time():
+    """No wildcard reaches private ops wholesale: each ``_`` packet is its own reviewed line."""
+    exact, packets = entries()
+    assert all("*" not in p for p in packets)
+    assert {"aten::_fused_adamw_", "aten::_foreach_add_", "aten::_softmax"} <= packets
+    assert "aten::_foreach_copy_" not in packets and "aten::_stack" not in packets
+
+
+@pytest.mark.parametrize("name", ["aten::_stack", "aten::_efficientzerotensor", "aten::quantize_per_channel",
+                                  "aten::_sobol_engine_draw", "aten::_cholesky_solve_helper", "aten::bincount",
+                                  "aten::_foreach_copy_", "aten::repeat_interleave.Tensor"])
+def test_unlisted_ops_are_forbidden_naming_the_op_and_how_to_ask(name):
+    assert not is_allowed(name)
+    with pytest.raises(ForbiddenOpError, match=r"not on this server's allow-list.*open an issue"):
+        resolve_op(name)
+
+
+@pytest.mark.parametrize("name", ["aten::add.Tensor", "aten::add.out", "aten::add_.Tensor", "aten::mm",
+                                  "aten::addmm.out", "aten::_softmax.out", "aten::_fused_adamw_",
+                                  "aten::native_layer_norm", "aten::scaled_dot_product_attention",
+                                  "aten::repeat_interleave.self_int"])
+def test_ops_models_use_are_allowed(name):
+    assert is_allowed(name)
+    resolve_op(name)
+
+
+def test_allow_list_parser_rejects_malformed_lines_and_reads_comments():
+    exact, packets = parse("# group\naten::mm.default  # why\naten::add.*\n\n")
+    assert exact == {"aten::mm"} and packets == {"aten::add"}
+    with pytest.raises(ValueError, match="line 1"):
+        parse("add Tensor\n")

@@ -180,7 +180,8 @@ def test_deferred_error_names_the_op_and_shapes_at_the_next_reply(client):
     [err] = r.deferred
     assert err["op"] == "aten::mm" and err["kind"] == "execution"
     assert err["shapes"] == [[2, 3], [4, 5]] and err["storages"] == [3]
-    assert "2x3" in err["message"] and "4x5" in err["message"]
+    # refused by the pre-flight's meta run (genie.server.preflight) before the kernel: its message names the shapes
+    assert ("2x3" in err["message"] and "4x5" in err["message"]) or "[2, 3] X [4, 5]" in err["message"]
     assert client.sync().deferred == []  # each reply carries and clears them
 
 

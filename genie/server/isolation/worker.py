@@ -230,6 +230,7 @@ def serve_session(spec: WorkerSpec, sock: socket.socket, conn: Connection, clock
     metrics = node_metrics.open_session(spec.session_id, session)
     session.executor.metrics = metrics
     session.executor.clock = clock
+    session.executor.max_op_elements = spec.config.max_op_elements
     if spec.cache is not None:
         control.cache = WorkerCache(spec.cache, conn, control._send_lock)
         session.executor.transfers.cache = control.cache  # type: ignore[assignment]

@@ -1,0 +1,151 @@
+"""Argument checks for allowed ops whose kernels trust their arguments (run by the pre-flight).
+
+Most kernels check their arguments, and the pre-flight's meta run catches most
+malformed shapes. The ops here are the reviewed exceptions on the allow-list
+whose CPU kernels read or write out of bounds, or crash, on arguments their
+own checks miss (found by tests/security/fuzz_ops.py and issue 11). Each check
+is cheap and runs only for its op: a dict lookup by OpOverload for all others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from genie.errors import RemoteExecutionError
+
+Check = Callable[[str, list[Any], dict[str, Any]], None]
+
+
+def _fail(label: str, problem: str) -> RemoteExecutionError:
+    return RemoteExecutionError(f"{label} refused before running: {problem}")
+
+
+def _tensor_lists(args: list[Any], kwargs: dict[str, Any]) -> list[list[torch.Tensor]]:
+    values = [*args, *kwargs.values()]
+    return [v for v in values if isinstance(v, list) and v and all(isinstance(t, torch.Tensor) for t in v)]
+
+
+def check_foreach(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """``_foreach_*``: every non-empty tensor list as long as the first; every tensor on one device."""
+    lists = _tensor_lists(args, kwargs)
+    if not lists:
+        return
+    length, device = len(lists[0]), lists[0][0].device
+    for i, tensors in enumerate(lists):
+        if len(tensors) != length:
+            raise _fail(label, f"tensor list {i} has {len(tensors)} tensors, the first has {length}; "
+                        "every list must be as long")
+        for t in tensors:
+            if t.device != device:
+                raise _fail(label, f"tensors on {t.device} and {device}: a foreach op runs on one device")
+    for value in [*args, *kwargs.values()]:
+        if isinstance(value, list) and value and not all(isinstance(t, torch.Tensor) for t in value) \
+                and len(value) != length:
+            raise _fail(label, f"a list of {len(value)} scalars for {length} tensors")
+
+
+def check_fused_optimizer(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """``_fused_adam(w)_`` / ``_fused_sgd_``: the foreach rules, each index the same shape and dtype across
+    the lists (state steps: one element), momentum buffers present when momentum is used, scalar tensors
+    for ``grad_scale`` / ``found_inf`` / a tensor ``lr``."""
+    check_foreach(label, args, kwargs)
+    lists = [v for v in args if isinstance(v, list)]
+    params = lists[0] if lists else []
+    sgd = "sgd" in label
+    for i, tensors in enumerate(lists[1:], 1):
+        if not tensors:
+            if sgd and i == 2 and kwargs.get("momentum", 0) and params:
+                raise _fail(label, "momentum is set but momentum_buffer_list is empty")
+            continue
+        if len(tensors) != len(params):
+            raise _fail(label, f"list {i} has {len(tensors)} tensors for {len(params)} parameters")
+        steps = not sgd and i == 5
+        for p, t in zip(params, tensors, strict=True):
+            if steps:
+                if t.numel() != 1:
+                    raise _fail(label, f"a state step must have one element, got shape {list(t.shape)}")
+            elif t.shape != p.shape or t.dtype != p.dtype:
+                raise _fail(label, f"list {i} holds a {t.dtype} {list(t.shape)} for a {p.dtype} {list(p.shape)} "
+                            "parameter")
+    for name in ("grad_scale", "found_inf", "lr"):
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise _fail(label, f"{name} must have one element, got shape {list(value.shape)}")
+
+
+def check_embedding_bag_psw_backward(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """``_embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode, pad)``:
+    its CPU kernel indexes ``grad`` by ``offset2bag`` and ``weight`` by ``indices`` unchecked (it read another
+    session's memory): both in range, and as many bags per index."""
+    if len(args) < 5 or not all(isinstance(a, torch.Tensor) for a in args[:5]):
+        return  # the schema check refuses it
+    grad, weight, indices, _offsets, offset2bag = args[:5]
+    if grad.dim() != 2 or weight.dim() != 2 or indices.dim() != 1 or offset2bag.dim() != 1:
+        raise _fail(label, "grad and weight must be 2-d, indices and offset2bag 1-d")
+    if offset2bag.numel() != indices.numel() or grad.size(1) != weight.size(1):
+        raise _fail(label, f"offset2bag has {offset2bag.numel()} entries for {indices.numel()} indices, or grad "
+                    f"and weight differ in width ({grad.size(1)} vs {weight.size(1)})")
+    for name, index, bound in (("indices", indices, weight.size(0)), ("offset2bag", offset2bag, grad.size(0))):
+        if index.is_floating_point() or index.is_complex():
+            raise _fail(label, f"{name} must be integers")
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= bound):
+            raise _fail(label, f"{name} holds values outside [0, {bound})")
+
+
+def check_index_put_impl(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """``_index_put_impl_(..., unsafe)``: ``unsafe=True`` skips checks the public ``index_put_`` keeps."""
+    unsafe = args[4] if len(args) > 4 else kwargs.get("unsafe", False)
+    if unsafe:
+        raise _fail(label, "unsafe=True is not accepted (use index_put_)")
+
+
+def check_batch_norm(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """``native_batch_norm`` and kin: the CPU kernel indexes weight, bias and the running and saved
+    statistics by channel unchecked (a 1-element running_mean for 3 channels read past it): each one given
+    must be 1-d with one element per channel (``input.size(1)``), and the input at least 2-d."""
+    backward = "backward" in label
+    tensors = [a for a in args if isinstance(a, torch.Tensor) or a is None]
+    start = 2 if backward else 1
+    if len(tensors) < start or tensors[start - 1] is None:
+        return  # the schema check refuses it
+    x = tensors[start - 1]
+    assert isinstance(x, torch.Tensor)
+    if x.dim() < 2:
+        raise _fail(label, f"the input must have a batch and a channel dimension, got shape {list(x.shape)}")
+    if backward and isinstance(tensors[0], torch.Tensor) and tensors[0].shape != x.shape:
+        raise _fail(label, f"grad_out {list(tensors[0].shape)} and input {list(x.shape)} differ")
+    channels = x.size(1)
+    for t in tensors[start:]:
+        if t is not None and (t.dim() != 1 or t.numel() != channels):
+            raise _fail(label, f"a per-channel tensor of shape {list(t.shape)} for {channels} channels")
+
+
+#: Checks by op packet name (``aten::_foreach_add_`` covers all its overloads).
+_BY_PACKET: dict[str, Check] = {
+    "aten::_fused_adam_": check_fused_optimizer,
+    "aten::_fused_adamw_": check_fused_optimizer,
+    "aten::_fused_sgd_": check_fused_optimizer,
+    "aten::_embedding_bag_per_sample_weights_backward": check_embedding_bag_psw_backward,
+    "aten::_index_put_impl_": check_index_put_impl,
+    "aten::native_batch_norm": check_batch_norm,
+    "aten::cudnn_batch_norm": check_batch_norm,
+    "aten::native_batch_norm_backward": check_batch_norm,
+    "aten::_native_batch_norm_legit": check_batch_norm,
+    "aten::_native_batch_norm_legit_no_training": check_batch_norm,
+    "aten::_native_batch_norm_legit_functional": check_batch_norm,
+}
+_cache: dict[torch._ops.OpOverload, Check | None] = {}
+
+
+def check_for(op: torch._ops.OpOverload) -> Check | None:
+    """The check of ``op``, or None (cached per overload)."""
+    try:
+        return _cache[op]
+    except KeyError:
+        packet = op.name().split(".", 1)[0]
+        found = _BY_PACKET.get(packet) or (check_foreach if packet.startswith("aten::_foreach_") else None)
+        _cache[op] = found
+        return found
