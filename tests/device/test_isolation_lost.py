@@ -16,7 +16,9 @@ from genie.testing import run_client
 
 @pytest.fixture(scope="module")
 def strict_node() -> Iterator[NodeProcess]:
-    with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--op-deadline", "1") as node:
+    # GENIE_MAX_OP_ELEMENTS=0: no pre-flight element cap, so the runaway sum runs until the deadline
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--op-deadline", "1",
+                     env={"GENIE_MAX_OP_ELEMENTS": "0"}) as node:
         yield node
 
 
