@@ -60,6 +60,16 @@ def _bytes_of(storage: torch.UntypedStorage) -> memoryview:
     return tensor_bytes(torch.empty(0, dtype=torch.uint8).set_(storage))
 
 
+def private_mapping(fd: int | None, nbytes: int) -> torch.UntypedStorage | None:
+    """A private (copy-on-write) storage over the memfd ``fd``, which is closed; None for None."""
+    if fd is None:
+        return None
+    try:
+        return _mapping(fd, nbytes, shared=False)
+    finally:
+        os.close(fd)
+
+
 class Receiver:
     """A new memfd mapped writable, for one keyed upload to be received into; :meth:`ContentCache.keep` it after."""
 
@@ -130,13 +140,7 @@ class ContentCache:
     def lookup(self, key: bytes, nbytes: int, *, nonce: bytes = b"",
                proof: bytes | None = None) -> torch.UntypedStorage | None:
         """A private (copy-on-write) CPU storage of the bytes under ``key``, or None (counted)."""
-        fd = self.lookup_fd(key, nbytes, nonce=nonce, proof=proof)
-        if fd is None:
-            return None
-        try:
-            return _mapping(fd, nbytes, shared=False)
-        finally:
-            os.close(fd)
+        return private_mapping(self.lookup_fd(key, nbytes, nonce=nonce, proof=proof), nbytes)
 
     def lookup_fd(self, key: bytes, nbytes: int, *, nonce: bytes = b"", proof: bytes | None = None) -> int | None:
         """A new descriptor of the sealed memfd holding the bytes under ``key`` (the caller closes it), or

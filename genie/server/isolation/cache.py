@@ -26,7 +26,7 @@ import threading
 from multiprocessing import reduction
 from typing import Any
 
-from genie.server.content import ContentCache, Receiver
+from genie.server.content import ContentCache, Receiver, private_mapping
 from genie.wire.frame import pack_body
 
 #: Seconds a worker waits for the node's answer to a lookup (then it is a miss).
@@ -68,8 +68,6 @@ class WorkerCache:
 
     def lookup(self, key: bytes, nbytes: int, *, nonce: bytes = b"", proof: bytes | None = None) -> Any:
         """A private mapping of the node's entry, or None (a miss, or no answer in time)."""
-        from genie.server.content import _mapping
-
         with self._cond:
             self._seq += 1
             seq = self._seq
@@ -78,12 +76,7 @@ class WorkerCache:
         with self._cond:
             self._cond.wait_for(lambda: seq in self._answers, LOOKUP_WAIT)
             fd = self._answers.pop(seq, None)
-        if fd is None:
-            return None
-        try:
-            return _mapping(fd, nbytes, shared=False)
-        finally:
-            os.close(fd)
+        return private_mapping(fd, nbytes)
 
     def answered(self, seq: Any, hit: Any) -> None:
         """The control thread read ``["cache_got", seq, hit]``; on a hit the descriptor follows on the pipe."""

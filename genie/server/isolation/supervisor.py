@@ -369,20 +369,8 @@ class Supervisor:
         usually over before a client has imported torch itself); ``modules`` (the transport's, whose
         channels workers rebuild) are imported in the zygote too."""
         self._ctx.set_forkserver_preload([*PRELOAD, *modules])
-        self._starting = threading.Thread(target=self._first_spare, name="genie-zygote-start", daemon=True)
+        self._starting = threading.Thread(target=self._refill, name="genie-zygote-start", daemon=True)
         self._starting.start()
-
-    def _first_spare(self) -> None:
-        try:
-            spare: tuple[Any, Any, OpClock] | None = self._make_spare()  # waits for the zygote's imports
-        except Exception as exc:  # the first session forks its own then, and fails with the reason
-            log.warning("cannot start the session worker zygote: %s", exc)
-            return
-        with self._lock:
-            if self._spare is None and not self._closed:
-                self._spare, spare = spare, None
-        if spare is not None:
-            self._discard(spare)
 
     def spawn(self, channel: Any, session_id: int, welcome: dict[str, Any],
               before_start: Callable[[WorkerSession], None] = lambda s: None) -> WorkerSession:
