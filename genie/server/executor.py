@@ -248,12 +248,16 @@ class Executor:
             except GenieError as exc:
                 raise _CommandFailed(_error(label, _shapes(inputs), _kind_of(exc), str(exc), storage_ids)) from None
         except _CommandFailed as failed:
-            for storage_id in storage_ids:
-                self.store.poison(storage_id, f"{failed.record['op']}: {failed.record['message']}")
-            self._defer(failed.record)
+            self.fail_outputs(failed.record, storage_ids)
             return
         for failure in failures:
             self._defer(_error(label, _shapes(inputs), _kind_of(failure), _message(failure), storage_ids))
+
+    def fail_outputs(self, record: dict[str, Any], storage_ids: Sequence[int]) -> None:
+        """A command that was to fill ``storage_ids`` failed: poison them with its error and defer the record."""
+        for storage_id in storage_ids:
+            self.store.poison(storage_id, f"{record['op']}: {record['message']}")
+        self._defer(record)
 
     def _cmd_call(self, cmd: list[Any]) -> None:
         if len(cmd) != 7 or not isinstance(cmd[5], dict) or not isinstance(cmd[6], list):

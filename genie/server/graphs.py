@@ -300,9 +300,7 @@ def _replay(ex: Executor, cmd: list[Any]) -> None:
         except (GenieError, IndexError, TypeError) as exc:  # TypeError, IndexError: an item of a non-sequence
             raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
     except _CommandFailed as failed:
-        for storage_id in storage_ids:
-            ex.store.poison(storage_id, f"{failed.record['op']}: {failed.record['message']}")
-        ex._defer(failed.record)
+        ex.fail_outputs(failed.record, storage_ids)
         return
     for failure in failures:
         ex._defer(_error(label, [], _kind_of(failure), _message(failure), storage_ids))
