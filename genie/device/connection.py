@@ -4,7 +4,9 @@ Ops are encoded on the calling thread and appended to a batch; the batch is sent
 when it grows past a bound, at a sync point, or when the runtime's idle flusher
 finds it waiting (so fire-and-forget work starts even if no sync point comes).
 The bound adapts: small right after a sync point (the server is idle), doubling
-with each batch while the server has work (see ``MIN_BATCH_CMDS``).
+with each batch while the server has work (see ``MIN_BATCH_CMDS``), unless the
+connection measured that full batches from the start are faster on this machine
+(:mod:`genie.device.flushing`).
 A sync point sends the batch and its request in one frame and reads the reply on
 the calling thread: one round trip, no thread hand-off. A lock serialises the
 user's thread, autograd's device thread and the flusher.
@@ -22,6 +24,7 @@ from typing import Any
 import msgpack
 import torch
 
+from genie.device.flushing import FlushChooser
 from genie.device.stats import STATS
 from genie.device.transfers import ClientCache
 from genie.errors import (
@@ -86,6 +89,8 @@ class NodeConnection:
         self._pending_request = False
         #: commands that make a batch full now (adaptive: see MIN_BATCH_CMDS)
         self.flush_at = MIN_BATCH_CMDS
+        #: small first batches or full ones after a sync point, measured (genie.device.flushing)
+        self.flush_policy = FlushChooser()
         self._packer: msgpack.Packer | None = None
         self._packer_default: Callable[[Any], Any] | None = None
         self.stats = {"ops": 0, "bytes_up": 0, "bytes_down": 0, "round_trips": 0, "batches": 0, "bytes_cached": 0}
@@ -344,7 +349,9 @@ class NodeConnection:
                 self.mark_lost(f"no answer: {exc}")
                 raise self._device_lost(device) from exc
             self.stats["round_trips"] += 1
-            self.flush_at = MIN_BATCH_CMDS  # everything sent has run: the server is idle again
+            # Everything sent has run: the server is idle again. Start small (or full, where that measured faster).
+            choice = self.flush_policy.interval_done(self.stats["ops"], time.perf_counter())
+            self.flush_at = MIN_BATCH_CMDS if choice == "small" else MAX_BATCH_CMDS
             STATS.round_trip(command, started, header.payload_len)  # stats
             if self._early_deferred:
                 deferred, self._early_deferred = [*self._early_deferred, *deferred], []

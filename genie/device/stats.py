@@ -42,16 +42,37 @@ def _skip_dirs() -> tuple[str, ...]:
     return _SKIP_DIRS
 
 
+#: code object -> whether it lies outside genie and torch (one startswith per function, not per round trip)
+_outside: dict[Any, bool] = {}
+
+
 def caller_line() -> str:
     """``file.py:LINE (function)`` of the first frame outside genie and torch (``?`` when none)."""
-    skip = _skip_dirs()
+    place = caller_place()
+    return "?" if place is None else _format_place(place)
+
+
+def caller_place() -> tuple[Any, int] | None:
+    """``(code, line)`` of the first frame outside genie and torch, formatted only when read (every
+    round trip records one: the walk is a dict lookup per frame)."""
     frame = sys._getframe(1)
+    outside = _outside
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(skip):
-            return f"{os.path.basename(filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        code = frame.f_code
+        known = outside.get(code)
+        if known is None:
+            known = outside[code] = not code.co_filename.startswith(_skip_dirs())
+        if known:
+            return code, frame.f_lineno
         frame = frame.f_back  # type: ignore[assignment]
-    return "?"
+    return None
+
+
+def _format_place(place: Any) -> str:
+    if place is None:
+        return "?"
+    code, line = place
+    return f"{os.path.basename(code.co_filename)}:{line} ({code.co_name})"
 
 
 def command_reason(command: list[Any]) -> str:
@@ -92,7 +113,7 @@ class ClientStats:
             self.bytes_up = 0
             self.bytes_down = 0
             self.wait_seconds = 0.0
-            self._sync: dict[tuple[str, str], list[float]] = {}
+            self._sync: dict[tuple[Any, str], list[float]] = {}  # (caller_place(), reason)
 
     # -- recording (NodeConnection, under its lock) ----------------------------------------------
     def op_queued(self) -> None:
@@ -107,7 +128,7 @@ class ClientStats:
     def round_trip(self, command: list[Any], started: float, bytes_down: int) -> None:
         """One blocking request answered: ``started`` is its ``time.perf_counter()`` at the start."""
         seconds = time.perf_counter() - started
-        key = (caller_line(), command_reason(command))
+        key = (caller_place(), command_reason(command))
         with self._lock:
             self.round_trips += 1
             self.bytes_down += bytes_down
@@ -123,7 +144,8 @@ class ClientStats:
     def sync_points(self) -> list[SyncPoint]:
         """Every (line, reason) that caused round trips, most round trips first."""
         with self._lock:
-            items = [SyncPoint(line, reason, int(c), s) for (line, reason), (c, s) in self._sync.items()]
+            items = [SyncPoint(_format_place(place), reason, int(c), s)
+                     for (place, reason), (c, s) in self._sync.items()]
         return sorted(items, key=lambda p: (-p.count, -p.seconds, p.line))
 
     def snapshot(self) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Adaptive batches: small right after a sync point, doubling while the server has work.
+"""Adaptive batches: small right after a sync point, doubling while the server has work, unless the
+connection measured full batches faster (genie.device.flushing).
 
 Real server process (the ``remote`` fixture). The test holds the session's lock while it queues,
 so the runtime's idle flusher (which only tries the lock) cannot send a batch in between.
@@ -9,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from genie.device import connection
+from genie.device import connection, flushing
+from genie.device.flushing import FlushChooser
 from genie.device.registry import table
 
 D0 = "remote_accelerator:0"
@@ -19,6 +21,7 @@ pytestmark = pytest.mark.usefixtures("remote")
 
 def test_batches_start_small_after_a_sync_and_double_up_to_the_maximum() -> None:
     conn = table().get(0).connection
+    conn.flush_policy = FlushChooser()  # nothing measured yet: small first batches
     x = torch.zeros(4, device=D0)
     x.sum().item()  # a sync point: the server is idle
     assert conn.flush_at == connection.MIN_BATCH_CMDS
@@ -41,4 +44,69 @@ def test_batches_start_small_after_a_sync_and_double_up_to_the_maximum() -> None
     assert sizes[:3] == [connection.MIN_BATCH_CMDS * k for k in (1, 2, 4)]
     assert sizes[-1] == connection.MAX_BATCH_CMDS
     assert x[0].item() == queued  # every op ran, in order
-    assert conn.flush_at == connection.MIN_BATCH_CMDS
+    # That interval was measured with small first batches: the chooser tries full ones next (its warm-up).
+    assert conn.flush_policy.medians()["small"] is not None
+    assert conn.flush_at == connection.MAX_BATCH_CMDS
+    conn.flush_policy = FlushChooser()
+
+
+def _feed(chooser: FlushChooser, per_op: dict[str, float], intervals: int, ops: int = 200) -> list[str]:
+    """Run ``intervals`` measured intervals of ``ops`` ops, each taking ``per_op[choice]`` seconds per op."""
+    now, total, seen = 1.0, 0, []
+    chooser.interval_done(total, now)
+    for _ in range(intervals):
+        seen.append(chooser.choice)
+        total += ops
+        now += ops * per_op[chooser.choice]
+        chooser.interval_done(total, now)
+    return seen
+
+
+def test_the_chooser_tries_both_then_keeps_full_batches_where_they_measured_faster() -> None:
+    chooser = FlushChooser()
+    seen = _feed(chooser, {"small": 20e-6, "full": 10e-6}, 4 * flushing.WARMUP + 10)
+    assert seen[: 2 * flushing.WARMUP].count("small") == flushing.WARMUP  # alternates while warming up
+    assert seen[: 2 * flushing.WARMUP].count("full") == flushing.WARMUP
+    assert seen[2 * flushing.WARMUP:] == ["full"] * (len(seen) - 2 * flushing.WARMUP)
+    assert chooser.medians() == {"small": pytest.approx(20e-6), "full": pytest.approx(10e-6)}
+
+
+def test_the_chooser_keeps_small_batches_where_the_overlap_wins_and_retries_the_other_now_and_then() -> None:
+    chooser = FlushChooser()
+    seen = _feed(chooser, {"small": 10e-6, "full": 20e-6}, 2 * flushing.WARMUP + 2 * flushing.EXPLORE_EVERY)
+    steady = seen[2 * flushing.WARMUP:]
+    assert steady.count("full") == 2  # one retry per EXPLORE_EVERY measured intervals
+    assert steady.count("small") == len(steady) - 2
+
+
+def test_the_chooser_notices_when_the_faster_choice_changes() -> None:
+    chooser = FlushChooser()
+    _feed(chooser, {"small": 10e-6, "full": 20e-6}, 10)
+    assert chooser.choice == "small"
+    seen = _feed(chooser, {"small": 40e-6, "full": 20e-6}, 3 * flushing.EXPLORE_EVERY)
+    assert seen[-1] == "full"
+
+
+def test_short_intervals_are_not_measured() -> None:
+    """Intervals under MEASURED_OPS ops (a tiny op and .item()) flush only at their sync point either way."""
+    chooser = FlushChooser()
+    _feed(chooser, {"small": 1.0, "full": 1e-9}, 50, ops=flushing.MEASURED_OPS - 1)
+    assert chooser.medians() == {"small": None, "full": None}
+    assert chooser.choice == "small"
+
+
+def test_a_connection_that_measured_full_batches_faster_sends_full_batches_after_a_sync() -> None:
+    conn = table().get(0).connection
+    conn.flush_policy = FlushChooser()
+    _feed(conn.flush_policy, {"small": 20e-6, "full": 10e-6}, 2 * flushing.WARMUP + 1)
+    conn.flush_policy._ops = conn.stats["ops"]  # continue from the connection's own count
+    x = torch.zeros(4, device=D0)
+    x.sum().item()
+    assert conn.flush_at == connection.MAX_BATCH_CMDS
+    with conn.lock:
+        before = conn.stats["batches"]
+        for _ in range(connection.MIN_BATCH_CMDS * 2):
+            x = x + 1
+        assert conn.stats["batches"] == before  # no small first batch
+    assert x[0].item() == connection.MIN_BATCH_CMDS * 2
+    conn.flush_policy = FlushChooser()

@@ -1,0 +1,73 @@
+"""The adaptive flush's choice: how big the first batch after a sync point is, chosen by measuring.
+
+Right after a sync point the server is idle. Sending a small first batch (``small``) sets it to
+work while the user's thread encodes the next ops, and later batches double; sending only
+full batches (``full``) costs fewer frames and wake-ups. Which is faster depends on the
+machine, not on genie: with a core free for each side the overlap wins, but where the two
+sides share cores (a same-host server whose intra-op thread pool takes every core, or both
+pinned to one CPU) the small batches only add frames and preempt the client (bench_remote
+measured the step 1.78x slower than with full batches after sessions moved into worker
+processes). So each connection measures both and keeps the faster one:
+
+- an *interval* runs from one sync point's reply to the next one's; only intervals of at
+  least :data:`MEASURED_OPS` ops are measured (shorter ones flush only at their sync point,
+  whatever the choice), as wall seconds per op;
+- each choice is tried until it has :data:`WARMUP` samples (alternating), then the one with
+  the lower median of its last :data:`SAMPLES` is kept, ties going to ``small``;
+- every :data:`EXPLORE_EVERY` measured intervals the other is tried once more, so a change
+  (another workload, a loaded machine) is noticed.
+
+Workloads repeat (training steps), so the per-op medians compare like with like.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from typing import Literal
+
+Choice = Literal["small", "full"]
+
+#: Intervals shorter than this are not measured (both choices send them in one batch or nearly).
+MEASURED_OPS = 64
+#: Samples each choice needs before the medians decide.
+WARMUP = 2
+#: Samples per choice the median is taken over (the most recent).
+SAMPLES = 5
+#: Measured intervals between two tries of the choice not taken.
+EXPLORE_EVERY = 32
+
+
+class FlushChooser:
+    """One connection's choice between small-first and full batches (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.choice: Choice = "small"
+        self._times: dict[Choice, deque[float]] = {"small": deque(maxlen=SAMPLES), "full": deque(maxlen=SAMPLES)}
+        self._measured = 0
+        self._start = 0.0
+        self._ops = 0
+
+    def interval_done(self, ops_total: int, now: float) -> Choice:
+        """A sync point was answered at ``now`` with ``ops_total`` ops queued so far on the connection:
+        record the interval that ended and return the choice for the next one."""
+        ops = ops_total - self._ops
+        if ops >= MEASURED_OPS and self._start:
+            self._times[self.choice].append((now - self._start) / ops)
+            self.choice = self._choose()
+        self._start, self._ops = now, ops_total
+        return self.choice
+
+    def _choose(self) -> Choice:
+        small, full = self._times["small"], self._times["full"]
+        if len(small) < WARMUP or len(full) < WARMUP:
+            return "full" if len(full) < len(small) else "small"
+        best: Choice = "small" if statistics.median(small) <= statistics.median(full) else "full"
+        self._measured += 1
+        if self._measured % EXPLORE_EVERY == 0:
+            return "full" if best == "small" else "small"
+        return best
+
+    def medians(self) -> dict[str, float | None]:
+        """Seconds per op each choice measured (median of its recent samples; None before any)."""
+        return {k: statistics.median(v) if v else None for k, v in self._times.items()}
