@@ -299,9 +299,15 @@ def measure_genie(port: int, raw: RawPeer, samples: int, pipelined_ops: int, rou
             local_op.append((time.perf_counter() - t0) / pipelined_ops)
         out["pipelined"], out["client_cpu_per_op"], out["local_op"] = rates, client_cpu, local_op
 
-        out["step_client"], out["step_remote"], out["step_local"] = _transformer_steps(dev, rounds)
+        # Adaptive batches: the connection first measures small-first against full batches (two steps of
+        # each, genie.device.flushing), so those warm-up steps are left out like the meta cache's.
+        from genie.device import connection, flushing, registry
+
+        out["step_client"], out["step_remote"], out["step_local"] = _transformer_steps(
+            dev, rounds, warmup=2 + 2 * flushing.WARMUP)
+        policy = registry.table().get(0).connection.flush_policy
+        out["flush_choice"], out["flush_medians"] = policy.choice, policy.medians()
         # The same step with fixed 512-command batches (the flush policy before adaptive batches).
-        from genie.device import connection
 
         adaptive = connection.MIN_BATCH_CMDS
         connection.MIN_BATCH_CMDS = connection.MAX_BATCH_CMDS
@@ -346,7 +352,7 @@ def _tiny_blocks(x: Any, raw: RawPeer, samples: int, blocks: int = 10) -> tuple[
     return lat, raw_lat
 
 
-def _transformer_steps(dev: str, rounds: int) -> tuple[list[float], list[float], list[float]]:
+def _transformer_steps(dev: str, rounds: int, warmup: int = 2) -> tuple[list[float], list[float], list[float]]:
     """A 2-layer transformer training step (forward, backward, AdamW): this thread's CPU time and the
     wall time of the step on the remote device (to its loss.item()), and the same step on the local CPU."""
     import torch
@@ -368,13 +374,13 @@ def _transformer_steps(dev: str, rounds: int) -> tuple[list[float], list[float],
     client, remote, local = [], [], []
     rm, ro, rx = make(dev)
     lm, lo, lx = make("cpu")
-    for i in range(rounds + 2):
+    for i in range(rounds + warmup):
         t0, c0 = time.perf_counter(), time.thread_time()
         step(rm, ro, rx)
         c1, t1 = time.thread_time(), time.perf_counter()
         step(lm, lo, lx)
         t2 = time.perf_counter()
-        if i >= 2:  # the first steps fill the meta cache
+        if i >= warmup:  # the first steps fill the meta cache
             client.append(c1 - c0)
             remote.append(t1 - t0)
             local.append(t2 - t1)
@@ -549,6 +555,8 @@ def run_parent(kids: c.Children, args: argparse.Namespace, samples: int, rounds:
     print(f"genie 2-layer transformer training step, wall: adaptive batches {c.fmt_ms(step_remote)} vs fixed "
           f"512-command batches {c.fmt_ms(step_fixed)} = {step_remote / step_fixed:.2f}x; local CPU "
           f"{c.fmt_ms(step_local)} = {step_remote / step_local:.2f}x local")
+    medians = ", ".join(f"{k} {c.fmt_us(v) if v else '-'}/op" for k, v in g["flush_medians"].items())
+    print(f"  adaptive flush chose {g['flush_choice']} first batches (measured: {medians})")
     table.add("transformer step, wall", c.fmt_ms(step_remote), f"local step {c.fmt_ms(step_local)}",
               f"{step_remote / step_local:.2f}x", "report", None)
     table.add("transformer step, wall", c.fmt_ms(step_remote), f"fixed batches {c.fmt_ms(step_fixed)}",

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
 import select
 import signal
 import threading
@@ -66,6 +67,22 @@ REFRESH_WAIT = 1.0
 PRELOAD = ["torch", "genie.server.isolation.worker", "genie.server.isolation.warm"]
 
 _POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
+
+#: OpenMP settings the zygote (so every worker) starts with unless the operator set them.
+WORKER_OMP = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def worker_environment(environ: Any) -> None:
+    """Set :data:`WORKER_OMP` in ``environ`` (the node's, which the zygote inherits) where unset.
+
+    torch's OpenMP threads otherwise spin for a while after every parallel region. A worker runs
+    one small op after another, so its pool spun almost all the time, taking the cores the client
+    and the other sessions need: on 2 cores a 2-layer transformer step took 200 ms remote against
+    43 ms passive, and the overlap of adaptive batches made it worse (docs/benchmarks.md). libgomp
+    reads this when it loads, so it must be in the environment before the zygote imports torch.
+    """
+    for key, value in WORKER_OMP.items():
+        environ.setdefault(key, value)
 
 
 class StoreView:
@@ -369,6 +386,7 @@ class Supervisor:
         usually over before a client has imported torch itself); ``modules`` (the transport's, whose
         channels workers rebuild) are imported in the zygote too."""
         self._ctx.set_forkserver_preload([*PRELOAD, *modules])
+        worker_environment(os.environ)
         self._starting = threading.Thread(target=self._refill, name="genie-zygote-start", daemon=True)
         self._starting.start()
 
