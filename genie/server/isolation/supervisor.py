@@ -64,7 +64,7 @@ POLITE_KILL = 1.0
 #: How long :meth:`Supervisor.refresh` waits for workers' snapshots.
 REFRESH_WAIT = 1.0
 #: Modules the zygote imports once, so a worker starts with them loaded.
-PRELOAD = ["torch", "genie.server.isolation.worker", "genie.server.isolation.warm"]
+PRELOAD = ["torch", "genie.server.isolation.worker"]
 
 _POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
 
