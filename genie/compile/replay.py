@@ -295,7 +295,11 @@ class ReplayedGraph:
         values = [*full, *plan.scalars]
         cmd = msgpack.packb([wm.CMD_REPLAY, device.local_index, gid, values, descs], use_bin_type=True,
                             default=dispatch.encoder_for(device))
-        device.connection.queue(cmd)
+        conn = device.connection
+        conn.queue(cmd)
+        # A replay is a whole graph's work: send it now, so the server runs it while this process goes on
+        # (queued, it would wait for the batch to fill or for the next sync, and the two sides would take turns).
+        conn.flush()
         self.replayed += 1
         counts["replayed"] += 1
         return tuple(outs) if self.lowered.returns_tuple else outs
