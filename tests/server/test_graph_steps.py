@@ -39,6 +39,7 @@ def test_a_node_records_top_level_nested_and_keyword_references() -> None:
 
 
 def test_building_a_nested_argument_takes_items_of_multi_output_slots() -> None:
-    env = [torch.zeros(1), (torch.ones(1), torch.full((1,), 2.0))]
+    pair = (torch.ones(1), torch.full((1,), 2.0))
+    env: list[object] = [torch.zeros(1), pair]
     built = graphs._build([Ref(0), Ref(1, 1)], env)
-    assert built[0] is env[0] and built[1] is env[1][1]
+    assert built[0] is env[0] and built[1] is pair[1]
