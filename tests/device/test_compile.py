@@ -342,7 +342,9 @@ def test_a_replayed_graph_with_dropout_draws_what_op_by_op_draws_after_each_rese
             torch.manual_seed(seed)
             out = compiled(x)
             out.sum().backward()
-            outs += [out.detach().cpu(), model[0].weight.grad.cpu()]
+            grad = model[0].weight.grad
+            assert isinstance(grad, torch.Tensor)
+            outs += [out.detach().cpu(), grad.cpu()]
         return outs
 
     before = replay.counts["replayed"]
