@@ -13,8 +13,9 @@ Three ways, interleaved round by round so machine load hits all alike: local CPU
 baseline), remote op by op (eager on ``remote_accelerator``), and remote replayed (the model
 compiled with ``backend="genie"``; the optimizer step op by op), and remote replayed with the
 optimizer step compiled too (``torch.compile(opt.step, backend="genie")`` with AdamW's
-``capturable=True``, so its step counters live on the device: the whole step is three commands). Also the step compiled with ``aot_eager`` on the local CPU, to show what compiling alone
-changes. Prints medians with
+``capturable=True``, so its step counters live on the device: the whole step is three commands), and the model
+compiled with ``AdamW(fused=True)`` (one optimizer op a step). Also the step compiled with ``aot_eager`` on the local
+CPU, to show what compiling alone changes. Prints medians with
 their ratios to the baseline, and the closing table. Asserts nothing.
 """
 
@@ -75,15 +76,16 @@ def _gpt(device: str) -> tuple[Any, Any, Callable[[Any], Any]]:
     return model, ids, lambda loss: loss
 
 
-def _stepper(make: Callable[[str], Any], device: str, backend: str | None, optimizer_too: bool = False
-             ) -> Callable[[], float]:
+def _stepper(make: Callable[[str], Any], device: str, backend: str | None, optimizer_too: bool = False,
+             fused: bool = False) -> Callable[[], float]:
     import torch
 
     model, x, loss_of = make(device)
     run = torch.compile(model, backend=backend) if backend else model
     # capturable: the step counters live on the device, so the compiled step's writes to them happen on the server
     # (with CPU counters, the default, genie runs that graph op by op: the server would write only its copy).
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=optimizer_too)
+    # fused: one _fused_adamw_ op per step, sent op by op (torch does not trace into fused optimizers).
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=optimizer_too, fused=fused or None)
     opt_step = torch.compile(opt.step, backend=backend) if optimizer_too and backend else opt.step
 
     def step() -> float:
@@ -103,6 +105,7 @@ def measure(make: Callable[[str], Any], rounds: int) -> dict[str, list[float]]:
         "remote op by op": _stepper(make, "remote_accelerator:0", None),
         "remote replayed": _stepper(make, "remote_accelerator:0", "genie"),
         "remote replayed, optimizer too": _stepper(make, "remote_accelerator:0", "genie", optimizer_too=True),
+        "remote replayed, fused AdamW": _stepper(make, "remote_accelerator:0", "genie", fused=True),
     }
     times: dict[str, list[float]] = {name: [] for name in ways}
     for i in range(rounds + 2):
@@ -143,13 +146,15 @@ def main() -> int:
                 times = measure(make, rounds)
                 local = statistics.median(times["local CPU"])
                 print(f"\n{label}: local CPU {c.fmt_ms(local)}  (baseline)")
-                for name in ("local CPU aot_eager", "remote op by op", "remote replayed", "remote replayed, optimizer too"):
+                for name in ("local CPU aot_eager", "remote op by op", "remote replayed", "remote replayed, optimizer too",
+                             "remote replayed, fused AdamW"):
                     value = statistics.median(times[name])
                     print(f"  {name}: {c.fmt_ms(value)} = {value / local:.2f}x local")
                 replayed = replay.counts["replayed"] - before["replayed"]
                 fallbacks = replay.counts["op_by_op"] - before["op_by_op"]
                 print(f"  graph calls replayed {replayed}, run op by op {fallbacks}")
-                for name, target in (("remote replayed, optimizer too", TARGET_REPLAYED),
+                for name, target in (("remote replayed, fused AdamW", TARGET_REPLAYED),
+                                     ("remote replayed, optimizer too", TARGET_REPLAYED),
                                      ("remote replayed", TARGET_REPLAYED), ("remote op by op", TARGET_OP_BY_OP)):
                     value = statistics.median(times[name])
                     table.add(f"{label}, {name}", c.fmt_ms(value), f"local CPU {c.fmt_ms(local)}",

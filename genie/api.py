@@ -57,6 +57,9 @@ def init_sync(master_addr: str | None = None, master_port: int | None = None, ba
             )
         runtime = Runtime(config)
         _runtime = runtime
+    from genie.device.meta import warm_first_op
+
+    warm_first_op()  # the first op's lazy torch imports, during init's network waits (genie.device.meta)
     try:
         return runtime.start()
     except BaseException:

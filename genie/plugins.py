@@ -16,7 +16,6 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import attrs
-import importlib_metadata
 import pluggy
 
 from genie import hookspecs
@@ -54,6 +53,7 @@ class PluginManager:
 
     def __init__(self, *, autoload: bool | None = None, environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
+        self._environ = env
         self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self._pm.add_hookspecs(hookspecs)
         self.records: dict[str, PluginRecord] = {}
@@ -77,7 +77,9 @@ class PluginManager:
     # -- loading ---------------------------------------------------------------------------
     def load_entry_points(self, only: set[str] | None = None) -> None:
         """Import and register every entry point of group ``genie`` (or only those named)."""
-        found = importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
+        from genie.plugin_cache import entry_points
+
+        found = entry_points(ENTRY_POINT_GROUP, self._environ)
         names = {ep.name for ep in found}
         if only is not None:
             missing = only - names

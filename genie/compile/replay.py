@@ -33,7 +33,7 @@ from genie.device.connection import NodeConnection
 from genie.device.registry import RemoteDevice
 from genie.wire import messages as wm
 from genie.wire.graph import encode_definition
-from genie.wire.values import MAX_INLINE_TENSOR_BYTES
+from genie.wire.values import EXT_TENSOR, MAX_INLINE_TENSOR_BYTES
 
 log = logging.getLogger("genie.compile")
 
@@ -48,7 +48,7 @@ MAX_PLANS = 64
 class Plan:
     """What one input signature needs: the client scalars' values and how to make each output."""
 
-    __slots__ = ("outputs", "reason", "scalars")
+    __slots__ = ("allocation", "outputs", "reason", "scalars")
 
     def __init__(self, scalars: list[Any], outputs: list[tuple[Any, ...]], reason: str | None = None) -> None:
         self.scalars = scalars
@@ -57,17 +57,30 @@ class Plan:
         self.outputs = outputs
         #: why this signature runs op by op (None: it is replayed)
         self.reason = reason
+        #: the outputs' allocation steps (made on the first replay, see _allocation)
+        self.allocation: list[tuple[Any, ...]] | None = None
 
 
 def _fallback(reason: str) -> Plan:
     return Plan([], [], reason)
 
 
-def _signature(inputs: list[Any]) -> tuple[tuple[Any, ...], int] | None:
-    """The cache key of a call's inputs and its remote device's index (-1: none); None if devices mix."""
+#: Byte length of a msgpack unsigned int by its first byte (uint8/16/32/64); a fixint is one byte.
+_UINT_LENGTH = {0xcc: 2, 0xcd: 3, 0xce: 5, 0xcf: 9}
+
+
+def _signature(inputs: list[Any]) -> tuple[tuple[Any, ...], int, list[Any]] | None:
+    """The cache key of a call's inputs, its remote device's index (-1: none) and the inputs as the command
+    carries them (remote tensors as their tensor tags); None if devices mix.
+
+    A remote tensor's tag is the msgpack of its descriptor ``[storage_id, dtype, sizes, strides, offset,
+    storage_nbytes]``, made once in C++: its bytes after the storage id are the layout part of the key
+    (the server's codec caches layouts by the same bytes), the id only says which inputs share a storage.
+    """
     sig: list[Any] = []
+    encoded: list[Any] = []
     device = -1
-    groups: dict[int, int] = {}
+    groups: dict[bytes, int] = {}
     for x in inputs:
         if isinstance(x, torch.Tensor):
             d = x.get_device()
@@ -75,14 +88,22 @@ def _signature(inputs: list[Any]) -> tuple[tuple[Any, ...], int] | None:
                 if device >= 0 and d != device:
                     return None
                 device = d
-                sid, code, sizes, strides, offset, nbytes = dispatch.descriptor(x)
-                group = groups.setdefault(sid, len(groups)) if sid else -1
-                sig.append((code, tuple(sizes), tuple(strides), offset, nbytes, group, x.is_conj() or x.is_neg()))
-            else:
-                sig.append(("C", x.dtype, x.shape, x.stride(), x.storage_offset()))
+                payload = _C.wire_ext_payload(x)
+                first = payload[1]  # payload[0] is the fixarray header
+                end = 2 if first < 0x80 else 1 + _UINT_LENGTH[first]
+                sid = payload[1:end]
+                group = groups.setdefault(sid, len(groups)) if first else -1  # id 0: an empty storage of its own
+                sig.append((payload[end:], group, x.is_conj() or x.is_neg()))
+                encoded.append(_new_tuple(msgpack.ExtType, (EXT_TENSOR, payload)))
+                continue
+            sig.append(("C", x.dtype, x.shape, x.stride(), x.storage_offset()))
         else:
             sig.append((type(x), x))
-    return tuple(sig), device
+        encoded.append(x)
+    return tuple(sig), device, encoded
+
+
+_new_tuple = tuple.__new__
 
 
 def _meta_inputs(inputs: list[Any]) -> tuple[list[Any], dict[int, int]]:
@@ -175,13 +196,37 @@ def _fixed(out: Any, fixup: Any, args: Any, kwargs: Any) -> Any:
     return tree_unflatten(rebuilt, spec)
 
 
+def _allocation(plan: Plan) -> list[tuple[Any, ...]]:
+    """How :func:`_allocate` makes each output, worked out once per plan: ("value", v) | ("input", pos, sizes,
+    strides, offset) | ("fresh", group, dtype, numel, how, sizes, strides, offset) with ``how`` 0 for the
+    base itself, 1 for a view of it, 2 for a strided view."""
+    steps: list[tuple[Any, ...]] = []
+    for spec in plan.outputs:
+        if spec[0] != "fresh":
+            steps.append(spec)
+            continue
+        _, group, dtype, sizes, strides, offset, nbytes = spec
+        numel = nbytes // dtype.itemsize
+        how = 2
+        if offset == 0 and numel == dmeta.storage_numel(sizes, strides, 0) \
+                and strides == tuple(dispatch.contiguous_strides(sizes)):
+            how = 0 if len(sizes) == 1 and sizes[0] == numel else 1
+        steps.append(("fresh", group, dtype, numel, how, sizes, strides, offset))
+    return steps
+
+
 def _allocate(plan: Plan, inputs: list[Any], index: int) -> tuple[list[Any], list[Any]]:
-    """The call's outputs and their descriptors (None for numbers)."""
+    """The call's outputs and their tensor tags (None for numbers)."""
     outs: list[Any] = []
     descs: list[Any] = []
     bases: dict[int, torch.Tensor] = {}
     device = dispatch.torch_device(index)
-    for spec in plan.outputs:
+    steps = plan.allocation
+    if steps is None:
+        steps = plan.allocation = _allocation(plan)
+    as_strided = torch.ops.aten.as_strided.default
+    payload = _C.wire_ext_payload
+    for spec in steps:
         kind = spec[0]
         if kind == "value":
             outs.append(spec[1])
@@ -189,19 +234,15 @@ def _allocate(plan: Plan, inputs: list[Any], index: int) -> tuple[list[Any], lis
             continue
         if kind == "input":
             _, pos, sizes, strides, offset = spec
-            t = torch.ops.aten.as_strided.default(inputs[pos], sizes, strides, offset)
+            t = as_strided(inputs[pos], sizes, strides, offset)
         else:
-            _, group, dtype, sizes, strides, offset, nbytes = spec
+            _, group, dtype, numel, how, sizes, strides, offset = spec
             base = bases.get(group)
             if base is None:
-                base = bases[group] = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device)
-            if offset == 0 and base.numel() == dmeta.storage_numel(sizes, strides, 0) \
-                    and strides == tuple(dispatch.contiguous_strides(sizes)):
-                t = base.view(sizes) if len(sizes) != 1 or sizes[0] != base.numel() else base
-            else:
-                t = torch.ops.aten.as_strided.default(base, sizes, strides, offset)
+                base = bases[group] = torch.empty(numel, dtype=dtype, device=device)
+            t = base if how == 0 else base.view(sizes) if how == 1 else as_strided(base, sizes, strides, offset)
         outs.append(t)
-        descs.append(dispatch.descriptor(t))
+        descs.append(_new_tuple(msgpack.ExtType, (EXT_TENSOR, payload(t))))
     return outs, descs
 
 
@@ -263,7 +304,7 @@ class ReplayedGraph:
             counts["op_by_op"] += 1
             return self.gm(*inputs)
         assert found is not None
-        return self._replay(plan, inputs, found[1])
+        return self._replay(plan, inputs, found[1], found[2])
 
     def _plan(self, sig: Any, inputs: list[Any]) -> Plan:
         for i, x in enumerate(inputs):
@@ -284,18 +325,22 @@ class ReplayedGraph:
         self.plans[sig] = plan
         return plan
 
-    def _replay(self, plan: Plan, inputs: list[Any], index: int) -> Any:
+    def _replay(self, plan: Plan, inputs: list[Any], index: int, encoded: list[Any]) -> Any:
         tbl = registry._table
         device = tbl.devices[index] if tbl is not None and index < len(tbl.devices) else registry.table().get(index)
         gid = self.graph_id(device)
-        full = [*inputs, *self.lowered.constants]
-        outs, descs = _allocate(plan, full, index)
+        constants = self.lowered.constants
+        outs, descs = _allocate(plan, [*inputs, *constants] if constants else inputs, index)
         if self.lowered.random:
             dispatch._seed_if_needed(device, None)
-        values = [*full, *plan.scalars]
+        values = [*encoded, *constants, *plan.scalars]
         cmd = msgpack.packb([wm.CMD_REPLAY, device.local_index, gid, values, descs], use_bin_type=True,
                             default=dispatch.encoder_for(device))
-        device.connection.queue(cmd)
+        conn = device.connection
+        conn.queue(cmd)
+        # A replay is a whole graph's work: send it now, so the server runs it while this process goes on
+        # (queued, it would wait for the batch to fill or for the next sync, and the two sides would take turns).
+        conn.flush()
         self.replayed += 1
         counts["replayed"] += 1
         return tuple(outs) if self.lowered.returns_tuple else outs

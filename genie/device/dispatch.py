@@ -447,6 +447,8 @@ def adopt(desc: Any, device: RemoteDevice) -> torch.Tensor:
 
 def _decode_call_result(info: OpInfo, result: Any, device: RemoteDevice) -> Any:
     kinds = info.result_kinds
+    if not kinds:  # an op that returns nothing (``-> ()``: _fused_sgd_ without a meta kernel): None, as torch's own
+        return None
     values = result if len(kinds) != 1 else [result]
     out: list[Any] = []
     for kind, v in zip(kinds, values, strict=False):

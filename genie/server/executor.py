@@ -501,5 +501,57 @@ class Executor:
         del keep  # the payload views point into this tensor: it must outlive the send
 
 
+    # -- the interface of command hooks (genie.server.graphs uses it instead of the privates above) -------
+
+    def begin(self, device_index: Any) -> torch.device:
+        """Start a command on ``device_index`` (ProtocolError if the node lacks it); returns the device."""
+        self._begin(device_index)
+        return self._device_now
+
+    def device(self, index: Any) -> torch.device:
+        """The node's device ``index`` (ProtocolError if it lacks it)."""
+        return self._device(index)
+
+    def resolve_values(self, values: Any, device_index: int) -> Any:
+        """``values`` with descriptors, devices and generators replaced, as an op's arguments are (bounds checked;
+        every storage used is recorded for :meth:`used_storages`)."""
+        return codec.resolve(values, self._tensor, self._device, self._generator_of(device_index))
+
+    def precheck_outputs(self, label: str, storage_ids: list[int], outs: Sequence[Descriptor | None]) -> None:
+        """QuotaExceededError before running what can never fit (see :meth:`_precheck_outputs`)."""
+        self._precheck_outputs(label, storage_ids, outs)
+
+    def used_storages(self) -> dict[int, torch.UntypedStorage]:
+        """The storages the command being run resolved, by id."""
+        return self._used
+
+    def held_keys(self) -> set[int]:
+        """Storage keys of the storages the current command used (its results over them are not fresh)."""
+        return self._held()
+
+    def account_resizes(self, used: dict[int, torch.UntypedStorage]) -> None:
+        """Zero and count what ops that resize storages in place made them gain."""
+        self._account_resizes(used)
+
+    def store_results(self, label: str, results: Any, outs: list[Descriptor | None], held: set[int]) -> list[Exception]:
+        """Store a command's results by the output rule (:func:`genie.server.outputs.store_outputs`)."""
+        return store_outputs(label, results, outs, self.store, held, self._known_tensor)
+
+    def reply(self, req: Any, error: dict[str, Any] | None, result: Any) -> None:
+        """Answer request ``req`` (with the deferred errors)."""
+        self._reply(req, error, result)
+
+    def defer(self, record: dict[str, Any]) -> None:
+        """Keep an error record for the next reply."""
+        self._defer(record)
+
+
+#: Public names of the helpers command hooks share with the op path.
+CommandFailed = _CommandFailed
+hands_out_uninitialised = _hands_out_uninitialised
+shapes = _shapes
+zero_from = _zero_from
+
+
 def _label(name: Any) -> str:
     return name if isinstance(name, str) and len(name) <= 200 else "<invalid op name>"

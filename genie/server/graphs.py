@@ -20,6 +20,7 @@ the node and its op, and poisons the replay's output storages, exactly as a fail
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from typing import Any
@@ -27,20 +28,19 @@ from typing import Any
 import torch
 
 from genie.errors import ForbiddenOpError, FrameError, GenieError, ProtocolError, QuotaExceededError
-from genie.server import codec
-from genie.server.codec import DeviceRef, GeneratorRef, is_int
+from genie.server.codec import Descriptor, DeviceRef, GeneratorRef, is_int
 from genie.server.devargs import check_device_args
 from genie.server.executor import (
     COMMAND_HOOKS,
+    CommandFailed,
     Executor,
-    _CommandFailed,
-    _hands_out_uninitialised,
-    _shapes,
-    _zero_from,
+    hands_out_uninitialised,
+    shapes,
     tensor_leaves,
+    zero_from,
 )
 from genie.server.ops import resolve_op, run_op
-from genie.server.outputs import OutputMismatch, store_outputs
+from genie.server.outputs import OutputMismatch
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
@@ -61,27 +61,56 @@ _DISPATCH_KEYS = {"CompositeExplicitAutograd": torch._C.DispatchKey.CompositeExp
 
 
 class _Node:
-    """One validated node: its op, argument templates (with :class:`Ref` where values flow in) and run facts."""
+    """One validated node, compiled into what a replay runs: the callable, an argument template and where
+    the node's references are filled in. Built once at CMD_GRAPH time from the resolved OpOverload (never
+    from a client string), so a replay does no lookups per node."""
 
-    __slots__ = ("args", "dyn_args", "dyn_kwargs", "empty", "generator", "kernel", "kwargs", "label", "op", "release",
-                 "runner_name")
+    __slots__ = ("args", "call", "fallback", "kw_refs", "kwargs", "label", "nested", "op", "refs", "release",
+                 "resizes", "zero")
 
     def __init__(self, op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[str, Any],
-                 kernel: Any = None) -> None:
+                 call: Any, fallback: bool) -> None:
         self.op = op
-        #: a composite kernel's dispatch key to run instead of the device's own (None: the device's)
-        self.kernel = kernel
         self.label = label
+        #: the callable run as call(*args, **kwargs): the op's own, its composite kernel's or a session-bound
+        #: generatorless runner (see _callable)
+        self.call = call
+        #: whether a NotImplementedError (no kernel on this device) runs the op path's decomposition instead
+        self.fallback = fallback
+        #: the argument template: constants as they are, references filled per replay into a copy
         self.args = args
         self.kwargs = kwargs
-        #: positions (and keys) holding references: rebuilt per replay; the rest are copied as they are
-        self.dyn_args = [i for i, a in enumerate(args) if _has_ref(a)]
-        self.dyn_kwargs = [k for k, v in kwargs.items() if _has_ref(v)]
-        self.generator = bool(generator_arg(op)[1])
-        self.runner_name = label if label in GENERATORLESS else None
-        self.empty = "empty" in label  # the empty family hands out memory nobody wrote (zeroed, as for CMD_OP)
+        #: top-level references (position, slot, item): the common case, filled without a call
+        self.refs = tuple((p, a.slot, a.item) for p, a in enumerate(args) if type(a) is Ref)
+        #: positions of lists holding references (a tensor list: cat, stack, _foreach_*), rebuilt per replay
+        self.nested = tuple((p, a) for p, a in enumerate(args) if type(a) is list and _has_ref(a))
+        self.kw_refs = tuple((k, v) for k, v in kwargs.items() if _has_ref(v))
+        #: the empty family hands out memory nobody wrote: zeroed, as for CMD_OP
+        self.zero = hands_out_uninitialised(label)
+        #: whether it may change a storage's size (resize_, set_, out=): the replay then counts what storages gained
+        self.resizes = _may_resize(op)
         #: slots whose last use is this node: dropped after it runs
-        self.release: list[int] = []
+        self.release: tuple[int, ...] = ()
+
+
+def _may_resize(op: torch._ops.OpOverload) -> bool:
+    """In-place and out= ops that may grow a storage (an in-place op like add_ never changes its sizes)."""
+    writes = [a for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if not writes:
+        return False
+    name = op._schema.name
+    return "resize" in name or name.endswith("::set_") or any(a.kwarg_only for a in writes)
+
+
+def _callable(ex: Executor, op: torch._ops.OpOverload, label: str, kernel: Any, device_index: int) -> tuple[Any, bool]:
+    """What a node runs, bound once: (callable, whether a missing kernel falls back to a decomposition)."""
+    if label in GENERATORLESS:
+        run = GENERATORLESS[label]
+        g = ex.generators.get(device_index, 0)  # the session's default: one object for the session's life
+        return (lambda *args, **kwargs: run(g, list(args), kwargs)), False
+    if kernel is not None:
+        return functools.partial(op._op_dk, kernel), False
+    return op._op, True  # what OpOverload.__call__ runs, without its frame
 
 
 class Graph:
@@ -93,6 +122,8 @@ class Graph:
         self.inputs = inputs
         self.nodes = nodes
         self.outputs = outputs
+        #: whether a node may change a storage's size: only then does a replay look for storages that grew
+        self.resizes = any(node.resizes for node in nodes)
 
 
 class SessionGraphs:
@@ -134,7 +165,7 @@ def _define(ex: Executor, cmd: list[Any]) -> None:
     label = f"graph {graph_id}"
     error = None
     try:
-        ex._begin(device_index)
+        ex.begin(device_index)
         definition = decode_definition(blob, DeviceRef, GeneratorRef)
         graphs = session_graphs(ex)
         if graph_id in graphs.graphs:
@@ -151,7 +182,7 @@ def _define(ex: Executor, cmd: list[Any]) -> None:
         raise
     except (GenieError, RuntimeError) as exc:
         error = _error(label, [], _kind_of(exc), _message(exc))
-    ex._reply(req, error, None)
+    ex.reply(req, error, None)
 
 
 def _validate(ex: Executor, graph_id: int, device_index: int, definition: Definition) -> Graph:
@@ -179,7 +210,7 @@ def _validate(ex: Executor, graph_id: int, device_index: int, definition: Defini
             if kind is dict:
                 return {k: resolved(v) for k, v in value.items()}
             if kind is DeviceRef:
-                return ex._device(value.index)
+                return ex.device(value.index)
             if kind is GeneratorRef:
                 return ex.generators.get(device_index, value.generator_id)
             return value
@@ -191,15 +222,21 @@ def _validate(ex: Executor, graph_id: int, device_index: int, definition: Defini
             if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), rest[0]):
                 raise ProtocolError(f"{where}: {label} has no {rest[0]} kernel")
             kernel = _DISPATCH_KEYS[rest[0]]
-        nodes.append(_Node(op, label, node_args, node_kwargs, kernel))
+        if generator_arg(op)[1]:  # a None generator is the session's default: bound now, as CMD_OP binds it per op
+            ex.generators.fill_default(op, node_args, node_kwargs, device_index)
+        call, fallback = _callable(ex, op, label, kernel, device_index)
+        nodes.append(_Node(op, label, node_args, node_kwargs, call, fallback))
     end = n + len(nodes)
     for ref in definition.outputs:
         if ref is not None and ref.slot >= end:
             raise ProtocolError(f"graph {graph_id} output refers to slot {ref.slot}; the graph has {end} slots")
     kept = {ref.slot for ref in definition.outputs if ref is not None}
+    release: dict[int, list[int]] = {}
     for slot, i in last_use.items():
         if slot not in kept:
-            nodes[i].release.append(slot)
+            release.setdefault(i, []).append(slot)
+    for i, slots in release.items():
+        nodes[i].release = tuple(slots)
     return Graph(graph_id, device_index, n, nodes, list(definition.outputs))
 
 
@@ -220,11 +257,54 @@ def _build(value: Any, env: list[Any]) -> Any:
 _NESTED = (Ref, list)
 
 
+def _run_nodes(ex: Executor, graph: Graph, env: list[Any], held: set[int], label: str,
+               storage_ids: list[int]) -> None:
+    """Run the graph's nodes over ``env`` (inputs, then one slot per node); CommandFailed names a failing node."""
+    slot = graph.inputs
+    node: _Node | None = None
+    args: Any = ()
+    kwargs: Any = {}
+    try:
+        for node in graph.nodes:
+            args = node.args
+            if node.refs or node.nested:
+                args = args.copy()
+                for pos, src, item in node.refs:
+                    value = env[src]
+                    args[pos] = value if item < 0 else value[item]
+                for pos, template in node.nested:
+                    args[pos] = _build(template, env)
+            kwargs = node.kwargs
+            if node.kw_refs:
+                kwargs = dict(kwargs)
+                for key, template in node.kw_refs:
+                    kwargs[key] = _build(template, env)
+            try:
+                result = node.call(*args, **kwargs)
+            except NotImplementedError:
+                if not node.fallback:
+                    raise
+                result = run_op(node.op, args, kwargs)  # a missing kernel: the op path's decomposition
+            if node.zero:
+                for t in tensor_leaves(result):
+                    if t.layout == torch.strided and t.untyped_storage().data_ptr() not in held:
+                        zero_from(t.untyped_storage(), 0)
+            env[slot] = result
+            slot += 1
+            for dead in node.release:
+                env[dead] = None
+    except Exception as exc:
+        i = slot - graph.inputs
+        where = f"{label} node {i} ({node.label})" if node is not None else label
+        raise CommandFailed(_error(where, shapes((args, kwargs)), _kind_of(exc), _message(exc),
+                                   storage_ids)) from None
+
+
 def _replay(ex: Executor, cmd: list[Any]) -> None:
     if len(cmd) != 5 or not isinstance(cmd[3], list) or not isinstance(cmd[4], list):
         raise FrameError("REPLAY must be [CMD_REPLAY, device, graph_id, inputs, outs]")
     device_index, graph_id, inputs = cmd[1], cmd[2], cmd[3]
-    outs = [None if o is None else codec.Descriptor.parse(o, "output descriptor") for o in cmd[4]]
+    outs = [o if o is None or type(o) is Descriptor else Descriptor.parse(o, "output descriptor") for o in cmd[4]]
     storage_ids = [o.storage_id for o in outs if o is not None and o.storage_id]
     label = f"graph {graph_id!r:.40}"
     try:
@@ -237,49 +317,23 @@ def _replay(ex: Executor, cmd: list[Any]) -> None:
             if len(inputs) != graph.inputs or len(outs) != len(graph.outputs):
                 raise ProtocolError(f"{label} takes {graph.inputs} inputs and {len(graph.outputs)} outputs, got "
                                     f"{len(inputs)} and {len(outs)}")
-            ex._begin(device_index)
-            generator = lambda gid: ex.generators.get(device_index, gid)  # noqa: E731
-            env = codec.resolve(inputs, ex._tensor, ex._device, generator)
-            ex._precheck_outputs(label, storage_ids, outs)
+            ex.begin(device_index)
+            env = ex.resolve_values(inputs, device_index)
+            ex.precheck_outputs(label, storage_ids, outs)
         except (GenieError, IndexError, RuntimeError) as exc:
-            raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
+            raise CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
         env.extend([None] * len(graph.nodes))
-        used = ex._used
-        held = ex._held()
+        used = ex.used_storages()
+        held = ex.held_keys()
         started = time.perf_counter()  # metrics
-        slot = graph.inputs
         try:
-            for i, node in enumerate(graph.nodes):
-                args = list(node.args)
-                kwargs = dict(node.kwargs)
-                try:
-                    for p in node.dyn_args:
-                        args[p] = _build(args[p], env)
-                    for k in node.dyn_kwargs:
-                        kwargs[k] = _build(kwargs[k], env)
-                    if node.generator:
-                        ex.generators.fill_default(node.op, args, kwargs, device_index)
-                    if node.runner_name is not None:
-                        runner = ex.generators.generatorless(node.runner_name, device_index)
-                        assert runner is not None
-                        result = runner(args, kwargs)
-                    elif node.kernel is not None:
-                        result = node.op._op_dk(node.kernel, *args, **kwargs)
-                    else:
-                        result = run_op(node.op, args, kwargs)
-                except Exception as exc:
-                    ex.metrics.record_op("genie::replay", "error", time.perf_counter() - started)  # metrics
-                    raise _CommandFailed(_error(f"{label} node {i} ({node.label})", _shapes((args, kwargs)),
-                                                _kind_of(exc), _message(exc), storage_ids)) from None
-                if node.empty and _hands_out_uninitialised(node.label):
-                    for t in tensor_leaves(result):
-                        if t.layout == torch.strided and t.untyped_storage().data_ptr() not in held:
-                            _zero_from(t.untyped_storage(), 0)
-                env[slot + i] = result
-                for dead in node.release:
-                    env[dead] = None
+            _run_nodes(ex, graph, env, held, label, storage_ids)
+        except CommandFailed:
+            ex.metrics.record_op("genie::replay", "error", time.perf_counter() - started)  # metrics
+            raise
         finally:
-            ex._account_resizes(used)
+            if graph.resizes:
+                ex.account_resizes(used)
         ex.ops_run += len(graph.nodes)
         ex.metrics.record_op("genie::replay", "ok", time.perf_counter() - started)  # metrics
         results: list[Any] = []
@@ -293,17 +347,18 @@ def _replay(ex: Executor, cmd: list[Any]) -> None:
                     results.append(value)
                     descs.append(desc)
             env.clear()
-            failures = store_outputs(label, results, descs, ex.store, ex._held(), ex._known_tensor)
+            # The inputs' storage keys again only where a node may have moved a storage (resize_ reallocates).
+            failures = ex.store_results(label, results, descs, ex.held_keys() if graph.resizes else held)
         except OutputMismatch as exc:
-            raise _CommandFailed(_error(label, [], "mismatch", f"server and client disagree on the output of "
-                                        f"{label}: {exc}", storage_ids)) from None
+            raise CommandFailed(_error(label, [], "mismatch", f"server and client disagree on the output of "
+                                       f"{label}: {exc}", storage_ids)) from None
         except (GenieError, IndexError, TypeError) as exc:  # TypeError, IndexError: an item of a non-sequence
-            raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
-    except _CommandFailed as failed:
+            raise CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
+    except CommandFailed as failed:
         ex.fail_outputs(failed.record, storage_ids)
         return
     for failure in failures:
-        ex._defer(_error(label, [], _kind_of(failure), _message(failure), storage_ids))
+        ex.defer(_error(label, [], _kind_of(failure), _message(failure), storage_ids))
 
 
 COMMAND_HOOKS[CMD_GRAPH] = _define

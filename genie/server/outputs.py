@@ -52,7 +52,9 @@ def store_outputs(op: str, result: Any, outs: list[Descriptor | None], store: St
     a result over one of them is not fresh and is never adopted under a new id.
     ``tensor_of`` builds the described tensor over a known storage (bounds checked).
     """
-    results = flatten_outputs(result)
+    # An op that returns nothing (``-> ()``: _fused_adamw_, _fused_sgd_) gives None from Python, which would
+    # read as one undefined tensor; the client expects no output of it.
+    results = flatten_outputs(result) if result is not None or outs else []
     if len(results) != len(outs):
         raise OutputMismatch(f"it returned {len(results)} outputs, the client expected {len(outs)}")
     for i, (t, desc) in enumerate(zip(results, outs, strict=True)):

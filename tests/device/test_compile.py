@@ -326,3 +326,30 @@ def test_a_graph_returning_a_cpu_tensor_runs_op_by_op_and_keeps_its_device(caplo
         a, b = torch.compile(f, backend="genie")(x, scale)
     assert a.device == torch.device(D0) and b.device == torch.device("cpu")
     assert torch.equal(a.cpu(), x.cpu() * 2) and torch.equal(b, torch.tensor(3.0))
+
+
+def test_a_replayed_graph_with_dropout_draws_what_op_by_op_draws_after_each_reseed() -> None:
+    """The session's default generator is bound into the graph once; reseeding it (torch.manual_seed) between
+    calls reseeds what the replay draws from, exactly as op by op."""
+    def run(backend: str) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4)).to(D0)
+        compiled = torch.compile(model, backend=backend)
+        x = torch.randn(6, 8).to(D0)
+        outs = []
+        for seed in (1, 2, 1):
+            torch.manual_seed(seed)
+            out = compiled(x)
+            out.sum().backward()
+            grad = model[0].weight.grad
+            assert isinstance(grad, torch.Tensor)
+            outs += [out.detach().cpu(), grad.cpu()]
+        return outs
+
+    before = replay.counts["replayed"]
+    replayed = run("genie")
+    assert replay.counts["replayed"] - before == 6  # forward and backward, three calls
+    op_by_op = run("aot_eager")
+    assert all(torch.equal(r, o) for r, o in zip(replayed, op_by_op, strict=True))
+    assert torch.equal(replayed[0], replayed[4]) and not torch.equal(replayed[0], replayed[2])
