@@ -52,7 +52,8 @@ def test_batches_start_small_after_a_sync_and_double_up_to_the_maximum() -> None
 
 def _feed(chooser: FlushChooser, per_op: dict[str, float], intervals: int, ops: int = 200) -> list[str]:
     """Run ``intervals`` measured intervals of ``ops`` ops, each taking ``per_op[choice]`` seconds per op."""
-    now, total, seen = 1.0, 0, []
+    now, total = 1.0, 0
+    seen: list[str] = []
     chooser.interval_done(total, now)
     for _ in range(intervals):
         seen.append(chooser.choice)
