@@ -14,14 +14,24 @@
  * (gd_engine_start/stop) does every rx/tx burst; callers' threads hand it work and
  * wait on a condition variable.
  *
+ * Closing (the reason for ctl_fd): a memif peer that closes its port makes DPDK unmap our port's
+ * shared memory on EAL's interrupt thread, under a burst the engine may be running on that port
+ * (SIGSEGV). So a port is polled only while its peer is known to poll too: each channel watches its
+ * TCP control stream (a descriptor of its own, ctl_fd); when the peer shuts its sending side, the
+ * engine stops polling the channel at once and shuts ours, and a closing side shuts its sending side
+ * only after its engine let go of the channel and closes its port only after the peer's shutdown came
+ * (genie_dpdk.channel). Both ports are closed only when neither engine touches them.
+ *
  * Loss injection for tests: gd_chan_set_loss drops received frames with a seeded
  * probability, on the receive side, before any protocol processing.
  */
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -69,6 +79,8 @@ struct gd_chan {
     pthread_cond_t cv;
     int closed;
     int error;
+    int ctl_fd;    /* the TCP control stream (a dup owned by Python), -1: none */
+    int peer_gone; /* the peer shut its control stream: never touch the port again */
     /* sender: one operation at a time */
     const uint8_t *tx_buf;
     uint64_t tx_len, tx_first, tx_end; /* segments [tx_first, tx_end) */
@@ -237,7 +249,8 @@ void gd_port_close(uint16_t port, const char *name) {
 }
 
 /* ---- channels ------------------------------------------------------------------------- */
-struct gd_chan *gd_chan_new(uint16_t port, uint32_t id, uint8_t dir, const uint8_t *peer_mac, uint32_t mss) {
+struct gd_chan *gd_chan_new(uint16_t port, uint32_t id, uint8_t dir, const uint8_t *peer_mac, uint32_t mss,
+                            int ctl_fd) {
     struct gd_chan *c = calloc(1, sizeof *c);
     if (c == NULL)
         return NULL;
@@ -250,6 +263,7 @@ struct gd_chan *gd_chan_new(uint16_t port, uint32_t id, uint8_t dir, const uint8
     c->id = id;
     c->dir = dir;
     c->mss = mss;
+    c->ctl_fd = ctl_fd;
     rte_eth_macaddr_get(port, &c->my_mac);
     memcpy(c->peer_mac.addr_bytes, peer_mac, 6);
     c->pool = port < RTE_MAX_ETHPORTS ? port_pool[port] : NULL;
@@ -297,7 +311,7 @@ static void deadline_of(struct timespec *ts, double timeout);
 void gd_chan_close(struct gd_chan *c) {
     pthread_mutex_lock(&c->mu);
     c->closed = 1;
-    c->final_acks = engine_started ? 2 : 0;
+    c->final_acks = engine_started && !c->peer_gone ? 2 : 0;
     pthread_cond_broadcast(&c->cv);
     struct timespec ts;
     deadline_of(&ts, 0.02);
@@ -319,6 +333,13 @@ void gd_chan_free(struct gd_chan *c) {
     pthread_cond_destroy(&c->cv);
     free(c->slots);
     free(c);
+}
+
+int gd_chan_peer_gone(struct gd_chan *c) {
+    pthread_mutex_lock(&c->mu);
+    int gone = c->peer_gone;
+    pthread_mutex_unlock(&c->mu);
+    return gone;
 }
 
 int gd_chan_stats(struct gd_chan *c, uint64_t *out) {
@@ -370,7 +391,7 @@ int gd_send_wait(struct gd_chan *c, double slice) {
     pthread_mutex_lock(&c->mu);
     int rc = 0;
     while (c->tx_active && c->snd_una < c->tx_end) {
-        if (c->closed || c->error) {
+        if (c->closed || c->error || c->peer_gone) {
             rc = -EPIPE;
             break;
         }
@@ -410,6 +431,10 @@ int64_t gd_recv(struct gd_chan *c, uint8_t *buf, uint64_t len, double slice) {
             return got ? (int64_t)got : -EPIPE;
         }
         if (c->rcv_read == c->rcv_nxt) {
+            if (c->peer_gone) { /* everything it sent was acknowledged, so it is here: nothing more comes */
+                pthread_mutex_unlock(&c->mu);
+                return got ? (int64_t)got : -EPIPE;
+            }
             if (got || pthread_cond_timedwait(&c->cv, &c->mu, &ts) == ETIMEDOUT)
                 break;
             continue;
@@ -692,18 +717,58 @@ static void on_frame(struct gd_chan *c, struct rte_mbuf *m, uint64_t now) {
     }
 }
 
+/* Whether the peer shut its side of the control stream (or it failed). */
+static int peer_shut(struct gd_chan *c) {
+    if (c->ctl_fd < 0)
+        return 0;
+    struct pollfd p = {c->ctl_fd, POLLRDHUP, 0};
+    return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL));
+}
+
+static void on_frame(struct gd_chan *c, struct rte_mbuf *m, uint64_t now);
+
+/* The peer let go of its port (it shuts its control stream only after): take what its last frames
+ * said (its final acks), then let go of ours for good and shut our side of the control stream, so
+ * the peer, waiting for that, knows we no longer poll (see the top). Called with reg_mu held. */
+static void let_go(struct gd_chan *c) {
+    struct rte_mbuf *ms[BURST];
+    uint16_t n;
+    pthread_mutex_lock(&c->mu);
+    do {
+        n = rte_eth_rx_burst(c->port, 0, ms, BURST);
+        uint64_t now = rte_get_tsc_cycles();
+        for (uint16_t k = 0; k < n; k++) {
+            if (!c->closed)
+                on_frame(c, ms[k], now);
+            rte_pktmbuf_free(ms[k]);
+        }
+    } while (n == BURST);
+    c->peer_gone = 1;
+    c->final_acks = 0;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    shutdown(c->ctl_fd, SHUT_WR);
+}
+
 static void *engine_main(void *unused) {
     (void)unused;
     rte_thread_register(); /* an lcore id: per-lcore mempool caches */
     struct rte_mbuf *ms[BURST];
-    unsigned idle = 0;
+    unsigned idle = 0, pass = 0;
     while (engine_run) {
         int work = 0;
+        /* The control streams are looked at every 16th pass while busy (a system call each) and at every
+         * pass that naps; the closing side waits for our shutdown, so how soon only bounds its wait. */
+        int look = (++pass & 15) == 0 || idle > 2000;
         pthread_mutex_lock(&reg_mu);
         for (int i = 0; i < MAXCHAN; i++) {
             struct gd_chan *c = chans[i];
-            if (c == NULL)
+            if (c == NULL || c->peer_gone)
                 continue;
+            if (look && peer_shut(c)) {
+                let_go(c);
+                continue;
+            }
             uint16_t n = rte_eth_rx_burst(c->port, 0, ms, BURST);
             uint64_t now = rte_get_tsc_cycles();
             pthread_mutex_lock(&c->mu);
