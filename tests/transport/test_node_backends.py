@@ -10,7 +10,11 @@ silent fallback.
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 
 import pytest
@@ -104,3 +108,33 @@ def test_node_info_data_ports_round_trip_and_bad_entries_are_refused() -> None:
     for bad in ([5000], {"shm": "5000"}, {"shm": 0}, {"shm": 70000}, {"": 5}, {"shm": True}):
         with pytest.raises(ValueError, match="data_ports"):
             parse_data_ports(bad)
+
+
+def test_a_client_on_another_host_gets_dpdk_over_af_packet(veth_namespaces) -> None:
+    """Node and client in two network namespaces joined by veth (two hosts, as far as the network goes),
+    each with GENIE_DPDK_IFACE on its end: auto picks dpdk (shm cannot reach another host), on the
+    port the node announced for it, and tensors cross in af_packet frames."""
+    if not engine.shim_built():
+        pytest.skip(engine.NO_SHIM)
+    veth = veth_namespaces
+    tag = veth.ns_a.split("-")[1]
+    dev_a, dev_b = f"gv{tag}a", f"gv{tag}b"
+    token = {"GENIE_AUTH_TOKEN": "af-packet-test-token-3c9e", "GENIE_PLUGINS": "tcp,shm,dpdk"}
+    node = NodeProcess("serve", "--host", veth.addr_a, "--port", "5555", "--devices", "cpu",
+                       env={**token, "GENIE_DPDK_IFACE": dev_a})
+    node.argv = veth.argv(veth.ns_a, *node.argv)
+    body = textwrap.dedent(WORK) + "from genie_dpdk import engine\nprint('MOVED', *engine.bytes_moved())\n"
+    script = "\n".join([
+        "import genie, torch",
+        f"state = genie.init_sync(master_addr={veth.addr_a!r}, master_port=5555, timeout=30)",
+        "try:", textwrap.indent(body.strip(), "    "),
+        "finally:", "    genie.shutdown_sync()",
+    ])
+    with node:  # run_client cannot enter a namespace: the same script, under ip netns exec
+        out = subprocess.run(veth.argv(veth.ns_b, sys.executable, "-c", script), capture_output=True, text=True,
+                             timeout=120, env={**os.environ, **token, "GENIE_DPDK_IFACE": dev_b})
+    assert out.returncode == 0, out.stdout + out.stderr
+    ports = json.loads(_lines(out.stdout, "PORTS")[0])
+    assert _lines(out.stdout, "SESSION")[0] == f"dpdk {veth.addr_a}:{ports['dpdk']}"
+    sent, received = (int(v) for v in _lines(out.stdout, "MOVED")[0].split())
+    assert sent >= 1 << 20 and received >= 1 << 20  # the 1 MiB tensor, both ways, in DPDK frames
