@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,16 +26,10 @@ from genie.types import NodeInfo, NodeRole, parse_data_ports
 SERVED = ("shm", "dpdk", "tcp")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def node() -> Iterator[NodeProcess]:
     """A node that may serve tcp, shm and dpdk (other plugins left out: rdma needs UCX_TLS here)."""
-    with NodeProcess("serve", "--port", str(_free_port()), "--devices", "cpu",
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu",
                      env={"GENIE_PLUGINS": "tcp,shm,dpdk"}) as server:
         yield server
 
@@ -86,7 +79,7 @@ def test_a_backend_the_node_does_not_serve_is_a_clear_error() -> None:
     """A node told to serve shm and tcp only; a client asking for dpdk fails naming why, and auto still works."""
     if not engine.shim_built():
         pytest.skip(engine.NO_SHIM)
-    with NodeProcess("serve", "--port", str(_free_port()), "--devices", "cpu", "--backend", "shm,tcp",
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--backend", "shm,tcp",
                      env={"GENIE_PLUGINS": "tcp,shm,dpdk"}) as node:
         result = run_client(node.control_port, "print('CONNECTED', state.backend)",
                             env={"GENIE_PLUGINS": "tcp,shm,dpdk", "GENIE_BACKEND": "dpdk"})
