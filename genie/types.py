@@ -84,6 +84,12 @@ class NodeInfo:
     gpus: tuple[GPUInfo, ...] = ()
     backends: tuple[str, ...] = ("tcp",)
     status: NodeStatus = NodeStatus.CONNECTED
+    #: the port serving each backend (a node serves every backend available on it); ``data_port`` for the rest
+    data_ports: dict[str, int] = attrs.field(factory=dict)
+
+    def port_for(self, backend: str) -> int:
+        """The data port that serves ``backend``."""
+        return self.data_ports.get(backend, self.data_port)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -95,6 +101,7 @@ class NodeInfo:
             "gpus": [g.to_dict() for g in self.gpus],
             "backends": list(self.backends),
             "status": self.status.value,
+            "data_ports": dict(self.data_ports),
         }
 
     @classmethod
@@ -108,7 +115,23 @@ class NodeInfo:
             gpus=tuple(GPUInfo.from_dict(g) for g in data.get("gpus", ())),
             backends=tuple(str(b) for b in data.get("backends", ("tcp",))),
             status=NodeStatus(data.get("status", NodeStatus.CONNECTED.value)),
+            data_ports=parse_data_ports(data.get("data_ports")),
         )
+
+
+def parse_data_ports(value: Any) -> dict[str, int]:
+    """A node's ``data_ports`` from the network: backend names to ports, every entry checked (ValueError)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > 64:
+        raise ValueError("data_ports must be an object of at most 64 backend names to ports")
+    out = {}
+    for name, port in value.items():
+        if not isinstance(name, str) or not 0 < len(name) <= 64 or not isinstance(port, int) \
+                or isinstance(port, bool) or not 0 < port <= 65535:
+            raise ValueError(f"data_ports entry {name!r}: {port!r} is not a backend name and a port")
+        out[name] = port
+    return out
 
 
 @attrs.frozen

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import attrs
 from anyio.abc import ByteStream, SocketStream, TaskGroup
 
 from genie.cluster.membership import Membership
@@ -191,7 +192,8 @@ class ControlService:
                 self._acks.clear()
             nodes = [
                 {"node_id": m.info.node_id, "status": m.status.value, "address": m.info.address,
-                 "data_port": m.info.data_port, "role": m.info.role.value, "backends": list(m.info.backends),
+                 "data_port": m.info.data_port, "data_ports": dict(m.info.data_ports), "role": m.info.role.value,
+                 "backends": list(m.info.backends),
                  "devices": m.devices()}
                 for m in self.membership.changed_since(since)
             ]
@@ -204,8 +206,7 @@ class ControlService:
         except (KeyError, TypeError, ValueError) as exc:
             raise GenieError(f"JOIN without a valid node description: {exc}") from None
         if info.role != NodeRole.CLIENT and info.address in ("", "0.0.0.0", "::"):
-            info = NodeInfo(info.node_id, info.hostname, info.role, peer_host, info.data_port, info.gpus,
-                            info.backends, info.status)
+            info = attrs.evolve(info, address=peer_host)
         for event in self.membership.join(info):
             await self.emit(event)
         # Clients need the whole view (nodes, devices, figures for placement); a worker never reads it,

@@ -21,7 +21,7 @@ from genie.errors import ConnectError
 from genie.plugins import PluginManager
 from genie.security import ClientSecurity
 from genie.transport.selection import connect_with_fallback, select
-from genie.types import ClusterEvent, EventType, GPUInfo
+from genie.types import ClusterEvent, EventType, GPUInfo, parse_data_ports
 from genie.wire.handshake import secure_client_channel
 from genie.wire.messages import hello_body
 
@@ -50,14 +50,24 @@ def _open_session(pm: PluginManager, config: ClusterConfig, security: ClientSecu
     address = node["address"]
     if address in ("", "0.0.0.0", "::") or node.get("role") == "server":
         address = config.master_addr  # the master's own devices: where we reached it
-    outcome = connect_with_fallback(peer, transports, (address, int(node["data_port"])),
+    try:
+        ports = parse_data_ports(node.get("data_ports"))  # the port of each backend the node serves
+    except ValueError as exc:
+        log.warning("node %s announced unusable data ports (%s); using its data_port for every backend",
+                    node["node_id"], exc)
+        ports = {}
+
+    def port_of(name: str) -> int:
+        return ports.get(name, int(node["data_port"]))
+
+    outcome = connect_with_fallback(peer, transports, lambda name: (address, port_of(name)),
                                     timeout=config.connect_timeout, emit=emit, source=client_id)
     channel = outcome.channel
     if security.tls is not None:
         channel.settimeout(config.connect_timeout)
         channel = secure_client_channel(channel, security.tls, server_hostname=address,
-                                        where=f"node {node['node_id']} at {address}:{node['data_port']}")
-    conn = NodeConnection(channel, node_id=node["node_id"], address=f"{address}:{node['data_port']}",
+                                        where=f"node {node['node_id']} at {address}:{port_of(outcome.backend)}")
+    conn = NodeConnection(channel, node_id=node["node_id"], address=f"{address}:{port_of(outcome.backend)}",
                           op_timeout=config.op_timeout)
     conn.backend = outcome.backend
     conn.upload_cache = config.upload_cache

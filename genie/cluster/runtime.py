@@ -218,15 +218,19 @@ class Runtime:
         if role in (NodeRole.SERVER, NodeRole.WORKER):
             from genie.server.node import DataPlaneServer, parse_devices
 
-            transport = self.pm.transports()[selection.best.name]()
+            # Serve every candidate backend (the best on data_port), so each client gets the best both support.
+            classes = self.pm.transports()
+            transport, *also = (classes[name]() for name in selection.names)
             assert self.server_security is not None  # built for every serving role
             self.dataplane = DataPlaneServer(transport, cfg.bind_addr, cfg.data_port, parse_devices(cfg.devices),
                                              cfg.replace(node_id=state.local_node.node_id),
-                                             security=self.server_security)
+                                             security=self.server_security, also=also)
             await anyio.to_thread.run_sync(self.dataplane.start)
             state.data_port = port = self.dataplane.port
-            state.local_node = NodeInfo(state.local_node.node_id, state.local_node.hostname, role,
-                                        cfg.bind_addr, port, state.local_node.gpus, state.local_node.backends)
+            ports = self.dataplane.data_ports
+            state.local_node = NodeInfo(state.local_node.node_id, state.local_node.hostname, role, cfg.bind_addr,
+                                        port, state.local_node.gpus, tuple(n for n in selection.names if n in ports),
+                                        data_ports=ports)
             self._make_monitors(state)
         if role == NodeRole.SERVER:
             from genie.cluster.master import ControlService

@@ -35,6 +35,7 @@ import platform
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -110,8 +111,11 @@ def _host_memory() -> int:
 class DataPlaneServer:
     """Serves the data plane of one node.
 
-    :param transport: the transport to listen with (TCP, or a faster backend).
+    :param transport: the transport to listen with (TCP, or a faster backend) on ``port``.
     :param host: address to listen on. :param port: port, 0 for any free one.
+    :param also: more transports to serve, each on a port of its own (any free one): a node serves
+        every backend available on it, so each client gets the best both ends support
+        (:attr:`data_ports` says where; one that cannot listen is logged and left out).
     :param devices: the node's devices; a client's device index ``i`` is ``devices[i]``.
     :param config: limits come from ``max_session_handles``, ``max_session_bytes``,
         ``max_frame_bytes``, ``max_session_inflight`` and ``session_idle_timeout``;
@@ -137,6 +141,7 @@ class DataPlaneServer:
         hello_timeout: float | None = None,
         max_sessions: int | None = None,
         security: ServerSecurity | None = None,
+        also: Sequence[Transport] = (),
     ) -> None:
         if not devices:
             raise ConfigError("devices", devices, "argument devices", "at least one device")
@@ -144,6 +149,7 @@ class DataPlaneServer:
         self.security = security if security is not None else ServerSecurity.from_config(config)
         check_bind(host, self.security, insecure=config.insecure, option="host", what="data plane")
         self.transport = transport
+        self.also = [t for t in also if getattr(t, "name", None) != getattr(transport, "name", None)]
         self.host = host
         self.devices = list(devices)
         self.config = config
@@ -152,7 +158,8 @@ class DataPlaneServer:
         self.max_sessions = config.max_sessions if max_sessions is None else max_sessions
         self._requested_port = port
         self._listener: Listener | None = None
-        self._accept_thread: threading.Thread | None = None
+        self._more: dict[str, Listener] = {}  #: the listeners of ``also`` by backend name
+        self._accept_threads: list[threading.Thread] = []
         self._sessions: dict[int, Session | WorkerSession] = {}  #: authenticated sessions
         #: connections still in their handshake
         self._pending: dict[int, tuple[Session | WorkerSession, Ticket]] = {}
@@ -181,6 +188,13 @@ class DataPlaneServer:
         if self._listener is None:
             raise RuntimeError("DataPlaneServer.port is known only after start()")
         return self._listener.port
+
+    @property
+    def data_ports(self) -> dict[str, int]:
+        """The port serving each backend, the main transport's first (after :meth:`start`)."""
+        ports = {getattr(self.transport, "name", "tcp"): self.port}
+        ports.update({name: listener.port for name, listener in self._more.items()})
+        return ports
 
     @property
     def isolation_summary(self) -> str:
@@ -215,18 +229,29 @@ class DataPlaneServer:
         self._gate = PreAuthGate(deadline=self.hello_timeout, per_source=self.config.max_preauth_per_source,
                                  total=self.config.max_preauth)
         if self.supervisor is not None:
-            self.supervisor.start([type(self.transport).__module__])
+            self.supervisor.start(list(dict.fromkeys(type(t).__module__ for t in [self.transport, *self.also])))
         self._listener = self.transport.listen(self.host, self._requested_port)
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="genie-accept", daemon=True)
-        self._accept_thread.start()
-        log.info("data plane of node %s listening on %s:%d with %d devices",
-                 self.node_id, self._listener.host, self._listener.port, len(self.devices))
+        for transport in self.also:
+            try:
+                self._more[transport.name] = transport.listen(self.host, 0)
+            except Exception as exc:  # one backend that cannot listen must not keep the node from serving
+                log.warning("data plane of node %s does not serve %s: listening failed: %s",
+                            self.node_id, transport.name, exc)
+        for name, listener in [("main", self._listener), *self._more.items()]:
+            thread = threading.Thread(target=self._accept_loop, args=(listener,), name=f"genie-accept-{name}",
+                                      daemon=True)
+            thread.start()
+            self._accept_threads.append(thread)
+        log.info("data plane of node %s listening on %s (%s) with %d devices", self.node_id, self._listener.host,
+                 ", ".join(f"{n}:{p}" for n, p in self.data_ports.items()), len(self.devices))
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop accepting, close every session (freeing its tensors) and wait for the threads, at most ``timeout``."""
         self._stopping.set()
         if self._listener is not None:
             self._listener.close()
+        for listener in self._more.values():
+            listener.close()
         if self._gate is not None:
             self._gate.close()
         with self._lock:
@@ -234,7 +259,7 @@ class DataPlaneServer:
         for session in sessions:
             session.close()
         deadline = time.monotonic() + timeout
-        threads = [self._accept_thread] + [s.thread for s in sessions]
+        threads = [*self._accept_threads] + [s.thread for s in sessions]
         for thread in threads:
             if thread is not None and thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
@@ -270,11 +295,10 @@ class DataPlaneServer:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
+    def _accept_loop(self, listener: Listener) -> None:
         while not self._stopping.is_set():
             try:
-                channel = self._listener.accept(timeout=_ACCEPT_POLL)
+                channel = listener.accept(timeout=_ACCEPT_POLL)
             except TimeoutError:
                 continue
             except ConnectionClosedError:

@@ -75,12 +75,8 @@ def test_master_worker_and_client_on_their_own_addresses(two_hosts) -> None:
                 print("RESULT", i, (r * 2 + 1).sum().item())
             genie.shutdown_sync()
         """)
-        # GENIE_PLUGINS leaves genie-dpdk out of the client: a client inside a network namespace that used
-        # dpdk (memif) to its namespace's worker was killed by SIGSEGV at exit in a clean-clone CI run (a
-        # known genie-dpdk teardown bug, open under issue 12); this test is about addresses, not backends.
         out = subprocess.run(["ip", "netns", "exec", ns_b, sys.executable, "-c", client], capture_output=True,
-                             text=True, timeout=60, env={**os.environ, "GENIE_AUTH_TOKEN": TOKEN,
-                                                         "GENIE_PLUGINS": "tcp,shm,rdma,gpudev,nvml,ray"})
+                             text=True, timeout=60, env={**os.environ, "GENIE_AUTH_TOKEN": TOKEN})
         assert out.returncode == 0, out.stdout + out.stderr
         lines = out.stdout.splitlines()
         assert "DEVICES ['master', 'worker-b']" in lines

@@ -27,7 +27,8 @@ int gd_port_open(const char *name, const char *args, uint32_t mtu, uint32_t nmbu
 int gd_port_mac(uint16_t port, uint8_t *out);
 int gd_port_link_up(uint16_t port);
 void gd_port_close(uint16_t port, const char *name);
-gd_chan *gd_chan_new(uint16_t port, uint32_t id, uint8_t dir, const uint8_t *peer_mac, uint32_t mss);
+gd_chan *gd_chan_new(uint16_t port, uint32_t id, uint8_t dir, const uint8_t *peer_mac, uint32_t mss, int ctl_fd);
+int gd_chan_peer_gone(gd_chan *c);
 void gd_chan_set_loss(gd_chan *c, uint32_t ppm, uint64_t seed);
 void gd_chan_close(gd_chan *c);
 void gd_chan_free(gd_chan *c);

@@ -16,19 +16,30 @@ Life of a channel (client side; the server mirrors it):
    is a ``DATA`` record header on TCP followed by its bytes on the DPDK stream
    (:class:`genie_dpdk.engine.Stream`: sequence numbers, acks, retransmit, window).
    The record keeps the two paths in order.
+4. Closing (the order matters: a memif port whose peer closes its own is unmapped under
+   whatever polls it, see shim.c): the stream is let go of first (the polling thread no
+   longer touches the port), then this side shuts its sending half of TCP, waits (at most
+   :data:`LINGER` s) for the peer's shutdown, which the peer's polling thread sends as soon
+   as it let go of its port, and only then closes TCP and the port. A process's open
+   channels are closed this way at interpreter exit (:func:`close_all_at_exit`).
 
 Thread rules as for every Channel: one sender and one receiver at a time.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
 import os
 import re
+import select
+import socket
 import tempfile
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from genie.errors import BackendUnavailableError, ConnectionClosedError, TransportError
 from genie.transport.base import Buffer, Capabilities, flat_views
 from genie.transport.record import DATA, INLINE, RECORD, UPGRADE, UPGRADE_OK, RecordChannel, read_body, read_header
+from genie_dpdk import engine
 from genie_dpdk.engine import Port, Stream
 
 if TYPE_CHECKING:
@@ -51,6 +63,8 @@ FRAME_HEADER = 40
 JUMBO_MTU = 9000
 #: How long both ends wait for the DPDK link after the upgrade.
 LINK_TIMEOUT = 10.0
+#: How long a closing side waits for the peer to let go of its port before closing its own.
+LINGER = 2.0
 _SOCKET = re.compile(r"/[\w./-]{1,200}/genie-dpdk-[0-9a-f]{32}\.sock")
 _MAC = re.compile(r"[0-9a-f]{12}")
 
@@ -89,6 +103,47 @@ def memif_port(socket_path: str, server: bool) -> Port:
                 JUMBO_MTU)
 
 
+_open: weakref.WeakSet[DpdkChannel] = weakref.WeakSet()
+_open_lock = threading.Lock()
+_exit_hook = False
+
+
+def close_all_at_exit(wait: float = LINGER) -> None:
+    """Close every upgraded channel of this process in order and wait (at most ``wait`` s) until the
+    polling thread has stopped: registered with :mod:`atexit` at the first upgrade, so no DPDK
+    thread polls a port while the interpreter and the libraries are torn down."""
+    with _open_lock:
+        channels = list(_open)
+    for channel in channels:
+        with contextlib.suppress(Exception):  # a channel's failure must not keep the others open
+            channel.close()
+    deadline = time.monotonic() + wait
+    while engine.engine_running() and time.monotonic() < deadline:
+        time.sleep(0.005)  # not a test wait: the last user of a stream frees it on its own thread
+
+
+def _track(channel: DpdkChannel) -> None:
+    global _exit_hook
+    with _open_lock:
+        _open.add(channel)
+        if not _exit_hook:
+            atexit.register(close_all_at_exit)
+            _exit_hook = True
+
+
+def _wait_peer_shut(sock: socket.socket, timeout: float) -> bool:
+    """Wait until the peer shut its sending half (or the stream failed); False after ``timeout``."""
+    poller = select.poll()
+    poller.register(sock, select.POLLRDHUP)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if poller.poll(left * 1000):
+            return True
+
+
 def loss_from_env() -> tuple[float, int]:
     """``GENIE_DPDK_RX_LOSS`` (probability) and ``GENIE_DPDK_LOSS_SEED``: injected receive loss, for tests."""
     try:
@@ -109,6 +164,7 @@ class DpdkChannel(RecordChannel):
         self._port: Port | None = None
         self._data_left = 0  # bytes left of the DATA record being read (on the DPDK stream)
         self._socket_path = ""  # the memif socket this (server) side created
+        self._ctl = -1  # our descriptor of the TCP stream the polling thread watches (see close)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else (f"dpdk {self.mode}" if self.upgraded else "stream")
@@ -137,17 +193,35 @@ class DpdkChannel(RecordChannel):
                 raise self._failed(f"send to {self.peer} failed: {exc}") from exc
 
     def close(self) -> None:
-        """Close TCP, then the DPDK stream and its port (the polling thread stops with the last stream)."""
+        """Let go of the DPDK stream, then shut TCP and close the port in the order of the module
+        docstring (step 4); the polling thread stops with the last stream of the process."""
         if not self._begin_close():
             return
-        self.inner.close()
         if self.stream is not None:
-            self.stream.close()
-        elif self._port is not None:
-            self._port.close()
-        if self._socket_path:  # DPDK's memif leaves its socket file behind
-            with contextlib.suppress(OSError):
-                os.unlink(self._socket_path)
+            self.stream.close()  # _release runs once the engine let go of it (at once without users)
+            return
+        self._release()
+
+    def _release(self) -> None:
+        """TCP and the port, after the stream is freed: shut our half, wait for the peer's, close."""
+        ctl, self._ctl = self._ctl, -1
+        try:
+            if ctl >= 0:
+                with socket.socket(fileno=ctl) as sock:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_WR)
+                        if not _wait_peer_shut(sock, LINGER):
+                            log.warning("DPDK peer %s did not let go of its port within %g s; closing ours",
+                                        self.peer, LINGER)
+        finally:
+            self.inner.close()
+            if self._port is not None:
+                self._port.close()
+            if self._socket_path:  # DPDK's memif leaves its socket file behind
+                with contextlib.suppress(OSError):
+                    os.unlink(self._socket_path)
+            with _open_lock:
+                _open.discard(self)
 
     # -- bulk path ---------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
@@ -240,7 +314,16 @@ class DpdkChannel(RecordChannel):
 
     def _start_stream(self, chan_id: int, peer_mac: bytes, mss: int) -> None:
         assert self._port is not None
-        self.stream = Stream(self._port, chan_id, self.server_side, peer_mac, mss)
+        sock = getattr(self.inner, "_sock", None)
+        self._ctl = os.dup(sock.fileno()) if sock is not None else -1
+        try:
+            self.stream = Stream(self._port, chan_id, self.server_side, peer_mac, mss, self._ctl, self._release)
+        except BaseException:
+            if self._ctl >= 0:
+                os.close(self._ctl)
+                self._ctl = -1
+            raise
+        _track(self)
         loss, seed = loss_from_env()
         if loss:
             self.stream.set_loss(loss, seed + (1 if self.server_side else 0))

@@ -160,16 +160,21 @@ class Port:
 class Stream:
     """A reliable byte stream over ``port`` to one peer (the shim's channel); the engine runs while any is open."""
 
-    def __init__(self, port: Port, chan_id: int, server_side: bool, peer_mac: bytes, mss: int) -> None:
+    def __init__(self, port: Port, chan_id: int, server_side: bool, peer_mac: bytes, mss: int,
+                 ctl_fd: int = -1, on_freed: Callable[[], None] = _nothing) -> None:
+        """``ctl_fd``: a descriptor of the channel's TCP control stream the engine watches for the peer's
+        shutdown (it must stay open until ``on_freed`` runs; see shim.c's top comment); ``on_freed`` runs
+        once the engine no longer sees the stream (where the channel shuts its side and closes its port)."""
         global _streams
         self.port = port
+        self._on_freed = on_freed
         self.ffi, self.lib = port.ffi, port.lib
         self._users = 0
         self._cond = threading.Condition()
         self._closed = False
         self._freed = False
         self._final: dict[str, int] = {}
-        handle = self.lib.gd_chan_new(port.id, chan_id, int(server_side), peer_mac, mss)
+        handle = self.lib.gd_chan_new(port.id, chan_id, int(server_side), peer_mac, mss, ctl_fd)
         if handle == self.ffi.NULL:
             raise BackendUnavailableError("the DPDK shim has no room for another channel (64 per process)")
         self._handle = handle
@@ -244,8 +249,8 @@ class Stream:
         return dict(zip(STAT_NAMES, (int(v) for v in out), strict=False))
 
     def close(self) -> None:
-        """Wake every waiter (they raise ConnectionClosedError); the channel and its port are freed
-        when the last thread inside a call has left (at once when none is), the polling thread
+        """Wake every waiter (they raise ConnectionClosedError); the channel is freed (and ``on_freed``
+        runs) when the last thread inside a call has left (at once when none is), the polling thread
         stops with the last stream of the process. Safe from a thread inside a call."""
         with self._cond:
             if self._closed:
@@ -266,11 +271,18 @@ class Stream:
                 return
             self._freed = True
         self.lib.gd_chan_free(self._handle)
-        self.port.close()
         with _lock:
             _streams -= 1
             if _streams == 0:
                 self.lib.gd_engine_stop()
+        self._on_freed()
+
+    def peer_gone(self) -> bool:
+        """Whether the engine saw the peer shut its control stream (it no longer polls this stream then)."""
+        with self._cond:
+            if self._freed:
+                return True
+            return bool(self.lib.gd_chan_peer_gone(self._handle))
 
     def _use(self) -> _InUse:
         return _InUse(self)

@@ -14,14 +14,24 @@
  * (gd_engine_start/stop) does every rx/tx burst; callers' threads hand it work and
  * wait on a condition variable.
  *
+ * Closing (the reason for ctl_fd): a memif peer that closes its port makes DPDK unmap our port's
+ * shared memory on EAL's interrupt thread, under a burst the engine may be running on that port
+ * (SIGSEGV). So a port is polled only while its peer is known to poll too: each channel watches its
+ * TCP control stream (a descriptor of its own, ctl_fd); when the peer shuts its sending side, the
+ * engine stops polling the channel at once and shuts ours, and a closing side shuts its sending side
+ * only after its engine let go of the channel and closes its port only after the peer's shutdown came
+ * (genie_dpdk.channel). Both ports are closed only when neither engine touches them.
+ *
  * Loss injection for tests: gd_chan_set_loss drops received frames with a seeded
  * probability, on the receive side, before any protocol processing.
  */
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -69,6 +79,8 @@ struct gd_chan {
     pthread_cond_t cv;
     int closed;
     int error;
+    int ctl_fd;    /* the TCP control stream (a dup owned by Python), -1: none */
+    int peer_gone; /* the peer shut its control stream: never touch the port again */
     /* sender: one operation at a time */
     const uint8_t *tx_buf;
     uint64_t tx_len, tx_first, tx_end; /* segments [tx_first, tx_end) */
@@ -84,6 +96,10 @@ struct gd_chan {
     uint8_t have[NSLOT];
     uint64_t rcv_nxt, rcv_read;
     uint32_t read_off;
+    /* a receive waiting with nothing buffered: in-order segments go straight into it (one copy less) */
+    uint8_t *rx_user;
+    uint64_t rx_user_len, rx_user_got;
+    int rx_wake; /* bytes went into rx_user since its waiter last woke */
     int ack_due;
     int final_acks; /* acks still to send after close (gd_chan_close) */
     /* loss injection */
@@ -237,7 +253,8 @@ void gd_port_close(uint16_t port, const char *name) {
 }
 
 /* ---- channels ------------------------------------------------------------------------- */
-struct gd_chan *gd_chan_new(uint16_t port, uint32_t id, uint8_t dir, const uint8_t *peer_mac, uint32_t mss) {
+struct gd_chan *gd_chan_new(uint16_t port, uint32_t id, uint8_t dir, const uint8_t *peer_mac, uint32_t mss,
+                            int ctl_fd) {
     struct gd_chan *c = calloc(1, sizeof *c);
     if (c == NULL)
         return NULL;
@@ -250,6 +267,7 @@ struct gd_chan *gd_chan_new(uint16_t port, uint32_t id, uint8_t dir, const uint8
     c->id = id;
     c->dir = dir;
     c->mss = mss;
+    c->ctl_fd = ctl_fd;
     rte_eth_macaddr_get(port, &c->my_mac);
     memcpy(c->peer_mac.addr_bytes, peer_mac, 6);
     c->pool = port < RTE_MAX_ETHPORTS ? port_pool[port] : NULL;
@@ -297,7 +315,7 @@ static void deadline_of(struct timespec *ts, double timeout);
 void gd_chan_close(struct gd_chan *c) {
     pthread_mutex_lock(&c->mu);
     c->closed = 1;
-    c->final_acks = engine_started ? 2 : 0;
+    c->final_acks = engine_started && !c->peer_gone ? 2 : 0;
     pthread_cond_broadcast(&c->cv);
     struct timespec ts;
     deadline_of(&ts, 0.02);
@@ -319,6 +337,13 @@ void gd_chan_free(struct gd_chan *c) {
     pthread_cond_destroy(&c->cv);
     free(c->slots);
     free(c);
+}
+
+int gd_chan_peer_gone(struct gd_chan *c) {
+    pthread_mutex_lock(&c->mu);
+    int gone = c->peer_gone;
+    pthread_mutex_unlock(&c->mu);
+    return gone;
 }
 
 int gd_chan_stats(struct gd_chan *c, uint64_t *out) {
@@ -370,7 +395,7 @@ int gd_send_wait(struct gd_chan *c, double slice) {
     pthread_mutex_lock(&c->mu);
     int rc = 0;
     while (c->tx_active && c->snd_una < c->tx_end) {
-        if (c->closed || c->error) {
+        if (c->closed || c->error || c->peer_gone) {
             rc = -EPIPE;
             break;
         }
@@ -410,7 +435,21 @@ int64_t gd_recv(struct gd_chan *c, uint8_t *buf, uint64_t len, double slice) {
             return got ? (int64_t)got : -EPIPE;
         }
         if (c->rcv_read == c->rcv_nxt) {
-            if (got || pthread_cond_timedwait(&c->cv, &c->mu, &ts) == ETIMEDOUT)
+            if (c->peer_gone) { /* everything it sent was acknowledged, so it is here: nothing more comes */
+                pthread_mutex_unlock(&c->mu);
+                return got ? (int64_t)got : -EPIPE;
+            }
+            if (got)
+                break;
+            /* Nothing buffered: the engine puts in-order segments straight into buf while we wait. */
+            c->rx_user = buf;
+            c->rx_user_len = len;
+            c->rx_user_got = 0;
+            int rc = pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+            got = c->rx_user_got;
+            c->rx_user = NULL;
+            c->rx_wake = 0;
+            if (got == 0 && rc == ETIMEDOUT)
                 break;
             continue;
         }
@@ -640,6 +679,21 @@ static void on_data(struct gd_chan *c, const struct gd_hdr *h, const uint8_t *pa
         c->duplicates++;
         return;
     }
+    if (s == c->rcv_nxt && c->rcv_read == c->rcv_nxt && c->rx_user != NULL &&
+        h->len <= c->rx_user_len - c->rx_user_got) {
+        /* The next segment, nothing buffered before it, a receive waiting: straight into its buffer. */
+        memcpy(c->rx_user + c->rx_user_got, payload, h->len);
+        c->rx_user_got += h->len;
+        c->rcv_nxt++;
+        c->rcv_read++;
+        while (c->rcv_nxt < c->rcv_read + NSLOT && c->have[c->rcv_nxt % NSLOT])
+            c->rcv_nxt++; /* segments that came early continue the stream from the slots */
+        if (c->rx_user_got == c->rx_user_len || c->rcv_nxt != c->rcv_read)
+            pthread_cond_broadcast(&c->cv);
+        else
+            c->rx_wake = 1; /* woken once the burst is done (see the engine) */
+        return;
+    }
     memcpy(c->slots + (size_t)slot * c->mss, payload, h->len);
     c->slot_len[slot] = h->len;
     c->have[slot] = 1;
@@ -692,18 +746,58 @@ static void on_frame(struct gd_chan *c, struct rte_mbuf *m, uint64_t now) {
     }
 }
 
+/* Whether the peer shut its side of the control stream (or it failed). */
+static int peer_shut(struct gd_chan *c) {
+    if (c->ctl_fd < 0)
+        return 0;
+    struct pollfd p = {c->ctl_fd, POLLRDHUP, 0};
+    return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL));
+}
+
+static void on_frame(struct gd_chan *c, struct rte_mbuf *m, uint64_t now);
+
+/* The peer let go of its port (it shuts its control stream only after): take what its last frames
+ * said (its final acks), then let go of ours for good and shut our side of the control stream, so
+ * the peer, waiting for that, knows we no longer poll (see the top). Called with reg_mu held. */
+static void let_go(struct gd_chan *c) {
+    struct rte_mbuf *ms[BURST];
+    uint16_t n;
+    pthread_mutex_lock(&c->mu);
+    do {
+        n = rte_eth_rx_burst(c->port, 0, ms, BURST);
+        uint64_t now = rte_get_tsc_cycles();
+        for (uint16_t k = 0; k < n; k++) {
+            if (!c->closed)
+                on_frame(c, ms[k], now);
+            rte_pktmbuf_free(ms[k]);
+        }
+    } while (n == BURST);
+    c->peer_gone = 1;
+    c->final_acks = 0;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    shutdown(c->ctl_fd, SHUT_WR);
+}
+
 static void *engine_main(void *unused) {
     (void)unused;
     rte_thread_register(); /* an lcore id: per-lcore mempool caches */
     struct rte_mbuf *ms[BURST];
-    unsigned idle = 0;
+    unsigned idle = 0, pass = 0;
     while (engine_run) {
         int work = 0;
+        /* The control streams are looked at every 16th pass while busy (a system call each) and at every
+         * pass that naps; the closing side waits for our shutdown, so how soon only bounds its wait. */
+        int look = (++pass & 15) == 0 || idle > 2000;
         pthread_mutex_lock(&reg_mu);
         for (int i = 0; i < MAXCHAN; i++) {
             struct gd_chan *c = chans[i];
-            if (c == NULL)
+            if (c == NULL || c->peer_gone)
                 continue;
+            if (look && peer_shut(c)) {
+                let_go(c);
+                continue;
+            }
             uint16_t n = rte_eth_rx_burst(c->port, 0, ms, BURST);
             uint64_t now = rte_get_tsc_cycles();
             pthread_mutex_lock(&c->mu);
@@ -711,6 +805,10 @@ static void *engine_main(void *unused) {
                 if (!c->closed)
                     on_frame(c, ms[k], now);
                 rte_pktmbuf_free(ms[k]);
+            }
+            if (c->rx_wake && n < BURST) { /* the port is drained: the waiter takes what came */
+                c->rx_wake = 0;
+                pthread_cond_broadcast(&c->cv);
             }
             if (!c->closed) {
                 uint64_t before = c->tx_frames;
