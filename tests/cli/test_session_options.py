@@ -1,5 +1,5 @@
 """``genie serve``, ``genie worker`` and ``python -m genie.server`` share one definition of the
-session options (genie.cli.options): the same flags, turned into the same configuration."""
+session options (genie.cli.options); every command that talks to a master takes ``GENIE_MASTER_*``."""
 
 from __future__ import annotations
 
@@ -40,3 +40,26 @@ def test_a_session_option_left_out_falls_back_to_the_environment(monkeypatch: py
     config = session_config(bare_server_parser().parse_args([]))
     assert (config.isolation, config.op_deadline) == ("none", 7.0)
     assert session_config(bare_server_parser().parse_args(["--isolation", "process"])).isolation == "process"
+
+
+@pytest.mark.parametrize("command", ["status", "health", "metrics", "events", "dashboard", "plugins", "discover"])
+def test_every_command_that_talks_to_a_master_takes_GENIE_MASTER_variables_and_the_argument_wins(
+        command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 13: only ``--master`` used to work for some commands. The master each command would reach,
+    from the environment and from ``--master`` given too (``genie worker``: tests/cluster/test_growth.py;
+    a real unreachable master from the environment: test_operator_cli.py)."""
+    from genie.cli._master import master_address
+    from genie.cli.discover import target_from_args
+    from genie.config import ClusterConfig
+
+    def reached(argv: list[str]) -> tuple[str, int]:
+        args = build_parser().parse_args([command, *argv])
+        if command in ("plugins", "discover"):  # they probe the master (or only local capabilities)
+            target = target_from_args(args, ClusterConfig.from_sources())
+            return target.host, target.port
+        return master_address(args)
+
+    monkeypatch.setenv("GENIE_MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("GENIE_MASTER_PORT", "6123")
+    assert reached([]) == ("10.1.2.3", 6123)
+    assert reached(["--master", "10.9.9.9:7000"]) == ("10.9.9.9", 7000)
