@@ -99,26 +99,27 @@ def test_a_restarted_master_keeps_the_device_order_while_clients_keep_working(th
     worker = threading.Thread(target=work, daemon=True)
     try:
         worker.start()
-        # a session's first op imports torch._dynamo on both ends (seconds on a loaded host)
-        wait_until(lambda: results, 30, what="the first result on w2")
+        # Bounds, not speed checks: a session's first op imports torch._dynamo on both ends (30 s and more
+        # on a host loaded 5x over its cores), and every wait below runs on such a host in CI.
+        wait_until(lambda: results, 120, what="the first result on w2")
         procs["master"].stop()
         procs["w1"].kill()
         down = time.monotonic()
         # the master stays down while work goes on: ten more results, all after it went down
-        wait_until(lambda: sum(t > down for t, _ in results) >= 10, 5, what="work while the master is down")
+        wait_until(lambda: sum(t > down for t, _ in results) >= 10, 20, what="work while the master is down")
         procs["master"] = NodeProcess(*three_nodes["master_args"]).start()
         up = time.monotonic()
         # w2 rejoins (restored as "connecting", which no client acts on); w1 is declared lost once the
         # restarted master's grace, one heartbeat timeout from when it listened, is over
         wait_until(lambda: node_status(port, "w2") == "connected" and node_status(port, "client-1") == "connected",
-                   10, what="w2 and the client rejoined")
+                   20, what="w2 and the client rejoined")
         wait_until(lambda: [(d["index"], d["node_id"], d["status"])
                             for d in query_master_sync("127.0.0.1", port)["devices"]] == [
-            (0, "master", "connected"), (1, "w1", "lost"), (2, "w2", "connected")], 10, what="w1 lost, w2 kept")
+            (0, "master", "connected"), (1, "w1", "lost"), (2, "w2", "connected")], 20, what="w1 lost, w2 kept")
         procs["w3"] = NodeProcess("worker", "--master", f"127.0.0.1:{port}", "--devices", "cpu", "--node-id", "w3",
                                   *HB).start()
         # torch.remote_accelerator is registered at run time: torch's stubs cannot know it
-        wait_until(lambda: torch.remote_accelerator.device_count() == 4, 15,  # type: ignore[attr-defined]
+        wait_until(lambda: torch.remote_accelerator.device_count() == 4, 30,  # type: ignore[attr-defined]
                    what="the client sees w3")
         assert genie.get_cluster_state().devices[3]["node_id"] == "w3"
         assert torch.full((2,), 3.0, device="remote_accelerator:3").sum().item() == 6.0
