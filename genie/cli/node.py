@@ -15,6 +15,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
+from genie.cli.options import add_session_options, session_config
 from genie.config import ClusterConfig, env_name
 
 if TYPE_CHECKING:
@@ -29,8 +30,6 @@ STATE_FILE_ENV = "GENIE_STATE_FILE"
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; GENIE_BIND_ADDR)")
     p.add_argument("--data-port", type=int, default=None, help="data-plane port (default: any free port)")
-    p.add_argument("--devices", default=None, help="'auto' (every CUDA GPU, else one CPU device) or e.g. 'cpu,cpu'")
-    p.add_argument("--node-id", default=None, help="stable node id (default: HOST-ROLE-PID)")
     p.add_argument("--backend", default=None, help="auto, a backend name, a list 'rdma,tcp' or exclusions '^dpdk'")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve /metrics (Prometheus), /healthz and /readyz on this port (default: off)")
@@ -38,21 +37,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-check-interval", type=float, default=None)
     p.add_argument("--heartbeat-interval", type=float, default=None)
     p.add_argument("--heartbeat-timeout", type=float, default=None)
-    p.add_argument("--insecure", action="store_true", default=None,
-                   help="serve a non-loopback --host without a cluster token (GENIE_AUTH_TOKEN); anyone who can "
-                        "reach the ports can then run code on this node's devices (GENIE_INSECURE)")
-    p.add_argument("--cache-bytes", type=int, default=None,
-                   help="host memory for the weight cache, kept across sessions (default 1 GiB; 0: none; "
-                        "GENIE_CACHE_BYTES)")
-    p.add_argument("--share-cache", action="store_true", default=None,
-                   help="one weight cache scope for every client of the cluster token, not one per client "
-                        "identity; see docs/SECURITY.md (GENIE_SHARE_CACHE)")
-    p.add_argument("--isolation", choices=("process", "none"), default=None,
-                   help="process (default): each client session in its own worker process; none: sessions in "
-                        "threads of the node's process, for one trusted user (GENIE_ISOLATION)")
-    p.add_argument("--op-deadline", type=float, default=None,
-                   help="seconds one op may run before its session's worker is killed (default 300; "
-                        "GENIE_OP_DEADLINE)")
+    add_session_options(p)
 
 
 def register(sub: Any) -> None:
@@ -73,21 +58,19 @@ def register(sub: Any) -> None:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``genie serve`` and ``genie worker`` add to the session options (genie.cli.options)."""
     return {
-        "bind_addr": args.host, "data_port": args.data_port, "devices": args.devices, "node_id": args.node_id,
-        "backend": args.backend, "heartbeat_interval": args.heartbeat_interval,
-        "heartbeat_timeout": args.heartbeat_timeout, "metrics_port": args.metrics_port,
-        "gpu_poll_interval": args.gpu_poll_interval, "health_check_interval": args.health_check_interval,
+        "bind_addr": args.host, "data_port": args.data_port, "backend": args.backend,
+        "heartbeat_interval": args.heartbeat_interval, "heartbeat_timeout": args.heartbeat_timeout,
+        "metrics_port": args.metrics_port, "gpu_poll_interval": args.gpu_poll_interval,
+        "health_check_interval": args.health_check_interval,
         "health_check_timeout": min(args.health_check_interval, 5.0) if args.health_check_interval else None,
-        "cache_bytes": args.cache_bytes, "share_cache": args.share_cache,
-        "insecure": args.insecure,  # the servers check the exposure themselves (genie.security.check_bind)
-        "isolation": args.isolation, "op_deadline": args.op_deadline,
     }
 
 
 def run_serve(args: argparse.Namespace) -> int:
     state_file = args.state_file if args.state_file is not None else os.environ.get(STATE_FILE_ENV, "")
-    return _run("server", {"master_port": args.port, **_options(args)}, state_file=state_file)
+    return _run("server", args, {"master_port": args.port, **_options(args)}, state_file=state_file)
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -97,7 +80,7 @@ def run_worker(args: argparse.Namespace) -> int:
     # A ``ray://...`` address is resolved by the runtime (genie_resolve_master).
     host, port = (parse_master(args.master) if args.master and "://" not in args.master
                   else (args.master, None))
-    return _run("worker", {"master_addr": host, "master_port": port, **_options(args)})
+    return _run("worker", args, {"master_addr": host, "master_port": port, **_options(args)})
 
 
 def ready_line(role: str, config: ClusterConfig, state: ClusterState) -> str:
@@ -116,11 +99,11 @@ def ready_line(role: str, config: ClusterConfig, state: ClusterState) -> str:
     return line
 
 
-def _run(role: str, options: dict[str, Any], *, state_file: str = "") -> int:
+def _run(role: str, args: argparse.Namespace, options: dict[str, Any], *, state_file: str = "") -> int:
     from genie.cluster.runtime import Runtime
     from genie.security import check_exposure
 
-    config = ClusterConfig.from_sources(node_role=role, **options)
+    config = session_config(args, node_role=role, **options)
     check_exposure(config, insecure=config.insecure)  # fail before starting anything; the servers check again
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,8 +1,10 @@
 """``genie status``: every node of a running cluster, its devices' figures, health and backend.
 
 Asks the master once (``--master HOST:PORT``, default the configured master) and
-prints tables (nodes, devices, sessions per client and device, failing checks), or with ``--json`` one JSON document: ``{"master": {...}, "nodes":
-[...]}`` where each node is :meth:`genie.cluster.overview.NodeView.to_dict`.
+prints tables (nodes, devices, sessions per client and device, failing checks) and where new work
+without a device index would be placed (:func:`placement`), or with ``--json`` one JSON document:
+``{"master": {...}, "nodes": [...], "placement": {...}}`` where each node is
+:meth:`genie.cluster.overview.NodeView.to_dict`.
 Exit code 0, or 2 when the master cannot be reached.
 """
 
@@ -33,13 +35,32 @@ def master_summary(args: argparse.Namespace, reply: dict[str, Any]) -> dict[str,
             "heartbeat_timeout": master.get("heartbeat_timeout"), "version": reply.get("version")}
 
 
+def placement(reply: dict[str, Any]) -> dict[str, Any]:
+    """Where new work without an index would go now (docs/placement.md), for a client with no data in
+    the cluster and no measured link, with this host's genie_placement_score hook if a plugin has one:
+    ``{"device", "index", "score", "policy", "candidates", "excluded"}``, or ``{"error": why}``."""
+    from genie.cluster.placement import choose, cluster_candidates
+    from genie.errors import DeviceError
+    from genie.plugins import get_plugin_manager
+
+    try:
+        decision = choose(cluster_candidates(reply), pm=get_plugin_manager())
+    except DeviceError as exc:
+        return {"error": str(exc)}
+    out = decision.event("genie status").data
+    out["excluded"] = {f"remote_accelerator:{i}": why for i, why in sorted(decision.excluded.items())}
+    return out
+
+
 @operator_command
 def run(args: argparse.Namespace) -> int:
     reply = query(args)
     views = overview.nodes(reply, now=time.time())
     master = master_summary(args, reply)
+    placed = placement(reply)
     if args.json:
-        print(json.dumps({"master": master, "nodes": [v.to_dict() for v in views]}, indent=2))
+        print(json.dumps({"master": master, "nodes": [v.to_dict() for v in views], "placement": placed},
+                         indent=2))
         return 0
     from rich.console import Console
 
@@ -58,4 +79,11 @@ def run(args: argparse.Namespace) -> int:
     console.print(devices_table(views))
     console.print(sessions_table(views))
     console.print(health_table(views))
+    if "error" in placed:
+        console.print(f"placement: {placed['error']}", highlight=False)
+    else:
+        runners = ", ".join(f"{c['index']}: {c['score']:g}" for c in placed["candidates"][1:])
+        console.print(f"placement: new work without an index goes to {placed['device']} (score {placed['score']:g}, "
+                      f"{placed['policy']} policy{'; then ' + runners if runners else ''}; "
+                      f"{len(placed['excluded'])} excluded)", highlight=False)
     return 0

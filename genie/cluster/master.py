@@ -70,6 +70,7 @@ class ControlService:
         check_bind(host, self.security, insecure=self.insecure, option="host", what="control plane")
         listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
         self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        self.membership.listening()  # restored nodes can rejoin from now: their grace starts here
         task_group.start_soon(self._sweep)
         task_status.started(self.port)
         async with listener:

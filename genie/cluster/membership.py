@@ -7,7 +7,11 @@ first join (``first_index`` and ``slots``); a node that joins later is appended 
 the end. With a state file (``genie serve --state-file``) the order also survives
 a master restart: the file lists every serving node and its devices, is rewritten
 (atomically) whenever a node is added, and is read back at start, where each known
-node waits as ``lost`` until it rejoins.
+node waits as ``connecting`` until it rejoins: the restarted master has not heard from it,
+which is no evidence that it failed (its sessions with clients go on meanwhile). Its loss
+clock starts when the control service begins to listen (:meth:`Membership.listening`), not
+when the file is read, so a node gets one full ``heartbeat_timeout`` in which it can
+possibly rejoin; one that has not rejoined by then is declared lost, as a silent node is.
 
 Every change bumps ``version`` and stamps the member with it, so a client that
 applied version ``v`` can be sent only the members changed since (:meth:`changed_since`).
@@ -79,6 +83,15 @@ class Membership:
         if state_file:
             self._load()
 
+    def listening(self) -> None:
+        """The control service listens from now: the nodes restored from the state file, which
+        could not rejoin before, get one full ``heartbeat_timeout`` from now (their grace) before
+        :meth:`sweep` may declare them lost."""
+        now = self.clock()
+        for member in self.members.values():
+            if member.status == NodeStatus.CONNECTING:
+                member.last_seen = now
+
     # -- changes -----------------------------------------------------------------------------------
     def _bump(self, member: Member) -> None:
         self.version += 1
@@ -119,6 +132,10 @@ class Membership:
         if report is not None and (report.snapshot is not None or report.health is not None
                                    or report.sessions is not None):
             member.report = report
+        if member.status == NodeStatus.CONNECTING:  # restored from the state file; no loss was announced
+            member.status = NodeStatus.CONNECTED
+            self._bump(member)
+            return []
         if member.status == NodeStatus.LOST and not member.fenced:
             member.status = NodeStatus.CONNECTED
             self._bump(member)
@@ -139,20 +156,23 @@ class Membership:
         return [ClusterEvent(EventType.NODE_LOST, node_id, {"reason": "left the cluster"})]
 
     def sweep(self) -> list[ClusterEvent]:
-        """Declare lost every node silent for longer than heartbeat_timeout."""
+        """Declare lost every node silent for longer than heartbeat_timeout (a node restored from the
+        state file: not heard from within heartbeat_timeout of :meth:`listening`)."""
         now = self.clock()
         events = []
         for member in self.members.values():
             if member.info.node_id == self.self_id:
                 member.last_seen = now
                 continue
-            if member.status == NodeStatus.CONNECTED and now - member.last_seen > self.heartbeat_timeout:
+            if (member.status in (NodeStatus.CONNECTED, NodeStatus.CONNECTING)
+                    and now - member.last_seen > self.heartbeat_timeout):
+                reason = (f"no heartbeat for {now - member.last_seen:.1f} s"
+                          if member.status == NodeStatus.CONNECTED else
+                          f"did not rejoin within {now - member.last_seen:.1f} s of the master's restart")
                 member.status = NodeStatus.LOST
                 self._bump(member)
-                events.append(ClusterEvent(
-                    EventType.NODE_LOST, member.info.node_id,
-                    {"reason": f"no heartbeat for {now - member.last_seen:.1f} s", "role": member.info.role.value},
-                ))
+                events.append(ClusterEvent(EventType.NODE_LOST, member.info.node_id,
+                                           {"reason": reason, "role": member.info.role.value}))
         return events
 
     def mark_lost(self, node_id: str, reason: str) -> list[ClusterEvent]:
@@ -163,7 +183,7 @@ class Membership:
         recover it; only a rejoin does."""
         member = self.members.get(node_id)
         if (member is None or node_id == self.self_id or member.info.role == NodeRole.CLIENT
-                or member.status != NodeStatus.CONNECTED):
+                or member.status not in (NodeStatus.CONNECTED, NodeStatus.CONNECTING)):
             return []
         member.status, member.fenced = NodeStatus.LOST, True
         self._bump(member)
@@ -227,7 +247,9 @@ class Membership:
             except (KeyError, TypeError, ValueError) as exc:
                 raise ConfigError("state_file", self.state_file, "argument --state-file",
                                   f"well-formed node entries ({exc}); delete it to start afresh") from None
-            status = NodeStatus.CONNECTED if info.node_id == self.self_id else NodeStatus.LOST
+            # Not LOST: clients end their sessions with a node the master calls lost, and this one may
+            # well be serving them now. ``listening`` starts its loss clock.
+            status = NodeStatus.CONNECTED if info.node_id == self.self_id else NodeStatus.CONNECTING
             self.members[info.node_id] = Member(info, time.time(), now, status, first_index=first, slots=slots)
             self.device_count = max(self.device_count, first + slots)
         log.info("restored %d node(s) and %d device index(es) from %s", len(self.members), self.device_count,

@@ -34,13 +34,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 
 from genie.cluster import overview
 from genie.errors import DeviceError
 from genie.types import ClusterEvent, EventType
 
 if TYPE_CHECKING:
+    import torch
+
     from genie.device.registry import DeviceTable
     from genie.plugins import PluginManager
 
@@ -122,6 +123,8 @@ class Decision:
 
     @property
     def device(self) -> torch.device:
+        import torch  # here: ``genie status`` scores placement without paying for a torch import
+
         return torch.device("remote_accelerator", self.index)
 
     def event(self, source: str) -> ClusterEvent:
@@ -175,6 +178,24 @@ def candidates(table: DeviceTable, figures: ClusterFigures, links: Mapping[str, 
             local_share=uploaded.get(dev.node_id, 0) / total if total else 0.0,
             link_rtt=links.get(dev.node_id),
         ))
+    return out
+
+
+def cluster_candidates(reply: Mapping[str, Any]) -> list[Candidate]:
+    """Every device of a master's QUERY reply as a client with no data anywhere and no measured link
+    would see it (what ``genie status`` reports: the cluster's own part of the score)."""
+    figures = ClusterFigures.from_reply(reply)
+    out = []
+    for d in reply.get("devices") or ():
+        if not isinstance(d, Mapping) or not isinstance(d.get("index"), int):
+            continue
+        node_id, local = str(d.get("node_id")), d.get("local_index")
+        status, health = figures.nodes.get(node_id, ("unknown", None))
+        free, total_memory, utilization = figures.devices.get((node_id, local if isinstance(local, int) else -1),
+                                                              (None, None, None))
+        out.append(Candidate(index=d["index"], node_id=node_id, kind=str(d.get("kind")), name=str(d.get("name")),
+                             status=status, session_alive=True, health=health, memory_free=free,
+                             memory_total=total_memory, utilization=utilization, local_share=0.0, link_rtt=None))
     return out
 
 

@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,9 @@ log = logging.getLogger("genie.runtime")
 #: How often the runtime thread sends batches a user thread left waiting. Shorter costs the user's
 #: thread GIL hand-offs on every wake-up (2 ms measured 2.5x slower round trips); 20 ms costs nothing.
 FLUSH_INTERVAL = 0.02
+#: The longest wait between two attempts to reach a master that went away; never longer than one
+#: heartbeat interval (:func:`reconnect_backoffs`), so a node rejoins a restarted master well
+#: within the grace the master gives it (one heartbeat timeout, docs/server.md "Master restarts").
 RECONNECT_MAX_BACKOFF = 5.0
 
 
@@ -80,6 +84,18 @@ def merge_nodes(state: ClusterState, fresh: list[dict[str, Any]]) -> None:
         # Rebound, never sorted in place: other threads read the list meanwhile (an in-place sort
         # shows them an empty list).
         state.devices = [devices[i] for i in sorted(devices)]
+
+
+def reconnect_backoffs(heartbeat_interval: float) -> Iterator[float]:
+    """The waits between attempts to reach the master: from 0.1 s, doubling, at most
+    ``min(RECONNECT_MAX_BACKOFF, heartbeat_interval)``. A node that lost the master thus tries
+    at least once per heartbeat interval, and the master's grace for a node it restored from
+    its state file (one heartbeat timeout, always longer than the interval) covers the wait."""
+    cap = min(RECONNECT_MAX_BACKOFF, heartbeat_interval)
+    wait = min(0.1, cap)
+    while True:
+        yield wait
+        wait = min(wait * 2, cap)
 
 
 def make_node_id(role: NodeRole) -> str:
@@ -232,6 +248,13 @@ class Runtime:
                                         port, state.local_node.gpus, tuple(n for n in selection.names if n in ports),
                                         data_ports=ports)
             self._make_monitors(state)
+            supervisor = self.dataplane.supervisor
+            if supervisor is not None:
+                # A worker's join (the master's listening) sends clients here at once, and a session's start
+                # waits for the zygote (a torch import: seconds on a loaded host), which must not eat their
+                # handshake timeout. Half the init budget at most; past it the node goes on and sessions wait.
+                if not await anyio.to_thread.run_sync(supervisor.wait_started, cfg.timeout / 2):
+                    log.warning("the session-worker zygote is not up after %.1f s; going on without it", cfg.timeout / 2)
         if role == NodeRole.SERVER:
             from genie.cluster.master import ControlService
             from genie.cluster.membership import Membership
@@ -354,14 +377,14 @@ class Runtime:
                         conn.keepalive(min(60.0, idle / 3))
 
     async def _heartbeat_loop(self, state: ClusterState) -> None:
-        backoff = 0.1
+        backoffs = reconnect_backoffs(self.config.heartbeat_interval)
         while True:
             try:
                 if self._control is None:
                     snapshot = await self._join(state)
                     self._apply_snapshot(state, snapshot)
                     self._known_version = -1  # a restarted master counts versions from scratch
-                    backoff = 0.1
+                    backoffs = reconnect_backoffs(self.config.heartbeat_interval)
                     log.info("rejoined the master at %s:%d", self.config.master_addr, self.config.master_port)
                     if self.table is not None:
                         await anyio.to_thread.run_sync(self._reconnect_lost)
@@ -384,27 +407,25 @@ class Runtime:
                     log.warning("lost the master at %s:%d: %s", self.config.master_addr, self.config.master_port, exc)
                     await self._control.aclose()
                     self._control = None
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, RECONNECT_MAX_BACKOFF)
+                await anyio.sleep(next(backoffs))
 
     async def _relay_master_events(self) -> None:
         """Republish the master's events on this process's bus, so local subscribers see the cluster."""
         from genie.cluster.query import follow_events
 
-        backoff = 0.1
+        backoffs = reconnect_backoffs(self.config.heartbeat_interval)
         while True:
             try:
                 async for event in follow_events(self.config.master_addr, self.config.master_port,
                                                  timeout=self.config.connect_timeout, security=self.security):
-                    backoff = 0.1
+                    backoffs = reconnect_backoffs(self.config.heartbeat_interval)
                     self.bus.publish(event)
             except AuthenticationError as exc:
                 # Not a passing outage: say so where people look, once per attempt at most every backoff.
                 log.warning("the master refused this process's event stream: %s", exc)
             except (GenieError, OSError, TimeoutError) as exc:
                 log.debug("event stream from the master ended: %s", exc)
-            await anyio.sleep(backoff)
-            backoff = min(backoff * 2, RECONNECT_MAX_BACKOFF)
+            await anyio.sleep(next(backoffs))
 
     def _metrics(self) -> dict[str, Any]:
         """What a heartbeat carries: the latest metrics snapshot and health report."""

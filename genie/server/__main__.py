@@ -9,7 +9,8 @@ Options: ``--host`` (default 127.0.0.1), ``--port`` (default 0: any free port),
 ``--devices`` (``auto``, ``cpu,cpu``, ``cuda:0,cuda:1``), ``--node-id``,
 ``--backend`` (default tcp), ``--insecure`` (a non-loopback ``--host`` without a
 cluster token; refused otherwise), ``--isolation`` (``process`` or ``none``), ``--op-deadline``,
-``--log-level``. What isolation enforces is written to stderr. Limits come from the ``GENIE_*``
+``--cache-bytes``, ``--share-cache`` (the session options ``genie serve`` and ``genie worker`` share:
+genie.cli.options), ``--log-level``. What isolation enforces is written to stderr. Limits come from the ``GENIE_*``
 environment (``GENIE_MAX_SESSION_BYTES``, ``GENIE_MAX_SESSION_HANDLES``,
 ``GENIE_MAX_FRAME_BYTES``, ``GENIE_AUTH_TOKEN``, ``GENIE_HANDSHAKE_TIMEOUT``,
 ``GENIE_MAX_PREAUTH_PER_SOURCE``, ``GENIE_MAX_PREAUTH``, ``GENIE_MAX_SESSIONS``). ``genie serve`` runs the same
@@ -25,7 +26,7 @@ import signal
 import sys
 import threading
 
-from genie.config import ClusterConfig
+from genie.cli.options import add_session_options, session_config
 from genie.errors import GenieError, PluginError
 from genie.plugins import PluginManager
 from genie.server.node import DataPlaneServer, parse_devices
@@ -37,24 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of a bare data-plane server."""
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port to listen on (default 0: any free port)")
-    p.add_argument("--devices", default=None, help="'auto' (every GPU, else one CPU), or a list like 'cpu,cpu'")
-    p.add_argument("--node-id", default=None, help="this node's id (default: host name and process id)")
     p.add_argument("--backend", default="tcp", help="transport to listen with (default tcp)")
-    p.add_argument("--insecure", action="store_true", default=None,
-                   help="serve a non-loopback --host without a cluster token (GENIE_AUTH_TOKEN): anyone who can "
-                        "reach the port can then run code on this host's devices (GENIE_INSECURE)")
-    p.add_argument("--isolation", choices=("process", "none"), default=None,
-                   help="process (default): each session in its own worker process; none: sessions in threads "
-                        "(one trusted user; GENIE_ISOLATION)")
-    p.add_argument("--op-deadline", type=float, default=None,
-                   help="seconds one op may run before its session's worker is killed (default 300; GENIE_OP_DEADLINE)")
+    add_session_options(p)
 
 
 def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM/SIGINT; prints the ready line once listening."""
-    config = ClusterConfig.from_sources(devices=args.devices, node_id=args.node_id, data_port=args.port,
-                                        insecure=args.insecure, isolation=args.isolation,
-                                        op_deadline=args.op_deadline)
+    config = session_config(args, data_port=args.port)
     devices = parse_devices(config.devices, source=config.sources.get("devices", "argument devices"))
     transports = PluginManager().transports()
     if args.backend not in transports:

@@ -55,6 +55,12 @@ def test_status_json_lists_the_master_and_both_workers_connected(shared_cluster:
     assert doc["master"] == {"address": shared_cluster.master_addr, "node_id": "master",
                              "metrics_port": shared_cluster.metrics_port, "heartbeat_interval": 0.2,
                              "heartbeat_timeout": 1.0, "version": doc["master"]["version"]}
+    # where new work without an index goes: the documented score over the master's figures (issue 13)
+    placed = doc["placement"]
+    assert placed["policy"] == "default" and placed["excluded"] == {}
+    assert sorted(c["index"] for c in placed["candidates"]) == [0, 1, 2]
+    assert placed["device"] == f"remote_accelerator:{placed['index']}"
+    assert placed["score"] == max(c["score"] for c in placed["candidates"])
 
 
 def test_status_table_shows_every_node_and_its_device(shared_cluster: Cluster) -> None:
@@ -66,6 +72,7 @@ def test_status_table_shows_every_node_and_its_device(shared_cluster: Cluster) -
         row = next(line for line in lines if line.split()[:2] == [node, "server" if node == "master" else "worker"])
         assert "connected" in row and "tcp" in row
     assert sum("cpu0 (host)" in line for line in lines) == 3
+    assert any(line.startswith("placement: new work without an index goes to remote_accelerator:") for line in lines)
 
 
 def test_health_exit_code_follows_the_grades_every_node_reports(shared_cluster: Cluster) -> None:
@@ -135,7 +142,8 @@ def test_a_killed_worker_shows_lost_in_status_health_metrics_and_events(cluster:
     reader = threading.Thread(target=lambda: streamed.extend(json.loads(line) for line in out), daemon=True)
     reader.start()
     try:
-        wait_until(lambda: {e["source"] for e in streamed if e["type"] == "node_joined"} >= {"w1", "w2"}, 5)
+        # a bound for a loaded machine (the follower is a new interpreter), not a speed check
+        wait_until(lambda: {e["source"] for e in streamed if e["type"] == "node_joined"} >= {"w1", "w2"}, 20)
         cluster.procs["w2"].kill()
         wait_until(lambda: cluster.status_of("w2") == "lost", 3)
         status, health, health_json, metrics, events = genie_many(
@@ -146,6 +154,10 @@ def test_a_killed_worker_shows_lost_in_status_health_metrics_and_events(cluster:
             ("events", "--json", "--master", cluster.master_addr))
         states = {n["node_id"]: n["status"] for n in json.loads(status.stdout)["nodes"]}
         assert states == {"master": "connected", "w1": "connected", "w2": "lost"}
+        w2_index = next(n["devices"][0]["cluster_index"] for n in json.loads(status.stdout)["nodes"]
+                        if n["node_id"] == "w2")
+        assert json.loads(status.stdout)["placement"]["excluded"] == {
+            f"remote_accelerator:{w2_index}": "node w2 is lost"}
 
         assert health.returncode == health_json.returncode == 1
         assert "w2 (worker): LOST" in health.stdout

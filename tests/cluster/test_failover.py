@@ -75,9 +75,6 @@ def test_training_on_a_killed_worker_resumes_elsewhere_with_the_uninterrupted_fi
     assert "step 30 loss" in out and "-> match" in out, out
 
 
-@pytest.mark.xfail(strict=False, reason="open (issue 13): in clean-clone runs since process isolation landed, a "
-                   "client's work on w2 sometimes ends with 'the master declared node w2 lost' around the master's "
-                   "restart (a 3 s timeout on the restarted master did not change it); passes in a developer tree")
 def test_a_restarted_master_keeps_the_device_order_while_clients_keep_working(three_nodes) -> None:
     """Work on w2 goes on while the master is down; after the restart (with w1 gone meanwhile) w2 keeps
     index 2, w1 waits as lost at index 1, and a node that joins now is appended at index 3."""
@@ -102,23 +99,28 @@ def test_a_restarted_master_keeps_the_device_order_while_clients_keep_working(th
     worker = threading.Thread(target=work, daemon=True)
     try:
         worker.start()
-        wait_until(lambda: results, 5)
+        # Bounds, not speed checks: a session's first op imports torch._dynamo on both ends (30 s and more
+        # on a host loaded 5x over its cores), and every wait below runs on such a host in CI.
+        wait_until(lambda: results, 120, what="the first result on w2")
         procs["master"].stop()
         procs["w1"].kill()
         down = time.monotonic()
         # the master stays down while work goes on: ten more results, all after it went down
-        wait_until(lambda: sum(t > down for t, _ in results) >= 10, 5, what="work while the master is down")
+        wait_until(lambda: sum(t > down for t, _ in results) >= 10, 20, what="work while the master is down")
         procs["master"] = NodeProcess(*three_nodes["master_args"]).start()
         up = time.monotonic()
+        # w2 rejoins (restored as "connecting", which no client acts on); w1 is declared lost once the
+        # restarted master's grace, one heartbeat timeout from when it listened, is over
         wait_until(lambda: node_status(port, "w2") == "connected" and node_status(port, "client-1") == "connected",
-                   10)
-        devices = query_master_sync("127.0.0.1", port)["devices"]
-        assert [(d["index"], d["node_id"], d["status"]) for d in devices] == [
-            (0, "master", "connected"), (1, "w1", "lost"), (2, "w2", "connected")]
+                   20, what="w2 and the client rejoined")
+        wait_until(lambda: [(d["index"], d["node_id"], d["status"])
+                            for d in query_master_sync("127.0.0.1", port)["devices"]] == [
+            (0, "master", "connected"), (1, "w1", "lost"), (2, "w2", "connected")], 20, what="w1 lost, w2 kept")
         procs["w3"] = NodeProcess("worker", "--master", f"127.0.0.1:{port}", "--devices", "cpu", "--node-id", "w3",
                                   *HB).start()
         # torch.remote_accelerator is registered at run time: torch's stubs cannot know it
-        wait_until(lambda: torch.remote_accelerator.device_count() == 4, 5)  # type: ignore[attr-defined]
+        wait_until(lambda: torch.remote_accelerator.device_count() == 4, 30,  # type: ignore[attr-defined]
+                   what="the client sees w3")
         assert genie.get_cluster_state().devices[3]["node_id"] == "w3"
         assert torch.full((2,), 3.0, device="remote_accelerator:3").sum().item() == 6.0
     finally:

@@ -390,6 +390,16 @@ class Supervisor:
         self._starting = threading.Thread(target=self._refill, name="genie-zygote-start", daemon=True)
         self._starting.start()
 
+    def wait_started(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` s for the background part of :meth:`start` (the zygote and the first
+        spare worker); True once it is over. A worker node waits for it before it joins its master, which
+        sends every client to it at once: their handshakes must not wait for a torch import."""
+        starting = self._starting
+        if starting is None:
+            return True
+        starting.join(timeout)
+        return not starting.is_alive()
+
     def spawn(self, channel: Any, session_id: int, welcome: dict[str, Any],
               before_start: Callable[[WorkerSession], None] = lambda s: None) -> WorkerSession:
         """Start a worker serving ``channel`` (a channel whose socket can be handed over);
