@@ -48,8 +48,7 @@ _outside: dict[Any, bool] = {}
 
 def caller_line() -> str:
     """``file.py:LINE (function)`` of the first frame outside genie and torch (``?`` when none)."""
-    place = caller_place()
-    return "?" if place is None else _format_place(place)
+    return _format_place(caller_place())
 
 
 def caller_place() -> tuple[Any, int] | None:
