@@ -206,14 +206,19 @@ def _server(env: dict[str, str]) -> Iterator[Any]:
 
 
 def run(*, seed: int, seconds: float, max_calls: int = 0, only: list[str] | None = None,
-        check_every: int = 20, quota_bytes: int = 256 << 20, log: Any = None) -> Report:
-    """Fuzz for ``seconds`` (or ``max_calls``) against a fresh server process; return the report."""
+        check_every: int = 20, quota_bytes: int = 256 << 20, op_deadline: float = 5.0, log: Any = None) -> Report:
+    """Fuzz for ``seconds`` (or ``max_calls``) against a fresh server process; return the report.
+
+    ``op_deadline`` is the server's: an op that runs longer (an SVD of a broadcast 8192 x 65536
+    matrix within the element limit takes minutes) gets its session's worker killed, which the
+    report counts as a session loss, as the node does for any client.
+    """
     rng = random.Random(seed)
     report = Report()
     ops = fuzzable_ops(only)
     if not ops:
         raise ValueError(f"no allowed op to fuzz (asked for {only})")
-    env = {"GENIE_MAX_SESSION_BYTES": str(quota_bytes)}
+    env = {"GENIE_MAX_SESSION_BYTES": str(quota_bytes), "GENIE_OP_DEADLINE": str(op_deadline)}
     started = time.monotonic()
     deadline = started + seconds
     while time.monotonic() < deadline and (not max_calls or report.calls < max_calls):

@@ -329,7 +329,9 @@ class WorkerSession:
         elif not reason and code not in (0, None):
             reason = f"session worker failed with exit code {code}"
         if reason:
-            log.warning("session %d (%s, worker %d) ended: %s", self.session_id, self.peer, self.pid, reason)
+            # Stopping the node ends its sessions by design: news, not a fault.
+            log.log(logging.INFO if self.closing else logging.WARNING, "session %d (%s, worker %d) ended: %s",
+                    self.session_id, self.peer, self.pid, reason)
             if not self.closing and code != KILLED_EXIT:  # KILLED_EXIT: the worker told its client itself
                 self._tell_client(reason)
         self.serving = False
