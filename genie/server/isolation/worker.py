@@ -42,6 +42,7 @@ import torch
 
 from genie.config import ClusterConfig
 from genie.security import server_tls_context
+from genie.server import preflight
 from genie.server.executor import Executor
 from genie.server.isolation.cache import WorkerCache
 from genie.server.isolation.clock import OpClock
@@ -195,6 +196,17 @@ def _prewarm() -> None:
     store = StorageStore(max_storages=1, max_bytes=0)
     Executor(channel, store, [torch.device("cpu")])
     torch.zeros(1).add_(1).sum().item()
+    # The first pre-flight imports about 800 modules (torch's meta and decomposition tables, sympy):
+    # about 1.1 s of an idle core, which every session's first op paid. A thread pays it while the
+    # spare waits, so the spare takes a session at once; a first op that comes early waits on the
+    # import lock for what is left, never for more.
+    threading.Thread(target=_warm_preflight, name="genie-worker-warm", daemon=True).start()
+
+
+def _warm_preflight() -> None:
+    with contextlib.suppress(Exception):  # a warm-up only: the first real op would pay it instead
+        preflight.check(torch.ops.aten.add.Tensor, "aten::add.Tensor", [torch.zeros(4), 1], {},
+                        max_elements=0, remaining_bytes=None)
 
 
 class _NoChannel:
