@@ -4,9 +4,9 @@
 installed distribution (12-15 ms at each ``genie.init`` with torch's environment). The entry
 points found are kept in ``$GENIE_CACHE_DIR/entry_points.json`` (the capability cache's
 directory, :func:`genie.transport.cache.default_cache_dir`) under a *fingerprint* of what is
-installed: the Python version and prefix, and for each directory on ``sys.path`` its
-modification time and, for each ``*.dist-info`` / ``*.egg-info`` in it, the modification time
-of its ``entry_points.txt``. Installing, upgrading or removing a distribution adds or renames
+installed: the Python version and prefix, and for each directory on ``sys.path`` the names of
+the ``*.dist-info`` / ``*.egg-info`` in it with the modification time of each one's
+``entry_points.txt`` (not the directory's own time: files written beside a script move it). Installing, upgrading or removing a distribution adds or renames
 such a directory (the version is part of its name); ``pip install -e`` rewrites
 ``entry_points.txt``: either changes the fingerprint, and the next discovery reads the
 metadata again. ``GENIE_CAPABILITY_CACHE=0`` switches this cache off too.
@@ -80,7 +80,9 @@ def fingerprint() -> list[Any]:
                 names = sorted(e.name for e in it if e.name.endswith((".dist-info", ".egg-info")))
         except OSError:
             names = []
-        found: list[Any] = [path, st.st_mtime_ns]
+        # Not the directory's own mtime: every file written beside a script (logs, checkpoints) moves it,
+        # and a distribution can only add entry points through a *-info directory, listed here by name.
+        found: list[Any] = [path]
         for name in names:
             try:
                 found.append([name, os.stat(os.path.join(path, name, "entry_points.txt")).st_mtime_ns])

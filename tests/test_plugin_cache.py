@@ -82,6 +82,16 @@ def test_installing_upgrading_or_rewriting_entry_points_invalidates(site: Path, 
     assert discoveries == [GROUP] * 4
 
 
+def test_files_written_beside_the_distributions_keep_the_cache(site: Path, discoveries: list[str]) -> None:
+    """A script's directory is on sys.path and gets logs and checkpoints: that is not an install."""
+    _install(site, "alpha", "1.0", {"alpha": "json:dumps"})
+    plugin_cache.entry_points(GROUP)
+    (site / "train.log").write_text("step 1\n")
+    (site / "ckpt").mkdir()
+    assert _names(plugin_cache.entry_points(GROUP)) == {"alpha": ("json:dumps", "1.0")}
+    assert discoveries == [GROUP]
+
+
 def test_a_tampered_cache_is_not_used(site: Path, discoveries: list[str]) -> None:
     _install(site, "alpha", "1.0", {"alpha": "json:dumps"})
     plugin_cache.entry_points(GROUP)
