@@ -2,7 +2,7 @@
 
 ``importlib_metadata.entry_points(group="genie")`` reads and parses the metadata of every
 installed distribution (12-15 ms at each ``genie.init`` with torch's environment). The entry
-points found are kept in ``$GENIE_CACHE_DIR/entry_points.json`` (the capability cache's
+points found are kept in ``$GENIE_CACHE_DIR/entry_points-<environment>.json`` (the capability cache's
 directory, :func:`genie.transport.cache.default_cache_dir`) under a *fingerprint* of what is
 installed: the Python version and prefix, and for each directory on ``sys.path`` the names of
 the ``*.dist-info`` / ``*.egg-info`` in it with the modification time of each one's
@@ -18,6 +18,7 @@ and looked up); values that are not dotted identifiers are never cached.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -35,7 +36,15 @@ from genie.transport.cache import cache_enabled, default_cache_dir
 
 log = logging.getLogger("genie.plugins")
 
-FILE_NAME = "entry_points.json"
+def _file_name() -> str:
+    """One file per environment (interpreter and prefix): two virtual environments on a host sharing one
+    file would overwrite each other's entries at every init and never hit."""
+    tag = hashlib.sha256(f"{sys.version}\0{sys.prefix}".encode()).hexdigest()[:16]
+    return f"entry_points-{tag}.json"
+
+
+#: This environment's cache file, in the capability cache's directory.
+FILE_NAME = _file_name()
 _FORMAT = 1
 #: ``package.module:attr.attr`` (an entry point value as importlib.metadata loads it, no extras).
 _VALUE = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")
