@@ -167,6 +167,10 @@ class Session:
             return self._reject(
                 "protocol", f"client speaks genie protocol {protocol!r}, this server speaks {PROTOCOL_VERSION}; "
                 "install matching genie versions")
+        if "torch" not in hello and "backends" not in hello:  # a control-plane HELLO (genie.init, genie status)
+            return self._reject(
+                "protocol", "this port serves a genie node's device sessions (a data port), not a master; point "
+                "genie.init's master_addr/master_port at the master (`genie serve` prints its control address)")
         welcome = {**self._welcome(), "cache": self.executor.transfers.offer()}
         if self._auth_token:
             proof = server_challenge(self.channel, body, hello, token=self._auth_token, peer=self.peer)
