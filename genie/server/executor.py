@@ -33,7 +33,7 @@ from genie.errors import (
     ProtocolError,
     QuotaExceededError,
 )
-from genie.server import codec, preflight, transfers
+from genie.server import codec, plans, preflight, transfers
 from genie.server.codec import MAX_NBYTES, Descriptor, check_id, is_int
 from genie.server.devargs import check_device_args, device_params
 from genie.server.isolation.clock import NULL_CLOCK, NullClock, OpClock
@@ -167,6 +167,9 @@ class Executor:
         self._used: dict[int, torch.UntypedStorage] = {}
         #: uploads, fetches, the weight cache (genie.server.transfers); the server sets the node's cache
         self.transfers = transfers.SessionTransfers()
+        #: validated command plans by signature (genie.server.plans)
+        self.plans: dict[bytes, plans.CommandPlan] = {}
+        self._checked: preflight.Plan | None = None  # the pre-flight answer of the op being run
 
     # -- batches ------------------------------------------------------------------------------
 
@@ -189,20 +192,31 @@ class Executor:
                 f"{self.max_inflight} (max_session_inflight); send smaller batches")
         transfers.receive(self, header, msg)
         self.metrics.queue_depth = len(cmds)  # metrics
+        keyer, known, run_plan = plans.command_key, self.plans, plans.run
         for cmd in cmds:
-            if not isinstance(cmd, bytes):
+            if type(cmd) is not bytes:
                 raise FrameError(f"each command must be msgpack bytes, got {type(cmd).__name__}")
-            self._run_command(codec.decode(cmd))
+            keyed = None
+            # An op whose signature ran before runs by its plan (genie.server.plans); else the full path,
+            # which makes the plan.
+            if cmd[:2] == plans.OP_PREFIX and keyer is not None and len(cmd) <= plans.MAX_KEYED_BYTES:
+                keyed = keyer(cmd)
+                if keyed is not None:
+                    plan = known.get(keyed[0])
+                    if plan is not None and run_plan(self, plan, keyed[1]):
+                        self.metrics.queue_depth -= 1  # metrics
+                        continue
+            self._run_command(codec.decode(cmd), keyed)
             self.metrics.queue_depth -= 1  # metrics
 
     # -- commands -----------------------------------------------------------------------------
 
-    def _run_command(self, cmd: Any) -> None:
+    def _run_command(self, cmd: Any, keyed: tuple[bytes, tuple[int, ...]] | None = None) -> None:
         if not isinstance(cmd, list) or not cmd or not is_int(cmd[0]):
             raise FrameError(f"a command must be a list starting with a command code, got {type(cmd).__name__}")
         code = cmd[0]
         if code == CMD_OP:
-            self._cmd_op(cmd)
+            self._cmd_op(cmd, keyed)
         elif code == CMD_FREE:
             if len(cmd) != 2 or not isinstance(cmd[1], list):
                 raise FrameError("FREE must be [CMD_FREE, [storage_id, ...]]")
@@ -230,25 +244,41 @@ class Executor:
         else:
             raise FrameError(f"unknown command code {code}")
 
-    def _cmd_op(self, cmd: list[Any]) -> None:
+    def _cmd_op(self, cmd: list[Any], keyed: tuple[bytes, tuple[int, ...]] | None = None) -> None:
         if len(cmd) != 6 or not isinstance(cmd[4], dict) or not isinstance(cmd[5], list):
             raise FrameError("OP must be [CMD_OP, device, op, args, kwargs, outs]")
         # A tensor tag (decoded by the codec, layouts cached) or a plain descriptor list, checked the same way.
         outs = [o if o is None or type(o) is Descriptor else Descriptor.parse(o, "output descriptor") for o in cmd[5]]
         storage_ids = [o.storage_id for o in outs if o is not None and o.storage_id]
         label = _label(cmd[2])
+        deferred = len(self.deferred) + self.dropped
         try:
             result, inputs = self._execute(cmd[1], cmd[2], cmd[3], cmd[4], storage_ids, outs)
-            try:
-                failures = store_outputs(label, result, outs, self.store, self._held(), self._known_tensor)
-            except OutputMismatch as exc:
-                raise _CommandFailed(_error(label, _shapes(inputs), "mismatch",
-                                            f"server and client disagree on the output of {label}: {exc}",
-                                            storage_ids)) from None
-            except GenieError as exc:
-                raise _CommandFailed(_error(label, _shapes(inputs), _kind_of(exc), str(exc), storage_ids)) from None
         except _CommandFailed as failed:
             self.fail_outputs(failed.record, storage_ids)
+            return
+        self.store_outputs_of(label, result, inputs, outs, storage_ids)
+        if keyed is not None and self._checked is not None and len(self.deferred) + self.dropped == deferred:
+            # It ran and stored without a word: later commands of its signature may run by a plan.
+            plan = plans.build(self, cmd, keyed[1], op_plan(cmd[2]), self._checked)
+            if plan is not None:
+                if len(self.plans) >= plans.MAX_PLANS:
+                    self.plans.clear()
+                self.plans[keyed[0]] = plan
+
+    def store_outputs_of(self, label: str, result: Any, inputs: Any, outs: list[Descriptor | None],
+                         storage_ids: list[int]) -> None:
+        """Keep an op's results by the output rule; a mismatch fails the command (its outputs poisoned), a
+        store failure of one output (quota) is deferred."""
+        try:
+            failures = store_outputs(label, result, outs, self.store, self._held(), self._known_tensor)
+        except OutputMismatch as exc:
+            self.fail_outputs(_error(label, _shapes(inputs), "mismatch",
+                                     f"server and client disagree on the output of {label}: {exc}", storage_ids),
+                              storage_ids)
+            return
+        except GenieError as exc:
+            self.fail_outputs(_error(label, _shapes(inputs), _kind_of(exc), str(exc), storage_ids), storage_ids)
             return
         for failure in failures:
             self._defer(_error(label, _shapes(inputs), _kind_of(failure), _message(failure), storage_ids))
@@ -333,6 +363,7 @@ class Executor:
                  outs: Sequence[Descriptor | None] = ()) -> tuple[Any, Any]:
         """Resolve and run an op; raise _CommandFailed with a deferred-error record on any failure."""
         label = _label(name)
+        self._checked = None
         try:
             plan = op_plan(name)
         except ForbiddenOpError as exc:
@@ -357,9 +388,9 @@ class Executor:
             raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
         try:  # limits and argument checks on meta tensors before the kernel sees anything (genie.server.preflight)
             planned = plan.functional if fresh is not None and plan.functional is not None else op
-            preflight.check(planned, label, args, kwargs,
-                            max_elements=self.max_op_elements,
-                            remaining_bytes=self.store.max_bytes - self.store.bytes_used if self.store.max_bytes else None)
+            checked = preflight.check(
+                planned, label, args, kwargs, max_elements=self.max_op_elements,
+                remaining_bytes=self.store.max_bytes - self.store.bytes_used if self.store.max_bytes else None)
         except GenieError as exc:
             raise _CommandFailed(_error(label, _shapes((args, kwargs)), _kind_of(exc), _message(exc),
                                         storage_ids)) from None
@@ -382,6 +413,7 @@ class Executor:
                 self._account_resizes(used)
         self.ops_run += 1
         self.metrics.record_op(label, "ok", time.perf_counter() - started)  # metrics
+        self._checked = checked if fresh is None else None
         if plan.uninitialised:
             held = self._held()
             for t in tensor_leaves(result):
@@ -520,6 +552,11 @@ class Executor:
     def precheck_outputs(self, label: str, storage_ids: list[int], outs: Sequence[Descriptor | None]) -> None:
         """QuotaExceededError before running what can never fit (see :meth:`_precheck_outputs`)."""
         self._precheck_outputs(label, storage_ids, outs)
+
+    def set_current(self, device: torch.device, used: dict[int, torch.UntypedStorage]) -> None:
+        """The command being run (by a plan) runs on ``device`` and uses the storages ``used``."""
+        self._device_now = device
+        self._used = used
 
     def used_storages(self) -> dict[int, torch.UntypedStorage]:
         """The storages the command being run resolved, by id."""

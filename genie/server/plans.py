@@ -1,0 +1,330 @@
+"""Validated per-signature command plans: a repeated op costs little more than its kernel.
+
+A client sends the same ops over and over (a training step is a few hundred commands, repeated), and
+each differs from the last time only in its storage ids: a fresh output per op. The full path of a
+``CMD_OP`` (msgpack decode, op resolution and the allow-list, descriptor checks, the pre-flight meta
+run, the output rule) is the same work every time. So:
+
+- :func:`genie._C_keys.command_key` (genie/csrc/server_keys.cpp) walks a command's msgpack bytes,
+  bounds-checked, and returns its *key*: the bytes with every tensor tag's storage id taken out, plus
+  which ids alias which (and which are storage 0); and the ids in order.
+- The first command with a key runs the full path. When it succeeds, and its op is one a plan covers
+  (:func:`build`), a :class:`CommandPlan` is kept under the key: the op's bound kernel, the argument
+  templates with a slot per tensor, the checked layouts, the pre-flight answer.
+- A later command with the same key is the same op on the same argument structure, layouts and
+  scalars (the key says so byte for byte), so only what depends on the storages runs again
+  (:func:`run`): each input storage must be live (not unknown, freed or poisoned) and hold exactly the
+  ``storage_nbytes`` its descriptor says (bounds were checked for that size), the storage count and
+  byte quotas must leave room, the op's validator (when it has one: it may read data) must pass. The
+  tensors are built, the kernel called, and each result adopted when it is fresh, dense and laid out as
+  the descriptor says (or already is the described storage, for in-place ops); anything else goes
+  through the full output rule (:func:`genie.server.outputs.store_outputs`).
+
+Any check that does not pass before the kernel runs sends the command down the full path, which
+raises the same error with the same record as it always did: the plan path changes no error. A plan is
+made only from a command the full path accepted; nothing in a plan comes from the network that the
+full path did not check. Plans are per session (its limits are part of what was checked).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from genie.server import validators
+from genie.server.codec import Descriptor, DeviceRef
+from genie.server.ops import run_op
+from genie.server.outputs import flatten_outputs
+from genie.server.records import error as _error
+from genie.server.records import kind_of
+from genie.server.records import message as _message
+from genie.server.store import StorageStore
+
+if TYPE_CHECKING:
+    from genie.server.executor import Executor, _OpPlan
+    from genie.server.preflight import Plan
+
+try:  # built with genie._C by setup.py; without it every command takes the full path
+    from genie._C_keys import command_key
+except ImportError:  # pragma: no cover - an install that did not build the extension
+    command_key = None
+
+log = logging.getLogger("genie.server.plans")
+
+#: Most plans one session keeps (emptied when full: a client sending endless new signatures only loses speed).
+MAX_PLANS = 4096
+#: Longest command keyed (bigger ones are rare and their decode dominates anyway).
+MAX_KEYED_BYTES = 16 << 10
+#: What a CMD_OP's msgpack starts with: a fixarray of 6, then CMD_OP (1) as a positive fixint.
+OP_PREFIX = b"\x96\x01"
+
+_Tensor = torch.Tensor
+_perf_counter = time.perf_counter
+
+
+class CommandPlan:
+    """What running one command signature needs, taken from a command the full path accepted."""
+
+    __slots__ = ("args", "call", "device", "in_descs", "kw_fill", "kwargs", "label", "max_op_elements",
+                 "nested_fill", "new_bytes", "op", "arg_fill", "out_descs", "out_slots", "validator", "writes")
+
+    def __init__(self) -> None:
+        self.label = ""
+        self.op: torch._ops.OpOverload
+        self.call: Any = None
+        self.device: torch.device
+        #: argument templates: constants in place, tensors filled in per command from ``in_descs``
+        self.args: list[Any] = []
+        self.arg_fill: list[tuple[int, int]] = []
+        self.nested_fill: list[tuple[int, list[Any], list[tuple[int, int]]]] = []
+        self.kwargs: dict[str, Any] = {}
+        self.kw_fill: list[tuple[str, int]] = []
+        self.in_descs: list[Descriptor] = []
+        #: output descriptors by output position (None: no output wanted), and each one's index in the ids
+        self.out_descs: list[Descriptor | None] = []
+        self.out_slots: list[int] = []
+        self.validator: validators.Check | None = None
+        self.writes = False
+        self.new_bytes = 0
+        self.max_op_elements = 0
+
+
+class _NoPlan(Exception):
+    """The command has a shape plans do not cover (internal)."""
+
+
+def _template(values: list[Any], descs: list[Descriptor], ex: Executor,
+              nested: bool) -> tuple[list[Any], list[tuple[int, int]], list[tuple[int, list[Any], list[tuple[int, int]]]]]:
+    """A list of decoded values as a template: constants kept, tensors as slots (``descs`` grows)."""
+    out: list[Any] = []
+    fill: list[tuple[int, int]] = []
+    deeper: list[tuple[int, list[Any], list[tuple[int, int]]]] = []
+    for position, value in enumerate(values):
+        kind = type(value)
+        if kind is Descriptor:
+            fill.append((position, len(descs)))
+            descs.append(value)
+            out.append(None)
+        elif kind is DeviceRef:
+            out.append(ex.device(value.index))
+        elif kind is list and nested:
+            if any(type(v) is list or type(v) is dict for v in value):
+                if any(_has_placeholder(v) for v in value):
+                    raise _NoPlan
+            inner, inner_fill, _ = _template(value, descs, ex, False)
+            if inner_fill:
+                deeper.append((position, inner, inner_fill))
+                out.append(None)
+            else:
+                out.append(inner)
+        elif kind is list or kind is dict:
+            if _has_placeholder(value):
+                raise _NoPlan
+            out.append(value)
+        elif kind in _PLACEHOLDERS:
+            raise _NoPlan  # a generator (random ops are not planned)
+        else:
+            out.append(value)
+    return out, fill, deeper
+
+
+def _has_placeholder(value: Any) -> bool:
+    kind = type(value)
+    if kind in _PLACEHOLDERS:
+        return True
+    if kind is list:
+        return any(_has_placeholder(v) for v in value)
+    if kind is dict:
+        return any(_has_placeholder(v) for v in value.values())
+    return False
+
+
+def _placeholder_types() -> frozenset[type]:
+    from genie.server.codec import GeneratorRef
+
+    return frozenset({Descriptor, DeviceRef, GeneratorRef})
+
+
+_PLACEHOLDERS = _placeholder_types()
+
+
+def coverable(op_plan: _OpPlan) -> bool:
+    """Whether commands of this op may get a plan: not ops whose full path does more than run the kernel
+    (random ops and their generators, Device arguments, the empty family's zeroing, out= ops run in
+    their functional form)."""
+    return not (op_plan.generator_arg or op_plan.generatorless or op_plan.devargs or op_plan.uninitialised
+                or op_plan.functional is not None)
+
+
+def build(ex: Executor, cmd: list[Any], ids: tuple[int, ...], op_plan: _OpPlan, checked: Plan) -> CommandPlan | None:
+    """A plan from a CMD_OP the full path just ran without an error (``checked``: its pre-flight answer),
+    or None when its shape is not one plans cover."""
+    if not coverable(op_plan) or 0 in ids:
+        return None
+    plan = CommandPlan()
+    try:
+        plan.args, plan.arg_fill, plan.nested_fill = _template(cmd[3], plan.in_descs, ex, True)
+        kwargs, kw_fill, nested = _template(list(cmd[4].values()), plan.in_descs, ex, False)
+    except _NoPlan:
+        return None
+    if nested:
+        return None
+    names = list(cmd[4])
+    plan.kwargs = {name: value for name, value in zip(names, kwargs, strict=True)}
+    plan.kw_fill = [(names[position], slot) for position, slot in kw_fill]
+    count = len(plan.in_descs)
+    for out in cmd[5]:
+        if out is None:
+            plan.out_descs.append(None)
+            plan.out_slots.append(-1)
+        elif type(out) is Descriptor:
+            plan.out_descs.append(out)
+            plan.out_slots.append(count)
+            count += 1
+        else:
+            return None  # a plain descriptor list: its id is part of the key, nothing to gain
+    # The key's ids are the tensor tags in msgpack order: args, kwargs' values, outs. They must be the
+    # descriptors found here, in that order (a mismatch would be a bug: no plan then).
+    found = [*(d.storage_id for d in plan.in_descs), *(d.storage_id for d in plan.out_descs if d is not None)]
+    if found != list(ids):
+        log.debug("command plan not made: ids %s differ from the descriptors' %s", ids, found)
+        return None
+    plan.label = cmd[2]
+    plan.op = op_plan.op
+    plan.call = op_plan.op._op
+    plan.device = ex.device(cmd[1])
+    plan.validator = validators.check_for(op_plan.op)
+    plan.writes = op_plan.writes
+    plan.new_bytes = checked.new_bytes
+    plan.max_op_elements = ex.max_op_elements
+    return plan
+
+
+def _call(plan: CommandPlan, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    try:
+        return plan.call(*args, **kwargs)
+    except NotImplementedError:  # no kernel here after all: run_op's decomposition (or its error)
+        return run_op(plan.op, args, kwargs)
+
+
+def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
+    """Run a command by its plan; False (nothing done) when it must take the full path instead."""
+    store = ex.store
+    # The store's own maps, read directly: this is the per-command path (genie.server.store keeps them).
+    storages = store._storages
+    sizes = store._sizes
+    if plan.max_op_elements != ex.max_op_elements:
+        return False
+    used: dict[int, torch.UntypedStorage] = {}
+    tensors: list[torch.Tensor] = []
+    for slot, desc in enumerate(plan.in_descs):
+        storage_id = ids[slot]
+        storage = storages.get(storage_id)
+        # Unknown (made on first use), freed, poisoned, or resized since: the full path says what happens.
+        if storage is None or sizes[storage_id] != desc.storage_nbytes:
+            return False
+        used[storage_id] = storage
+        tensors.append(torch.empty(0, dtype=desc.dtype, device=storage.device).set_(
+            storage, desc.offset, desc.sizes, desc.strides))
+    out_ids = [ids[slot] for slot in plan.out_slots if slot >= 0]
+    if store.count + len(out_ids) > store.max_storages:
+        return False
+    if store.max_bytes and plan.new_bytes > store.max_bytes - store.bytes_used:
+        return False
+    args = plan.args.copy()
+    for position, slot in plan.arg_fill:
+        args[position] = tensors[slot]
+    for position, template, fill in plan.nested_fill:
+        inner = template.copy()
+        for i, slot in fill:
+            inner[i] = tensors[slot]
+        args[position] = inner
+    kwargs = plan.kwargs
+    if plan.kw_fill:
+        kwargs = kwargs.copy()
+        for name, slot in plan.kw_fill:
+            kwargs[name] = tensors[slot]
+    label = plan.label
+    if plan.validator is not None:
+        try:
+            plan.validator(label, args, kwargs)
+        except Exception:  # noqa: BLE001 - the full path raises it again and records it as it always has
+            return False
+    ex.set_current(plan.device, used)
+    metrics, clock = ex.metrics, ex.clock
+    started = _perf_counter()  # metrics
+    clock.begin(label)  # isolation
+    try:
+        result = _call(plan, args, kwargs)
+    except Exception as exc:
+        metrics.record_op(label, "error", _perf_counter() - started)  # metrics
+        ex.fail_outputs(_error(label, _shapes(args, kwargs), "execution", _message(exc), out_ids), out_ids)
+        return True
+    finally:
+        clock.end()  # isolation
+        if plan.writes:
+            ex.account_resizes(used)
+    ex.ops_run += 1
+    metrics.record_op(label, "ok", _perf_counter() - started)  # metrics
+    failures = _adopt(plan, result, ids, storages, used, store)
+    if failures is None:
+        outs = [d if d is None else d.with_id(ids[slot]) for d, slot in zip(plan.out_descs, plan.out_slots,
+                                                                           strict=True)]
+        ex.store_outputs_of(label, result, (args, kwargs), outs, out_ids)
+    else:
+        for failure in failures:
+            ex.defer(_error(label, _shapes(args, kwargs), kind_of(failure), _message(failure), out_ids))
+    return True
+
+
+def _shapes(args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
+    from genie.server.executor import shapes
+
+    return shapes((args, kwargs))
+
+
+def _adopt(plan: CommandPlan, result: Any, ids: tuple[int, ...], storages: dict[int, torch.UntypedStorage],
+           used: dict[int, torch.UntypedStorage], store: StorageStore) -> list[Exception] | None:
+    """The output rule's common cases: every result fresh, dense and laid out as described (adopted), or
+    already the described tensor of a storage the session holds (in place). Returns the per-output store
+    failures (quota), as the full rule does; None, with nothing stored, when any result is something
+    else: the full rule then decides."""
+    results = [result] if type(result) is _Tensor else flatten_outputs(result) if result is not None else []
+    descs = plan.out_descs
+    if len(results) != len(descs):
+        return None
+    held: set[int] | None = None
+    adopt: dict[int, torch.UntypedStorage] = {}
+    for t, desc, slot in zip(results, descs, plan.out_slots, strict=True):
+        if desc is None:
+            continue  # an output the client does not keep
+        if t is None or t.layout != torch.strided or t.dtype != desc.dtype or t.shape != desc.sizes \
+                or t.stride() != desc.strides or t.storage_offset() != desc.offset:
+            return None
+        storage_id = ids[slot]
+        fresh = t.untyped_storage()
+        nbytes = fresh.nbytes()
+        if not nbytes or storage_id in adopt:
+            return None
+        known = storages.get(storage_id)
+        if known is not None:
+            if known.data_ptr() != fresh.data_ptr():
+                return None  # a copy into the known storage: the full rule does it
+            continue
+        if held is None:
+            held = {s.data_ptr() for s in used.values() if s.nbytes()}
+        key = fresh.data_ptr()
+        if key in held or nbytes != desc.storage_nbytes or t.numel() * t.element_size() != nbytes:
+            return None
+        held.add(key)
+        adopt[storage_id] = fresh
+    failures: list[Exception] = []
+    for storage_id, fresh in adopt.items():
+        try:
+            store.put(storage_id, fresh)
+        except Exception as exc:  # noqa: BLE001 - quota: that output only, as the full rule reports it
+            failures.append(exc)
+    return failures
