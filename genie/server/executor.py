@@ -155,6 +155,8 @@ class Executor:
         self.deferred: list[dict[str, Any]] = []
         self.dropped = 0
         self.ops_run = 0
+        #: ops run by a command plan (genie.server.plans), a share of ops_run
+        self.plan_runs = 0
         #: Most commands plus uploads one batch may carry (``max_session_inflight``): everything a client can
         #: make the server hold or queue at once without waiting for an answer.
         self.max_inflight = MAX_COMMANDS

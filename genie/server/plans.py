@@ -254,6 +254,7 @@ def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
         except Exception:  # noqa: BLE001 - the full path raises it again and records it as it always has
             return False
     ex.set_current(plan.device, used)
+    ex.plan_runs += 1
     metrics, clock = ex.metrics, ex.clock
     started = _perf_counter()  # metrics
     clock.begin(label)  # isolation
