@@ -62,14 +62,16 @@ MAX_KEYED_BYTES = 16 << 10
 OP_PREFIX = b"\x96\x01"
 
 _Tensor = torch.Tensor
+_STRIDED = torch.strided
 _perf_counter = time.perf_counter
 
 
 class CommandPlan:
     """What running one command signature needs, taken from a command the full path accepted."""
 
-    __slots__ = ("args", "call", "device", "in_descs", "kw_fill", "kwargs", "label", "max_op_elements",
-                 "nested_fill", "new_bytes", "op", "arg_fill", "out_descs", "out_slots", "validator", "writes")
+    __slots__ = ("arg_fill", "args", "call", "device", "in_descs", "inputs", "kw_fill", "kwargs", "label",
+                 "max_op_elements", "nested_fill", "new_bytes", "op", "out_descs", "out_id_slots", "out_slots",
+                 "single", "validator", "writes")
 
     def __init__(self) -> None:
         self.label = ""
@@ -86,6 +88,12 @@ class CommandPlan:
         #: output descriptors by output position (None: no output wanted), and each one's index in the ids
         self.out_descs: list[Descriptor | None] = []
         self.out_slots: list[int] = []
+        #: per input: (its index in the ids, storage_nbytes, offset, sizes, strides, an empty tensor of its
+        #: dtype on the plan's device whose new() makes the next one); the ids' indices of the outputs kept
+        self.inputs: list[tuple[int, int, int, tuple[int, ...], tuple[int, ...], torch.Tensor]] = []
+        self.out_id_slots: list[int] = []
+        #: the one output's (index in the ids, descriptor) when the op has exactly one, kept
+        self.single: tuple[int, Descriptor] | None = None
         self.validator: validators.Check | None = None
         self.writes = False
         self.new_bytes = 0
@@ -200,14 +208,12 @@ def build(ex: Executor, cmd: list[Any], ids: tuple[int, ...], op_plan: _OpPlan, 
     plan.writes = op_plan.writes
     plan.new_bytes = checked.new_bytes
     plan.max_op_elements = ex.max_op_elements
+    plan.inputs = [(slot, d.storage_nbytes, d.offset, d.sizes, d.strides,
+                    torch.empty(0, dtype=d.dtype, device=plan.device)) for slot, d in enumerate(plan.in_descs)]
+    plan.out_id_slots = [slot for slot in plan.out_slots if slot >= 0]
+    if len(plan.out_descs) == 1 and plan.out_descs[0] is not None:
+        plan.single = (plan.out_slots[0], plan.out_descs[0])
     return plan
-
-
-def _call(plan: CommandPlan, args: list[Any], kwargs: dict[str, Any]) -> Any:
-    try:
-        return plan.call(*args, **kwargs)
-    except NotImplementedError:  # no kernel here after all: run_op's decomposition (or its error)
-        return run_op(plan.op, args, kwargs)
 
 
 def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
@@ -220,19 +226,21 @@ def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
         return False
     used: dict[int, torch.UntypedStorage] = {}
     tensors: list[torch.Tensor] = []
-    for slot, desc in enumerate(plan.in_descs):
+    device = plan.device
+    for slot, nbytes, offset, shape, strides, base in plan.inputs:
         storage_id = ids[slot]
         storage = storages.get(storage_id)
         # Unknown (made on first use), freed, poisoned, or resized since: the full path says what happens.
-        if storage is None or sizes[storage_id] != desc.storage_nbytes:
+        if storage is None or sizes[storage_id] != nbytes:
             return False
         used[storage_id] = storage
-        tensors.append(torch.empty(0, dtype=desc.dtype, device=storage.device).set_(
-            storage, desc.offset, desc.sizes, desc.strides))
-    out_ids = [ids[slot] for slot in plan.out_slots if slot >= 0]
-    if store.count + len(out_ids) > store.max_storages:
+        # base.new(): an empty tensor of the input's dtype on the plan's device, faster than torch.empty()
+        empty = base.new() if storage.device == device else torch.empty(0, dtype=base.dtype, device=storage.device)
+        tensors.append(empty.set_(storage, offset, shape, strides))
+    out_ids = [ids[slot] for slot in plan.out_id_slots]
+    if len(storages) + len(store._poisoned) + len(out_ids) > store.max_storages:
         return False
-    if store.max_bytes and plan.new_bytes > store.max_bytes - store.bytes_used:
+    if store.max_bytes and plan.new_bytes > store.max_bytes - store._bytes:
         return False
     args = plan.args.copy()
     for position, slot in plan.arg_fill:
@@ -253,13 +261,18 @@ def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
             plan.validator(label, args, kwargs)
         except Exception:  # noqa: BLE001 - the full path raises it again and records it as it always has
             return False
-    ex.set_current(plan.device, used)
+    # What Executor.set_current does, inline: the command's device and the storages it used.
+    ex._device_now = device
+    ex._used = used
     ex.plan_runs += 1
     metrics, clock = ex.metrics, ex.clock
     started = _perf_counter()  # metrics
     clock.begin(label)  # isolation
     try:
-        result = _call(plan, args, kwargs)
+        try:
+            result = plan.call(*args, **kwargs)
+        except NotImplementedError:  # no kernel here after all: run_op's decomposition (or its error)
+            result = run_op(plan.op, args, kwargs)
     except Exception as exc:
         metrics.record_op(label, "error", _perf_counter() - started)  # metrics
         ex.fail_outputs(_error(label, _shapes(args, kwargs), "execution", _message(exc), out_ids), out_ids)
@@ -270,6 +283,27 @@ def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
             ex.account_resizes(used)
     ex.ops_run += 1
     metrics.record_op(label, "ok", _perf_counter() - started)  # metrics
+    single = plan.single
+    if single is not None and type(result) is _Tensor:
+        # One fresh output (most ops): the common case of _adopt, inline.
+        slot, desc = single
+        storage_id = ids[slot]
+        fresh = result.untyped_storage()
+        nbytes = fresh.nbytes()
+        if nbytes == desc.storage_nbytes and nbytes and storage_id not in storages \
+                and result.dtype == desc.dtype and result.shape == desc.sizes and result.stride() == desc.strides \
+                and result.storage_offset() == desc.offset and result.layout == _STRIDED \
+                and result.numel() * result.element_size() == nbytes:
+            key = fresh.data_ptr()
+            for storage in used.values():
+                if storage.data_ptr() == key and storage.nbytes():
+                    break  # the result lives in an input's storage: not fresh (the full rule decides)
+            else:
+                try:
+                    store.adopt(storage_id, fresh, nbytes)
+                except Exception as exc:  # noqa: BLE001 - quota: reported as the full rule does
+                    ex.defer(_error(label, _shapes(args, kwargs), kind_of(exc), _message(exc), out_ids))
+                return True
     failures = _adopt(plan, result, ids, storages, used, store)
     if failures is None:
         outs = [d if d is None else d.with_id(ids[slot]) for d, slot in zip(plan.out_descs, plan.out_slots,
@@ -325,7 +359,7 @@ def _adopt(plan: CommandPlan, result: Any, ids: tuple[int, ...], storages: dict[
     failures: list[Exception] = []
     for storage_id, fresh in adopt.items():
         try:
-            store.put(storage_id, fresh)
+            store.adopt(storage_id, fresh, fresh.nbytes())
         except Exception as exc:  # noqa: BLE001 - quota: that output only, as the full rule reports it
             failures.append(exc)
     return failures
