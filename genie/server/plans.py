@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from genie.server.executor import Executor, _OpPlan
     from genie.server.preflight import Plan
 
+command_key: Callable[[bytes], tuple[bytes, tuple[int, ...]] | None] | None
 try:  # built with genie._C by setup.py; without it every command takes the full path
     from genie._C_keys import command_key
 except ImportError:  # pragma: no cover - an install that did not build the extension

@@ -10,7 +10,7 @@ in a fresh session with the same storages: its error record must equal the plan 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgpack
@@ -29,24 +29,31 @@ def _add(src: int, dst: int, scalar: Any = 1, like: torch.Tensor = F) -> bytes:
     return op("aten::add.Tensor", [T(src, like), scalar], {}, [T(dst, like)])
 
 
+def key(data: bytes) -> tuple[bytes, tuple[int, ...]]:
+    """The command's key and ids (the test fails when it cannot be keyed)."""
+    found = command_key(data)
+    assert found is not None
+    return found
+
+
 # -- the walker -------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("a", "b"), [(5, 6), (200, 70_000), (1 << 40, (1 << 63) - 1)])
 def test_keys_equal_when_only_the_storage_ids_differ(a: int, b: int) -> None:
-    key1, ids1 = command_key(_add(1, 2))
-    key2, ids2 = command_key(_add(a, b))
+    key1, ids1 = key(_add(1, 2))
+    key2, ids2 = key(_add(a, b))
     assert key1 == key2 and ids1 == (1, 2) and ids2 == (a, b)
 
 
 def test_keys_differ_on_scalars_layouts_ops_and_aliasing() -> None:
-    base = command_key(_add(1, 2))[0]
-    assert command_key(_add(1, 2, 2))[0] != base
-    assert command_key(_add(1, 2, 1.0))[0] != base
-    assert command_key(_add(1, 2, like=torch.empty(2)))[0] != base
-    assert command_key(op("aten::sub.Tensor", [T(1, F), 1], {}, [T(2, F)]))[0] != base
-    assert command_key(_add(3, 3))[0] != base  # the output aliases the input
-    assert command_key(_add(0, 2))[0] != base  # storage 0 is the empty storage, never a slot
+    base = key(_add(1, 2))[0]
+    assert key(_add(1, 2, 2))[0] != base
+    assert key(_add(1, 2, 1.0))[0] != base
+    assert key(_add(1, 2, like=torch.empty(2)))[0] != base
+    assert key(op("aten::sub.Tensor", [T(1, F), 1], {}, [T(2, F)]))[0] != base
+    assert key(_add(3, 3))[0] != base  # the output aliases the input
+    assert key(_add(0, 2))[0] != base  # storage 0 is the empty storage, never a slot
 
 
 def test_unkeyable_bytes_give_none() -> None:
@@ -163,7 +170,7 @@ def test_in_place_view_and_list_ops_by_plan_match_the_full_path(server, connect)
 
 
 def _compare(server, connect, warm: list[bytes], setup: list[bytes], failing: bytes,
-             uploads: list[tuple[Any, ...]] = (), by_plan: bool = False, **options: Any) -> list[Any]:
+             uploads: Sequence[tuple[Any, ...]] = (), by_plan: bool = False, **options: Any) -> list[Any]:
     """Run ``failing`` after ``setup`` (with ``uploads``) in two sessions: one where ``warm`` made its plan
     first (over storages 1 to 4, then freed: both sessions hold the same), one where it is the first of its
     signature. The deferred errors must be equal. ``by_plan``: whether the failing command passes the
