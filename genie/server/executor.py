@@ -172,6 +172,7 @@ class Executor:
         #: validated command plans by signature (genie.server.plans)
         self.plans: dict[bytes, plans.CommandPlan] = {}
         self._checked: preflight.Plan | None = None  # the pre-flight answer of the op being run
+        self._plan_bytes = 0  # key bytes the plans hold
 
     # -- batches ------------------------------------------------------------------------------
 
@@ -264,9 +265,11 @@ class Executor:
             # It ran and stored without a word: later commands of its signature may run by a plan.
             plan = plans.build(self, cmd, keyed[1], op_plan(cmd[2]), self._checked)
             if plan is not None:
-                if len(self.plans) >= plans.MAX_PLANS:
+                if len(self.plans) >= plans.MAX_PLANS or self._plan_bytes > plans.MAX_PLAN_BYTES:
                     self.plans.clear()
+                    self._plan_bytes = 0
                 self.plans[keyed[0]] = plan
+                self._plan_bytes += len(keyed[0])
 
     def store_outputs_of(self, label: str, result: Any, inputs: Any, outs: list[Descriptor | None],
                          storage_ids: list[int]) -> None:

@@ -60,6 +60,8 @@ log = logging.getLogger("genie.server.plans")
 MAX_PLANS = 4096
 #: Longest command keyed (bigger ones are rare and their decode dominates anyway).
 MAX_KEYED_BYTES = 16 << 10
+#: Most key bytes one session's plans may hold (then emptied): bounds their memory whatever the client sends.
+MAX_PLAN_BYTES = 8 << 20
 #: What a CMD_OP's msgpack starts with: a fixarray of 6, then CMD_OP (1) as a positive fixint.
 OP_PREFIX = b"\x96\x01"
 
@@ -226,43 +228,46 @@ def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
     sizes = store._sizes
     if plan.max_op_elements != ex.max_op_elements:
         return False
-    used: dict[int, torch.UntypedStorage] = {}
-    tensors: list[torch.Tensor] = []
-    device = plan.device
-    for slot, nbytes, offset, shape, strides, base in plan.inputs:
-        storage_id = ids[slot]
-        storage = storages.get(storage_id)
-        # Unknown (made on first use), freed, poisoned, or resized since: the full path says what happens.
-        if storage is None or sizes[storage_id] != nbytes:
+    try:  # anything unexpected before the kernel (torch refusing to build a tensor): the full path reports it
+        used: dict[int, torch.UntypedStorage] = {}
+        tensors: list[torch.Tensor] = []
+        device = plan.device
+        for slot, nbytes, offset, shape, strides, base in plan.inputs:
+            storage_id = ids[slot]
+            storage = storages.get(storage_id)
+            # Unknown (made on first use), freed, poisoned, or resized since: the full path says what happens.
+            if storage is None or sizes[storage_id] != nbytes:
+                return False
+            used[storage_id] = storage
+            # base.new(): an empty tensor of the input's dtype on the plan's device, faster than torch.empty()
+            empty = base.new() if storage.device == device else torch.empty(0, dtype=base.dtype, device=storage.device)
+            tensors.append(empty.set_(storage, offset, shape, strides))
+        out_ids = [ids[slot] for slot in plan.out_id_slots]
+        if len(storages) + len(store._poisoned) + len(out_ids) > store.max_storages:
             return False
-        used[storage_id] = storage
-        # base.new(): an empty tensor of the input's dtype on the plan's device, faster than torch.empty()
-        empty = base.new() if storage.device == device else torch.empty(0, dtype=base.dtype, device=storage.device)
-        tensors.append(empty.set_(storage, offset, shape, strides))
-    out_ids = [ids[slot] for slot in plan.out_id_slots]
-    if len(storages) + len(store._poisoned) + len(out_ids) > store.max_storages:
-        return False
-    if store.max_bytes and plan.new_bytes > store.max_bytes - store._bytes:
-        return False
-    args = plan.args.copy()
-    for position, slot in plan.arg_fill:
-        args[position] = tensors[slot]
-    for position, template, fill in plan.nested_fill:
-        inner = template.copy()
-        for i, slot in fill:
-            inner[i] = tensors[slot]
-        args[position] = inner
-    kwargs = plan.kwargs
-    if plan.kw_fill:
-        kwargs = kwargs.copy()
-        for name, slot in plan.kw_fill:
-            kwargs[name] = tensors[slot]
-    label = plan.label
-    if plan.validator is not None:
-        try:
-            plan.validator(label, args, kwargs)
-        except Exception:  # noqa: BLE001 - the full path raises it again and records it as it always has
+        if store.max_bytes and plan.new_bytes > store.max_bytes - store._bytes:
             return False
+        args = plan.args.copy()
+        for position, slot in plan.arg_fill:
+            args[position] = tensors[slot]
+        for position, template, fill in plan.nested_fill:
+            inner = template.copy()
+            for i, slot in fill:
+                inner[i] = tensors[slot]
+            args[position] = inner
+        kwargs = plan.kwargs
+        if plan.kw_fill:
+            kwargs = kwargs.copy()
+            for name, slot in plan.kw_fill:
+                kwargs[name] = tensors[slot]
+        label = plan.label
+        if plan.validator is not None:
+            try:
+                plan.validator(label, args, kwargs)
+            except Exception:  # noqa: BLE001 - the full path raises it again and records it as it always has
+                return False
+    except Exception:  # noqa: BLE001
+        return False
     # What Executor.set_current does, inline: the command's device and the storages it used.
     ex._device_now = device
     ex._used = used
@@ -273,8 +278,10 @@ def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
     try:
         try:
             result = plan.call(*args, **kwargs)
-        except NotImplementedError:  # no kernel here after all: run_op's decomposition (or its error)
-            result = run_op(plan.op, args, kwargs)
+        except NotImplementedError as exc:
+            if not str(exc).startswith("Could not run"):
+                raise
+            result = run_op(plan.op, args, kwargs)  # no kernel here after all: its decomposition, as run_op does
     except Exception as exc:
         metrics.record_op(label, "error", _perf_counter() - started)  # metrics
         ex.fail_outputs(_error(label, _shapes(args, kwargs), "execution", _message(exc), out_ids), out_ids)
