@@ -39,7 +39,7 @@ from genie.server.devargs import check_device_args, device_params
 from genie.server.isolation.clock import NULL_CLOCK, NullClock, OpClock
 from genie.server.metrics import NULL_SESSION_METRICS, SessionMetrics
 from genie.server.ops import resolve_op, run_op
-from genie.server.outputs import OutputMismatch, functional_of, store_call_result, store_outputs
+from genie.server.outputs import OutputMismatch, fits_outs, functional_of, store_call_result, store_outputs
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
@@ -172,6 +172,8 @@ class Executor:
         #: validated command plans by signature (genie.server.plans)
         self.plans: dict[bytes, plans.CommandPlan] = {}
         self._checked: preflight.Plan | None = None  # the pre-flight answer of the op being run
+        self._ran_functional = False  # whether it was an out= op run in its functional form
+        self._functional_result = False  # what _run_fresh did last
         self._plan_bytes = 0  # key bytes the plans hold
 
     # -- batches ------------------------------------------------------------------------------
@@ -255,6 +257,8 @@ class Executor:
         storage_ids = [o.storage_id for o in outs if o is not None and o.storage_id]
         label = _label(cmd[2])
         deferred = len(self.deferred) + self.dropped
+        # The kwargs as sent: the full path takes an out= op's out arguments out of them (_fresh_outs).
+        sent_kwargs = dict(cmd[4]) if keyed is not None else None
         try:
             result, inputs = self._execute(cmd[1], cmd[2], cmd[3], cmd[4], storage_ids, outs)
         except _CommandFailed as failed:
@@ -263,7 +267,8 @@ class Executor:
         self.store_outputs_of(label, result, inputs, outs, storage_ids)
         if keyed is not None and self._checked is not None and len(self.deferred) + self.dropped == deferred:
             # It ran and stored without a word: later commands of its signature may run by a plan.
-            plan = plans.build(self, cmd, keyed[1], op_plan(cmd[2]), self._checked)
+            plan = plans.build(self, [*cmd[:4], sent_kwargs, cmd[5]], keyed[1], op_plan(cmd[2]), self._checked,
+                               self._ran_functional)
             if plan is not None:
                 if len(self.plans) >= plans.MAX_PLANS or self._plan_bytes > plans.MAX_PLAN_BYTES:
                     self.plans.clear()
@@ -418,7 +423,9 @@ class Executor:
                 self._account_resizes(used)
         self.ops_run += 1
         self.metrics.record_op(label, "ok", time.perf_counter() - started)  # metrics
-        self._checked = checked if fresh is None else None
+        # For a plan (genie.server.plans): the pre-flight answer, and whether an out= op ran its functional form.
+        self._checked = checked
+        self._ran_functional = fresh is not None and self._functional_result
         if plan.uninitialised:
             held = self._held()
             for t in tensor_leaves(result):
@@ -455,14 +462,20 @@ class Executor:
         (out= may cast), run the out= form after all, as the client asked."""
         assert plan.functional is not None
         result = run_op(plan.functional, args, kwargs)
-        results = [result] if isinstance(result, torch.Tensor) else list(result)
-        if len(results) == len(outs) and all(
-                isinstance(t, torch.Tensor) and d is not None and t.dtype == d.dtype and tuple(t.shape) == d.sizes
-                for t, d in zip(results, outs, strict=True)):
+        self._functional_result = fits_outs(result, outs)
+        if self._functional_result:
             return result
         for n, value in zip(plan.out_names, fresh, strict=True):
             kwargs[n] = codec.resolve(value, self._tensor, self._device, generator)
         return run_op(plan.op, args, kwargs)
+
+    def run_out_form(self, op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any],
+                     fresh: list[tuple[str, Descriptor]], device_index: int) -> Any:
+        """What :meth:`_run_fresh` does when the functional result does not fit the out arguments: run the out=
+        form after all, its out arguments resolved (made) now."""
+        for name, desc in fresh:
+            kwargs[name] = codec.resolve(desc, self._tensor, self._device, self._generator_of(device_index))
+        return run_op(op, args, kwargs)
 
     def _account_resizes(self, used: dict[int, torch.UntypedStorage]) -> None:
         """Ops like resize_ grow a storage in place: zero what it gained and count it."""

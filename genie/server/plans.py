@@ -38,7 +38,7 @@ import torch
 from genie.server import validators
 from genie.server.codec import Descriptor, DeviceRef
 from genie.server.ops import run_op
-from genie.server.outputs import flatten_outputs
+from genie.server.outputs import fits_outs, flatten_outputs
 from genie.server.records import error as _error
 from genie.server.records import kind_of
 from genie.server.records import message as _message
@@ -73,15 +73,22 @@ _perf_counter = time.perf_counter
 class CommandPlan:
     """What running one command signature needs, taken from a command the full path accepted."""
 
-    __slots__ = ("arg_fill", "args", "call", "device", "in_descs", "inputs", "kw_fill", "kwargs", "label",
-                 "max_op_elements", "nested_fill", "new_bytes", "op", "out_descs", "out_id_slots", "out_slots",
-                 "single", "validator", "writes")
+    __slots__ = ("arg_fill", "args", "call", "device", "device_index", "fresh", "fresh_slots", "in_descs", "inputs", "kernel",
+                 "kw_fill", "kwargs", "label", "max_op_elements", "nested_fill", "new_bytes", "op", "out_descs",
+                 "out_id_slots", "out_slots", "single", "validator", "writes")
 
     def __init__(self) -> None:
         self.label = ""
+        #: the op sent, the op run (its functional form for an out= op with fresh out arguments) and its kernel
         self.op: torch._ops.OpOverload
+        self.kernel: torch._ops.OpOverload
         self.call: Any = None
+        self.device_index = 0
         self.device: torch.device
+        #: an out= op run in its functional form: (name, index in the ids) of each out argument, which must be
+        #: a storage the session has not made (nor freed, nor had poisoned)
+        self.fresh: list[tuple[str, int, Descriptor]] = []
+        self.fresh_slots: list[int] = []  # those and the outputs' indices in the ids
         #: argument templates: constants in place, tensors filled in per command from ``in_descs``
         self.args: list[Any] = []
         self.arg_fill: list[tuple[int, int]] = []
@@ -165,29 +172,41 @@ _PLACEHOLDERS = _placeholder_types()
 
 def coverable(op_plan: _OpPlan) -> bool:
     """Whether commands of this op may get a plan: not ops whose full path does more than run the kernel
-    (random ops and their generators, Device arguments, the empty family's zeroing, out= ops run in
-    their functional form)."""
-    return not (op_plan.generator_arg or op_plan.generatorless or op_plan.devargs or op_plan.uninitialised
-                or op_plan.functional is not None)
+    (random ops and their generators, Device arguments, the empty family's zeroing)."""
+    return not (op_plan.generator_arg or op_plan.generatorless or op_plan.devargs or op_plan.uninitialised)
 
 
-def build(ex: Executor, cmd: list[Any], ids: tuple[int, ...], op_plan: _OpPlan, checked: Plan) -> CommandPlan | None:
-    """A plan from a CMD_OP the full path just ran without an error (``checked``: its pre-flight answer),
-    or None when its shape is not one plans cover."""
+def build(ex: Executor, cmd: list[Any], ids: tuple[int, ...], op_plan: _OpPlan, checked: Plan,
+          functional: bool) -> CommandPlan | None:
+    """A plan from a CMD_OP the full path just ran without an error (``checked``: its pre-flight answer;
+    ``functional``: an out= op whose fresh out arguments it ran in its functional form), or None when its
+    shape is not one plans cover. ``cmd[4]`` is the kwargs as sent."""
     if not coverable(op_plan) or 0 in ids:
         return None
     plan = CommandPlan()
+    tagged: list[Descriptor] = []  # every tensor tag of args and kwargs, in msgpack order: slot = index in ids
     try:
-        plan.args, plan.arg_fill, plan.nested_fill = _template(cmd[3], plan.in_descs, ex, True)
-        kwargs, kw_fill, nested = _template(list(cmd[4].values()), plan.in_descs, ex, False)
+        plan.args, arg_fill, nested_fill = _template(cmd[3], tagged, ex, True)
+        kwargs, kw_fill, nested = _template(list(cmd[4].values()), tagged, ex, False)
     except _NoPlan:
         return None
     if nested:
         return None
     names = list(cmd[4])
-    plan.kwargs = {name: value for name, value in zip(names, kwargs, strict=True)}
-    plan.kw_fill = [(names[position], slot) for position, slot in kw_fill]
-    count = len(plan.in_descs)
+    fresh_names = set(op_plan.out_names) if functional else set()
+    fresh_slots = {slot for position, slot in kw_fill if names[position] in fresh_names}
+    if len(fresh_slots) != len(fresh_names):
+        return None
+    plan.fresh = [(names[position], slot, tagged[slot]) for position, slot in kw_fill if slot in fresh_slots]
+    # Tensors are built for the inputs only (not for fresh out arguments): fills index that list.
+    inputs = [slot for slot in range(len(tagged)) if slot not in fresh_slots]
+    index = {slot: i for i, slot in enumerate(inputs)}
+    plan.arg_fill = [(position, index[slot]) for position, slot in arg_fill]
+    plan.nested_fill = [(position, inner, [(i, index[slot]) for i, slot in fill])
+                        for position, inner, fill in nested_fill]
+    plan.kwargs = {name: value for name, value in zip(names, kwargs, strict=True) if name not in fresh_names}
+    plan.kw_fill = [(names[position], index[slot]) for position, slot in kw_fill if slot not in fresh_slots]
+    count = len(tagged)
     for out in cmd[5]:
         if out is None:
             plan.out_descs.append(None)
@@ -200,21 +219,26 @@ def build(ex: Executor, cmd: list[Any], ids: tuple[int, ...], op_plan: _OpPlan, 
             return None  # a plain descriptor list: its id is part of the key, nothing to gain
     # The key's ids are the tensor tags in msgpack order: args, kwargs' values, outs. They must be the
     # descriptors found here, in that order (a mismatch would be a bug: no plan then).
-    found = [*(d.storage_id for d in plan.in_descs), *(d.storage_id for d in plan.out_descs if d is not None)]
+    found = [*(d.storage_id for d in tagged), *(d.storage_id for d in plan.out_descs if d is not None)]
     if found != list(ids):
         log.debug("command plan not made: ids %s differ from the descriptors' %s", ids, found)
         return None
     plan.label = cmd[2]
     plan.op = op_plan.op
-    plan.call = op_plan.op._op
+    plan.kernel = op_plan.functional if functional and op_plan.functional is not None else op_plan.op
+    plan.call = plan.kernel._op
+    plan.device_index = cmd[1]
     plan.device = ex.device(cmd[1])
-    plan.validator = validators.check_for(op_plan.op)
-    plan.writes = op_plan.writes
+    plan.validator = validators.check_for(plan.kernel)
+    plan.writes = op_plan.writes or functional  # the full path re-measures storages after a functional run too
     plan.new_bytes = checked.new_bytes
     plan.max_op_elements = ex.max_op_elements
+    plan.in_descs = [tagged[slot] for slot in inputs]
     plan.inputs = [(slot, d.storage_nbytes, d.offset, d.sizes, d.strides,
-                    torch.empty(0, dtype=d.dtype, device=plan.device)) for slot, d in enumerate(plan.in_descs)]
+                    torch.empty(0, dtype=d.dtype, device=plan.device)) for slot, d in zip(inputs, plan.in_descs,
+                                                                                        strict=True)]
     plan.out_id_slots = [slot for slot in plan.out_slots if slot >= 0]
+    plan.fresh_slots = sorted(fresh_slots | set(plan.out_id_slots)) if plan.fresh else []
     if len(plan.out_descs) == 1 and plan.out_descs[0] is not None:
         plan.single = (plan.out_slots[0], plan.out_descs[0])
     return plan
@@ -242,6 +266,11 @@ def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
             # base.new(): an empty tensor of the input's dtype on the plan's device, faster than torch.empty()
             empty = base.new() if storage.device == device else torch.empty(0, dtype=base.dtype, device=storage.device)
             tensors.append(empty.set_(storage, offset, shape, strides))
+        if plan.fresh:  # what _fresh_outs asks of the outputs (else the full path would not run the functional form)
+            for slot in plan.fresh_slots:
+                storage_id = ids[slot]
+                if storage_id in storages or storage_id in store._poisoned or storage_id in store._freed:
+                    return False
         out_ids = [ids[slot] for slot in plan.out_id_slots]
         if len(storages) + len(store._poisoned) + len(out_ids) > store.max_storages:
             return False
@@ -281,7 +310,11 @@ def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
         except NotImplementedError as exc:
             if not str(exc).startswith("Could not run"):
                 raise
-            result = run_op(plan.op, args, kwargs)  # no kernel here after all: its decomposition, as run_op does
+            result = run_op(plan.kernel, args, kwargs)  # no kernel here after all: its decomposition, as run_op does
+        if plan.fresh and not fits_outs(result, plan.out_descs):  # as _run_fresh: the out= form after all
+            result = ex.run_out_form(plan.op, args, dict(kwargs),
+                                     [(name, desc.with_id(ids[slot])) for name, slot, desc in plan.fresh],
+                                     plan.device_index)
     except Exception as exc:
         metrics.record_op(label, "error", _perf_counter() - started)  # metrics
         ex.fail_outputs(_error(label, _shapes(args, kwargs), "execution", _message(exc), out_ids), out_ids)

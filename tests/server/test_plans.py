@@ -305,3 +305,30 @@ def test_a_new_scalar_misses_the_plan_and_runs_the_full_path(server, connect) ->
     c.send_batch([_add(4, 5, 3.5), sync(c.next_req())])
     c.reply()
     assert _planned(srv) == 1
+
+
+def _add_out(src: int, dst: int) -> bytes:
+    """``aten::add.out`` with its out argument and output over ``dst``, as the device client sends structured ops."""
+    return op("aten::add.out", [T(src, F), 1], {"out": T(dst, F)}, [T(dst, F)])
+
+
+def test_an_out_op_with_fresh_outputs_runs_its_functional_form_by_plan(server, connect) -> None:
+    srv = server()
+    c = connect(srv)
+    n = 50
+    c.send_batch([_add_out(i, i + 1) for i in range(1, n + 1)], uploads=[(1, 0, torch.tensor([2.0]))])
+    assert c.sync().deferred == []
+    assert c.fetch(n + 1, F).item() == 2.0 + n and _planned(srv) == n - 1
+
+
+def test_an_out_op_into_a_known_storage_falls_back_and_writes_it(server, connect) -> None:
+    srv = server()
+    c = connect(srv)
+    c.send_batch([_add_out(1, 2), _add_out(2, 3)], uploads=[(1, 0, torch.tensor([2.0])), (3, 0, F)])
+    assert c.sync().deferred == [] and _planned(srv) == 0  # storage 3 exists: the out= form writes into it
+    assert c.fetch(3, F).item() == 4.0
+
+
+def test_an_out_op_into_a_freed_storage_fails_as_on_the_full_path(server, connect) -> None:
+    errors = _compare(server, connect, [_add_out(1, 2)], [free(6)], _add_out(5, 6), uploads=[(5, 0, F), (6, 0, F)])
+    assert errors[0]["kind"] == "storage" and "freed" in errors[0]["message"]
