@@ -2,8 +2,9 @@
 //
 // command_key(data) walks one msgpack command and returns (key, ids), or None when the bytes are not one
 // well-formed msgpack value the walker can key (the caller then takes the full path, which says what is
-// wrong). key is the command's bytes with every tensor tag's storage id taken out, followed by the
-// pattern of those ids (which are equal to which, which are 0); ids are the storage ids in order. Two
+// wrong). key is the command's bytes with every tensor tag's storage id taken out (and, for a CALL, its
+// request id and output storage ids), followed by the pattern of those ids (which are equal to which,
+// which are 0); ids are the ids taken out, in order. Two
 // commands with the same key differ only in storage ids that alias each other the same way, so what
 // the server validated for one (op, argument structure, layouts, scalars) holds for the other.
 //
@@ -33,6 +34,7 @@ struct Walker {
   size_t copied = 0;  // bytes before this offset are in key already
   std::string key;
   std::vector<uint64_t> ids;
+  size_t request_ids = 0;  // how many leading ids are not storage ids (a CALL's request id)
 
   bool need(size_t n) const { return n <= size - pos; }
 
@@ -87,6 +89,7 @@ struct Walker {
     key.append(reinterpret_cast<const char*>(data + copied), header_at - copied);
     uint64_t rest = len - 1 - id_len;
     key.push_back(static_cast<char>(kMarker));
+    key.push_back(static_cast<char>(kExtTensor));
     for (int shift = 24; shift >= 0; shift -= 8) key.push_back(static_cast<char>((rest >> shift) & 0xff));
     key.append(reinterpret_cast<const char*>(p + 1 + id_len), static_cast<size_t>(rest));
     pos += static_cast<size_t>(len);
@@ -134,6 +137,54 @@ struct Walker {
     }
   }
 
+  // An unsigned int taken out of the key like a storage id (a CALL's request id and output storage ids).
+  bool blank_uint() {
+    if (!need(1)) return false;
+    size_t start = pos;
+    uint8_t b = data[pos++];
+    uint64_t v;
+    if (b < 0x80) {
+      v = b;
+    } else if (b >= 0xcc && b <= 0xcf) {
+      if (!read_be(size_t(1) << (b - 0xcc), &v) || v > kMaxId) return false;
+    } else {
+      return false;
+    }
+    if (ids.size() >= kMaxTensors) return false;
+    ids.push_back(v);
+    key.append(reinterpret_cast<const char*>(data + copied), start - copied);
+    key.push_back(static_cast<char>(kMarker));
+    key.push_back(0);
+    copied = pos;
+    return true;
+  }
+
+  // [CMD_CALL, req, device, op, args, kwargs, [out storage ids]] after its first two bytes: req and the
+  // output ids are taken out too (a request id changes with every call).
+  bool call_command() {
+    pos = 2;
+    if (!blank_uint()) return false;
+    request_ids = 1;  // the first id is the request's, not a storage's
+    for (int i = 0; i < 4; ++i)
+      if (!value(1)) return false;
+    if (!need(1)) return false;
+    uint8_t b = data[pos++];
+    uint64_t n;
+    if ((b & 0xf0) == 0x90) {
+      n = b & 0x0f;
+    } else if (b == 0xdc) {
+      if (!read_be(2, &n)) return false;
+    } else if (b == 0xdd) {
+      if (!read_be(4, &n)) return false;
+    } else {
+      return false;
+    }
+    if (n > size - pos) return false;
+    for (uint64_t i = 0; i < n; ++i)
+      if (!blank_uint()) return false;
+    return true;
+  }
+
   bool items(uint64_t count, int depth) {
     // Every item takes at least one byte: a count beyond what is left is malformed (and bounds the loop).
     if (count > size - pos) return false;
@@ -152,16 +203,21 @@ PyObject* command_key(PyObject*, PyObject* arg) {
   w.data = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(arg));
   w.size = static_cast<size_t>(PyBytes_GET_SIZE(arg));
   w.key.reserve(w.size + 16);
-  if (!w.value(0) || w.pos != w.size) Py_RETURN_NONE;
+  // A CALL (a fixarray of 7 led by CMD_CALL, 5) has its request and output ids taken out as well.
+  bool call = w.size >= 2 && w.data[0] == 0x97 && w.data[1] == 0x05;
+  if (!(call ? w.call_command() : w.value(0)) || w.pos != w.size) Py_RETURN_NONE;
   w.key.append(reinterpret_cast<const char*>(w.data + w.copied), w.size - w.copied);
-  // The aliasing pattern: per id, 0xffff for storage 0, else the index of its first occurrence.
+  // The aliasing pattern: per id, 0xffff for storage 0, 0xfffe for a request id, else the index of the
+  // first storage id equal to it.
   w.key.push_back(static_cast<char>(kMarker));
   size_t count = w.ids.size();
   for (size_t i = 0; i < count; ++i) {
     size_t first = 0xffff;
-    if (w.ids[i] != 0) {
+    if (i < w.request_ids) {
+      first = 0xfffe;  // a request id: never part of the aliasing pattern
+    } else if (w.ids[i] != 0) {
       first = i;
-      for (size_t j = 0; j < i; ++j)
+      for (size_t j = w.request_ids; j < i; ++j)
         if (w.ids[j] == w.ids[i]) {
           first = j;
           break;

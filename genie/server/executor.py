@@ -204,7 +204,9 @@ class Executor:
             keyed = None
             # An op whose signature ran before runs by its plan (genie.server.plans); else the full path,
             # which makes the plan.
-            if cmd[:2] == plans.OP_PREFIX and keyer is not None and len(cmd) <= plans.MAX_KEYED_BYTES:
+            head = cmd[:2]
+            if (head == plans.OP_PREFIX or head == plans.CALL_PREFIX) and keyer is not None \
+                    and len(cmd) <= plans.MAX_KEYED_BYTES:
                 keyed = keyer(cmd)
                 if keyed is not None:
                     plan = known.get(keyed[0])
@@ -233,7 +235,7 @@ class Executor:
             desc = cmd[3] if isinstance(cmd[3], Descriptor) else Descriptor.parse(cmd[3], "fetched tensor")
             transfers.fetch(self, cmd[1], cmd[2], desc)
         elif code == CMD_CALL:
-            self._cmd_call(cmd)
+            self._cmd_call(cmd, keyed)
         elif code == CMD_SYNC:
             if len(cmd) != 2:
                 raise FrameError("SYNC must be [CMD_SYNC, req]")
@@ -270,11 +272,14 @@ class Executor:
             plan = plans.build(self, [*cmd[:4], sent_kwargs, cmd[5]], keyed[1], op_plan(cmd[2]), self._checked,
                                self._ran_functional)
             if plan is not None:
-                if len(self.plans) >= plans.MAX_PLANS or self._plan_bytes > plans.MAX_PLAN_BYTES:
-                    self.plans.clear()
-                    self._plan_bytes = 0
-                self.plans[keyed[0]] = plan
-                self._plan_bytes += len(keyed[0])
+                self._remember(keyed[0], plan)
+
+    def _remember(self, key: bytes, plan: plans.CommandPlan) -> None:
+        if len(self.plans) >= plans.MAX_PLANS or self._plan_bytes > plans.MAX_PLAN_BYTES:
+            self.plans.clear()
+            self._plan_bytes = 0
+        self.plans[key] = plan
+        self._plan_bytes += len(key)
 
     def store_outputs_of(self, label: str, result: Any, inputs: Any, outs: list[Descriptor | None],
                          storage_ids: list[int]) -> None:
@@ -299,26 +304,42 @@ class Executor:
             self.store.poison(storage_id, f"{record['op']}: {record['message']}")
         self._defer(record)
 
-    def _cmd_call(self, cmd: list[Any]) -> None:
+    def _cmd_call(self, cmd: list[Any], keyed: tuple[bytes, tuple[int, ...]] | None = None) -> None:
         if len(cmd) != 7 or not isinstance(cmd[5], dict) or not isinstance(cmd[6], list):
             raise FrameError("CALL must be [CMD_CALL, req, device, op, args, kwargs, out_storage_ids]")
         req, label = cmd[1], _label(cmd[3])
         storage_ids = [check_id(s, "CALL output storage id") for s in cmd[6]]
-        error: dict[str, Any] | None = None
-        encoded: Any = None
+        sent_kwargs = dict(cmd[5]) if keyed is not None else None
         try:
             result, _ = self._execute(cmd[2], cmd[3], cmd[4], cmd[5], storage_ids)
-            try:
-                encoded = store_call_result(result, storage_ids, self.store, self._held())
-            except OutputMismatch as exc:
-                raise _CommandFailed(_error(label, [], "mismatch", f"{label}: {exc}", storage_ids)) from None
-            except GenieError as exc:
-                raise _CommandFailed(_error(label, [], _kind_of(exc), str(exc), storage_ids)) from None
         except _CommandFailed as failed:
-            error = failed.record
-            for storage_id in storage_ids:
-                self.store.poison(storage_id, f"{error['op']}: {error['message']}")
-        self._reply(req, error, encoded)
+            self.fail_call(req, failed.record, storage_ids)
+            return
+        if self.finish_call(label, req, result, storage_ids) and keyed is not None and self._checked is not None:
+            # It ran and answered without a word: later calls of its signature may run by a plan.
+            plan = plans.build_call(self, [*cmd[:5], sent_kwargs, cmd[6]], keyed[1], op_plan(cmd[3]), self._checked)
+            if plan is not None:
+                self._remember(keyed[0], plan)
+
+    def finish_call(self, label: str, req: Any, result: Any, storage_ids: list[int]) -> bool:
+        """Keep a CALL's result tensors under ``storage_ids`` and answer ``req``; False when that failed (the
+        error answered, the storages poisoned)."""
+        try:
+            encoded = store_call_result(result, storage_ids, self.store, self._held())
+        except OutputMismatch as exc:
+            self.fail_call(req, _error(label, [], "mismatch", f"{label}: {exc}", storage_ids), storage_ids)
+            return False
+        except GenieError as exc:
+            self.fail_call(req, _error(label, [], _kind_of(exc), str(exc), storage_ids), storage_ids)
+            return False
+        self._reply(req, None, encoded)
+        return True
+
+    def fail_call(self, req: Any, error: dict[str, Any], storage_ids: list[int]) -> None:
+        """A CALL failed: poison its output storages with ``error`` and answer ``req`` with it."""
+        for storage_id in storage_ids:
+            self.store.poison(storage_id, f"{error['op']}: {error['message']}")
+        self._reply(req, error, None)
 
     def _cmd_sync(self, req: Any) -> None:
         error = None

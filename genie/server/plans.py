@@ -43,6 +43,7 @@ from genie.server.records import error as _error
 from genie.server.records import kind_of
 from genie.server.records import message as _message
 from genie.server.store import StorageStore
+from genie.wire.messages import CMD_OP
 
 if TYPE_CHECKING:
     from genie.server.executor import Executor, _OpPlan
@@ -64,6 +65,8 @@ MAX_KEYED_BYTES = 16 << 10
 MAX_PLAN_BYTES = 8 << 20
 #: What a CMD_OP's msgpack starts with: a fixarray of 6, then CMD_OP (1) as a positive fixint.
 OP_PREFIX = b"\x96\x01"
+#: What a CMD_CALL's starts with: a fixarray of 7, then CMD_CALL (5).
+CALL_PREFIX = b"\x97\x05"
 
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
@@ -73,7 +76,7 @@ _perf_counter = time.perf_counter
 class CommandPlan:
     """What running one command signature needs, taken from a command the full path accepted."""
 
-    __slots__ = ("arg_fill", "args", "call", "device", "device_index", "fresh", "fresh_slots", "in_descs", "inputs", "kernel",
+    __slots__ = ("arg_fill", "args", "call", "device", "device_index", "call_outs", "fresh", "fresh_slots", "in_descs", "inputs", "kernel",
                  "kw_fill", "kwargs", "label", "max_op_elements", "nested_fill", "new_bytes", "op", "out_descs",
                  "out_id_slots", "out_slots", "single", "validator", "writes")
 
@@ -89,6 +92,9 @@ class CommandPlan:
         #: a storage the session has not made (nor freed, nor had poisoned)
         self.fresh: list[tuple[str, int, Descriptor]] = []
         self.fresh_slots: list[int] = []  # those and the outputs' indices in the ids
+        #: a CALL's plan: how many output storage ids it gives (its ids are [req, tensors..., outputs...]);
+        #: -1 for an OP's
+        self.call_outs = -1
         #: argument templates: constants in place, tensors filled in per command from ``in_descs``
         self.args: list[Any] = []
         self.arg_fill: list[tuple[int, int]] = []
@@ -244,14 +250,27 @@ def build(ex: Executor, cmd: list[Any], ids: tuple[int, ...], op_plan: _OpPlan, 
     return plan
 
 
-def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
-    """Run a command by its plan; False (nothing done) when it must take the full path instead."""
+def build_call(ex: Executor, cmd: list[Any], ids: tuple[int, ...], op_plan: _OpPlan,
+               checked: Plan) -> CommandPlan | None:
+    """A plan from a CMD_CALL ``[CMD_CALL, req, device, op, args, kwargs(as sent), out_storage_ids]`` the full
+    path just answered without an error; its key's ids are the request id, the tensor tags, the output ids."""
+    outs = len(cmd[6])
+    plan = build(ex, [CMD_OP, cmd[2], cmd[3], cmd[4], cmd[5], []], ids[1:len(ids) - outs], op_plan, checked, False)
+    if plan is not None:
+        plan.call_outs = outs
+    return plan
+
+
+def _prepare(ex: Executor, plan: CommandPlan, ids: tuple[int, ...],
+             outputs: int) -> tuple[list[Any], dict[str, Any], dict[int, torch.UntypedStorage]] | None:
+    """The per-storage checks and the arguments of a command run by ``plan`` (``outputs``: how many storages
+    it may add); None when the full path must run it instead (nothing done then)."""
     store = ex.store
     # The store's own maps, read directly: this is the per-command path (genie.server.store keeps them).
     storages = store._storages
     sizes = store._sizes
     if plan.max_op_elements != ex.max_op_elements:
-        return False
+        return None
     try:  # anything unexpected before the kernel (torch refusing to build a tensor): the full path reports it
         used: dict[int, torch.UntypedStorage] = {}
         tensors: list[torch.Tensor] = []
@@ -261,7 +280,7 @@ def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
             storage = storages.get(storage_id)
             # Unknown (made on first use), freed, poisoned, or resized since: the full path says what happens.
             if storage is None or sizes[storage_id] != nbytes:
-                return False
+                return None
             used[storage_id] = storage
             # base.new(): an empty tensor of the input's dtype on the plan's device, faster than torch.empty()
             empty = base.new() if storage.device == device else torch.empty(0, dtype=base.dtype, device=storage.device)
@@ -270,12 +289,11 @@ def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
             for slot in plan.fresh_slots:
                 storage_id = ids[slot]
                 if storage_id in storages or storage_id in store._poisoned or storage_id in store._freed:
-                    return False
-        out_ids = [ids[slot] for slot in plan.out_id_slots]
-        if len(storages) + len(store._poisoned) + len(out_ids) > store.max_storages:
-            return False
+                    return None
+        if len(storages) + len(store._poisoned) + outputs > store.max_storages:
+            return None
         if store.max_bytes and plan.new_bytes > store.max_bytes - store._bytes:
-            return False
+            return None
         args = plan.args.copy()
         for position, slot in plan.arg_fill:
             args[position] = tensors[slot]
@@ -294,13 +312,28 @@ def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
             try:
                 plan.validator(label, args, kwargs)
             except Exception:  # noqa: BLE001 - the full path raises it again and records it as it always has
-                return False
+                return None
     except Exception:  # noqa: BLE001
-        return False
+        return None
     # What Executor.set_current does, inline: the command's device and the storages it used.
     ex._device_now = device
     ex._used = used
     ex.plan_runs += 1
+    return args, kwargs, used
+
+
+def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
+    """Run a command by its plan; False (nothing done) when it must take the full path instead."""
+    if plan.call_outs >= 0:
+        return _run_call(ex, plan, ids)
+    prepared = _prepare(ex, plan, ids, len(plan.out_id_slots))
+    if prepared is None:
+        return False
+    args, kwargs, used = prepared
+    out_ids = [ids[slot] for slot in plan.out_id_slots]
+    store = ex.store
+    storages = store._storages
+    label = plan.label
     metrics, clock = ex.metrics, ex.clock
     started = _perf_counter()  # metrics
     clock.begin(label)  # isolation
@@ -354,6 +387,39 @@ def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
     else:
         for failure in failures:
             ex.defer(_error(label, _shapes(args, kwargs), kind_of(failure), _message(failure), out_ids))
+    return True
+
+
+def _run_call(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
+    """A CALL by its plan: ids are [req, tensor storages..., output storages...]."""
+    outputs = plan.call_outs
+    end = len(ids) - outputs
+    prepared = _prepare(ex, plan, ids[1:end], outputs)
+    if prepared is None:
+        return False
+    args, kwargs, used = prepared
+    req, out_ids, label = ids[0], list(ids[end:]), plan.label
+    metrics, clock = ex.metrics, ex.clock
+    started = _perf_counter()  # metrics
+    clock.begin(label)  # isolation
+    try:
+        try:
+            result = plan.call(*args, **kwargs)
+        except NotImplementedError as exc:
+            if not str(exc).startswith("Could not run"):
+                raise
+            result = run_op(plan.kernel, args, kwargs)  # no kernel here after all: its decomposition, as run_op does
+    except Exception as exc:
+        metrics.record_op(label, "error", _perf_counter() - started)  # metrics
+        ex.fail_call(req, _error(label, _shapes(args, kwargs), "execution", _message(exc), out_ids), out_ids)
+        return True
+    finally:
+        clock.end()  # isolation
+        if plan.writes:
+            ex.account_resizes(used)
+    ex.ops_run += 1
+    metrics.record_op(label, "ok", _perf_counter() - started)  # metrics
+    ex.finish_call(label, req, result, out_ids)
     return True
 
 

@@ -10,7 +10,7 @@ in a fresh session with the same storages: its error record must equal the plan 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -20,7 +20,7 @@ import torch
 from genie._C_keys import command_key
 from genie.server import DataPlaneServer, codec
 from genie.wire.values import EXT_TENSOR, inline_tensor
-from tests.raw_client import RawClient, T, free, op, sync
+from tests.raw_client import RawClient, T, call, free, op, sync
 
 F = torch.empty(1)  # one float32: the layout of most commands below
 
@@ -117,18 +117,9 @@ def server(inproc_server: Callable[..., DataPlaneServer]) -> Callable[..., DataP
 
 
 @pytest.fixture
-def connect() -> Iterator[Callable[[DataPlaneServer], RawClient]]:
-    clients: list[RawClient] = []
-
-    def make(srv: DataPlaneServer) -> RawClient:
-        c = RawClient(srv.port)
-        clients.append(c)
-        c.handshake()
-        return c
-
-    yield make
-    for c in clients:
-        c.close()
+def connect(raw_clients: Callable[[int], RawClient]) -> Callable[[DataPlaneServer], RawClient]:
+    """``connect(server)``: a raw client of an in-process server, closed at teardown."""
+    return lambda srv: raw_clients(srv.port)
 
 
 def _planned(srv: DataPlaneServer) -> int:
@@ -332,3 +323,40 @@ def test_an_out_op_into_a_known_storage_falls_back_and_writes_it(server, connect
 def test_an_out_op_into_a_freed_storage_fails_as_on_the_full_path(server, connect) -> None:
     errors = _compare(server, connect, [_add_out(1, 2)], [free(6)], _add_out(5, 6), uploads=[(5, 0, F), (6, 0, F)])
     assert errors[0]["kind"] == "storage" and "freed" in errors[0]["message"]
+
+
+def test_calls_run_by_their_plan_and_answer_as_the_full_path(server, connect) -> None:
+    s = torch.empty(())
+    srv = server()
+    c = connect(srv)
+    c.send_batch([], uploads=[(1, 0, torch.tensor(1.5)), (2, 0, torch.tensor(-4.0))])
+    got = [c.request([call(c.next_req(), "aten::_local_scalar_dense.default", [T(sid, s)])]).result
+           for sid in (1, 2, 1)]
+    assert got == [1.5, -4.0, 1.5] and _planned(srv) == 2
+    r = c.request([call(c.next_req(), "aten::mul.Tensor", [T(1, s), T(2, s)], outs=[5])])
+    r2 = c.request([call(c.next_req(), "aten::mul.Tensor", [T(2, s), T(5, s)], outs=[6])])
+    assert r.error is None and r2.error is None and r2.result[0] == 6 and _planned(srv) == 3
+    assert c.fetch(6, s).item() == 24.0
+    c.request([call(c.next_req(), "aten::mul.Tensor", [T(2, s), T(2, s)], outs=[7])])  # aliased: another key
+    assert _planned(srv) == 3 and c.fetch(7, s).item() == 16.0
+
+
+def test_a_call_failing_in_its_kernel_by_plan_answers_as_the_full_path(server, connect) -> None:
+    i = torch.ones((), dtype=torch.int64)
+
+    def div(c: RawClient, a: int, b: int, out: int) -> Any:
+        return c.request([call(c.next_req(), "aten::div.Tensor_mode", [T(a, i), T(b, i)],
+                               {"rounding_mode": "floor"}, outs=[out])])
+
+    answers = []
+    for with_plan in (True, False):
+        srv = server()
+        c = connect(srv)
+        c.send_batch([], uploads=[(1, 0, i), (2, 0, i), (5, 0, i), (6, 0, torch.zeros((), dtype=torch.int64))])
+        if with_plan:
+            assert div(c, 1, 2, 3).error is None
+        answers.append(div(c, 5, 6, 7).error)
+        assert _planned(srv) == int(with_plan)
+        c.send_batch([_add(7, 8, like=torch.empty((), dtype=torch.int64))])  # the failed output is poisoned
+        assert "earlier command failed" in c.sync().deferred[0]["message"]
+    assert answers[0] == answers[1] and answers[0]["kind"] == "execution"
