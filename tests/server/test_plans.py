@@ -56,6 +56,17 @@ def test_keys_differ_on_scalars_layouts_ops_and_aliasing() -> None:
     assert key(_add(0, 2))[0] != base  # storage 0 is the empty storage, never a slot
 
 
+def test_a_calls_request_and_output_ids_are_taken_out_of_its_key() -> None:
+    s = torch.empty(())
+    key1, ids1 = key(call(1, "aten::mul.Tensor", [T(1, s), T(2, s)], outs=[3]))
+    key2, ids2 = key(call(900, "aten::mul.Tensor", [T(7, s), T(8, s)], outs=[70_000]))
+    assert key1 == key2 and ids1 == (1, 1, 2, 3) and ids2 == (900, 7, 8, 70_000)
+    # A request id equal to a storage id is no aliasing; two equal storage ids are.
+    assert key(call(8, "aten::mul.Tensor", [T(7, s), T(8, s)], outs=[9]))[0] == key1
+    assert key(call(5, "aten::mul.Tensor", [T(7, s), T(7, s)], outs=[9]))[0] != key1
+    assert command_key(call(-1, "aten::mul.Tensor", [T(7, s), T(8, s)], outs=[9])) is None  # not a request id
+
+
 def test_unkeyable_bytes_give_none() -> None:
     good = _add(1, 2)
     assert command_key(good[:-1]) is None  # truncated
