@@ -322,6 +322,42 @@ def _prepare(ex: Executor, plan: CommandPlan, ids: tuple[int, ...],
     return args, kwargs, used
 
 
+def _kernel(plan: CommandPlan, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """The plan's bound kernel on the arguments; its decomposition when the device has no kernel (as run_op)."""
+    try:
+        return plan.call(*args, **kwargs)
+    except NotImplementedError as exc:
+        if not str(exc).startswith("Could not run"):
+            raise
+        return run_op(plan.kernel, args, kwargs)
+
+
+def _timed(ex: Executor, plan: CommandPlan, args: list[Any], kwargs: dict[str, Any],
+           used: dict[int, torch.UntypedStorage], ids: tuple[int, ...],
+           out_ids: list[int]) -> tuple[Any, dict[str, Any] | None]:
+    """Run the kernel as the full path does (op clock, metrics, resizes re-measured): (result, None), or
+    (None, the deferred-error record) when it raised."""
+    label, metrics, clock = plan.label, ex.metrics, ex.clock
+    started = _perf_counter()  # metrics
+    clock.begin(label)  # isolation
+    try:
+        result = _kernel(plan, args, kwargs)
+        if plan.fresh and not fits_outs(result, plan.out_descs):  # as _run_fresh: the out= form after all
+            result = ex.run_out_form(plan.op, args, dict(kwargs),
+                                     [(name, desc.with_id(ids[slot])) for name, slot, desc in plan.fresh],
+                                     plan.device_index)
+    except Exception as exc:
+        metrics.record_op(label, "error", _perf_counter() - started)  # metrics
+        return None, _error(label, _shapes(args, kwargs), "execution", _message(exc), out_ids)
+    finally:
+        clock.end()  # isolation
+        if plan.writes:
+            ex.account_resizes(used)
+    ex.ops_run += 1
+    metrics.record_op(label, "ok", _perf_counter() - started)  # metrics
+    return result, None
+
+
 def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
     """Run a command by its plan; False (nothing done) when it must take the full path instead."""
     if plan.call_outs >= 0:
@@ -334,30 +370,10 @@ def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
     store = ex.store
     storages = store._storages
     label = plan.label
-    metrics, clock = ex.metrics, ex.clock
-    started = _perf_counter()  # metrics
-    clock.begin(label)  # isolation
-    try:
-        try:
-            result = plan.call(*args, **kwargs)
-        except NotImplementedError as exc:
-            if not str(exc).startswith("Could not run"):
-                raise
-            result = run_op(plan.kernel, args, kwargs)  # no kernel here after all: its decomposition, as run_op does
-        if plan.fresh and not fits_outs(result, plan.out_descs):  # as _run_fresh: the out= form after all
-            result = ex.run_out_form(plan.op, args, dict(kwargs),
-                                     [(name, desc.with_id(ids[slot])) for name, slot, desc in plan.fresh],
-                                     plan.device_index)
-    except Exception as exc:
-        metrics.record_op(label, "error", _perf_counter() - started)  # metrics
-        ex.fail_outputs(_error(label, _shapes(args, kwargs), "execution", _message(exc), out_ids), out_ids)
+    result, failed = _timed(ex, plan, args, kwargs, used, ids, out_ids)
+    if failed is not None:
+        ex.fail_outputs(failed, out_ids)
         return True
-    finally:
-        clock.end()  # isolation
-        if plan.writes:
-            ex.account_resizes(used)
-    ex.ops_run += 1
-    metrics.record_op(label, "ok", _perf_counter() - started)  # metrics
     single = plan.single
     if single is not None and type(result) is _Tensor:
         # One fresh output (most ops): the common case of _adopt, inline.
@@ -399,27 +415,11 @@ def _run_call(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
         return False
     args, kwargs, used = prepared
     req, out_ids, label = ids[0], list(ids[end:]), plan.label
-    metrics, clock = ex.metrics, ex.clock
-    started = _perf_counter()  # metrics
-    clock.begin(label)  # isolation
-    try:
-        try:
-            result = plan.call(*args, **kwargs)
-        except NotImplementedError as exc:
-            if not str(exc).startswith("Could not run"):
-                raise
-            result = run_op(plan.kernel, args, kwargs)  # no kernel here after all: its decomposition, as run_op does
-    except Exception as exc:
-        metrics.record_op(label, "error", _perf_counter() - started)  # metrics
-        ex.fail_call(req, _error(label, _shapes(args, kwargs), "execution", _message(exc), out_ids), out_ids)
-        return True
-    finally:
-        clock.end()  # isolation
-        if plan.writes:
-            ex.account_resizes(used)
-    ex.ops_run += 1
-    metrics.record_op(label, "ok", _perf_counter() - started)  # metrics
-    ex.finish_call(label, req, result, out_ids)
+    result, failed = _timed(ex, plan, args, kwargs, used, ids, out_ids)
+    if failed is not None:
+        ex.fail_call(req, failed, out_ids)
+    else:
+        ex.finish_call(label, req, result, out_ids)
     return True
 
 
