@@ -1,10 +1,11 @@
-"""Builds genie._C, the native half of the remote_accelerator device, against the installed torch.
+"""Builds genie._C, the native half of the remote_accelerator device, against the installed torch, and
+genie._C_keys, the server's command signatures (plain CPython, no torch: it compiles in about a second).
 
 Everything else about the package is in pyproject.toml. Install with
 ``pip install --no-build-isolation -e .`` so the build sees the venv's torch==2.13.0.
 """
 
-from setuptools import setup
+from setuptools import Extension, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 setup(
@@ -14,7 +15,9 @@ setup(
             ["genie/csrc/device.cpp"],
             # The kernels only move metadata: -O1 compiles much faster than -O2 and runs the same.
             extra_compile_args=["-O1", "-g0"],
-        )
+        ),
+        Extension("genie._C_keys", ["genie/csrc/server_keys.cpp"], extra_compile_args=["-O2", "-g0", "-std=c++17"],
+                  language="c++"),
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
 )

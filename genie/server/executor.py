@@ -33,13 +33,13 @@ from genie.errors import (
     ProtocolError,
     QuotaExceededError,
 )
-from genie.server import codec, preflight, transfers
+from genie.server import codec, plans, preflight, transfers
 from genie.server.codec import MAX_NBYTES, Descriptor, check_id, is_int
 from genie.server.devargs import check_device_args, device_params
 from genie.server.isolation.clock import NULL_CLOCK, NullClock, OpClock
 from genie.server.metrics import NULL_SESSION_METRICS, SessionMetrics
 from genie.server.ops import resolve_op, run_op
-from genie.server.outputs import OutputMismatch, functional_of, store_call_result, store_outputs
+from genie.server.outputs import OutputMismatch, fits_outs, functional_of, store_call_result, store_outputs
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
@@ -155,6 +155,8 @@ class Executor:
         self.deferred: list[dict[str, Any]] = []
         self.dropped = 0
         self.ops_run = 0
+        #: ops run by a command plan (genie.server.plans), a share of ops_run
+        self.plan_runs = 0
         #: Most commands plus uploads one batch may carry (``max_session_inflight``): everything a client can
         #: make the server hold or queue at once without waiting for an answer.
         self.max_inflight = MAX_COMMANDS
@@ -167,6 +169,12 @@ class Executor:
         self._used: dict[int, torch.UntypedStorage] = {}
         #: uploads, fetches, the weight cache (genie.server.transfers); the server sets the node's cache
         self.transfers = transfers.SessionTransfers()
+        #: validated command plans by signature (genie.server.plans)
+        self.plans: dict[bytes, plans.CommandPlan] = {}
+        self._checked: preflight.Plan | None = None  # the pre-flight answer of the op being run
+        self._ran_functional = False  # whether it was an out= op run in its functional form
+        self._functional_result = False  # what _run_fresh did last
+        self._plan_bytes = 0  # key bytes the plans hold
 
     # -- batches ------------------------------------------------------------------------------
 
@@ -189,20 +197,33 @@ class Executor:
                 f"{self.max_inflight} (max_session_inflight); send smaller batches")
         transfers.receive(self, header, msg)
         self.metrics.queue_depth = len(cmds)  # metrics
+        keyer, known, run_plan = plans.command_key, self.plans, plans.run
         for cmd in cmds:
-            if not isinstance(cmd, bytes):
+            if type(cmd) is not bytes:
                 raise FrameError(f"each command must be msgpack bytes, got {type(cmd).__name__}")
-            self._run_command(codec.decode(cmd))
+            keyed = None
+            # An op whose signature ran before runs by its plan (genie.server.plans); else the full path,
+            # which makes the plan.
+            head = cmd[:2]
+            if (head == plans.OP_PREFIX or head == plans.CALL_PREFIX) and keyer is not None \
+                    and len(cmd) <= plans.MAX_KEYED_BYTES:
+                keyed = keyer(cmd)
+                if keyed is not None:
+                    plan = known.get(keyed[0])
+                    if plan is not None and run_plan(self, plan, keyed[1]):
+                        self.metrics.queue_depth -= 1  # metrics
+                        continue
+            self._run_command(codec.decode(cmd), keyed)
             self.metrics.queue_depth -= 1  # metrics
 
     # -- commands -----------------------------------------------------------------------------
 
-    def _run_command(self, cmd: Any) -> None:
+    def _run_command(self, cmd: Any, keyed: tuple[bytes, tuple[int, ...]] | None = None) -> None:
         if not isinstance(cmd, list) or not cmd or not is_int(cmd[0]):
             raise FrameError(f"a command must be a list starting with a command code, got {type(cmd).__name__}")
         code = cmd[0]
         if code == CMD_OP:
-            self._cmd_op(cmd)
+            self._cmd_op(cmd, keyed)
         elif code == CMD_FREE:
             if len(cmd) != 2 or not isinstance(cmd[1], list):
                 raise FrameError("FREE must be [CMD_FREE, [storage_id, ...]]")
@@ -214,7 +235,7 @@ class Executor:
             desc = cmd[3] if isinstance(cmd[3], Descriptor) else Descriptor.parse(cmd[3], "fetched tensor")
             transfers.fetch(self, cmd[1], cmd[2], desc)
         elif code == CMD_CALL:
-            self._cmd_call(cmd)
+            self._cmd_call(cmd, keyed)
         elif code == CMD_SYNC:
             if len(cmd) != 2:
                 raise FrameError("SYNC must be [CMD_SYNC, req]")
@@ -230,25 +251,49 @@ class Executor:
         else:
             raise FrameError(f"unknown command code {code}")
 
-    def _cmd_op(self, cmd: list[Any]) -> None:
+    def _cmd_op(self, cmd: list[Any], keyed: tuple[bytes, tuple[int, ...]] | None = None) -> None:
         if len(cmd) != 6 or not isinstance(cmd[4], dict) or not isinstance(cmd[5], list):
             raise FrameError("OP must be [CMD_OP, device, op, args, kwargs, outs]")
         # A tensor tag (decoded by the codec, layouts cached) or a plain descriptor list, checked the same way.
         outs = [o if o is None or type(o) is Descriptor else Descriptor.parse(o, "output descriptor") for o in cmd[5]]
         storage_ids = [o.storage_id for o in outs if o is not None and o.storage_id]
         label = _label(cmd[2])
+        deferred = len(self.deferred) + self.dropped
+        # The kwargs as sent: the full path takes an out= op's out arguments out of them (_fresh_outs).
+        sent_kwargs = dict(cmd[4]) if keyed is not None else None
         try:
             result, inputs = self._execute(cmd[1], cmd[2], cmd[3], cmd[4], storage_ids, outs)
-            try:
-                failures = store_outputs(label, result, outs, self.store, self._held(), self._known_tensor)
-            except OutputMismatch as exc:
-                raise _CommandFailed(_error(label, _shapes(inputs), "mismatch",
-                                            f"server and client disagree on the output of {label}: {exc}",
-                                            storage_ids)) from None
-            except GenieError as exc:
-                raise _CommandFailed(_error(label, _shapes(inputs), _kind_of(exc), str(exc), storage_ids)) from None
         except _CommandFailed as failed:
             self.fail_outputs(failed.record, storage_ids)
+            return
+        self.store_outputs_of(label, result, inputs, outs, storage_ids)
+        if keyed is not None and self._checked is not None and len(self.deferred) + self.dropped == deferred:
+            # It ran and stored without a word: later commands of its signature may run by a plan.
+            plan = plans.build(self, [*cmd[:4], sent_kwargs, cmd[5]], keyed[1], op_plan(cmd[2]), self._checked,
+                               self._ran_functional)
+            if plan is not None:
+                self._remember(keyed[0], plan)
+
+    def _remember(self, key: bytes, plan: plans.CommandPlan) -> None:
+        if len(self.plans) >= plans.MAX_PLANS or self._plan_bytes > plans.MAX_PLAN_BYTES:
+            self.plans.clear()
+            self._plan_bytes = 0
+        self.plans[key] = plan
+        self._plan_bytes += len(key)
+
+    def store_outputs_of(self, label: str, result: Any, inputs: Any, outs: list[Descriptor | None],
+                         storage_ids: list[int]) -> None:
+        """Keep an op's results by the output rule; a mismatch fails the command (its outputs poisoned), a
+        store failure of one output (quota) is deferred."""
+        try:
+            failures = store_outputs(label, result, outs, self.store, self._held(), self._known_tensor)
+        except OutputMismatch as exc:
+            self.fail_outputs(_error(label, _shapes(inputs), "mismatch",
+                                     f"server and client disagree on the output of {label}: {exc}", storage_ids),
+                              storage_ids)
+            return
+        except GenieError as exc:
+            self.fail_outputs(_error(label, _shapes(inputs), _kind_of(exc), str(exc), storage_ids), storage_ids)
             return
         for failure in failures:
             self._defer(_error(label, _shapes(inputs), _kind_of(failure), _message(failure), storage_ids))
@@ -259,26 +304,42 @@ class Executor:
             self.store.poison(storage_id, f"{record['op']}: {record['message']}")
         self._defer(record)
 
-    def _cmd_call(self, cmd: list[Any]) -> None:
+    def _cmd_call(self, cmd: list[Any], keyed: tuple[bytes, tuple[int, ...]] | None = None) -> None:
         if len(cmd) != 7 or not isinstance(cmd[5], dict) or not isinstance(cmd[6], list):
             raise FrameError("CALL must be [CMD_CALL, req, device, op, args, kwargs, out_storage_ids]")
         req, label = cmd[1], _label(cmd[3])
         storage_ids = [check_id(s, "CALL output storage id") for s in cmd[6]]
-        error: dict[str, Any] | None = None
-        encoded: Any = None
+        sent_kwargs = dict(cmd[5]) if keyed is not None else None
         try:
             result, _ = self._execute(cmd[2], cmd[3], cmd[4], cmd[5], storage_ids)
-            try:
-                encoded = store_call_result(result, storage_ids, self.store, self._held())
-            except OutputMismatch as exc:
-                raise _CommandFailed(_error(label, [], "mismatch", f"{label}: {exc}", storage_ids)) from None
-            except GenieError as exc:
-                raise _CommandFailed(_error(label, [], _kind_of(exc), str(exc), storage_ids)) from None
         except _CommandFailed as failed:
-            error = failed.record
-            for storage_id in storage_ids:
-                self.store.poison(storage_id, f"{error['op']}: {error['message']}")
-        self._reply(req, error, encoded)
+            self.fail_call(req, failed.record, storage_ids)
+            return
+        if self.finish_call(label, req, result, storage_ids) and keyed is not None and self._checked is not None:
+            # It ran and answered without a word: later calls of its signature may run by a plan.
+            plan = plans.build_call(self, [*cmd[:5], sent_kwargs, cmd[6]], keyed[1], op_plan(cmd[3]), self._checked)
+            if plan is not None:
+                self._remember(keyed[0], plan)
+
+    def finish_call(self, label: str, req: Any, result: Any, storage_ids: list[int]) -> bool:
+        """Keep a CALL's result tensors under ``storage_ids`` and answer ``req``; False when that failed (the
+        error answered, the storages poisoned)."""
+        try:
+            encoded = store_call_result(result, storage_ids, self.store, self._held())
+        except OutputMismatch as exc:
+            self.fail_call(req, _error(label, [], "mismatch", f"{label}: {exc}", storage_ids), storage_ids)
+            return False
+        except GenieError as exc:
+            self.fail_call(req, _error(label, [], _kind_of(exc), str(exc), storage_ids), storage_ids)
+            return False
+        self._reply(req, None, encoded)
+        return True
+
+    def fail_call(self, req: Any, error: dict[str, Any], storage_ids: list[int]) -> None:
+        """A CALL failed: poison its output storages with ``error`` and answer ``req`` with it."""
+        for storage_id in storage_ids:
+            self.store.poison(storage_id, f"{error['op']}: {error['message']}")
+        self._reply(req, error, None)
 
     def _cmd_sync(self, req: Any) -> None:
         error = None
@@ -333,6 +394,7 @@ class Executor:
                  outs: Sequence[Descriptor | None] = ()) -> tuple[Any, Any]:
         """Resolve and run an op; raise _CommandFailed with a deferred-error record on any failure."""
         label = _label(name)
+        self._checked = None
         try:
             plan = op_plan(name)
         except ForbiddenOpError as exc:
@@ -357,9 +419,9 @@ class Executor:
             raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
         try:  # limits and argument checks on meta tensors before the kernel sees anything (genie.server.preflight)
             planned = plan.functional if fresh is not None and plan.functional is not None else op
-            preflight.check(planned, label, args, kwargs,
-                            max_elements=self.max_op_elements,
-                            remaining_bytes=self.store.max_bytes - self.store.bytes_used if self.store.max_bytes else None)
+            checked = preflight.check(
+                planned, label, args, kwargs, max_elements=self.max_op_elements,
+                remaining_bytes=self.store.max_bytes - self.store.bytes_used if self.store.max_bytes else None)
         except GenieError as exc:
             raise _CommandFailed(_error(label, _shapes((args, kwargs)), _kind_of(exc), _message(exc),
                                         storage_ids)) from None
@@ -382,6 +444,9 @@ class Executor:
                 self._account_resizes(used)
         self.ops_run += 1
         self.metrics.record_op(label, "ok", time.perf_counter() - started)  # metrics
+        # For a plan (genie.server.plans): the pre-flight answer, and whether an out= op ran its functional form.
+        self._checked = checked
+        self._ran_functional = fresh is not None and self._functional_result
         if plan.uninitialised:
             held = self._held()
             for t in tensor_leaves(result):
@@ -418,14 +483,20 @@ class Executor:
         (out= may cast), run the out= form after all, as the client asked."""
         assert plan.functional is not None
         result = run_op(plan.functional, args, kwargs)
-        results = [result] if isinstance(result, torch.Tensor) else list(result)
-        if len(results) == len(outs) and all(
-                isinstance(t, torch.Tensor) and d is not None and t.dtype == d.dtype and tuple(t.shape) == d.sizes
-                for t, d in zip(results, outs, strict=True)):
+        self._functional_result = fits_outs(result, outs)
+        if self._functional_result:
             return result
         for n, value in zip(plan.out_names, fresh, strict=True):
             kwargs[n] = codec.resolve(value, self._tensor, self._device, generator)
         return run_op(plan.op, args, kwargs)
+
+    def run_out_form(self, op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any],
+                     fresh: list[tuple[str, Descriptor]], device_index: int) -> Any:
+        """What :meth:`_run_fresh` does when the functional result does not fit the out arguments: run the out=
+        form after all, its out arguments resolved (made) now."""
+        for name, desc in fresh:
+            kwargs[name] = codec.resolve(desc, self._tensor, self._device, self._generator_of(device_index))
+        return run_op(op, args, kwargs)
 
     def _account_resizes(self, used: dict[int, torch.UntypedStorage]) -> None:
         """Ops like resize_ grow a storage in place: zero what it gained and count it."""
@@ -520,6 +591,11 @@ class Executor:
     def precheck_outputs(self, label: str, storage_ids: list[int], outs: Sequence[Descriptor | None]) -> None:
         """QuotaExceededError before running what can never fit (see :meth:`_precheck_outputs`)."""
         self._precheck_outputs(label, storage_ids, outs)
+
+    def set_current(self, device: torch.device, used: dict[int, torch.UntypedStorage]) -> None:
+        """The command being run (by a plan) runs on ``device`` and uses the storages ``used``."""
+        self._device_now = device
+        self._used = used
 
     def used_storages(self) -> dict[int, torch.UntypedStorage]:
         """The storages the command being run resolved, by id."""

@@ -17,7 +17,7 @@ dtype or size disagreement between the result and the descriptor is a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -138,6 +138,14 @@ def store_call_result(result: Any, storage_ids: list[int], store: StorageStore, 
     from genie.server.codec import encode_result
 
     return encode_result(result, keep)
+
+
+def fits_outs(result: Any, outs: Sequence[Descriptor | None]) -> bool:
+    """Whether a functional form's results have the dtypes and sizes of an out= op's out descriptors."""
+    results = [result] if isinstance(result, torch.Tensor) else list(result)
+    return len(results) == len(outs) and all(
+        isinstance(t, torch.Tensor) and d is not None and t.dtype == d.dtype and tuple(t.shape) == d.sizes
+        for t, d in zip(results, outs, strict=True))
 
 
 def functional_of(op: torch._ops.OpOverload) -> tuple[tuple[str, ...], torch._ops.OpOverload | None]:

@@ -303,8 +303,9 @@ def _too_many(label: str, what: str, count: int, limit: int) -> ForbiddenOpError
 
 
 def check(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[str, Any], *,
-          max_elements: int, remaining_bytes: int | None) -> None:
-    """Refuse ``op`` on these resolved arguments before it runs (see the module docstring).
+          max_elements: int, remaining_bytes: int | None) -> Plan:
+    """Refuse ``op`` on these resolved arguments before it runs (see the module docstring); returns the meta
+    run's :class:`Plan` it passed (what a command plan of :mod:`genie.server.plans` keeps: its ``new_bytes``).
 
     ``remaining_bytes`` is the session's unused byte budget (None: unbounded);
     ``max_elements`` the per-op element cap (0: unbounded).
@@ -335,3 +336,4 @@ def check(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[s
         raise QuotaExceededError(
             f"{label} refused before running: it would allocate {found.new_bytes} bytes, more than the "
             f"{remaining_bytes} bytes left of this session's limit (max_session_bytes)")
+    return found

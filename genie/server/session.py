@@ -99,8 +99,9 @@ class Session:
         return f"<Session {self.session_id} peer={self.peer}>"
 
     def stats(self) -> dict[str, Any]:
-        """The session's store counts and how many ops it ran."""
-        return {"peer": self.peer, **self.store.stats(), "ops": self.executor.ops_run}
+        """The session's store counts, how many ops it ran and how many of those ran by a command plan."""
+        return {"peer": self.peer, **self.store.stats(), "ops": self.executor.ops_run,
+                "planned": self.executor.plan_runs}
 
     def close(self) -> None:
         """Close the connection from another thread; the session thread then ends and frees everything."""

@@ -137,6 +137,20 @@ class StorageStore:
         self._sizes[storage_id] = nbytes
         self._bytes += nbytes
 
+    def adopt(self, storage_id: int, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """:meth:`put` for the per-command path (genie.server.plans): ``storage`` of ``nbytes`` under an id the
+        session does not hold; the same checks, in a few comparisons when they pass (:meth:`put` raises
+        its errors when they do not)."""
+        if not 0 < storage_id <= MAX_STORAGE_ID or len(self._storages) + len(self._poisoned) >= self.max_storages \
+                or self.max_bytes and self._bytes + nbytes > self.max_bytes or storage_id in self._storages:
+            self.put(storage_id, storage)
+            return
+        if self._poisoned:
+            self._poisoned.pop(storage_id, None)
+        self._storages[storage_id] = storage
+        self._sizes[storage_id] = nbytes
+        self._bytes += nbytes
+
     def make(self, storage_id: int, nbytes: int, device: torch.device) -> torch.UntypedStorage:
         """A new zero-filled storage under ``storage_id`` (quota checked before allocating)."""
         self._check_id(storage_id)

@@ -64,18 +64,8 @@ def _normal(c: RawClient, storage_id: int, n: int = 256, generator: int | None =
 
 
 @pytest.fixture
-def sessions(genie_serve):
-    clients = []
-
-    def open_one() -> RawClient:
-        c = RawClient(genie_serve.port)
-        clients.append(c)
-        c.handshake()
-        return c
-
-    yield open_one
-    for c in clients:
-        c.close()
+def sessions(genie_serve, raw_clients):
+    return lambda: raw_clients(genie_serve.port)
 
 
 def test_sessions_seeded_alike_draw_alike_and_others_differ(sessions):

@@ -1,0 +1,473 @@
+"""Validated per-signature command plans: a repeated op costs little more than its kernel.
+
+A client sends the same ops over and over (a training step is a few hundred commands, repeated), and
+each differs from the last time only in its storage ids: a fresh output per op. The full path of a
+``CMD_OP`` (msgpack decode, op resolution and the allow-list, descriptor checks, the pre-flight meta
+run, the output rule) is the same work every time. So:
+
+- :func:`genie._C_keys.command_key` (genie/csrc/server_keys.cpp) walks a command's msgpack bytes,
+  bounds-checked, and returns its *key*: the bytes with every tensor tag's storage id taken out, plus
+  which ids alias which (and which are storage 0); and the ids in order.
+- The first command with a key runs the full path. When it succeeds, and its op is one a plan covers
+  (:func:`build`), a :class:`CommandPlan` is kept under the key: the op's bound kernel, the argument
+  templates with a slot per tensor, the checked layouts, the pre-flight answer.
+- A later command with the same key is the same op on the same argument structure, layouts and
+  scalars (the key says so byte for byte), so only what depends on the storages runs again
+  (:func:`run`): each input storage must be live (not unknown, freed or poisoned) and hold exactly the
+  ``storage_nbytes`` its descriptor says (bounds were checked for that size), the storage count and
+  byte quotas must leave room, the op's validator (when it has one: it may read data) must pass. The
+  tensors are built, the kernel called, and each result adopted when it is fresh, dense and laid out as
+  the descriptor says (or already is the described storage, for in-place ops); anything else goes
+  through the full output rule (:func:`genie.server.outputs.store_outputs`).
+
+Any check that does not pass before the kernel runs sends the command down the full path, which
+raises the same error with the same record as it always did: the plan path changes no error. A plan is
+made only from a command the full path accepted; nothing in a plan comes from the network that the
+full path did not check. Plans are per session (its limits are part of what was checked).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from genie.server import validators
+from genie.server.codec import Descriptor, DeviceRef
+from genie.server.ops import run_op
+from genie.server.outputs import fits_outs, flatten_outputs
+from genie.server.records import error as _error
+from genie.server.records import kind_of
+from genie.server.records import message as _message
+from genie.server.store import StorageStore
+from genie.wire.messages import CMD_OP
+
+if TYPE_CHECKING:
+    from genie.server.executor import Executor, _OpPlan
+    from genie.server.preflight import Plan
+
+command_key: Callable[[bytes], tuple[bytes, tuple[int, ...]] | None] | None
+try:  # built with genie._C by setup.py; without it every command takes the full path
+    from genie._C_keys import command_key
+except ImportError:  # pragma: no cover - an install that did not build the extension
+    command_key = None
+
+log = logging.getLogger("genie.server.plans")
+
+#: Most plans one session keeps (emptied when full: a client sending endless new signatures only loses speed).
+MAX_PLANS = 4096
+#: Longest command keyed (bigger ones are rare and their decode dominates anyway).
+MAX_KEYED_BYTES = 16 << 10
+#: Most key bytes one session's plans may hold (then emptied): bounds their memory whatever the client sends.
+MAX_PLAN_BYTES = 8 << 20
+#: What a CMD_OP's msgpack starts with: a fixarray of 6, then CMD_OP (1) as a positive fixint.
+OP_PREFIX = b"\x96\x01"
+#: What a CMD_CALL's starts with: a fixarray of 7, then CMD_CALL (5).
+CALL_PREFIX = b"\x97\x05"
+
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+_perf_counter = time.perf_counter
+
+
+class CommandPlan:
+    """What running one command signature needs, taken from a command the full path accepted."""
+
+    __slots__ = ("arg_fill", "args", "call", "device", "device_index", "call_outs", "fresh", "fresh_slots", "in_descs", "inputs", "kernel",
+                 "kw_fill", "kwargs", "label", "max_op_elements", "nested_fill", "new_bytes", "op", "out_descs",
+                 "out_id_slots", "out_slots", "single", "validator", "writes")
+
+    def __init__(self) -> None:
+        self.label = ""
+        #: the op sent, the op run (its functional form for an out= op with fresh out arguments) and its kernel
+        self.op: torch._ops.OpOverload
+        self.kernel: torch._ops.OpOverload
+        self.call: Any = None
+        self.device_index = 0
+        self.device: torch.device
+        #: an out= op run in its functional form: (name, index in the ids) of each out argument, which must be
+        #: a storage the session has not made (nor freed, nor had poisoned)
+        self.fresh: list[tuple[str, int, Descriptor]] = []
+        self.fresh_slots: list[int] = []  # those and the outputs' indices in the ids
+        #: a CALL's plan: how many output storage ids it gives (its ids are [req, tensors..., outputs...]);
+        #: -1 for an OP's
+        self.call_outs = -1
+        #: argument templates: constants in place, tensors filled in per command from ``in_descs``
+        self.args: list[Any] = []
+        self.arg_fill: list[tuple[int, int]] = []
+        self.nested_fill: list[tuple[int, list[Any], list[tuple[int, int]]]] = []
+        self.kwargs: dict[str, Any] = {}
+        self.kw_fill: list[tuple[str, int]] = []
+        self.in_descs: list[Descriptor] = []
+        #: output descriptors by output position (None: no output wanted), and each one's index in the ids
+        self.out_descs: list[Descriptor | None] = []
+        self.out_slots: list[int] = []
+        #: per input: (its index in the ids, storage_nbytes, offset, sizes, strides, an empty tensor of its
+        #: dtype on the plan's device whose new() makes the next one); the ids' indices of the outputs kept
+        self.inputs: list[tuple[int, int, int, tuple[int, ...], tuple[int, ...], torch.Tensor]] = []
+        self.out_id_slots: list[int] = []
+        #: the one output's (index in the ids, descriptor) when the op has exactly one, kept
+        self.single: tuple[int, Descriptor] | None = None
+        self.validator: validators.Check | None = None
+        self.writes = False
+        self.new_bytes = 0
+        self.max_op_elements = 0
+
+
+class _NoPlan(Exception):
+    """The command has a shape plans do not cover (internal)."""
+
+
+def _template(values: list[Any], descs: list[Descriptor], ex: Executor,
+              nested: bool) -> tuple[list[Any], list[tuple[int, int]], list[tuple[int, list[Any], list[tuple[int, int]]]]]:
+    """A list of decoded values as a template: constants kept, tensors as slots (``descs`` grows)."""
+    out: list[Any] = []
+    fill: list[tuple[int, int]] = []
+    deeper: list[tuple[int, list[Any], list[tuple[int, int]]]] = []
+    for position, value in enumerate(values):
+        kind = type(value)
+        if kind is Descriptor:
+            fill.append((position, len(descs)))
+            descs.append(value)
+            out.append(None)
+        elif kind is DeviceRef:
+            out.append(ex.device(value.index))
+        elif kind is list and nested:
+            if any(type(v) is list or type(v) is dict for v in value):
+                if any(_has_placeholder(v) for v in value):
+                    raise _NoPlan
+            inner, inner_fill, _ = _template(value, descs, ex, False)
+            if inner_fill:
+                deeper.append((position, inner, inner_fill))
+                out.append(None)
+            else:
+                out.append(inner)
+        elif kind is list or kind is dict:
+            if _has_placeholder(value):
+                raise _NoPlan
+            out.append(value)
+        elif kind in _PLACEHOLDERS:
+            raise _NoPlan  # a generator (random ops are not planned)
+        else:
+            out.append(value)
+    return out, fill, deeper
+
+
+def _has_placeholder(value: Any) -> bool:
+    kind = type(value)
+    if kind in _PLACEHOLDERS:
+        return True
+    if kind is list:
+        return any(_has_placeholder(v) for v in value)
+    if kind is dict:
+        return any(_has_placeholder(v) for v in value.values())
+    return False
+
+
+def _placeholder_types() -> frozenset[type]:
+    from genie.server.codec import GeneratorRef
+
+    return frozenset({Descriptor, DeviceRef, GeneratorRef})
+
+
+_PLACEHOLDERS = _placeholder_types()
+
+
+def coverable(op_plan: _OpPlan) -> bool:
+    """Whether commands of this op may get a plan: not ops whose full path does more than run the kernel
+    (random ops and their generators, Device arguments, the empty family's zeroing)."""
+    return not (op_plan.generator_arg or op_plan.generatorless or op_plan.devargs or op_plan.uninitialised)
+
+
+def build(ex: Executor, cmd: list[Any], ids: tuple[int, ...], op_plan: _OpPlan, checked: Plan,
+          functional: bool) -> CommandPlan | None:
+    """A plan from a CMD_OP the full path just ran without an error (``checked``: its pre-flight answer;
+    ``functional``: an out= op whose fresh out arguments it ran in its functional form), or None when its
+    shape is not one plans cover. ``cmd[4]`` is the kwargs as sent."""
+    if not coverable(op_plan) or 0 in ids:
+        return None
+    plan = CommandPlan()
+    tagged: list[Descriptor] = []  # every tensor tag of args and kwargs, in msgpack order: slot = index in ids
+    try:
+        plan.args, arg_fill, nested_fill = _template(cmd[3], tagged, ex, True)
+        kwargs, kw_fill, nested = _template(list(cmd[4].values()), tagged, ex, False)
+    except _NoPlan:
+        return None
+    if nested:
+        return None
+    names = list(cmd[4])
+    fresh_names = set(op_plan.out_names) if functional else set()
+    fresh_slots = {slot for position, slot in kw_fill if names[position] in fresh_names}
+    if len(fresh_slots) != len(fresh_names):
+        return None
+    plan.fresh = [(names[position], slot, tagged[slot]) for position, slot in kw_fill if slot in fresh_slots]
+    # Tensors are built for the inputs only (not for fresh out arguments): fills index that list.
+    inputs = [slot for slot in range(len(tagged)) if slot not in fresh_slots]
+    index = {slot: i for i, slot in enumerate(inputs)}
+    plan.arg_fill = [(position, index[slot]) for position, slot in arg_fill]
+    plan.nested_fill = [(position, inner, [(i, index[slot]) for i, slot in fill])
+                        for position, inner, fill in nested_fill]
+    plan.kwargs = {name: value for name, value in zip(names, kwargs, strict=True) if name not in fresh_names}
+    plan.kw_fill = [(names[position], index[slot]) for position, slot in kw_fill if slot not in fresh_slots]
+    count = len(tagged)
+    for out in cmd[5]:
+        if out is None:
+            plan.out_descs.append(None)
+            plan.out_slots.append(-1)
+        elif type(out) is Descriptor:
+            plan.out_descs.append(out)
+            plan.out_slots.append(count)
+            count += 1
+        else:
+            return None  # a plain descriptor list: its id is part of the key, nothing to gain
+    # The key's ids are the tensor tags in msgpack order: args, kwargs' values, outs. They must be the
+    # descriptors found here, in that order (a mismatch would be a bug: no plan then).
+    found = [*(d.storage_id for d in tagged), *(d.storage_id for d in plan.out_descs if d is not None)]
+    if found != list(ids):
+        log.debug("command plan not made: ids %s differ from the descriptors' %s", ids, found)
+        return None
+    plan.label = cmd[2]
+    plan.op = op_plan.op
+    plan.kernel = op_plan.functional if functional and op_plan.functional is not None else op_plan.op
+    plan.call = plan.kernel._op
+    plan.device_index = cmd[1]
+    plan.device = ex.device(cmd[1])
+    plan.validator = validators.check_for(plan.kernel)
+    plan.writes = op_plan.writes or functional  # the full path re-measures storages after a functional run too
+    plan.new_bytes = checked.new_bytes
+    plan.max_op_elements = ex.max_op_elements
+    plan.in_descs = [tagged[slot] for slot in inputs]
+    plan.inputs = [(slot, d.storage_nbytes, d.offset, d.sizes, d.strides,
+                    torch.empty(0, dtype=d.dtype, device=plan.device)) for slot, d in zip(inputs, plan.in_descs,
+                                                                                        strict=True)]
+    plan.out_id_slots = [slot for slot in plan.out_slots if slot >= 0]
+    plan.fresh_slots = sorted(fresh_slots | set(plan.out_id_slots)) if plan.fresh else []
+    if len(plan.out_descs) == 1 and plan.out_descs[0] is not None:
+        plan.single = (plan.out_slots[0], plan.out_descs[0])
+    return plan
+
+
+def build_call(ex: Executor, cmd: list[Any], ids: tuple[int, ...], op_plan: _OpPlan,
+               checked: Plan) -> CommandPlan | None:
+    """A plan from a CMD_CALL ``[CMD_CALL, req, device, op, args, kwargs(as sent), out_storage_ids]`` the full
+    path just answered without an error; its key's ids are the request id, the tensor tags, the output ids."""
+    outs = len(cmd[6])
+    plan = build(ex, [CMD_OP, cmd[2], cmd[3], cmd[4], cmd[5], []], ids[1:len(ids) - outs], op_plan, checked, False)
+    if plan is not None:
+        plan.call_outs = outs
+    return plan
+
+
+def _prepare(ex: Executor, plan: CommandPlan, ids: tuple[int, ...],
+             outputs: int) -> tuple[list[Any], dict[str, Any], dict[int, torch.UntypedStorage]] | None:
+    """The per-storage checks and the arguments of a command run by ``plan`` (``outputs``: how many storages
+    it may add); None when the full path must run it instead (nothing done then)."""
+    store = ex.store
+    # The store's own maps, read directly: this is the per-command path (genie.server.store keeps them).
+    storages = store._storages
+    sizes = store._sizes
+    if plan.max_op_elements != ex.max_op_elements:
+        return None
+    try:  # anything unexpected before the kernel (torch refusing to build a tensor): the full path reports it
+        used: dict[int, torch.UntypedStorage] = {}
+        tensors: list[torch.Tensor] = []
+        device = plan.device
+        for slot, nbytes, offset, shape, strides, base in plan.inputs:
+            storage_id = ids[slot]
+            storage = storages.get(storage_id)
+            # Unknown (made on first use), freed, poisoned, or resized since: the full path says what happens.
+            if storage is None or sizes[storage_id] != nbytes:
+                return None
+            used[storage_id] = storage
+            # base.new(): an empty tensor of the input's dtype on the plan's device, faster than torch.empty()
+            empty = base.new() if storage.device == device else torch.empty(0, dtype=base.dtype, device=storage.device)
+            tensors.append(empty.set_(storage, offset, shape, strides))
+        if plan.fresh:  # what _fresh_outs asks of the outputs (else the full path would not run the functional form)
+            for slot in plan.fresh_slots:
+                storage_id = ids[slot]
+                if storage_id in storages or storage_id in store._poisoned or storage_id in store._freed:
+                    return None
+        if len(storages) + len(store._poisoned) + outputs > store.max_storages:
+            return None
+        if store.max_bytes and plan.new_bytes > store.max_bytes - store._bytes:
+            return None
+        args = plan.args.copy()
+        for position, slot in plan.arg_fill:
+            args[position] = tensors[slot]
+        for position, template, fill in plan.nested_fill:
+            inner = template.copy()
+            for i, slot in fill:
+                inner[i] = tensors[slot]
+            args[position] = inner
+        kwargs = plan.kwargs
+        if plan.kw_fill:
+            kwargs = kwargs.copy()
+            for name, slot in plan.kw_fill:
+                kwargs[name] = tensors[slot]
+        label = plan.label
+        if plan.validator is not None:
+            try:
+                plan.validator(label, args, kwargs)
+            except Exception:  # noqa: BLE001 - the full path raises it again and records it as it always has
+                return None
+    except Exception:  # noqa: BLE001
+        return None
+    # What Executor.set_current does, inline: the command's device and the storages it used.
+    ex._device_now = device
+    ex._used = used
+    ex.plan_runs += 1
+    return args, kwargs, used
+
+
+def _kernel(plan: CommandPlan, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """The plan's bound kernel on the arguments; its decomposition when the device has no kernel (as run_op)."""
+    try:
+        return plan.call(*args, **kwargs)
+    except NotImplementedError as exc:
+        if not str(exc).startswith("Could not run"):
+            raise
+        return run_op(plan.kernel, args, kwargs)
+
+
+def _timed(ex: Executor, plan: CommandPlan, args: list[Any], kwargs: dict[str, Any],
+           used: dict[int, torch.UntypedStorage], ids: tuple[int, ...],
+           out_ids: list[int]) -> tuple[Any, dict[str, Any] | None]:
+    """Run the kernel as the full path does (op clock, metrics, resizes re-measured): (result, None), or
+    (None, the deferred-error record) when it raised."""
+    label, metrics, clock = plan.label, ex.metrics, ex.clock
+    started = _perf_counter()  # metrics
+    clock.begin(label)  # isolation
+    try:
+        result = _kernel(plan, args, kwargs)
+        if plan.fresh and not fits_outs(result, plan.out_descs):  # as _run_fresh: the out= form after all
+            result = ex.run_out_form(plan.op, args, dict(kwargs),
+                                     [(name, desc.with_id(ids[slot])) for name, slot, desc in plan.fresh],
+                                     plan.device_index)
+    except Exception as exc:
+        metrics.record_op(label, "error", _perf_counter() - started)  # metrics
+        return None, _error(label, _shapes(args, kwargs), "execution", _message(exc), out_ids)
+    finally:
+        clock.end()  # isolation
+        if plan.writes:
+            ex.account_resizes(used)
+    ex.ops_run += 1
+    metrics.record_op(label, "ok", _perf_counter() - started)  # metrics
+    return result, None
+
+
+def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
+    """Run a command by its plan; False (nothing done) when it must take the full path instead."""
+    if plan.call_outs >= 0:
+        return _run_call(ex, plan, ids)
+    prepared = _prepare(ex, plan, ids, len(plan.out_id_slots))
+    if prepared is None:
+        return False
+    args, kwargs, used = prepared
+    out_ids = [ids[slot] for slot in plan.out_id_slots]
+    store = ex.store
+    storages = store._storages
+    label = plan.label
+    result, failed = _timed(ex, plan, args, kwargs, used, ids, out_ids)
+    if failed is not None:
+        ex.fail_outputs(failed, out_ids)
+        return True
+    single = plan.single
+    if single is not None and type(result) is _Tensor:
+        # One fresh output (most ops): the common case of _adopt, inline.
+        slot, desc = single
+        storage_id = ids[slot]
+        fresh = result.untyped_storage()
+        nbytes = fresh.nbytes()
+        if nbytes == desc.storage_nbytes and nbytes and storage_id not in storages \
+                and result.dtype == desc.dtype and result.shape == desc.sizes and result.stride() == desc.strides \
+                and result.storage_offset() == desc.offset and result.layout == _STRIDED \
+                and result.numel() * result.element_size() == nbytes:
+            key = fresh.data_ptr()
+            for storage in used.values():
+                if storage.data_ptr() == key and storage.nbytes():
+                    break  # the result lives in an input's storage: not fresh (the full rule decides)
+            else:
+                try:
+                    store.adopt(storage_id, fresh, nbytes)
+                except Exception as exc:  # noqa: BLE001 - quota: reported as the full rule does
+                    ex.defer(_error(label, _shapes(args, kwargs), kind_of(exc), _message(exc), out_ids))
+                return True
+    failures = _adopt(plan, result, ids, storages, used, store)
+    if failures is None:
+        outs = [d if d is None else d.with_id(ids[slot]) for d, slot in zip(plan.out_descs, plan.out_slots,
+                                                                           strict=True)]
+        ex.store_outputs_of(label, result, (args, kwargs), outs, out_ids)
+    else:
+        for failure in failures:
+            ex.defer(_error(label, _shapes(args, kwargs), kind_of(failure), _message(failure), out_ids))
+    return True
+
+
+def _run_call(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
+    """A CALL by its plan: ids are [req, tensor storages..., output storages...]."""
+    outputs = plan.call_outs
+    end = len(ids) - outputs
+    prepared = _prepare(ex, plan, ids[1:end], outputs)
+    if prepared is None:
+        return False
+    args, kwargs, used = prepared
+    req, out_ids, label = ids[0], list(ids[end:]), plan.label
+    result, failed = _timed(ex, plan, args, kwargs, used, ids, out_ids)
+    if failed is not None:
+        ex.fail_call(req, failed, out_ids)
+    else:
+        ex.finish_call(label, req, result, out_ids)
+    return True
+
+
+def _shapes(args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
+    from genie.server.executor import shapes
+
+    return shapes((args, kwargs))
+
+
+def _adopt(plan: CommandPlan, result: Any, ids: tuple[int, ...], storages: dict[int, torch.UntypedStorage],
+           used: dict[int, torch.UntypedStorage], store: StorageStore) -> list[Exception] | None:
+    """The output rule's common cases: every result fresh, dense and laid out as described (adopted), or
+    already the described tensor of a storage the session holds (in place). Returns the per-output store
+    failures (quota), as the full rule does; None, with nothing stored, when any result is something
+    else: the full rule then decides."""
+    results = [result] if type(result) is _Tensor else flatten_outputs(result) if result is not None else []
+    descs = plan.out_descs
+    if len(results) != len(descs):
+        return None
+    held: set[int] | None = None
+    adopt: dict[int, torch.UntypedStorage] = {}
+    for t, desc, slot in zip(results, descs, plan.out_slots, strict=True):
+        if desc is None:
+            continue  # an output the client does not keep
+        if t is None or t.layout != torch.strided or t.dtype != desc.dtype or t.shape != desc.sizes \
+                or t.stride() != desc.strides or t.storage_offset() != desc.offset:
+            return None
+        storage_id = ids[slot]
+        fresh = t.untyped_storage()
+        nbytes = fresh.nbytes()
+        if not nbytes or storage_id in adopt:
+            return None
+        known = storages.get(storage_id)
+        if known is not None:
+            if known.data_ptr() != fresh.data_ptr():
+                return None  # a copy into the known storage: the full rule does it
+            continue
+        if held is None:
+            held = {s.data_ptr() for s in used.values() if s.nbytes()}
+        key = fresh.data_ptr()
+        if key in held or nbytes != desc.storage_nbytes or t.numel() * t.element_size() != nbytes:
+            return None
+        held.add(key)
+        adopt[storage_id] = fresh
+    failures: list[Exception] = []
+    for storage_id, fresh in adopt.items():
+        try:
+            store.adopt(storage_id, fresh, fresh.nbytes())
+        except Exception as exc:  # noqa: BLE001 - quota: that output only, as the full rule reports it
+            failures.append(exc)
+    return failures

@@ -1,0 +1,373 @@
+"""Command plans (genie/server/plans.py): a repeated op signature runs by a plan, with the same results and
+the same errors as the full path; anything a plan does not cover falls back.
+
+The walker (genie._C_keys.command_key) is tested on bytes; the plan path end to end on a real in-process
+server (sessions in threads, so the session's count of plan runs can be read) over loopback TCP with the
+raw wire client. "The full path" of a command is obtained by sending it as the first of its signature
+in a fresh session with the same storages: its error record must equal the plan path's.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+
+from genie._C_keys import command_key
+from genie.server import DataPlaneServer, codec
+from genie.wire.values import EXT_TENSOR, inline_tensor
+from tests.raw_client import RawClient, T, call, free, op, sync
+
+F = torch.empty(1)  # one float32: the layout of most commands below
+
+
+def _add(src: int, dst: int, scalar: Any = 1, like: torch.Tensor = F) -> bytes:
+    return op("aten::add.Tensor", [T(src, like), scalar], {}, [T(dst, like)])
+
+
+def key(data: bytes) -> tuple[bytes, tuple[int, ...]]:
+    """The command's key and ids (the test fails when it cannot be keyed)."""
+    found = command_key(data)
+    assert found is not None
+    return found
+
+
+# -- the walker -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("a", "b"), [(5, 6), (200, 70_000), (1 << 40, (1 << 63) - 1)])
+def test_keys_equal_when_only_the_storage_ids_differ(a: int, b: int) -> None:
+    key1, ids1 = key(_add(1, 2))
+    key2, ids2 = key(_add(a, b))
+    assert key1 == key2 and ids1 == (1, 2) and ids2 == (a, b)
+
+
+def test_keys_differ_on_scalars_layouts_ops_and_aliasing() -> None:
+    base = key(_add(1, 2))[0]
+    assert key(_add(1, 2, 2))[0] != base
+    assert key(_add(1, 2, 1.0))[0] != base
+    assert key(_add(1, 2, like=torch.empty(2)))[0] != base
+    assert key(op("aten::sub.Tensor", [T(1, F), 1], {}, [T(2, F)]))[0] != base
+    assert key(_add(3, 3))[0] != base  # the output aliases the input
+    assert key(_add(0, 2))[0] != base  # storage 0 is the empty storage, never a slot
+
+
+def test_a_calls_request_and_output_ids_are_taken_out_of_its_key() -> None:
+    s = torch.empty(())
+    key1, ids1 = key(call(1, "aten::mul.Tensor", [T(1, s), T(2, s)], outs=[3]))
+    key2, ids2 = key(call(900, "aten::mul.Tensor", [T(7, s), T(8, s)], outs=[70_000]))
+    assert key1 == key2 and ids1 == (1, 1, 2, 3) and ids2 == (900, 7, 8, 70_000)
+    # A request id equal to a storage id is no aliasing; two equal storage ids are.
+    assert key(call(8, "aten::mul.Tensor", [T(7, s), T(8, s)], outs=[9]))[0] == key1
+    assert key(call(5, "aten::mul.Tensor", [T(7, s), T(7, s)], outs=[9]))[0] != key1
+    assert command_key(call(-1, "aten::mul.Tensor", [T(7, s), T(8, s)], outs=[9])) is None  # not a request id
+
+
+def test_unkeyable_bytes_give_none() -> None:
+    good = _add(1, 2)
+    assert command_key(good[:-1]) is None  # truncated
+    assert command_key(good + b"\x00") is None  # trailing bytes
+    assert command_key(b"\xc1") is None  # the byte msgpack never uses
+    assert command_key(b"\xdd\xff\xff\xff\xff") is None  # a count beyond the bytes
+    assert command_key(b"\x91" * 100 + b"\x00") is None  # nested deeper than the walker goes
+    assert command_key(msgpack.packb([1, inline_tensor(torch.ones(2))])) is None  # inline tensors are values
+    negative_id = msgpack.packb([msgpack.ExtType(EXT_TENSOR, msgpack.packb([-1, 0, [1], [1], 0, 4]))])
+    assert command_key(negative_id) is None
+    with pytest.raises(TypeError):
+        command_key("not bytes")  # type: ignore[arg-type]
+
+
+def _unblanked(data: bytes) -> Any:
+    """The decoded command with every descriptor's id set to 0 (what a key stands for, ids aside)."""
+    def walk(value: Any) -> Any:
+        if type(value) is codec.Descriptor:
+            return ("T", value.dtype, value.sizes, value.strides, value.offset, value.storage_nbytes)
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        return (type(value), value)
+    return walk(codec.decode(data))
+
+
+def test_equal_keys_mean_equal_commands_but_for_ids_on_mutated_bytes() -> None:
+    """Random byte flips of real commands: whenever two keyable variants share a key, they decode to the
+    same command once ids are set aside (the property the plan cache rests on)."""
+    rng = random.Random(7)
+    seeds = [_add(1, 2), _add(300, 70_000, 2.5), op("aten::cat", [[T(1, F), T(2, F)], 0], {}, [T(3, torch.empty(2))]),
+             op("aten::mul.Tensor", [T(4, F)], {"other": T(5, F)}, [T(6, F)])]
+    seen: dict[bytes, Any] = {}
+    for _ in range(4000):
+        data = bytearray(rng.choice(seeds))
+        for _ in range(rng.randint(1, 3)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        keyed = command_key(bytes(data))
+        if keyed is None:
+            continue
+        try:
+            decoded = _unblanked(bytes(data))
+        except Exception:  # noqa: BLE001 - bytes the full path refuses: never planned, nothing to compare
+            continue
+        if keyed[0] in seen:
+            assert seen[keyed[0]] == decoded
+        else:
+            seen[keyed[0]] = decoded
+
+
+# -- end to end ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def server(inproc_server: Callable[..., DataPlaneServer]) -> Callable[..., DataPlaneServer]:
+    """``server(**options)``: an in-process server with one CPU device, sessions in threads."""
+    return lambda **options: inproc_server(devices=1, isolation="none", **options)
+
+
+@pytest.fixture
+def connect(raw_clients: Callable[[int], RawClient]) -> Callable[[DataPlaneServer], RawClient]:
+    """``connect(server)``: a raw client of an in-process server, closed at teardown."""
+    return lambda srv: raw_clients(srv.port)
+
+
+def _planned(srv: DataPlaneServer) -> int:
+    return sum(s["planned"] for s in srv.stats()["per_session"].values())
+
+
+def test_a_chain_of_ops_runs_by_its_plan_and_gives_the_same_numbers(server, connect) -> None:
+    srv = server()
+    c = connect(srv)
+    n = 300
+    c.send_batch([*(_add(i, i + 1) for i in range(1, n + 1)), free(*range(1, n + 1))],
+                 uploads=[(1, 0, torch.tensor([0.5]))])
+    assert c.sync().deferred == []
+    assert c.fetch(n + 1, F).item() == 0.5 + n
+    assert _planned(srv) == n - 1  # the first ran the full path and made the plan
+
+
+def test_in_place_view_and_list_ops_by_plan_match_the_full_path(server, connect) -> None:
+    x = torch.arange(6.0).reshape(2, 3)
+    cmds = []
+    for i in range(3):  # the same signatures three times over new storages
+        a, b, s = 10 * i + 1, 10 * i + 2, 10 * i + 4
+        cmds += [op("aten::add_.Tensor", [T(a, x), T(b, x)], {"alpha": 2}, [T(a, x)]),
+                 op("aten::view", [T(a, x), [3, 2]], {}, [T(a, x.view(3, 2))]),
+                 op("aten::cat", [[T(a, x), T(b, x)], 1], {}, [T(s, torch.cat([x, x], 1))])]
+    uploads = [(10 * i + k, 0, x + k + i) for i in range(3) for k in (1, 2)]
+    results = []
+    for warm in (True, False):
+        srv = server()
+        c = connect(srv)
+        c.send_batch(cmds if warm else cmds[6:], uploads=uploads)
+        assert c.sync().deferred == []
+        results.append([c.fetch(21, x), c.fetch(24, torch.cat([x, x], 1))])
+        assert (_planned(srv) > 0) == warm
+    want_a = (x + 1 + 2) + 2 * (x + 2 + 2)
+    torch.testing.assert_close(results[0][0], want_a, rtol=0, atol=0)
+    for got, full in zip(results[0], results[1], strict=True):
+        assert torch.equal(got, full)
+
+
+def _compare(server, connect, warm: list[bytes], setup: list[bytes], failing: bytes,
+             uploads: Sequence[tuple[Any, ...]] = (), by_plan: bool = False, **options: Any) -> list[Any]:
+    """Run ``failing`` after ``setup`` (with ``uploads``) in two sessions: one where ``warm`` made its plan
+    first (over storages 1 to 4, then freed: both sessions hold the same), one where it is the first of its
+    signature. The deferred errors must be equal. ``by_plan``: whether the failing command passes the
+    plan's checks (it fails in its kernel) rather than falling back before it. Returns the errors."""
+    got = []
+    for with_plan in (True, False):
+        srv = server(**options)
+        c = connect(srv)
+        if with_plan:
+            c.send_batch([*warm, free(1, 2, 3, 4)], uploads=[(n, 0, t) for n, t in warm_uploads(warm)])
+            assert c.sync().deferred == []
+        c.send_batch(setup, uploads=uploads)
+        assert c.sync().deferred == []
+        before = _planned(srv)
+        c.send_batch([failing])
+        got.append(c.sync().deferred)
+        assert (_planned(srv) > before) == (with_plan and by_plan)
+    assert got[0] == got[1] and got[0], got
+    return got[0]
+
+
+def warm_uploads(warm: list[bytes]) -> list[tuple[int, torch.Tensor]]:
+    """The warm-up commands' inputs (storages 1 and 2), as the first descriptor of each command says."""
+    out = {}
+    for data in warm:
+        for value in codec.decode(data)[3]:
+            if type(value) is codec.Descriptor and value.storage_id in (1, 2):
+                out[value.storage_id] = torch.ones(value.sizes, dtype=value.dtype)
+    return sorted(out.items())
+
+
+def test_a_freed_input_fails_as_on_the_full_path(server, connect) -> None:
+    errors = _compare(server, connect, [_add(1, 2)], [free(5)], _add(5, 6), uploads=[(5, 0, F)])
+    assert errors[0]["kind"] == "storage" and "freed" in errors[0]["message"]
+
+
+def test_a_poisoned_input_fails_as_on_the_full_path(server, connect) -> None:
+    errors = []
+    for with_plan in (True, False):
+        srv = server()
+        c = connect(srv)
+        c.send_batch([*([_add(1, 2)] if with_plan else []),  # then an op whose shapes disagree poisons 5
+                      op("aten::add.Tensor", [T(1, F), T(3, torch.empty(2))], {}, [T(5, F)])],
+                     uploads=[(1, 0, F), (3, 0, torch.ones(2))])
+        first = c.sync().deferred
+        assert first and first[0]["storages"] == [5]
+        c.send_batch([_add(5, 6)])
+        errors.append(c.sync().deferred)
+    assert errors[0] == errors[1] and "earlier command failed" in errors[0][0]["message"]
+
+
+def test_an_input_of_another_size_fails_as_on_the_full_path(server, connect) -> None:
+    errors = _compare(server, connect, [_add(1, 2)], [], _add(5, 6), uploads=[(5, 0, torch.ones(2))])
+    assert errors[0]["kind"] == "storage" and "CMD_RESIZE" in errors[0]["message"]
+
+
+def test_an_out_of_bounds_descriptor_fails_as_on_the_full_path(server, connect) -> None:
+    beyond = [5, 0, [1], [1], 3, 4]  # element 3 of a 4-byte storage
+    failing = op("aten::add.Tensor", [T(beyond), 1], {}, [T(6, F)])
+    errors = _compare(server, connect, [_add(1, 2)], [], failing, uploads=[(5, 0, F)])
+    assert errors[0]["kind"] == "protocol" and "reaches byte" in errors[0]["message"]
+
+
+def test_the_byte_quota_is_checked_per_command_on_the_plan_path(server, connect) -> None:
+    big = torch.empty(1024)  # 4096 bytes
+    errors = []
+    for with_plan in (True, False):
+        srv = server(max_session_bytes=4096 * 3 - 1)
+        c = connect(srv)
+        if with_plan:  # the plan is made while there is room, and its output freed again
+            c.send_batch([_add(1, 2, like=big), free(1, 2)], uploads=[(1, 0, big)])
+            assert c.sync().deferred == []
+        c.send_batch([], uploads=[(5, 0, big), (7, 0, big)])  # 8192 of 12287 bytes: no room for 4096 more
+        c.send_batch([_add(5, 6, like=big)])
+        errors.append(c.sync().deferred)
+    assert errors[0] == errors[1] and errors[0][0]["kind"] == "quota"
+
+
+def test_the_storage_count_quota_is_checked_per_command(server, connect) -> None:
+    uploads = [(5, 0, F), (8, 0, F), (9, 0, F)]
+    errors = _compare(server, connect, [_add(1, 2)], [], _add(5, 6), uploads=uploads, max_session_handles=3)
+    assert errors[0]["kind"] == "quota"
+
+
+def test_a_kernel_failure_on_the_plan_path_is_recorded_as_on_the_full_path(server, connect) -> None:
+    i = torch.ones(1, dtype=torch.int64)
+
+    def div(a: int, b: int, out: int) -> bytes:
+        return op("aten::div.Tensor_mode", [T(a, i), T(b, i)], {"rounding_mode": "floor"}, [T(out, i)])
+
+    errors = _compare(server, connect, [div(1, 2, 3)], [], div(5, 6, 7), by_plan=True,
+                      uploads=[(5, 0, i), (6, 0, torch.zeros(1, dtype=torch.int64))])
+    assert errors[0]["kind"] == "execution" and errors[0]["storages"] == [7]
+
+
+def test_an_output_into_a_known_storage_is_copied_by_the_full_rule(server, connect) -> None:
+    srv = server()
+    c = connect(srv)
+    c.send_batch([_add(1, 2), _add(5, 6)], uploads=[(1, 0, F), (5, 0, torch.tensor([3.0])),
+                                                       (6, 0, torch.tensor([9.0]))])
+    assert c.sync().deferred == []
+    assert _planned(srv) == 1
+    assert c.fetch(6, F).item() == 4.0  # copied into the existing storage 6, as the full rule does
+
+
+def test_an_output_into_a_known_storage_of_another_size_fails_as_on_the_full_path(server, connect) -> None:
+    errors = _compare(server, connect, [_add(1, 2)], [], _add(5, 6), by_plan=True,
+                      uploads=[(5, 0, F), (6, 0, torch.ones(2))])  # storage 6 holds 8 bytes, described as 4
+    assert errors[0]["kind"] == "storage" and errors[0]["storages"] == [6]
+
+
+def test_a_command_that_failed_makes_no_plan(server, connect) -> None:
+    x = torch.empty(2, 3)
+
+    def view(storage_id: int) -> bytes:  # the view's storage is the input's, described with another layout
+        return op("aten::view", [T(storage_id, x), [3, 2]], {}, [T([storage_id, 0, [3, 2], [1, 3], 0, 24])])
+
+    srv = server()
+    c = connect(srv)
+    c.send_batch([view(1), view(5)], uploads=[(1, 0, x), (5, 0, x)])
+    errors = c.sync().deferred
+    assert [e["kind"] for e in errors] == ["mismatch", "mismatch"] and _planned(srv) == 0
+
+
+def test_a_new_scalar_misses_the_plan_and_runs_the_full_path(server, connect) -> None:
+    srv = server()
+    c = connect(srv)
+    c.send_batch([_add(1, 2), _add(2, 3, 2), _add(3, 4, 3.5)], uploads=[(1, 0, torch.zeros(1))])
+    assert c.sync().deferred == []
+    assert _planned(srv) == 0
+    assert c.fetch(4, F).item() == 6.5
+    c.send_batch([_add(4, 5, 3.5), sync(c.next_req())])
+    c.reply()
+    assert _planned(srv) == 1
+
+
+def _add_out(src: int, dst: int) -> bytes:
+    """``aten::add.out`` with its out argument and output over ``dst``, as the device client sends structured ops."""
+    return op("aten::add.out", [T(src, F), 1], {"out": T(dst, F)}, [T(dst, F)])
+
+
+def test_an_out_op_with_fresh_outputs_runs_its_functional_form_by_plan(server, connect) -> None:
+    srv = server()
+    c = connect(srv)
+    n = 50
+    c.send_batch([_add_out(i, i + 1) for i in range(1, n + 1)], uploads=[(1, 0, torch.tensor([2.0]))])
+    assert c.sync().deferred == []
+    assert c.fetch(n + 1, F).item() == 2.0 + n and _planned(srv) == n - 1
+
+
+def test_an_out_op_into_a_known_storage_falls_back_and_writes_it(server, connect) -> None:
+    srv = server()
+    c = connect(srv)
+    c.send_batch([_add_out(1, 2), _add_out(2, 3)], uploads=[(1, 0, torch.tensor([2.0])), (3, 0, F)])
+    assert c.sync().deferred == [] and _planned(srv) == 0  # storage 3 exists: the out= form writes into it
+    assert c.fetch(3, F).item() == 4.0
+
+
+def test_an_out_op_into_a_freed_storage_fails_as_on_the_full_path(server, connect) -> None:
+    errors = _compare(server, connect, [_add_out(1, 2)], [free(6)], _add_out(5, 6), uploads=[(5, 0, F), (6, 0, F)])
+    assert errors[0]["kind"] == "storage" and "freed" in errors[0]["message"]
+
+
+def test_calls_run_by_their_plan_and_answer_as_the_full_path(server, connect) -> None:
+    s = torch.empty(())
+    srv = server()
+    c = connect(srv)
+    c.send_batch([], uploads=[(1, 0, torch.tensor(1.5)), (2, 0, torch.tensor(-4.0))])
+    got = [c.request([call(c.next_req(), "aten::_local_scalar_dense.default", [T(sid, s)])]).result
+           for sid in (1, 2, 1)]
+    assert got == [1.5, -4.0, 1.5] and _planned(srv) == 2
+    r = c.request([call(c.next_req(), "aten::mul.Tensor", [T(1, s), T(2, s)], outs=[5])])
+    r2 = c.request([call(c.next_req(), "aten::mul.Tensor", [T(2, s), T(5, s)], outs=[6])])
+    assert r.error is None and r2.error is None and r2.result[0] == 6 and _planned(srv) == 3
+    assert c.fetch(6, s).item() == 24.0
+    c.request([call(c.next_req(), "aten::mul.Tensor", [T(2, s), T(2, s)], outs=[7])])  # aliased: another key
+    assert _planned(srv) == 3 and c.fetch(7, s).item() == 16.0
+
+
+def test_a_call_failing_in_its_kernel_by_plan_answers_as_the_full_path(server, connect) -> None:
+    i = torch.ones((), dtype=torch.int64)
+
+    def div(c: RawClient, a: int, b: int, out: int) -> Any:
+        return c.request([call(c.next_req(), "aten::div.Tensor_mode", [T(a, i), T(b, i)],
+                               {"rounding_mode": "floor"}, outs=[out])])
+
+    answers = []
+    for with_plan in (True, False):
+        srv = server()
+        c = connect(srv)
+        c.send_batch([], uploads=[(1, 0, i), (2, 0, i), (5, 0, i), (6, 0, torch.zeros((), dtype=torch.int64))])
+        if with_plan:
+            assert div(c, 1, 2, 3).error is None
+        answers.append(div(c, 5, 6, 7).error)
+        assert _planned(srv) == int(with_plan)
+        c.send_batch([_add(7, 8, like=torch.empty((), dtype=torch.int64))])  # the failed output is poisoned
+        assert "earlier command failed" in c.sync().deferred[0]["message"]
+    assert answers[0] == answers[1] and answers[0]["kind"] == "execution"
