@@ -33,8 +33,8 @@ from genie.errors import (
     ProtocolError,
     QuotaExceededError,
 )
-from genie.server import codec, plans, preflight, transfers
-from genie.server.codec import MAX_NBYTES, Descriptor, check_id, is_int
+from genie.server import codec, controls, plans, preflight, transfers
+from genie.server.codec import Descriptor, check_id, is_int
 from genie.server.devargs import check_device_args, device_params
 from genie.server.isolation.clock import NULL_CLOCK, NullClock, OpClock
 from genie.server.metrics import NULL_SESSION_METRICS, SessionMetrics
@@ -44,7 +44,7 @@ from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
 from genie.server.rng import GENERATORLESS, SessionGenerators, generator_arg
-from genie.server.store import StorageStore, zeroed_storage
+from genie.server.store import StorageStore, zero_from, zeroed_storage
 from genie.transport.base import Channel
 from genie.wire.frame import FrameHeader, MsgKind, send_frame
 from genie.wire.messages import CMD_CALL, CMD_FETCH, CMD_FREE, CMD_HAVE, CMD_OP, CMD_RESIZE, CMD_SEED, CMD_SYNC
@@ -55,8 +55,6 @@ log = logging.getLogger("genie.server.executor")
 MAX_DEFERRED = 256
 #: Most commands in one batch.
 MAX_COMMANDS = 1 << 20
-#: Seeds accepted by CMD_SEED (torch.Generator.manual_seed's range).
-_SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 #: Commands run by other modules (code -> handler(executor, decoded command)): genie.server.graphs fills it.
 COMMAND_HOOKS: dict[int, Callable[[Executor, list[Any]], None]] = {}
@@ -87,12 +85,6 @@ def tensor_leaves(value: Any) -> list[torch.Tensor]:
 
 def _shapes(value: Any) -> list[Any]:
     return [list(v.shape) for v in tensor_leaves(value)]
-
-
-def _zero_from(storage: torch.UntypedStorage, start: int) -> None:
-    """Zero a storage's bytes from ``start`` on (what resize_ grew is uninitialised memory)."""
-    raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-    raw[start:].zero_()
 
 
 class _OpPlan:
@@ -239,11 +231,11 @@ class Executor:
         elif code == CMD_SYNC:
             if len(cmd) != 2:
                 raise FrameError("SYNC must be [CMD_SYNC, req]")
-            self._cmd_sync(cmd[1])
+            controls.sync(self, cmd[1])
         elif code == CMD_SEED:
-            self._cmd_seed(cmd)
+            controls.seed(self, cmd)
         elif code == CMD_RESIZE:
-            self._cmd_resize(cmd)
+            controls.resize(self, cmd)
         elif code == CMD_HAVE:
             transfers.have(self, cmd)
         elif code in COMMAND_HOOKS:  # graphs hook: genie/server/graphs.py registers CMD_GRAPH and CMD_REPLAY
@@ -341,48 +333,6 @@ class Executor:
             self.store.poison(storage_id, f"{error['op']}: {error['message']}")
         self._reply(req, error, None)
 
-    def _cmd_sync(self, req: Any) -> None:
-        error = None
-        for device in {d for d in self.devices if d.type == "cuda"}:
-            try:
-                torch.cuda.synchronize(device)
-            except Exception as exc:  # an asynchronous kernel failure surfaces here
-                error = _error("sync", [], "execution", f"{device}: {_message(exc)}")
-        self._reply(req, error, None)
-
-    def _cmd_seed(self, cmd: list[Any]) -> None:
-        if len(cmd) != 4 or not is_int(cmd[2]) or not 0 <= cmd[2] < (1 << 63) or not is_int(cmd[3]) \
-                or not _SEED_RANGE[0] <= cmd[3] <= _SEED_RANGE[1]:
-            raise FrameError("SEED must be [CMD_SEED, device, generator_id >= 0, seed (a 64-bit integer)]")
-        try:
-            self._begin(cmd[1])
-            self.generators.seed(cmd[1], cmd[2], cmd[3])
-        except GenieError as exc:
-            self._defer(_error("seed", [], _kind_of(exc), str(exc)))
-
-    def _cmd_resize(self, cmd: list[Any]) -> None:
-        if len(cmd) != 4:
-            raise FrameError("RESIZE must be [CMD_RESIZE, device, storage_id, new_nbytes]")
-        storage_id = check_id(cmd[2], "resized storage id")
-        new = cmd[3]
-        if storage_id == 0 or not is_int(new) or not 0 <= new <= MAX_NBYTES:
-            raise FrameError(f"RESIZE needs a storage id above 0 and a byte count, got {cmd[2]!r}, {new!r}")
-        try:
-            self._begin(cmd[1])
-            storage = self.store.get(storage_id)
-            if storage is None:
-                self.store.make(storage_id, new, self._device_now)
-                return
-            old = storage.nbytes()
-            self.store.check_room(0, new - old)
-            storage.resize_(new)
-            if new > old:
-                _zero_from(storage, old)
-            self.store.resized(storage_id)
-        except Exception as exc:
-            self.store.poison(storage_id, f"resize: {_message(exc)}")
-            self._defer(_error("resize", [[new]], _kind_of(exc), _message(exc), [storage_id]))
-
     # -- running ops --------------------------------------------------------------------------
 
     def _begin(self, device_index: Any) -> None:
@@ -453,7 +403,7 @@ class Executor:
                 # A fresh result is zeroed whole (a strided one has gaps); an out= result lives in a storage of
                 # the session's own, whose other bytes are the session's data (grown bytes were zeroed above).
                 if t.layout == torch.strided and t.untyped_storage().data_ptr() not in held:
-                    _zero_from(t.untyped_storage(), 0)
+                    zero_from(t.untyped_storage(), 0)
         return result, inputs
 
     def _fresh_outs(self, plan: _OpPlan, kwargs: dict[str, Any], outs: Sequence[Descriptor | None]) -> list[Any] | None:
@@ -505,7 +455,7 @@ class Executor:
                 before = self.store.nbytes(storage_id)
                 if storage.nbytes() != before:
                     if storage.nbytes() > before:
-                        _zero_from(storage, before)
+                        zero_from(storage, before)
                     self.store.resized(storage_id)
 
     def _precheck_outputs(self, label: str, storage_ids: list[int], outs: Sequence[Descriptor | None]) -> None:
@@ -622,11 +572,10 @@ class Executor:
         self._defer(record)
 
 
-#: Public names of the helpers command hooks share with the op path.
+#: Public names of the helpers command hooks share with the op path (zero_from lives in genie.server.store).
 CommandFailed = _CommandFailed
 hands_out_uninitialised = _hands_out_uninitialised
 shapes = _shapes
-zero_from = _zero_from
 
 
 def _label(name: Any) -> str:

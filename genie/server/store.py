@@ -47,6 +47,12 @@ def zeroed_storage(nbytes: int, device: torch.device) -> torch.UntypedStorage:
     return torch.zeros(nbytes, dtype=torch.uint8, device=device).untyped_storage()
 
 
+def zero_from(storage: torch.UntypedStorage, start: int) -> None:
+    """Zero a storage's bytes from ``start`` on (what resize_ grew is uninitialised memory)."""
+    raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    raw[start:].zero_()
+
+
 @attrs.define
 class StorageStore:
     """Storages by id for one session, with storage and byte quotas (``max_bytes`` 0: unbounded)."""
