@@ -31,8 +31,9 @@ Choice = Literal["small", "full"]
 
 #: Intervals shorter than this are not measured (both choices send them in one batch or nearly).
 MEASURED_OPS = 64
-#: Samples each choice needs before the medians decide.
-WARMUP = 2
+#: Samples each choice needs before the medians decide: three, so one interval that also held other
+#: work (a model built, a checkpoint written between two steps) cannot decide alone.
+WARMUP = 3
 #: Samples per choice the median is taken over (the most recent).
 SAMPLES = 5
 #: Measured intervals between two tries of the choice not taken.

@@ -63,6 +63,22 @@ def _feed(chooser: FlushChooser, per_op: dict[str, float], intervals: int, ops: 
     return seen
 
 
+def test_one_interval_that_held_other_work_does_not_decide() -> None:
+    """The first interval after building a model also holds the building: 1 ms an op against 20 us."""
+    chooser = FlushChooser()
+    now, total = 1.0, 0
+    chooser.interval_done(total, now)
+    per_op = {"small": 20e-6, "full": 10e-6}
+    seen = []
+    for i in range(4 * flushing.WARMUP):
+        seen.append(chooser.choice)
+        total += 200
+        now += 200 * (1e-3 if i == 1 else per_op[chooser.choice])  # the second interval (full's first) is slow
+        chooser.interval_done(total, now)
+    assert seen[1] == "full"
+    assert seen[2 * flushing.WARMUP:] == ["full"] * (len(seen) - 2 * flushing.WARMUP)
+
+
 def test_the_chooser_tries_both_then_keeps_full_batches_where_they_measured_faster() -> None:
     chooser = FlushChooser()
     seen = _feed(chooser, {"small": 20e-6, "full": 10e-6}, 4 * flushing.WARMUP + 10)
