@@ -10,6 +10,7 @@ import torch
 from torch import fx
 
 from genie.compile.lower import Unsupported, lower
+from genie.compile.reinplace import reinplace_foreach
 from genie.compile.replay import ReplayedGraph
 from genie.device import dispatch, registry
 
@@ -35,6 +36,9 @@ def _boxed(gm: fx.GraphModule) -> Any:
 def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
     """One aten graph (forward, backward or inference) -> a boxed callable that replays it on the server."""
     name = f"graph#{next(_names)}"
+    reinplaced = reinplace_foreach(gm)  # a compiled optimizer step's foreach ops write their state in place
+    if reinplaced:
+        log.debug("%s: %d foreach ops reinplaced", name, reinplaced)
     try:
         lowered = lower(gm)
     except Unsupported as exc:
