@@ -43,6 +43,7 @@ from genie.server.outputs import OutputMismatch, fits_outs, functional_of, store
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
+from genie.server.records import shapes, tensor_leaves
 from genie.server.rng import GENERATORLESS, SessionGenerators, generator_arg
 from genie.server.store import StorageStore, zero_from, zeroed_storage
 from genie.transport.base import Channel
@@ -66,25 +67,6 @@ def _hands_out_uninitialised(label: str) -> bool:
     session never reads bytes another session's tensors left behind. By name, so a new member of the
     family in a later torch release is covered too."""
     return "empty" in label
-
-
-def tensor_leaves(value: Any) -> list[torch.Tensor]:
-    """The tensors in nested lists, tuples and dicts, in order (aten values nest nothing else)."""
-    out: list[torch.Tensor] = []
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            out.append(item)
-        elif isinstance(item, (list, tuple)):
-            stack.extend(reversed(item))
-        elif isinstance(item, dict):
-            stack.extend(reversed(list(item.values())))
-    return out
-
-
-def _shapes(value: Any) -> list[Any]:
-    return [list(v.shape) for v in tensor_leaves(value)]
 
 
 class _OpPlan:
@@ -280,15 +262,15 @@ class Executor:
         try:
             failures = store_outputs(label, result, outs, self.store, self._held(), self._known_tensor)
         except OutputMismatch as exc:
-            self.fail_outputs(_error(label, _shapes(inputs), "mismatch",
+            self.fail_outputs(_error(label, shapes(inputs), "mismatch",
                                      f"server and client disagree on the output of {label}: {exc}", storage_ids),
                               storage_ids)
             return
         except GenieError as exc:
-            self.fail_outputs(_error(label, _shapes(inputs), _kind_of(exc), str(exc), storage_ids), storage_ids)
+            self.fail_outputs(_error(label, shapes(inputs), _kind_of(exc), str(exc), storage_ids), storage_ids)
             return
         for failure in failures:
-            self._defer(_error(label, _shapes(inputs), _kind_of(failure), _message(failure), storage_ids))
+            self._defer(_error(label, shapes(inputs), _kind_of(failure), _message(failure), storage_ids))
 
     def fail_outputs(self, record: dict[str, Any], storage_ids: Sequence[int]) -> None:
         """A command that was to fill ``storage_ids`` failed: poison them with its error and defer the record."""
@@ -373,9 +355,9 @@ class Executor:
                 planned, label, args, kwargs, max_elements=self.max_op_elements,
                 remaining_bytes=self.store.max_bytes - self.store.bytes_used if self.store.max_bytes else None)
         except GenieError as exc:
-            raise _CommandFailed(_error(label, _shapes((args, kwargs)), _kind_of(exc), _message(exc),
+            raise _CommandFailed(_error(label, shapes((args, kwargs)), _kind_of(exc), _message(exc),
                                         storage_ids)) from None
-        inputs = (args, kwargs)  # for error messages only: _shapes() walks it when something fails
+        inputs = (args, kwargs)  # for error messages only: shapes() walks it when something fails
         used = self._used
         started = time.perf_counter()  # metrics
         self.clock.begin(label)  # isolation
@@ -386,7 +368,7 @@ class Executor:
                 result = runner(args, kwargs) if runner is not None else run_op(op, args, kwargs)
         except Exception as exc:
             self.metrics.record_op(label, "error", time.perf_counter() - started)  # metrics
-            raise _CommandFailed(_error(label, _shapes((args, kwargs)), "execution", _message(exc),
+            raise _CommandFailed(_error(label, shapes((args, kwargs)), "execution", _message(exc),
                                         storage_ids)) from None
         finally:
             self.clock.end()  # isolation
@@ -572,10 +554,9 @@ class Executor:
         self._defer(record)
 
 
-#: Public names of the helpers command hooks share with the op path (zero_from lives in genie.server.store).
+#: Public names of the helpers command hooks share with the op path.
 CommandFailed = _CommandFailed
 hands_out_uninitialised = _hands_out_uninitialised
-shapes = _shapes
 
 
 def _label(name: Any) -> str:

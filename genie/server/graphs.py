@@ -35,16 +35,15 @@ from genie.server.executor import (
     CommandFailed,
     Executor,
     hands_out_uninitialised,
-    shapes,
-    tensor_leaves,
-    zero_from,
 )
 from genie.server.ops import resolve_op, run_op
 from genie.server.outputs import OutputMismatch
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
+from genie.server.records import shapes, tensor_leaves
 from genie.server.rng import GENERATORLESS, generator_arg
+from genie.server.store import zero_from
 from genie.wire.graph import Definition, Ref, decode_definition
 from genie.wire.messages import CMD_GRAPH, CMD_REPLAY
 

@@ -40,7 +40,7 @@ from genie.server.codec import Descriptor, DeviceRef
 from genie.server.ops import run_op
 from genie.server.outputs import fits_outs, flatten_outputs
 from genie.server.records import error as _error
-from genie.server.records import kind_of
+from genie.server.records import kind_of, shapes
 from genie.server.records import message as _message
 from genie.server.store import StorageStore
 from genie.wire.messages import CMD_OP
@@ -424,8 +424,6 @@ def _run_call(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
 
 
 def _shapes(args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
-    from genie.server.executor import shapes
-
     return shapes((args, kwargs))
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from genie.errors import ForbiddenOpError, GenieError, ProtocolError, QuotaExceededError, RemoteExecutionError
 from genie.server.ops import scrub
 from genie.server.store import StorageError
@@ -40,3 +42,23 @@ def message(exc: BaseException) -> str:
         return str(exc)
     text = str(exc).strip() or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if not isinstance(exc, RuntimeError) else text
+
+
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors in nested lists, tuples and dicts, in order (aten values nest nothing else)."""
+    out: list[torch.Tensor] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+    return out
+
+
+def shapes(value: Any) -> list[Any]:
+    """The shapes of the tensors in ``value`` (a record's ``shapes``)."""
+    return [list(v.shape) for v in tensor_leaves(value)]
