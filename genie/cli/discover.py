@@ -4,23 +4,35 @@ Like ``ucx_info -d``: one row per installed transport. Figures are marked
 *measured* (found by the probe here, such as TCP's round trip to ``--master``) or
 *declared* (the plugin's stated typical value). Without ``--master`` only local
 capabilities are shown.
+
+With ``--master``, every backend available here that the master's node serves is then
+**measured** through a real session to that node's data port for the backend (ECHO frames,
+:mod:`genie.cluster.linkfigures`; bounded by ``--timeout`` per backend, cached per host pair
+for ``GENIE_FIGURES_TTL`` seconds, ``--refresh`` measures again), and the choice is ranked by
+those figures. ``--no-measure`` keeps the probes' figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from typing import Any
+
+import attrs
 
 from genie.config import ClusterConfig, env_name
 from genie.errors import BackendUnavailableError
 from genie.plugins import PluginManager
+from genie.security import ClientSecurity
 from genie.transport.base import ProbeTarget
 from genie.transport.cache import result_from_dict
 from genie.transport.discovery import Discovery, discover_sync
 from genie.transport.selection import consider, effective_priority, select
 from genie.types import ProbeResult
+
+log = logging.getLogger("genie.cli")
 
 
 def register(sub: Any) -> None:
@@ -31,6 +43,8 @@ def register(sub: Any) -> None:
     p.add_argument("--backend", default=None, help="a backend option to apply (default: GENIE_BACKEND or auto)")
     p.add_argument("--timeout", type=float, default=None, help="probe deadline in seconds (default: probe_timeout)")
     p.add_argument("--refresh", action="store_true", help="ignore the host-capability cache (and refill it)")
+    p.add_argument("--no-measure", action="store_true",
+                   help="with --master: do not measure each backend through a session to the master's node")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -122,6 +136,12 @@ def table(doc: dict[str, Any]) -> str:
             note += f"; not a candidate: {row['not_candidate_because']}"
         if row["cached"]:
             note += " [from the host-capability cache]"
+        if row["details"].get("measured_on"):
+            note += f"; figures measured through {row['details']['measured_on']}"
+            if row["details"].get("figures_cached"):
+                note += " [from the figures cache]"
+        elif row["details"].get("measure_failed"):
+            note += f"; not measured: {row['details']['measure_failed']}"
         notes.append(f"  {row['name']}: {note}")
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip() for r in rows]
@@ -142,10 +162,43 @@ def _figures_of(row: dict[str, Any]) -> str:
     return figure_text(result_from_dict(row))
 
 
+def measured_on_master(pm: PluginManager, config: ClusterConfig, found: Discovery, *,
+                       refresh: bool = False) -> Discovery:
+    """``found`` with figures measured through sessions to the master's node (the first that serves, else as is).
+
+    The master's own node (role ``server``) is preferred, else the first connected node with devices;
+    a master that cannot be asked leaves the probes' figures and logs why.
+    """
+    from genie.cluster.linkfigures import measure_node
+    from genie.cluster.query import query_master_sync
+    from genie.errors import GenieError
+
+    target = found.target
+    config = attrs.evolve(config, master_addr=target.host, master_port=target.port)
+    try:
+        view = query_master_sync(target.host, target.port, timeout=max(1.0, target.timeout), config=config)
+    except GenieError as exc:
+        log.warning("figures stay as probed: %s", exc)
+        return found
+    serving = [n for n in view.get("nodes", []) if n.get("status") == "connected" and n.get("backends")]
+    serving.sort(key=lambda n: n.get("role") != "server")
+    if not serving:
+        log.warning("figures stay as probed: no node of the master at %s:%d serves a data plane",
+                    target.host, target.port)
+        return found
+    security = ClientSecurity.from_config(config)
+    results = measure_node(pm, config, security, serving[0], found.results, client_id="genie-discover",
+                           budget=target.timeout, refresh=refresh)
+    return attrs.evolve(found, results=results)
+
+
 def run(args: argparse.Namespace) -> int:
     config = ClusterConfig.from_sources(backend=args.backend)
     pm = PluginManager()
-    found = discover_sync(pm, target_from_args(args, config), refresh=args.refresh)
+    target = target_from_args(args, config)
+    found = discover_sync(pm, target, refresh=args.refresh)
+    if target.host and not args.no_measure:
+        found = measured_on_master(pm, config, found, refresh=args.refresh)
     doc = report(pm, config, found)
     print(json.dumps(doc, indent=2) if args.json else table(doc))
     return 0 if doc["selected"] else 1

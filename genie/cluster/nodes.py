@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from genie.cluster.linkfigures import node_endpoint, with_cached_figures
 from genie.config import ClusterConfig
 from genie.device.connection import NodeConnection
 from genie.device.registry import DeviceTable, RemoteDevice
@@ -21,7 +22,7 @@ from genie.errors import ConnectError
 from genie.plugins import PluginManager
 from genie.security import ClientSecurity
 from genie.transport.selection import connect_with_fallback, select
-from genie.types import ClusterEvent, EventType, GPUInfo, parse_data_ports
+from genie.types import ClusterEvent, EventType, GPUInfo
 from genie.wire.handshake import secure_client_channel
 from genie.wire.messages import hello_body
 
@@ -45,20 +46,11 @@ def local_gpus(spec: str) -> list[GPUInfo]:
 def _open_session(pm: PluginManager, config: ClusterConfig, security: ClientSecurity, client_id: str,
                   node: dict[str, Any], probes: Any, emit: Any, links: dict[str, float] | None = None) -> NodeConnection:
     transports = pm.transports()
+    address, port_of = node_endpoint(node, config)
+    # Figures measured to this node earlier (`genie discover --master`) rank its backends.
+    probes = with_cached_figures(probes, address, port_of)
     peer = select(probes, pm=pm, config=config, peer_backends=node.get("backends", ["tcp"]),
                   peer=f"node {node['node_id']}")
-    address = node["address"]
-    if address in ("", "0.0.0.0", "::") or node.get("role") == "server":
-        address = config.master_addr  # the master's own devices: where we reached it
-    try:
-        ports = parse_data_ports(node.get("data_ports"))  # the port of each backend the node serves
-    except ValueError as exc:
-        log.warning("node %s announced unusable data ports (%s); using its data_port for every backend",
-                    node["node_id"], exc)
-        ports = {}
-
-    def port_of(name: str) -> int:
-        return ports.get(name, int(node["data_port"]))
 
     outcome = connect_with_fallback(peer, transports, lambda name: (address, port_of(name)),
                                     timeout=config.connect_timeout, emit=emit, source=client_id)

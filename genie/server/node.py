@@ -50,7 +50,7 @@ from genie.server.metrics import ServerMetrics
 from genie.server.preauth import PreAuthGate, Ticket
 from genie.server.session import Session
 from genie.transport.base import Listener, Transport
-from genie.wire.frame import MAX_BODY_BYTES, PROTOCOL_VERSION
+from genie.wire.frame import MAX_BODY_BYTES, MAX_ECHO_BYTES, PROTOCOL_VERSION
 from genie.wire.values import MAX_INLINE_TENSOR_BYTES
 
 log = logging.getLogger("genie.server")
@@ -219,6 +219,7 @@ class DataPlaneServer:
                 "session_idle_timeout": self.config.session_idle_timeout,
                 "max_body_bytes": MAX_BODY_BYTES,
                 "max_inline_tensor_bytes": MAX_INLINE_TENSOR_BYTES,
+                "max_echo_bytes": MAX_ECHO_BYTES,  # this node answers ECHO (measurements)
             },
         }
 

@@ -13,7 +13,9 @@ its :class:`~genie.server.executor.Executor`. Its life:
    answer is WELCOME, or REJECT ``{"code", "reason"}`` naming both sides'
    versions, after which the connection closes. Only then does ``on_open`` count it as a
    session (it may refuse with REJECT ``{"code": "busy"}`` when ``max_sessions`` are open).
-2. Then BATCH frames, each run to completion in order, until GOODBYE, the peer
+2. Then BATCH frames, each run to completion in order (and ECHO frames, whose payload of at most
+   :data:`~genie.wire.frame.MAX_ECHO_BYTES` goes straight back: clients measure a backend's
+   path with them), until GOODBYE, the peer
    goes away, or no frame comes for ``idle_timeout`` seconds (the session is
    closed and its memory freed).
 3. A frame that breaks the wire rules is logged (logger ``genie.server``) with
@@ -40,6 +42,7 @@ from genie.server.executor import Executor
 from genie.server.store import StorageStore
 from genie.transport.base import Channel
 from genie.wire.frame import (
+    MAX_ECHO_BYTES,
     MAX_HANDSHAKE_BODY_BYTES,
     PROTOCOL_VERSION,
     MsgKind,
@@ -94,6 +97,7 @@ class Session:
         self.thread: threading.Thread | None = None
         self.closing = False
         self.serving = False
+        self._echo_buffer = bytearray()  # measurement sessions reuse it (genie.cluster.linkfigures)
 
     def __repr__(self) -> str:
         return f"<Session {self.session_id} peer={self.peer}>"
@@ -198,12 +202,25 @@ class Session:
             header, body = recv_header_and_body(self.channel, max_payload=self._max_payload)
             if header.kind == MsgKind.BATCH:
                 self.executor.run_batch(header, body)
+            elif header.kind == MsgKind.ECHO:
+                self._echo(header.payload_len)
             elif header.kind == MsgKind.GOODBYE:
                 log.debug("session %d (%s) said goodbye", self.session_id, self.peer)
                 self.closing = True
                 return
             else:
                 raise FrameError(f"unexpected {header.kind.name} frame in a data-plane session")
+
+    def _echo(self, nbytes: int) -> None:
+        """Send an ECHO's payload back as it came: what a client measures a backend's path to this node with."""
+        if nbytes > MAX_ECHO_BYTES:
+            raise FrameError(f"ECHO payload of {nbytes} bytes exceeds the {MAX_ECHO_BYTES}-byte limit of measurements")
+        if len(self._echo_buffer) < nbytes:
+            self._echo_buffer = bytearray(nbytes)
+        view = memoryview(self._echo_buffer)[:nbytes]
+        if nbytes:
+            self.channel.recv_into(view)
+        send_frame(self.channel, MsgKind.ECHO, pack_body({}), [view])
 
     # -- helpers ------------------------------------------------------------------------------
 

@@ -16,7 +16,10 @@ in ``figures.json`` beside the host-capability cache, so discovery pays for a
 measurement once an hour, not at every ``genie.init``.
 
 Same-host backends (shm) reach their peer's host by definition, so they measure a
-loopback pair on this host: exactly the path two local processes use.
+loopback pair on this host: exactly the path two local processes use. Every backend a
+remote node serves is measured through a real session to the node's data port for that
+backend, whose server answers ECHO frames (:mod:`genie.cluster.linkfigures`, used by
+``genie discover --master``): :func:`measure_with` takes any echo.
 """
 
 from __future__ import annotations
@@ -29,17 +32,21 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from genie.transport.base import Channel, handshake_complete
+from genie.transport.base import Buffer, Channel, handshake_complete
 from genie.transport.cache import cache_enabled, default_cache_dir
 from genie.types import Figure
 
 log = logging.getLogger("genie.transport.measure")
 
 Opener = Callable[[], tuple[Channel, Channel, Callable[[], None]]]
+#: Sends its first argument and receives the same bytes back into the second.
+Echo = Callable[[Buffer, memoryview], None]
+EchoOpener = Callable[[], AbstractContextManager[Echo]]
 
 _lock = threading.Lock()
 _memory: dict[str, dict[str, Any]] = {}
@@ -114,32 +121,57 @@ def measured_figures(backend: str, peer: str, opener: Opener, *, budget: float, 
     ``opener`` returns a connected (client, server, cleanup) whose server end answers nothing
     by itself: this function runs the echo on a thread of its own.
     """
+    return measure_with(backend, peer, lambda: local_echo(opener, budget), budget=budget, nbytes=nbytes, rtts=rtts)
+
+
+def measure_with(backend: str, peer: str, open_echo: EchoOpener, *, budget: float, nbytes: int = 8 << 20,
+                 rtts: int = 200, refresh: bool = False,
+                 on_error: Callable[[Exception], None] | None = None) -> tuple[dict[str, Figure], bool]:
+    """Like :func:`measured_figures`, through any echo: ``open_echo()`` is a context manager giving an :data:`Echo`.
+
+    A remote peer's echo is a real session to its data port (``genie.cluster.linkfigures``).
+    ``refresh`` measures even when fresh figures are cached; ``on_error`` gets the exception
+    of a measurement that failed (it is logged at INFO either way).
+    """
     ttl = figures_ttl()
     key = host_pair_key(backend, peer)
     with _lock:
-        if ttl > 0:
+        if ttl > 0 and not refresh:
             cached = _cached(key, ttl)
             if cached is not None:
                 return cached, True
         try:
-            figures = _measure(opener, budget, nbytes, rtts)
+            figures = _measure(open_echo, budget, nbytes, rtts)
         except Exception as exc:  # a measurement that fails says nothing about the backend's availability
             log.info("measuring %s to %s failed: %s: %s", backend, peer, type(exc).__name__, exc)
+            if on_error is not None:
+                on_error(exc)
             return {}, False
         if figures and ttl > 0:
             _store(key, figures)
         return figures, False
 
 
-def _measure(opener: Opener, budget: float, nbytes: int, rtts: int) -> dict[str, Figure]:
-    deadline = time.monotonic() + budget
+def cached_figures(backend: str, peer: str) -> dict[str, Figure]:
+    """Figures measured earlier for ``backend`` to ``peer`` and still fresh (empty when none); never measures."""
+    ttl = figures_ttl()
+    if ttl <= 0:
+        return {}
+    with _lock:
+        return _cached(host_pair_key(backend, peer), ttl) or {}
+
+
+@contextlib.contextmanager
+def local_echo(opener: Opener, budget: float) -> Iterator[Echo]:
+    """An echo over a connected pair from ``opener``, its server end answered by a thread here."""
     client, server, cleanup = opener()
+    stop = threading.Event()
+    thread = None
     try:
         for channel in (client, server):
             channel.settimeout(max(0.05, budget))
-        stop = threading.Event()
 
-        def echo() -> None:
+        def serve() -> None:
             # Requests: 8-byte size, then that many bytes; the same bytes go back.
             head = bytearray(8)
             buf = bytearray()
@@ -155,40 +187,52 @@ def _measure(opener: Opener, budget: float, nbytes: int, rtts: int) -> dict[str,
                     server.recv_into(view)
                     server.sendv([view])
 
-        thread = threading.Thread(target=echo, name="genie-measure-echo", daemon=True)
+        thread = threading.Thread(target=serve, name="genie-measure-echo", daemon=True)
         thread.start()
         handshake_complete(client, {})
+
+        def echo(data: Buffer, out: memoryview) -> None:
+            client.sendv([memoryview(data).nbytes.to_bytes(8, "little"), data])
+            client.recv_into(out)
+
+        yield echo
+        client.sendv([(0).to_bytes(8, "little")])
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join(1.0)
+        client.close()
+        server.close()
+        cleanup()
+
+
+def _measure(open_echo: EchoOpener, budget: float, nbytes: int, rtts: int) -> dict[str, Figure]:
+    deadline = time.monotonic() + budget
+    with open_echo() as echo:
         small, back = os.urandom(64), bytearray(64)
         samples = []
         for _ in range(rtts):
             if time.monotonic() > deadline:
                 return {}
             start = time.perf_counter()
-            client.sendv([(64).to_bytes(8, "little"), small])
-            client.recv_into(memoryview(back))
+            echo(small, memoryview(back))
             samples.append(time.perf_counter() - start)
+        if back != small:
+            return {}
         data, out = os.urandom(nbytes), bytearray(nbytes)
         best = float("inf")
         for _ in range(3):
             if time.monotonic() > deadline:
                 break
             start = time.perf_counter()
-            client.sendv([nbytes.to_bytes(8, "little"), data])
-            client.recv_into(memoryview(out))
+            echo(data, memoryview(out))
             best = min(best, time.perf_counter() - start)
         if best == float("inf") or out != data:
             return {}
-        client.sendv([(0).to_bytes(8, "little")])
-        stop.set()
-        thread.join(1.0)
         return {
             "bandwidth": Figure(round(2 * nbytes * 8 / best / 1e9, 2), "Gbit/s", True),
             "latency": Figure(round(statistics.median(samples) * 1e6 / 2, 1), "us", True),
         }
-    finally:
-        client.close()
-        server.close()
-        cleanup()
 
 
 def clear_memory_cache() -> None:

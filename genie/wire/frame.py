@@ -39,6 +39,8 @@ MAX_BODY_BYTES = 16 << 20
 #: A HELLO, CHALLENGE or AUTH body (both planes) larger than this is refused before it is read: before
 #: authentication a peer must not make the server allocate more than a few KiB (real ones send < 1 KiB).
 MAX_HANDSHAKE_BODY_BYTES = 8 << 10
+#: An ECHO payload larger than this is refused (a measurement needs a few MiB; WELCOME's ``max_echo_bytes``).
+MAX_ECHO_BYTES = 16 << 20
 #: The default bound on a frame's payload; sessions may set a lower one.
 DEFAULT_MAX_PAYLOAD_BYTES = 8 << 30
 
@@ -65,6 +67,8 @@ class MsgKind(enum.IntEnum):
     # authentication, both planes (genie/wire/handshake.py); appended, numbers never reused
     CHALLENGE = 4
     AUTH = 5
+    # a data-plane measurement (genie.cluster.linkfigures): an authenticated session's payload, sent back as it came
+    ECHO = 6
 
 
 _KINDS = {int(k) for k in MsgKind}
