@@ -103,3 +103,27 @@ def test_init_ranks_a_node_by_the_figures_measured_to_it(node: NodeProcess, tmp_
     # Another port of the same host is another link: nothing cached for it.
     other = with_cached_figures(declared, "127.0.0.1", lambda name: 1)
     assert not any(r.figures["bandwidth"].measured for r in other.values())
+
+
+def test_figures_are_measured_against_a_node_on_another_host(veth_namespaces, tmp_path: Path) -> None:
+    """Node and `genie discover` in two network namespaces joined by veth: shm is not available across
+    hosts, tcp and dpdk (af_packet on each end's veth) are measured through sessions to the node."""
+    if not engine.shim_built():
+        pytest.skip(engine.NO_SHIM)
+    veth = veth_namespaces
+    tag = veth.ns_a.split("-")[1]
+    env = {"GENIE_AUTH_TOKEN": TOKEN, "GENIE_PLUGINS": PLUGINS, "GENIE_CACHE_DIR": str(tmp_path)}
+    node = NodeProcess("serve", "--host", veth.addr_a, "--port", "5556", "--devices", "cpu",
+                       env={**env, "GENIE_DPDK_IFACE": f"gv{tag}a"})
+    node.argv = veth.argv(veth.ns_a, *node.argv)
+    with node:
+        out = subprocess.run(veth.argv(veth.ns_b, sys.executable, "-m", "genie.cli", "discover", "--master",
+                                       f"{veth.addr_a}:5556", "--timeout", "10", "--json"),
+                             capture_output=True, text=True, timeout=120,
+                             env={**os.environ, **env, "GENIE_DPDK_IFACE": f"gv{tag}b"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = _rows(json.loads(out.stdout))
+    assert not rows["shm"]["available"]
+    for name in ("tcp", "dpdk"):
+        assert rows[name]["figures"]["bandwidth"]["measured"], rows[name]
+        assert rows[name]["details"]["measured_on"].startswith(f"a session to {veth.addr_a}:"), rows[name]
