@@ -91,13 +91,147 @@ def serve_backend(name: str) -> None:
         channel.sendv([view])
 
 
+def serve_raw_shm(fds: str) -> None:
+    """The raw shared-memory floor's far end: a Unix socket for notifications, one memfd segment per direction.
+
+    On each notification (op, size) it copies ``size`` bytes out of the up segment into its own
+    buffer, copies them into the down segment and notifies back: one copy into a segment and one
+    out of it per direction, as genie's rings do.
+    """
+    import mmap
+
+    sock_fd, up_fd, down_fd = (int(f) for f in fds.split(","))
+    sock = socket.socket(fileno=sock_fd)
+    up = mmap.mmap(up_fd, os.fstat(up_fd).st_size)
+    down = mmap.mmap(down_fd, os.fstat(down_fd).st_size)
+    print(0, flush=True)
+    head = bytearray(REQUEST.size)
+    buf = bytearray()
+    while True:
+        if sock.recv_into(head, REQUEST.size, socket.MSG_WAITALL) < REQUEST.size:
+            break
+        op, size = REQUEST.unpack(head)
+        if op == STOP:
+            break
+        if len(buf) < size:
+            buf = bytearray(size)
+        view = memoryview(buf)[:size]
+        view[:] = memoryview(up)[:size]
+        memoryview(down)[:size] = view
+        sock.sendall(head)
+    del view
+    up.close()
+    down.close()
+    sock.close()
+
+
+#: raw NIXL commands (this process -> the far end, over the TCP socket): op, count or size
+RDMA_RTT, RDMA_UP = 1, 2
+
+
+def nixl_agent(tag: str) -> Any:
+    """A NIXL agent with the UCX backend, configured as genie_rdma.nixl_path.Agent configures its own."""
+    import logging
+
+    from genie_rdma.nixl_path import load_nixl, shared_memory_only
+
+    api = load_nixl()  # sets UCX_MODULES=^ib where there is no RDMA device (else UCX crashes at exit)
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    config = api.nixl_agent_config(enable_prog_thread=True, backends=[],
+                                   sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    agent = api.nixl_agent(f"bench-{tag}-{os.getpid()}", config)
+    agent.create_backend("UCX", {"ucx_error_handling_mode": "none"}
+                         if shared_memory_only(os.environ.get("UCX_TLS", "")) else {})
+    return agent
+
+
+def nixl_wait(agent: Any, handle: Any, state: str) -> None:
+    """Poll a posted transfer until NIXL says DONE (busy: this is the floor)."""
+    while state == "PROC":
+        state = agent.check_xfer_state(handle)
+    if state != "DONE":
+        raise RuntimeError(f"NIXL transfer failed (state {state})")
+
+
+def nixl_await_notif(agent: Any, peer: str, tag: bytes, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not agent.check_remote_xfer_done(peer, tag):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no NIXL notification {tag!r} from {peer} in {timeout:g} s")
+
+
+def exchange_nixl(sock: socket.socket, agent: Any, address: int) -> tuple[str, int]:
+    """Send this agent's full metadata (its registered buffer included) and address; load the peer's."""
+    mine = bytes(agent.get_agent_metadata())
+    sock.sendall(struct.pack("<QQ", len(mine), address) + mine)
+    head = bytearray(16)
+    sock.recv_into(head, 16, socket.MSG_WAITALL)
+    length, peer_address = struct.unpack("<QQ", head)
+    meta = bytearray(length)
+    got = 0
+    while got < length:
+        n = sock.recv_into(memoryview(meta)[got:], length - got)
+        if n == 0:
+            raise ConnectionError("the raw NIXL peer went away during the metadata exchange")
+        got += n
+    name = agent.add_remote_agent(bytes(meta))
+    return (name.decode() if isinstance(name, bytes) else str(name)), peer_address
+
+
+def serve_raw_rdma(nbytes: int) -> None:
+    """The raw NIXL figure's far end: one buffer registered once; READs on command, notifications after each.
+
+    RTT n: n times, wait for this process's notification ``p`` (the near end READ 64 B from us), then READ
+    64 B from the near end with notification ``q``. UP size: READ ``size`` bytes of the near end's buffer
+    into ours with notification ``u``, then wait for ``d`` (the near end READ them back).
+    """
+    import numpy as np
+
+    agent = nixl_agent("far")
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    address = int(buf.ctypes.data)
+    reg = agent.register_memory([(address, nbytes, 0, "")], "DRAM")
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(listener.getsockname()[1], flush=True)
+    sock, _ = listener.accept()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    peer, peer_address = exchange_nixl(sock, agent, address)
+    head = bytearray(REQUEST.size)
+    try:
+        while sock.recv_into(head, REQUEST.size, socket.MSG_WAITALL) == REQUEST.size:
+            op, size = REQUEST.unpack(head)
+            if op == RDMA_RTT:
+                local = agent.get_xfer_descs([(address, 64, 0)], "DRAM")
+                far = agent.get_xfer_descs([(peer_address + 64, 64, 0)], "DRAM")
+                handle = agent.initialize_xfer("READ", local, far, peer, b"q")
+                for _ in range(size):
+                    nixl_await_notif(agent, peer, b"p")
+                    nixl_wait(agent, handle, agent.transfer(handle))
+                handle.release()
+            elif op == RDMA_UP:
+                local = agent.get_xfer_descs([(address, size, 0)], "DRAM")
+                far = agent.get_xfer_descs([(peer_address, size, 0)], "DRAM")
+                handle = agent.initialize_xfer("READ", local, far, peer, b"u")
+                nixl_wait(agent, handle, agent.transfer(handle))
+                handle.release()
+                nixl_await_notif(agent, peer, b"d")
+            else:
+                break
+    finally:
+        agent.deregister_memory(reg)
+        agent.remove_remote_agent(peer)
+        sock.close()
+        listener.close()
+
+
 # -- clients -------------------------------------------------------------------------------------
 
 class Server:
     """A child echo server; stopped (killed if need be) on exit."""
 
-    def __init__(self, kind: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", kind], stdout=subprocess.PIPE, text=True)
+    def __init__(self, kind: str, *extra: str, pass_fds: tuple[int, ...] = ()) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, *extra], stdout=subprocess.PIPE,
+                                     text=True, pass_fds=pass_fds)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line.strip().isdigit():
@@ -184,6 +318,143 @@ def run_backend(name: str, args: argparse.Namespace) -> dict[str, float]:
         server.stop()
 
 
+def run_raw_shm(args: argparse.Namespace) -> dict[str, float]:
+    """shm's raw floor: two processes, a memfd segment per direction, a Unix socket pair for notifications.
+
+    A request is: copy into the up segment, notify; the far end copies out and into the down
+    segment, notifies back; copy out of the down segment (the same copies genie's rings make).
+    """
+    import mmap
+
+    nbytes = args.mib << 20
+    near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    segments: list[mmap.mmap] = []
+    fds: list[int] = []
+    server = None
+    try:
+        for direction in ("up", "down"):
+            fd = os.memfd_create(f"bench-raw-shm-{direction}")
+            fds.append(fd)
+            os.ftruncate(fd, nbytes)
+            segments.append(mmap.mmap(fd, nbytes))
+        server = Server("raw-shm", f"{far.fileno()},{fds[0]},{fds[1]}", pass_fds=(far.fileno(), *fds))
+        far.close()
+        up, down = memoryview(segments[0]), memoryview(segments[1])
+        head = bytearray(REQUEST.size)
+
+        def send(buffers: list[Any]) -> None:
+            if len(buffers) > 1:
+                payload = memoryview(buffers[1]).cast("B")
+                up[:payload.nbytes] = payload
+            near.sendall(buffers[0])
+
+        def recv(view: memoryview) -> None:
+            if near.recv_into(head, REQUEST.size, socket.MSG_WAITALL) < REQUEST.size:
+                raise ConnectionError("raw shm server went away")
+            view[:] = down[:view.nbytes]
+
+        result = measure(send, recv, nbytes, args.repeat, args.rtts)
+        up.release()
+        down.release()
+        return result
+    finally:
+        near.close()
+        far.close()
+        if server is not None:
+            server.stop()
+        for seg in segments:
+            seg.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def run_raw_rdma(args: argparse.Namespace) -> dict[str, float]:
+    """NIXL's raw figure: each process ONE buffer registered once (outside the timing), metadata exchanged once.
+
+    64 B round trip: this process READs 64 B of the far buffer (notification ``p``), the far end then
+    READs 64 B of ours (notification ``q``), median of ``--rtts``. Up+down: this process tells the far end
+    over the socket to READ ``--mib`` MiB of our buffer (notification ``u``), then READs them back
+    (notification ``d``) into our buffer zeroed meanwhile (untimed); best of ``--repeat``, every byte checked.
+    """
+    import numpy as np
+
+    nbytes = args.mib << 20
+    server = Server("raw-rdma", str(nbytes))
+    agent = reg = peer = None
+    sock = None
+    try:
+        agent = nixl_agent("near")
+        buf = np.zeros(nbytes, dtype=np.uint8)
+        address = int(buf.ctypes.data)
+        reg = agent.register_memory([(address, nbytes, 0, "")], "DRAM")
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer, peer_address = exchange_nixl(sock, agent, address)
+
+        small = np.frombuffer(os.urandom(64), dtype=np.uint8)
+        buf[64:128] = small  # what the far end reads back to us
+        local = agent.get_xfer_descs([(address + 128, 64, 0)], "DRAM")
+        far = agent.get_xfer_descs([(peer_address, 64, 0)], "DRAM")
+        handle = agent.initialize_xfer("READ", local, far, peer, b"p")
+        sock.sendall(REQUEST.pack(RDMA_RTT, args.rtts))
+        samples = []
+        for _ in range(args.rtts):
+            start = time.perf_counter()
+            nixl_wait(agent, handle, agent.transfer(handle))
+            nixl_await_notif(agent, peer, b"q")
+            samples.append(time.perf_counter() - start)
+        handle.release()
+        if args.rtts >= 2 and not np.array_equal(buf[128:192], small):
+            raise AssertionError("raw NIXL 64-byte round trip came back wrong")
+
+        data = np.frombuffer(os.urandom(nbytes), dtype=np.uint8)
+        buf[:] = data
+        local = agent.get_xfer_descs([(address, nbytes, 0)], "DRAM")
+        far = agent.get_xfer_descs([(peer_address, nbytes, 0)], "DRAM")
+        best = float("inf")
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            sock.sendall(REQUEST.pack(RDMA_UP, nbytes))
+            nixl_await_notif(agent, peer, b"u")
+            took = time.perf_counter() - start
+            buf[:] = 0
+            start = time.perf_counter()
+            handle = agent.initialize_xfer("READ", local, far, peer, b"d")
+            nixl_wait(agent, handle, agent.transfer(handle))
+            took += time.perf_counter() - start
+            handle.release()
+            best = min(best, took)
+            if not np.array_equal(buf, data):
+                raise AssertionError("raw NIXL bulk up+down came back wrong")
+        sock.sendall(REQUEST.pack(STOP, 0))
+        return {"rtt_us": statistics.median(samples) * 1e6, "gbps": 2 * nbytes / best / 1e9}
+    finally:
+        if sock is not None:
+            sock.close()
+        server.stop()
+        if agent is not None:
+            if reg is not None:
+                agent.deregister_memory(reg)
+            if peer is not None:
+                agent.remove_remote_agent(peer)
+
+
+#: Why a backend has no raw library figure here (printed instead of a number).
+NO_RAW = {
+    "dpdk": "genie_dpdk's shim exposes only its own reliable stream (gd_send/gd_recv); a raw DPDK echo needs "
+            "rte_eth_tx/rx_burst from C (testpmd or a C program), which nothing here provides",
+}
+
+
+def run_raw_library(name: str, args: argparse.Namespace) -> dict[str, float] | str:
+    """The backend's raw library figure measured now, or why there is none."""
+    if name == "shm":
+        return run_raw_shm(args)
+    if name == "rdma":
+        return run_raw_rdma(args)
+    return NO_RAW.get(name, "no raw library figure for this backend")
+
+
 def run_dpdk_af_packet(nbytes: int, loss: float = 0.05) -> dict[str, Any]:
     """``nbytes`` up and back down over af_packet between two fresh namespaces, ``loss`` dropped at both ends."""
     import json
@@ -232,36 +503,122 @@ def run_dpdk_af_packet(nbytes: int, loss: float = 0.05) -> dict[str, Any]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
 
 
+# -- tiny op + .item() through a real node -------------------------------------------------------
+
+#: Backends a node is started with (those installed of these); each client asks for one with GENIE_BACKEND.
+NODE_PLUGINS = ("tcp", "shm", "dpdk", "rdma")
+OP_WARMUP = 50
+
+
+def op_client(port: int, count: int) -> None:
+    """Child: init against the node (GENIE_BACKEND from the environment), time ``(x + 1).item()``; JSON out."""
+    import json
+
+    import torch
+
+    import genie
+
+    genie.init_sync(master_addr="127.0.0.1", master_port=port, timeout=60)
+    try:
+        import genie.api as api
+
+        assert api._runtime is not None
+        conn = api._runtime.table.connections()[0]
+        x = torch.ones(1, device="remote_accelerator:0")
+        for _ in range(OP_WARMUP):
+            value = (x + 1).item()
+        samples = []
+        for _ in range(count):
+            start = time.perf_counter()
+            value = (x + 1).item()
+            samples.append(time.perf_counter() - start)
+        if value != 2.0:
+            raise AssertionError(f"(ones(1) + 1).item() gave {value}")
+        print("RESULT", json.dumps({"backend": conn.backend, "address": str(conn.address),
+                                    "op_us": statistics.median(samples) * 1e6}), flush=True)
+    finally:
+        genie.shutdown_sync()
+
+
+def run_ops(wanted: list[str], count: int) -> dict[str, dict[str, Any] | str]:
+    """One node serving every installed backend of NODE_PLUGINS; per backend a client process timing a tiny op.
+
+    Returns backend -> {"op_us", "address"} or the reason it could not run. The node is stopped
+    on every path (NodeProcess is a context manager), a client is killed when it overruns.
+    """
+    import json
+    from importlib.metadata import entry_points
+
+    from genie.cluster.launch import NodeProcess
+
+    plugins = ",".join(sorted({ep.name for ep in entry_points(group="genie")} & set(NODE_PLUGINS)))
+    env = {"GENIE_PLUGINS": plugins}
+    out: dict[str, dict[str, Any] | str] = {}
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu", env=env) as node:
+        for name in wanted:
+            try:
+                proc = subprocess.run([sys.executable, __file__, "--op-client", str(node.control_port), str(count)],
+                                      capture_output=True, text=True, timeout=300,
+                                      env={**os.environ, **env, "GENIE_BACKEND": name})
+            except subprocess.TimeoutExpired:
+                out[name] = "the client did not finish in 300 s (killed)"
+                continue
+            lines = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+                out[name] = f"client failed (exit {proc.returncode}): {tail[:300]}"
+                continue
+            result = json.loads(lines[-1])
+            if result["backend"] != name:
+                out[name] = f"error: asked for {name} but the session used {result['backend']}"
+                continue
+            out[name] = result
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--rtts", type=int, default=2000)
+    parser.add_argument("--ops", type=int, default=300, help="timed tiny ops per backend (after 50 warm-ups)")
     parser.add_argument("--backend", default="", help="comma-separated backends (default: every installed one)")
     parser.add_argument("--no-af-packet", action="store_true", help="skip dpdk's af_packet run with injected loss")
-    parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--no-ops", action="store_true", help="skip the tiny op + .item() through a node")
+    parser.add_argument("--serve", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--op-client", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve == "raw":
-        serve_raw()
+    if args.op_client:
+        op_client(*args.op_client)
         return 0
     if args.serve:
-        serve_backend(args.serve)
+        kind, *extra = args.serve
+        if kind == "raw":
+            serve_raw()
+        elif kind == "raw-shm":
+            serve_raw_shm(extra[0])
+        elif kind == "raw-rdma":
+            serve_raw_rdma(int(extra[0]))
+        else:
+            serve_backend(kind)
         return 0
 
     from genie.plugins import PluginManager
+    from genie.transport.base import ProbeOnlyTransport
 
     installed = sorted(PluginManager().transports())
     wanted = [n.strip() for n in args.backend.split(",") if n.strip()] or installed
+    size = f"{args.mib} MiB up+down"
     raw = run_raw(args)
-    print(f"{'backend':10} {'64 B rtt':>12} {'ratio':>7} {f'{args.mib} MiB up+down':>18} {'ratio':>7}")
+    print(f"{'backend':10} {'64 B rtt':>12} {'ratio':>7} {size:>18} {'ratio':>7}")
     print(f"{'raw tcp':10} {raw['rtt_us']:9.1f} us {1.0:6.2f}x {raw['gbps']:13.2f} GB/s {1.0:6.2f}x")
     failed = []
+    measured: dict[str, dict[str, float]] = {}
+    libs: dict[str, dict[str, float] | str] = {}
     for name in wanted:
         try:
             if name not in installed:
                 raise RuntimeError(f"no installed plugin provides backend {name!r} (installed: {installed})")
-            from genie.transport.base import ProbeOnlyTransport
-
             cls = PluginManager().transports()[name]
             if issubclass(cls, ProbeOnlyTransport):
                 raise RuntimeError(cls.no_data_path)
@@ -271,9 +628,18 @@ def main() -> int:
             if args.backend:
                 failed.append(name)
             continue
+        measured[name] = r
         # rtt ratio: raw/backend (above 1: faster than raw TCP); bulk ratio: backend/raw.
         print(f"{name:10} {r['rtt_us']:9.1f} us {raw['rtt_us'] / r['rtt_us']:6.2f}x "
               f"{r['gbps']:13.2f} GB/s {r['gbps'] / raw['gbps']:6.2f}x   {r['channel']}")
+        if name == "tcp":
+            libs[name] = raw  # tcp's raw library is the raw TCP row
+            continue
+        try:  # right after the backend's own figure, so both see the same machine
+            libs[name] = run_raw_library(name, args)
+        except Exception as exc:
+            libs[name] = f"raw figure failed: {type(exc).__name__}: {exc}"
+            failed.append(f"{name} raw")
     if "dpdk" in wanted and "dpdk" in installed and not args.no_af_packet:
         try:
             lossy = run_dpdk_af_packet(args.mib << 20)
@@ -285,9 +651,49 @@ def main() -> int:
             print(f"dpdk af_packet with loss cannot run here: {type(exc).__name__}: {exc}")
             if args.backend:
                 failed.append("dpdk af_packet")
-    print("ratios: above 1.00x is better than raw TCP (round trip: raw/backend time; bulk: backend/raw rate)")
-    return 1 if failed else 0
 
+    print()
+    print("genie channel against the same backend's raw library, measured in this run (ratio: genie / raw)")
+    print(f"{'backend':10} {'64 B rtt':>12} {'raw lib':>12} {'ratio':>7} {size:>18} {'raw lib':>13} {'ratio':>7}")
+    for name, r in measured.items():
+        lib = libs.get(name, "not measured")
+        if isinstance(lib, str):
+            print(f"{name:10} {r['rtt_us']:9.1f} us {'-':>12} {'-':>7} {r['gbps']:13.2f} GB/s {'-':>13} {'-':>7}"
+                  f"   raw: not measured ({lib})")
+            continue
+        label = "  (raw lib: raw tcp)" if name == "tcp" else ""
+        print(f"{name:10} {r['rtt_us']:9.1f} us {lib['rtt_us']:9.1f} us {r['rtt_us'] / lib['rtt_us']:6.2f}x "
+              f"{r['gbps']:13.2f} GB/s {lib['gbps']:8.2f} GB/s {r['gbps'] / lib['gbps']:6.2f}x{label}")
+
+    if not args.no_ops:
+        print()
+        print(f"tiny op through a node: (x + 1).item() on remote_accelerator:0, median of {args.ops} "
+              f"after {OP_WARMUP} warm-ups (ratio: op / raw tcp 64 B rtt)")
+        print(f"{'backend':10} {'op + item':>12} {'ratio':>7}")
+        try:
+            ops = run_ops(list(measured), args.ops)
+        except Exception as exc:
+            print(f"{'all':10} the node did not start: {type(exc).__name__}: {exc}")
+            failed.append("ops")
+            ops = {}
+        for name, o in ops.items():
+            if isinstance(o, str):
+                print(f"{name:10} cannot run here: {o}")
+                if args.backend or o.startswith("error"):
+                    failed.append(f"{name} op")
+                continue
+            print(f"{name:10} {o['op_us']:9.1f} us {o['op_us'] / raw['rtt_us']:6.2f}x   session {name} "
+                  f"to {o['address']}")
+
+    print()
+    print("ratios vs raw TCP: above 1.00x is better than raw TCP (round trip: raw/backend time; bulk: "
+          "backend/raw rate)")
+    print("ratios vs raw library: genie / raw (round trip: time, above 1.00x is genie's overhead over the "
+          "floor; bulk: rate, below 1.00x is how far genie stays under it)")
+    if not args.no_ops:
+        print("tiny op: client -> node -> client through the whole stack (op record, execution, .item()'s "
+              "answer); its ratio counts raw TCP 64 B round trips")
+    return 1 if failed else 0
 
 if __name__ == "__main__":
     sys.exit(main())
