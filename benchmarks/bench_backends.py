@@ -1,6 +1,7 @@
-"""Every data-plane backend that works here against raw TCP, measured in one run: ratios.
+"""Every data-plane backend that works here against raw TCP and against its own raw library, in one run.
 
-    python benchmarks/bench_backends.py [--mib 64] [--repeat 5] [--rtts 2000] [--backend shm,tcp]
+    python benchmarks/bench_backends.py [--mib 64] [--repeat 5] [--rtts 2000] [--ops 300] [--backend shm,tcp]
+                                        [--no-af-packet] [--no-ops]
 
 For each backend: an echo server in a child process (its own interpreter, so the
 two ends never share a GIL) listening with the backend's ``listen``, and this
@@ -14,13 +15,41 @@ against **raw TCP** (plain sockets, ``sendall``/``recv_into``, same sizes) measu
 the same run (``rdma`` runs NIXL over whatever ``UCX_TLS`` says: run the script once with
 ``UCX_TLS=tcp`` and once with ``UCX_TLS=shm,self`` for both figures). Each backend's channel is told its handshake is complete right after
 connecting (there is no genie handshake here), so shm moves to its rings at once.
+
+Right after each backend, the same two figures for its **raw library** (a second table,
+ratio genie / raw):
+
+- ``shm``: two processes, one memfd segment per direction, a Unix socket pair for
+  notifications; a request is copy into the up segment + notify, the far end copies it
+  out and into the down segment + notifies, copy out (the copies genie's rings make, with
+  no ring, records or credit). It moves the whole buffer before notifying, so genie's
+  rings, whose reader copies out while the writer still copies in, can beat it on bulk;
+- ``rdma``: raw NIXL (``nixl_cu12._api``, UCX backend, configured as genie_rdma does but
+  driven by busy polls instead of a progress thread): each process registers ONE
+  ``--mib`` buffer once and the agents exchange metadata once over a socket (all outside
+  the timing). 64 B round trip: a READ of 64 B + notification one way, then the other;
+  up+down: the far end, told over the socket, READs the buffer (notification), then this
+  process READs it back (notification), every byte checked;
+- ``tcp``: its raw library is the raw TCP row;
+- ``dpdk``: not measured: genie_dpdk's shim offers only its own reliable stream, and a
+  raw DPDK echo (rte_eth_tx/rx_burst) needs C code that nothing here provides.
+
+Then the **tiny op**: one real node (``genie serve --devices cpu`` serving every installed
+backend of tcp, shm, dpdk, rdma; rdma only when ``UCX_TLS`` lets its probe pass) and per
+backend a client process (``GENIE_BACKEND=<name>``) timing ``(x + 1).item()`` on
+``remote_accelerator:0``: median of ``--ops`` after 50 warm-ups, its ratio in raw TCP 64 B
+round trips; a session that used another backend than asked is an error (``--no-ops``
+skips this part; the node and every client are stopped on every path).
+
 For ``dpdk`` it also prints the DPDK stream's counters (retransmits: zero on memif means
 no frame was lost), and, as root, moves ``--mib`` MiB both ways over ``net_af_packet``
 between two network namespaces joined by a veth pair (MTU 9000) with 5 % of received
 frames dropped (seeded) at both ends, checking every byte (``--no-af-packet`` skips it).
 A backend named in ``--backend`` that cannot work here is reported with its reason
 and makes the run exit 1 (never a silent skip); without ``--backend`` every
-installed backend is tried and the ones that cannot work are listed with why.
+installed backend is tried and the ones that cannot work are listed with why. A raw
+library figure that fails, or a tiny op whose session used the wrong backend, also
+makes the run exit 1.
 """
 
 from __future__ import annotations
@@ -130,14 +159,19 @@ RDMA_RTT, RDMA_UP = 1, 2
 
 
 def nixl_agent(tag: str) -> Any:
-    """A NIXL agent with the UCX backend, configured as genie_rdma.nixl_path.Agent configures its own."""
+    """A NIXL agent with the UCX backend, as genie_rdma.nixl_path.Agent makes its own but without a progress thread.
+
+    The raw figure is the floor: its busy polls (check_xfer_state, check_remote_xfer_done, with
+    sched_yield) drive UCX's progress themselves. With NIXL's progress thread as well, four threads
+    spin on this 2-core machine and a 64 B round trip took 16-44 ms instead of ~11 us.
+    """
     import logging
 
     from genie_rdma.nixl_path import load_nixl, shared_memory_only
 
     api = load_nixl()  # sets UCX_MODULES=^ib where there is no RDMA device (else UCX crashes at exit)
     logging.getLogger("nixl").setLevel(logging.WARNING)
-    config = api.nixl_agent_config(enable_prog_thread=True, backends=[],
+    config = api.nixl_agent_config(enable_prog_thread=False, backends=[],
                                    sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
     agent = api.nixl_agent(f"bench-{tag}-{os.getpid()}", config)
     agent.create_backend("UCX", {"ucx_error_handling_mode": "none"}
@@ -145,10 +179,14 @@ def nixl_agent(tag: str) -> Any:
     return agent
 
 
-def nixl_wait(agent: Any, handle: Any, state: str) -> None:
-    """Poll a posted transfer until NIXL says DONE (busy: this is the floor)."""
+def nixl_wait(agent: Any, handle: Any, state: str, timeout: float = 60.0) -> None:
+    """Poll a posted transfer until NIXL says DONE (busy, yielding the CPU between polls: this is the floor)."""
+    deadline = time.monotonic() + timeout
     while state == "PROC":
+        os.sched_yield()
         state = agent.check_xfer_state(handle)
+        if state == "PROC" and time.monotonic() > deadline:
+            raise TimeoutError(f"NIXL transfer not done in {timeout:g} s")
     if state != "DONE":
         raise RuntimeError(f"NIXL transfer failed (state {state})")
 
@@ -156,6 +194,7 @@ def nixl_wait(agent: Any, handle: Any, state: str) -> None:
 def nixl_await_notif(agent: Any, peer: str, tag: bytes, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not agent.check_remote_xfer_done(peer, tag):
+        os.sched_yield()
         if time.monotonic() > deadline:
             raise TimeoutError(f"no NIXL notification {tag!r} from {peer} in {timeout:g} s")
 
