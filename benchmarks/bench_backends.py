@@ -480,8 +480,8 @@ def run_raw_rdma(args: argparse.Namespace) -> dict[str, float]:
 
 #: Why a backend has no raw library figure here (printed instead of a number).
 NO_RAW = {
-    "dpdk": "genie_dpdk's shim exposes only its own reliable stream (gd_send/gd_recv); a raw DPDK echo needs "
-            "rte_eth_tx/rx_burst from C (testpmd or a C program), which nothing here provides",
+    "dpdk": "genie_dpdk's shim offers only its own reliable stream; a raw DPDK echo needs rte_eth_tx/rx_burst "
+            "from C, which nothing here provides",
 }
 
 
@@ -729,6 +729,14 @@ def main() -> int:
           "backend/raw rate)")
     print("ratios vs raw library: genie / raw (round trip: time, above 1.00x is genie's overhead over the "
           "floor; bulk: rate, below 1.00x is how far genie stays under it)")
+    if "shm" in libs:
+        print("shm raw: the whole buffer is copied in before the far end copies it out; genie's ring overlaps "
+              "writer and reader, so its bulk can pass this floor")
+    if "rdma" in libs:
+        from genie_rdma.nixl_path import BULK_MIN
+
+        print(f"rdma: genie sends buffers under {BULK_MIN >> 10} KiB inline on its TCP stream, so its 64 B round "
+              "trip is TCP; the raw one is two NIXL READs + notifications")
     if not args.no_ops:
         print("tiny op: client -> node -> client through the whole stack (op record, execution, .item()'s "
               "answer); its ratio counts raw TCP 64 B round trips")
