@@ -642,6 +642,10 @@ def main() -> int:
             serve_backend(kind)
         return 0
 
+    import signal
+
+    # SIGTERM unwinds like Ctrl-C, so every finally runs: echo servers, the node and its clients are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from genie.plugins import PluginManager
     from genie.transport.base import ProbeOnlyTransport
 
