@@ -591,7 +591,9 @@ def run_ops(wanted: list[str], count: int) -> dict[str, dict[str, Any] | str]:
     from genie.cluster.launch import NodeProcess
 
     plugins = ",".join(sorted({ep.name for ep in entry_points(group="genie")} & set(NODE_PLUGINS)))
-    env = {"GENIE_PLUGINS": plugins}
+    # the node runs the same genie as this script (the checkout it lives in), wherever it is started from
+    root = str(Path(__file__).resolve().parents[1])
+    env = {"GENIE_PLUGINS": plugins, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     out: dict[str, dict[str, Any] | str] = {}
     with NodeProcess("serve", "--port", "0", "--devices", "cpu", env=env) as node:
         for name in wanted:
