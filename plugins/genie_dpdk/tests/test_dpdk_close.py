@@ -138,3 +138,67 @@ def test_a_process_exiting_with_open_channels_closes_them_in_order() -> None:
                     child.communicate()
     finally:
         listener.close()
+
+
+KILLED_PEER = textwrap.dedent("""
+    import signal, subprocess, sys, threading, time
+    from genie_dpdk.transport import DpdkTransport
+
+    PEER = '''
+    import sys
+    from genie_dpdk.transport import DpdkTransport
+    ch = DpdkTransport().connect("127.0.0.1", int(sys.argv[1]), timeout=10)
+    ch.handshake_complete({})
+    ch.sendv([b"x"])
+    print("UP", flush=True)
+    buf = bytearray(4 << 20)
+    while True:
+        if sys.argv[2] == "send":
+            ch.sendv([bytes(buf)])
+        else:
+            ch.recv_into(memoryview(buf))
+    '''
+    listener = DpdkTransport().listen("127.0.0.1", 0)
+    for i in range(int(sys.argv[1])):
+        peer_sends = i % 2 == 0
+        child = subprocess.Popen([sys.executable, "-c", PEER, str(listener.port), "send" if peer_sends else "recv"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            server = listener.accept(timeout=30)
+            server.settimeout(5)
+            server.recv_into(memoryview(bytearray(1)))
+            buf = bytearray(1 << 20)
+
+            def pump():
+                try:
+                    while True:
+                        if peer_sends:
+                            server.recv_into(memoryview(buf))
+                        else:
+                            server.sendv([bytes(buf)])
+                except Exception:
+                    pass  # the peer is gone: the channel fails, this process lives on
+
+            thread = threading.Thread(target=pump, daemon=True)
+            thread.start()
+            assert child.stdout.readline().strip() == "UP"
+            time.sleep(0.05 + (i % 4) * 0.03)  # killed in the middle of the stream
+            child.kill()
+            child.wait()
+            thread.join(15)
+            assert not thread.is_alive(), "the channel did not notice its peer died"
+            server.close()
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    listener.close()
+    print("SURVIVED", flush=True)
+""")
+
+
+def test_a_peer_killed_mid_stream_never_takes_this_process_down() -> None:
+    """A memif peer killed (SIGKILL) while data streams, six times, sending and receiving: this side's
+    channel fails with an error and the process (a stand-in for a node serving others) lives on."""
+    out = subprocess.run([sys.executable, "-c", KILLED_PEER, "6"], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0 and "SURVIVED" in out.stdout, (out.returncode, out.stdout, out.stderr[-3000:])
