@@ -444,6 +444,13 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
 
 
+def _link_running(ns: str, dev: str) -> bool:
+    out = subprocess.run(["ip", "-n", ns, "-o", "link", "show", "dev", dev], capture_output=True, text=True,
+                         timeout=20).stdout
+    flags = out.split("<", 1)[1].split(">", 1)[0].split(",") if "<" in out else []
+    return "LOWER_UP" in flags and "state UP" in out
+
+
 @pytest.fixture
 def veth_namespaces() -> Iterator[VethPair]:
     """Fresh namespaces named for this test (``genie-<tag>-a/-b``), joined by veth, always deleted.
@@ -466,6 +473,10 @@ def veth_namespaces() -> Iterator[VethPair]:
             _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
+        # The kernel marks a veth running (carrier) a moment after `up`; libraries that list usable
+        # interfaces (UCX) skip one that is not running yet, so wait for both ends.
+        for ns, dev in ((ns_a, f"gv{tag}a"), (ns_b, f"gv{tag}b")):
+            wait_until(lambda ns=ns, dev=dev: _link_running(ns, dev), 5.0, 0.01, what=f"veth {dev} in {ns} to run")
         yield VethPair(ns_a, addr_a, ns_b, addr_b)
     finally:
         for ns in created:
