@@ -40,6 +40,7 @@ Quick start, in a plugin's test::
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import os
@@ -476,7 +477,7 @@ def veth_namespaces() -> Iterator[VethPair]:
         # The kernel marks a veth running (carrier) a moment after `up`; libraries that list usable
         # interfaces (UCX) skip one that is not running yet, so wait for both ends.
         for ns, dev in ((ns_a, f"gv{tag}a"), (ns_b, f"gv{tag}b")):
-            wait_until(lambda ns=ns, dev=dev: _link_running(ns, dev), 5.0, 0.01, what=f"veth {dev} in {ns} to run")
+            wait_until(functools.partial(_link_running, ns, dev), 5.0, 0.01, what=f"veth {dev} in {ns} to run")
         yield VethPair(ns_a, addr_a, ns_b, addr_b)
     finally:
         for ns in created:
