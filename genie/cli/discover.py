@@ -9,7 +9,8 @@ With ``--master``, every backend available here that the master's node serves is
 **measured** through a real session to that node's data port for the backend (ECHO frames,
 :mod:`genie.cluster.linkfigures`; bounded by ``--timeout`` per backend, cached per host pair
 for ``GENIE_FIGURES_TTL`` seconds, ``--refresh`` measures again), and the choice is ranked by
-those figures. ``--no-measure`` keeps the probes' figures.
+those figures, among the backends that node serves (the best both ends support). ``--no-measure``
+keeps the probes' figures.
 """
 
 from __future__ import annotations
@@ -85,12 +86,15 @@ def figure_text(result: ProbeResult) -> str:
     return ", ".join(parts) or "-"
 
 
-def report(pm: PluginManager, config: ClusterConfig, found: Discovery) -> dict[str, Any]:
-    """The JSON document of ``genie discover --json``."""
+def report(pm: PluginManager, config: ClusterConfig, found: Discovery,
+           node: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON document of ``genie discover --json``; with ``node`` (the master's node), chosen among what it serves."""
     error = ""
-    candidates, rejected = consider(found.results, pm=pm, config=config)
+    offered = list(node.get("backends") or []) if node else None
+    peer = f"node {node.get('node_id')}" if node else "the peer"
+    candidates, rejected = consider(found.results, pm=pm, config=config, peer_backends=offered, peer=peer)
     try:
-        select(found.results, pm=pm, config=config)
+        select(found.results, pm=pm, config=config, peer_backends=offered, peer=peer)
     except BackendUnavailableError as exc:
         error = str(exc)
     names = [c.name for c in candidates]
@@ -110,6 +114,7 @@ def report(pm: PluginManager, config: ClusterConfig, found: Discovery) -> dict[s
     return {
         "backend_option": config.backend.text,
         "target": found.to_dict()["target"],
+        "node": {"node_id": node.get("node_id"), "backends": list(node.get("backends") or [])} if node else None,
         "elapsed_ms": round(found.elapsed * 1000, 1),
         "backends": rows,
         "selected": names[0] if names else None,
@@ -149,6 +154,9 @@ def table(doc: dict[str, Any]) -> str:
     target = doc["target"]
     where = f"{target['host']}:{target['port']}" if target["host"] else "no master (local capabilities only)"
     lines.append(f"probed against {where} in {doc['elapsed_ms']:g} ms (deadline {target['timeout']:g} s)")
+    if doc.get("node"):
+        lines.append(f"node {doc['node']['node_id']} serves: {', '.join(doc['node']['backends'])} "
+                     "(the choice is among those)")
     if doc["selected"]:
         lines.append(f"backend option {doc['backend_option']!r}: would choose {doc['selected']} "
                      f"(then fall back in order: {', '.join(doc['candidates'][1:]) or 'none'})")
@@ -163,8 +171,8 @@ def _figures_of(row: dict[str, Any]) -> str:
 
 
 def measured_on_master(pm: PluginManager, config: ClusterConfig, found: Discovery, *,
-                       refresh: bool = False) -> Discovery:
-    """``found`` with figures measured through sessions to the master's node (the first that serves, else as is).
+                       refresh: bool = False) -> tuple[Discovery, dict[str, Any] | None]:
+    """``found`` with figures measured through sessions to the master's node, and that node (None: as is).
 
     The master's own node (role ``server``) is preferred, else the first connected node with devices;
     a master that cannot be asked leaves the probes' figures and logs why.
@@ -179,17 +187,17 @@ def measured_on_master(pm: PluginManager, config: ClusterConfig, found: Discover
         view = query_master_sync(target.host, target.port, timeout=max(1.0, target.timeout), config=config)
     except GenieError as exc:
         log.warning("figures stay as probed: %s", exc)
-        return found
+        return found, None
     serving = [n for n in view.get("nodes", []) if n.get("status") == "connected" and n.get("backends")]
     serving.sort(key=lambda n: n.get("role") != "server")
     if not serving:
         log.warning("figures stay as probed: no node of the master at %s:%d serves a data plane",
                     target.host, target.port)
-        return found
+        return found, None
     security = ClientSecurity.from_config(config)
     results = measure_node(pm, config, security, serving[0], found.results, client_id="genie-discover",
                            budget=target.timeout, refresh=refresh)
-    return attrs.evolve(found, results=results)
+    return attrs.evolve(found, results=results), serving[0]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -197,8 +205,9 @@ def run(args: argparse.Namespace) -> int:
     pm = PluginManager()
     target = target_from_args(args, config)
     found = discover_sync(pm, target, refresh=args.refresh)
+    node = None
     if target.host and not args.no_measure:
-        found = measured_on_master(pm, config, found, refresh=args.refresh)
-    doc = report(pm, config, found)
+        found, node = measured_on_master(pm, config, found, refresh=args.refresh)
+    doc = report(pm, config, found, node)
     print(json.dumps(doc, indent=2) if args.json else table(doc))
     return 0 if doc["selected"] else 1

@@ -127,3 +127,15 @@ def test_figures_are_measured_against_a_node_on_another_host(veth_namespaces, tm
     for name in ("tcp", "dpdk"):
         assert rows[name]["figures"]["bandwidth"]["measured"], rows[name]
         assert rows[name]["details"]["measured_on"].startswith(f"a session to {veth.addr_a}:"), rows[name]
+
+
+def test_discover_chooses_among_what_the_node_serves(tmp_path: Path) -> None:
+    """A node told to serve tcp only: shm, available here, is no candidate ("not offered by node ..."),
+    and the choice is tcp, measured through a session."""
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--backend", "tcp",
+                     env={"GENIE_PLUGINS": PLUGINS, "GENIE_AUTH_TOKEN": TOKEN}) as node:
+        doc = _discover(node, tmp_path)
+    rows = _rows(doc)
+    assert doc["selected"] == "tcp" and doc["node"]["backends"] == ["tcp"], doc
+    assert rows["shm"]["available"] and "not offered by node" in rows["shm"]["not_candidate_because"]
+    assert rows["tcp"]["figures"]["bandwidth"]["measured"]
