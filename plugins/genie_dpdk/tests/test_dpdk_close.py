@@ -141,8 +141,9 @@ def test_a_process_exiting_with_open_channels_closes_them_in_order() -> None:
 
 
 KILLED_PEER = textwrap.dedent("""
-    import signal, subprocess, sys, threading, time
+    import subprocess, sys, threading
     from genie_dpdk.transport import DpdkTransport
+    from genie.testing import wait_until
 
     PEER = '''
     import sys
@@ -168,6 +169,7 @@ KILLED_PEER = textwrap.dedent("""
             server.settimeout(5)
             server.recv_into(memoryview(bytearray(1)))
             buf = bytearray(1 << 20)
+            moved = [0]
 
             def pump():
                 try:
@@ -176,13 +178,15 @@ KILLED_PEER = textwrap.dedent("""
                             server.recv_into(memoryview(buf))
                         else:
                             server.sendv([bytes(buf)])
+                        moved[0] += 1
                 except Exception:
                     pass  # the peer is gone: the channel fails, this process lives on
 
             thread = threading.Thread(target=pump, daemon=True)
             thread.start()
             assert child.stdout.readline().strip() == "UP"
-            time.sleep(0.05 + (i % 4) * 0.03)  # killed in the middle of the stream
+            # Killed in the middle of the stream, after 2 to 5 MiB moved.
+            wait_until(lambda: moved[0] >= 2 + i % 4, 30, 0.001, what="data to stream")
             child.kill()
             child.wait()
             thread.join(15)
