@@ -123,6 +123,22 @@ def check_batch_norm(label: str, args: list[Any], kwargs: dict[str, Any]) -> Non
             raise _fail(label, f"a per-channel tensor of shape {list(t.shape)} for {channels} channels")
 
 
+def check_cum_helper(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """``_cummax_helper`` / ``_cummin_helper(self, values, indices, dim)``: the CPU kernel walks ``self`` and
+    writes ``values`` and ``indices`` at the same positions unchecked (a 1-element ``values`` for a larger
+    ``self`` killed the process): both must have ``self``'s shape, ``values`` its dtype, ``indices`` int64."""
+    values = [*args, *kwargs.values()]
+    tensors = [a for a in values if isinstance(a, torch.Tensor)]
+    if len(tensors) < 3:
+        return  # the schema check refuses it
+    x, out, indices = tensors[:3]
+    if out.shape != x.shape or indices.shape != x.shape:
+        raise _fail(label, f"values {list(out.shape)} and indices {list(indices.shape)} must both have the "
+                    f"input's shape {list(x.shape)}")
+    if out.dtype != x.dtype or indices.dtype != torch.int64:
+        raise _fail(label, f"values must be {x.dtype} (got {out.dtype}) and indices torch.int64 (got {indices.dtype})")
+
+
 #: Checks by op packet name (``aten::_foreach_add_`` covers all its overloads).
 _BY_PACKET: dict[str, Check] = {
     "aten::_fused_adam_": check_fused_optimizer,
@@ -130,6 +146,8 @@ _BY_PACKET: dict[str, Check] = {
     "aten::_fused_sgd_": check_fused_optimizer,
     "aten::_embedding_bag_per_sample_weights_backward": check_embedding_bag_psw_backward,
     "aten::_index_put_impl_": check_index_put_impl,
+    "aten::_cummax_helper": check_cum_helper,
+    "aten::_cummin_helper": check_cum_helper,
     "aten::native_batch_norm": check_batch_norm,
     "aten::cudnn_batch_norm": check_batch_norm,
     "aten::native_batch_norm_backward": check_batch_norm,

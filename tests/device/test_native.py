@@ -85,6 +85,22 @@ def test_empty_tensors() -> None:
     assert grown.tolist() == [2.0, 2.0, 2.0]
 
 
+def test_cummax_and_cummin_match_cpu_with_their_gradient() -> None:
+    """cummax/cummin reach the server as _cummax_helper/_cummin_helper (allowed with a shape check)."""
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
+    for fn in (torch.cummax, torch.cummin):
+        for dim in (0, 1, -1):
+            values, indices = fn(x.to(D0), dim)
+            expect = fn(x, dim)
+            assert torch.equal(values.cpu(), expect.values) and torch.equal(indices.cpu(), expect.indices)
+    leaf = x.to(D0).requires_grad_()
+    torch.cummax(leaf, 1).values.sum().backward()
+    cpu_leaf = x.clone().requires_grad_()
+    torch.cummax(cpu_leaf, 1).values.sum().backward()
+    assert leaf.grad is not None and cpu_leaf.grad is not None
+    assert torch.equal(leaf.grad.cpu(), cpu_leaf.grad)
+
+
 def test_views_share_storage_natively() -> None:
     base = torch.zeros(3, 4, device=D0)
     v = base[:, 1]

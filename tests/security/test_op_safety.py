@@ -67,7 +67,6 @@ V3 = torch.ones(3)
     ("aten::quantize_per_channel", [T(2, V3), T(2, V3), T(2, V3), 0, torch.quint8]),
     ("aten::_sobol_engine_draw", [T(2, V3), 1, T(2, V3), 1, 1, None]),
     ("aten::_sobol_engine_initialize_state_", [T(2, V3), 1]),
-    ("aten::_cummax_helper", [T(2, V3), T(2, V3), T(2, V3), 0]),
     ("aten::_cholesky_solve_helper", [T(2, V3), T(2, V3), False]),
 ])
 def test_crash_ops_are_forbidden_naming_the_op_and_how_to_ask(client, name, args):
@@ -98,6 +97,11 @@ def _bn(running: torch.Tensor) -> list:
       T(9, torch.tensor([0, 0, 10**6])), 0],
      [(5, 0, torch.ones(2, 3)), (6, 0, torch.ones(4, 3)), (7, 0, torch.tensor([0, 1, 2])), (8, 0, torch.tensor([0])),
       (9, 0, torch.tensor([0, 0, 10**6]))], "offset2bag holds values outside [0, 2)"),
+    # cummax's kernel writes values and indices where self has elements: a 1-element values crashed it
+    ("aten::_cummax_helper", [T(3, V3), T(4, ONE), T(7, torch.tensor([0])), 0],
+     [(3, 0, V3), (4, 0, ONE), (7, 0, torch.tensor([0]))], "must both have the input's shape [3]"),
+    ("aten::_cummin_helper", [T(3, V3), T(4, V3), T(7, torch.tensor([0, 1, 2], dtype=torch.int32)), 0],
+     [(3, 0, V3), (4, 0, V3), (7, 0, torch.tensor([0, 1, 2], dtype=torch.int32))], "indices torch.int64"),
     ("aten::_index_put_impl_", [T(3, V3), [T(7, torch.tensor([0, 1, 2]))], T(3, V3), False, True],
      [(3, 0, V3), (7, 0, torch.tensor([0, 1, 2]))], "unsafe=True"),
     # a dtype sent as a raw int reached the kernel as a ScalarType and killed the server (found by the fuzzer)
