@@ -16,6 +16,7 @@ Ops whose result only the server can know (numbers, data-dependent shapes) are a
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import msgpack
@@ -291,7 +292,7 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
     device = tbl.devices[index] if tbl is not None and index < len(tbl.devices) else table().get(index)
     if info.server:
         return call_on_server(func, args, kwargs, device)
-    key: Any = (id(func), sig)
+    key: Any = (id(func), sig) if func not in KIND_FIXUPS else (id(func), sig, device.kind)
     try:
         cached = _cache_get(key)
     except TypeError:  # an unhashable argument: no caching
@@ -305,6 +306,9 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
         fixup = META_FIXUPS.get(func)
         if fixup is not None:
             metas = fixup(metas, args, kwargs)
+        by_kind = KIND_FIXUPS.get(func)
+        if by_kind is not None and device.kind in by_kind:
+            metas = by_kind[device.kind](metas, args, kwargs)
         # Whether an in-place/out= target must change layout: the signature holds the target's
         # layout, so the answer holds for every later call with the same signature.
         conform = [m is not None and info.kind_of(i)[0] == "inplace"
@@ -484,6 +488,40 @@ META_FIXUPS: dict[Any, Any] = {
     _aten._native_batch_norm_legit.default: _batch_norm_eval,
     _aten._native_batch_norm_legit_no_training.default: lambda m, a, k: _batch_norm_eval(m, (*a[:5], False), {}),
 }
+
+def _embedding_bag_cpu(metas: list[Any], args: Any, kwargs: Any, forward_only: bool = False) -> list[Any]:
+    """``_embedding_bag(_forward_only)`` on a CPU server: torch's meta kernel answers for CUDA unless it sees a
+    CPU tensor (``device_hint``); the CPU kernel returns ``offset2bag``, ``bag_size`` and ``max_indices`` in
+    other shapes and in the offsets' dtype (the CPU branch of ``torch._meta_registrations.meta_embedding_bag``)."""
+    names = ("weight", "indices", "offsets", "scale_grad_by_freq", "mode", "sparse", "per_sample_weights",
+             "include_last_offset", "padding_idx")
+    given = {**dict(zip(names, args, strict=False)), **kwargs}
+    weight, indices, offsets = given["weight"], given["indices"], given["offsets"]
+    mode, weights = given.get("mode", 0), given.get("per_sample_weights")
+    padding_idx = given.get("padding_idx", -1)
+    num_bags = offsets.size(0) - (1 if given.get("include_last_offset", False) else 0)
+    # The CPU kernel's fast path takes bfloat16 too (the meta kernel's copy of the rule predates that).
+    fast_sum = (weight.dtype in (torch.float32, torch.float16, torch.bfloat16) and weight.stride(1) == 1 and padding_idx < 0
+                and (weights is None or weights.stride(0) == 1))
+    dtype = offsets.dtype
+
+    def contiguous(shape: tuple[int, ...]) -> tuple[Any, ...]:
+        return (dtype, shape, tuple(torch.empty(shape, device="meta").stride()), 0)
+
+    offset2bag = contiguous((indices.size(0),) if mode in (1, 2) or not fast_sum else (0,))
+    # _embedding_bag_forward_only in sum mode keeps include_last_offset's extra bag (_embedding_bag does not)
+    bags = (offsets.size(0),) if mode == 0 and forward_only else (num_bags,)
+    max_indices = contiguous((num_bags, weight.size(1)) if mode == 2 else bags)
+    return [metas[0], offset2bag, contiguous(bags), max_indices]
+
+
+#: Where the real kernels' output layout depends on the server's device type (``RemoteDevice.kind``); the
+#: meta cache keys these ops on that type too.
+KIND_FIXUPS: dict[Any, dict[str, Any]] = {
+    _aten._embedding_bag.default: {"cpu": _embedding_bag_cpu},
+    _aten._embedding_bag_forward_only.default: {"cpu": functools.partial(_embedding_bag_cpu, forward_only=True)},
+}
+
 
 def set_layout(t: torch.Tensor, shape: Any, stride: Any, offset: int, device: RemoteDevice | None = None) -> None:
     """Give ``t`` a new layout over its storage, growing the storage (here and on the server) if needed."""

@@ -78,21 +78,88 @@ def check_fused_optimizer(label: str, args: list[Any], kwargs: dict[str, Any]) -
 
 def check_embedding_bag_psw_backward(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
     """``_embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode, pad)``:
-    its CPU kernel indexes ``grad`` by ``offset2bag`` and ``weight`` by ``indices`` unchecked (it read another
-    session's memory): both in range, and as many bags per index."""
+    the embedding rules (:func:`check_embedding`), then, as its CPU kernel indexes ``grad`` by ``offset2bag``
+    and ``weight`` by ``indices`` unchecked (it read another session's memory): both in range, and as many
+    bags per index."""
+    check_embedding(label, args, kwargs)
     if len(args) < 5 or not all(isinstance(a, torch.Tensor) for a in args[:5]):
         return  # the schema check refuses it
-    grad, weight, indices, _offsets, offset2bag = args[:5]
-    if grad.dim() != 2 or weight.dim() != 2 or indices.dim() != 1 or offset2bag.dim() != 1:
-        raise _fail(label, "grad and weight must be 2-d, indices and offset2bag 1-d")
-    if offset2bag.numel() != indices.numel() or grad.size(1) != weight.size(1):
+    grad, weight, indices, offsets, offset2bag = args[:5]
+    if grad.dim() != 2 or weight.dim() != 2 or indices.dim() != 1 or offset2bag.dim() != 1 or offsets.dim() != 1:
+        raise _fail(label, "grad and weight must be 2-d, indices, offsets and offset2bag 1-d")
+    built = offset2bag.numel() == 0 and indices.numel() > 0  # the kernel builds offset2bag from the offsets
+    if built:
+        _check_bags_from_offsets(label, grad, indices, offsets)
+    if (offset2bag.numel() != indices.numel() and not built) or grad.size(1) != weight.size(1):
         raise _fail(label, f"offset2bag has {offset2bag.numel()} entries for {indices.numel()} indices, or grad "
                     f"and weight differ in width ({grad.size(1)} vs {weight.size(1)})")
-    for name, index, bound in (("indices", indices, weight.size(0)), ("offset2bag", offset2bag, grad.size(0))):
+    checked = [("indices", indices, weight.size(0))] + ([] if built else [("offset2bag", offset2bag, grad.size(0))])
+    for name, index, bound in checked:
         if index.is_floating_point() or index.is_complex():
             raise _fail(label, f"{name} must be integers")
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= bound):
             raise _fail(label, f"{name} holds values outside [0, {bound})")
+
+
+def _check_bags_from_offsets(label: str, grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor) -> None:
+    """An empty offset2bag (the CPU sum fast path returns one): the kernel builds it from ``offsets``
+    (ones at each offset, cumulated, minus one) and reads ``grad`` by it, so offsets must start at 0, lie
+    in [0, len(indices)], and the bags they make must be rows of ``grad``."""
+    if offsets.is_floating_point() or offsets.is_complex():
+        raise _fail(label, "offsets must be integers")
+    n = indices.numel()
+    if offsets.numel() == 0 or int(offsets[0]) != 0 or int(offsets.min()) < 0 or int(offsets.max()) > n:
+        raise _fail(label, f"offsets must start at 0 and lie in [0, {n}] to make offset2bag")
+    bags = int((offsets < n).sum())
+    if bags > grad.size(0):
+        raise _fail(label, f"offsets make {bags} bags for a grad of {grad.size(0)} rows")
+
+
+_BAG_FORWARD = ("weight", "indices", "offsets", "scale_grad_by_freq", "mode", "sparse", "per_sample_weights",
+                "include_last_offset", "padding_idx")
+#: Argument names of the embedding ops by packet (the checks below read them by name).
+_EMBEDDING_ARGS: dict[str, tuple[str, ...]] = {
+    "aten::embedding_bag": _BAG_FORWARD,
+    "aten::_embedding_bag": _BAG_FORWARD,
+    "aten::_embedding_bag_forward_only": _BAG_FORWARD,
+    "aten::_embedding_bag_backward": ("grad", "indices", "offsets", "offset2bag", "bag_size", "maximum_indices",
+                                      "num_weights", "scale_grad_by_freq", "mode", "sparse", "per_sample_weights",
+                                      "padding_idx"),
+    "aten::_embedding_bag_per_sample_weights_backward": ("grad", "weight", "indices", "offsets", "offset2bag", "mode",
+                                                         "padding_idx"),
+    "aten::embedding_dense_backward": ("grad_output", "indices", "num_weights", "padding_idx", "scale_grad_by_freq"),
+}
+_INDEX_ARGS = ("indices", "offsets", "offset2bag", "bag_size", "maximum_indices")
+
+
+def check_embedding(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """The embedding ops' CPU kernels read their index tensors as flat arrays and trust ``mode``: an expanded
+    (stride 0) offsets of 2**20 elements over one element read past its storage, a float offsets or a mode
+    of 2**62 killed the process (found by tests/security/fuzz_ops.py). So: index tensors integer and
+    contiguous, per-sample weights contiguous, ``mode`` 0 (sum), 1 (mean) or 2 (max); and with
+    ``include_last_offset`` at least two offsets (one offset makes no bag and the kernel wrote past its
+    empty output)."""
+    names = _EMBEDDING_ARGS.get(label.split(".", 1)[0])
+    if names is None:
+        return
+    given = {**dict(zip(names, args, strict=False)), **kwargs}
+    for name in (*_INDEX_ARGS, "per_sample_weights"):
+        t = given.get(name)
+        if not isinstance(t, torch.Tensor):
+            continue
+        if name != "per_sample_weights" and t.dtype not in (torch.int32, torch.int64):
+            raise _fail(label, f"{name} must be int32 or int64, got {t.dtype}")
+        if not t.is_contiguous():
+            raise _fail(label, f"{name} must be contiguous (strides {list(t.stride())} for shape {list(t.shape)}); "
+                        "call .contiguous() first")
+    mode = given.get("mode")
+    if mode is not None and mode not in (0, 1, 2):
+        raise _fail(label, f"mode {mode!r} is none of 0 (sum), 1 (mean), 2 (max)")
+    offsets, indices = given.get("offsets"), given.get("indices")
+    if given.get("include_last_offset") and isinstance(offsets, torch.Tensor) and isinstance(indices, torch.Tensor) \
+            and offsets.numel() < 2 and indices.numel():
+        raise _fail(label, f"include_last_offset with {offsets.numel()} offset(s) makes no bag for "
+                    f"{indices.numel()} indices; give at least two offsets (the last one closes the last bag)")
 
 
 def check_index_put_impl(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
@@ -146,6 +213,11 @@ _BY_PACKET: dict[str, Check] = {
     "aten::_fused_sgd_": check_fused_optimizer,
     "aten::_embedding_bag_per_sample_weights_backward": check_embedding_bag_psw_backward,
     "aten::_index_put_impl_": check_index_put_impl,
+    "aten::embedding_bag": check_embedding,
+    "aten::_embedding_bag": check_embedding,
+    "aten::_embedding_bag_forward_only": check_embedding,
+    "aten::_embedding_bag_backward": check_embedding,
+    "aten::embedding_dense_backward": check_embedding,
     "aten::_cummax_helper": check_cum_helper,
     "aten::_cummin_helper": check_cum_helper,
     "aten::native_batch_norm": check_batch_norm,

@@ -97,6 +97,21 @@ def _bn(running: torch.Tensor) -> list:
       T(9, torch.tensor([0, 0, 10**6])), 0],
      [(5, 0, torch.ones(2, 3)), (6, 0, torch.ones(4, 3)), (7, 0, torch.tensor([0, 1, 2])), (8, 0, torch.tensor([0])),
       (9, 0, torch.tensor([0, 0, 10**6]))], "offset2bag holds values outside [0, 2)"),
+    # include_last_offset with one offset (no bag) wrote past the empty output (killed the process)
+    ("aten::_embedding_bag_forward_only",
+     [T(3, torch.ones(5, 5)), T(7, torch.tensor([0, 1, 2])), T(8, torch.tensor([0])), False, 0, False, None, True, 2],
+     [(3, 0, torch.ones(5, 5)), (7, 0, torch.tensor([0, 1, 2])), (8, 0, torch.tensor([0]))],
+     "include_last_offset with 1 offset(s) makes no bag"),
+    ("aten::embedding_bag",
+     [T(3, torch.ones(5, 5)), T(7, torch.tensor([0, 1, 2])), T(8, torch.tensor([0])), False, 2, False, None, True],
+     [(3, 0, torch.ones(5, 5)), (7, 0, torch.tensor([0, 1, 2])), (8, 0, torch.tensor([0]))],
+     "give at least two offsets"),
+    # an expanded (stride 0) offsets of 2**20 elements over one element: the kernel read past the storage
+    ("aten::_embedding_bag",
+     [T(3, torch.ones(3, 4)), T(7, torch.tensor([1, 0, 2, 1])), T([8, 10, [1 << 20], [0], 0, 8]), False, 2, False,
+      None, True, -1],
+     [(3, 0, torch.ones(3, 4)), (7, 0, torch.tensor([1, 0, 2, 1])), (8, 0, torch.tensor([0]))],
+     "offsets must be contiguous"),
     # cummax's kernel writes values and indices where self has elements: a 1-element values crashed it
     ("aten::_cummax_helper", [T(3, V3), T(4, ONE), T(7, torch.tensor([0])), 0],
      [(3, 0, V3), (4, 0, ONE), (7, 0, torch.tensor([0]))], "must both have the input's shape [3]"),
