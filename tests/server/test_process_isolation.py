@@ -106,7 +106,10 @@ def test_a_worker_killed_by_a_signal_names_the_signal_and_others_keep_working(in
     server = inproc_server(devices=1)
     with _bystander(server) as other, RawClient(server.port) as victim:
         victim.handshake()
-        pids = wait_until(lambda: (p := server.stats()["per_session"]) and len(p) == 2 and p, timeout=10)
+        # Both sessions, and the bystander's upload (fire-and-forget) counted: otherwise both show no storage
+        # and the bystander's worker could be the one killed.
+        pids = wait_until(lambda: (p := server.stats()["per_session"]) and len(p) == 2
+                          and sum(s["storages"] > 0 for s in p.values()) == 1 and p, timeout=10)
         mine = next(s["pid"] for s in pids.values() if s["storages"] == 0)
         os.kill(mine, signal.SIGABRT)
         assert _lost(victim) == "session worker killed: SIGABRT"
