@@ -60,7 +60,7 @@ class OpInfo:
     """What the fallback needs to know about an op's schema."""
 
     __slots__ = ("name", "arg_names", "returns", "generator_pos", "random", "mask_pos", "list_return", "all_views",
-                 "special", "server", "float_values_matter", "result_kinds")
+                 "special", "server", "float_values_matter", "result_kinds", "by_kind")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
@@ -70,6 +70,8 @@ class OpInfo:
         self.special = SPECIAL.get(func)
         #: only the server can answer it (numbers, data-dependent shapes): a round trip
         self.server = func in SERVER_OPS
+        #: metadata rules by the server device's kind (KIND_FIXUPS), or None: the meta cache keys on the kind then
+        self.by_kind: dict[str, Any] | None = KIND_FIXUPS.get(func)
         writes: dict[Any, int] = {}
         reads: dict[Any, int] = {}
         self.generator_pos: int | None = None
@@ -292,7 +294,7 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
     device = tbl.devices[index] if tbl is not None and index < len(tbl.devices) else table().get(index)
     if info.server:
         return call_on_server(func, args, kwargs, device)
-    key: Any = (id(func), sig) if func not in KIND_FIXUPS else (id(func), sig, device.kind)
+    key: Any = (id(func), sig) if info.by_kind is None else (id(func), sig, device.kind)
     try:
         cached = _cache_get(key)
     except TypeError:  # an unhashable argument: no caching
@@ -306,9 +308,8 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
         fixup = META_FIXUPS.get(func)
         if fixup is not None:
             metas = fixup(metas, args, kwargs)
-        by_kind = KIND_FIXUPS.get(func)
-        if by_kind is not None and device.kind in by_kind:
-            metas = by_kind[device.kind](metas, args, kwargs)
+        if info.by_kind is not None and device.kind in info.by_kind:
+            metas = info.by_kind[device.kind](metas, args, kwargs)
         # Whether an in-place/out= target must change layout: the signature holds the target's
         # layout, so the answer holds for every later call with the same signature.
         conform = [m is not None and info.kind_of(i)[0] == "inplace"
@@ -489,13 +490,15 @@ META_FIXUPS: dict[Any, Any] = {
     _aten._native_batch_norm_legit_no_training.default: lambda m, a, k: _batch_norm_eval(m, (*a[:5], False), {}),
 }
 
+#: The argument names of _embedding_bag and _embedding_bag_forward_only (one schema).
+_BAG_ARGS = tuple(a.name for a in _aten._embedding_bag.default._schema.arguments)
+
+
 def _embedding_bag_cpu(metas: list[Any], args: Any, kwargs: Any, forward_only: bool = False) -> list[Any]:
     """``_embedding_bag(_forward_only)`` on a CPU server: torch's meta kernel answers for CUDA unless it sees a
     CPU tensor (``device_hint``); the CPU kernel returns ``offset2bag``, ``bag_size`` and ``max_indices`` in
     other shapes and in the offsets' dtype (the CPU branch of ``torch._meta_registrations.meta_embedding_bag``)."""
-    names = ("weight", "indices", "offsets", "scale_grad_by_freq", "mode", "sparse", "per_sample_weights",
-             "include_last_offset", "padding_idx")
-    given = {**dict(zip(names, args, strict=False)), **kwargs}
+    given = dict(zip(_BAG_ARGS, args, strict=False)) | kwargs
     weight, indices, offsets = given["weight"], given["indices"], given["offsets"]
     mode, weights = given.get("mode", 0), given.get("per_sample_weights")
     padding_idx = given.get("padding_idx", -1)

@@ -94,9 +94,7 @@ def check_embedding_bag_psw_backward(label: str, args: list[Any], kwargs: dict[s
         raise _fail(label, f"offset2bag has {offset2bag.numel()} entries for {indices.numel()} indices, or grad "
                     f"and weight differ in width ({grad.size(1)} vs {weight.size(1)})")
     checked = [("indices", indices, weight.size(0))] + ([] if built else [("offset2bag", offset2bag, grad.size(0))])
-    for name, index, bound in checked:
-        if index.is_floating_point() or index.is_complex():
-            raise _fail(label, f"{name} must be integers")
+    for name, index, bound in checked:  # integers: check_embedding refused any other dtype
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= bound):
             raise _fail(label, f"{name} holds values outside [0, {bound})")
 
@@ -105,8 +103,6 @@ def _check_bags_from_offsets(label: str, grad: torch.Tensor, indices: torch.Tens
     """An empty offset2bag (the CPU sum fast path returns one): the kernel builds it from ``offsets``
     (ones at each offset, cumulated, minus one) and reads ``grad`` by it, so offsets must start at 0, lie
     in [0, len(indices)], and the bags they make must be rows of ``grad``."""
-    if offsets.is_floating_point() or offsets.is_complex():
-        raise _fail(label, "offsets must be integers")
     n = indices.numel()
     if offsets.numel() == 0 or int(offsets[0]) != 0 or int(offsets.min()) < 0 or int(offsets.max()) > n:
         raise _fail(label, f"offsets must start at 0 and lie in [0, {n}] to make offset2bag")
@@ -115,19 +111,11 @@ def _check_bags_from_offsets(label: str, grad: torch.Tensor, indices: torch.Tens
         raise _fail(label, f"offsets make {bags} bags for a grad of {grad.size(0)} rows")
 
 
-_BAG_FORWARD = ("weight", "indices", "offsets", "scale_grad_by_freq", "mode", "sparse", "per_sample_weights",
-                "include_last_offset", "padding_idx")
-#: Argument names of the embedding ops by packet (the checks below read them by name).
+#: The embedding ops :func:`check_embedding` covers, with their argument names (from their schemas).
 _EMBEDDING_ARGS: dict[str, tuple[str, ...]] = {
-    "aten::embedding_bag": _BAG_FORWARD,
-    "aten::_embedding_bag": _BAG_FORWARD,
-    "aten::_embedding_bag_forward_only": _BAG_FORWARD,
-    "aten::_embedding_bag_backward": ("grad", "indices", "offsets", "offset2bag", "bag_size", "maximum_indices",
-                                      "num_weights", "scale_grad_by_freq", "mode", "sparse", "per_sample_weights",
-                                      "padding_idx"),
-    "aten::_embedding_bag_per_sample_weights_backward": ("grad", "weight", "indices", "offsets", "offset2bag", "mode",
-                                                         "padding_idx"),
-    "aten::embedding_dense_backward": ("grad_output", "indices", "num_weights", "padding_idx", "scale_grad_by_freq"),
+    f"aten::{name}": tuple(a.name for a in getattr(torch.ops.aten, name).default._schema.arguments)
+    for name in ("embedding_bag", "_embedding_bag", "_embedding_bag_forward_only", "_embedding_bag_backward",
+                 "_embedding_bag_per_sample_weights_backward", "embedding_dense_backward")
 }
 _INDEX_ARGS = ("indices", "offsets", "offset2bag", "bag_size", "maximum_indices")
 
@@ -142,7 +130,7 @@ def check_embedding(label: str, args: list[Any], kwargs: dict[str, Any]) -> None
     names = _EMBEDDING_ARGS.get(label.split(".", 1)[0])
     if names is None:
         return
-    given = {**dict(zip(names, args, strict=False)), **kwargs}
+    given = dict(zip(names, args, strict=False)) | kwargs
     for name in (*_INDEX_ARGS, "per_sample_weights"):
         t = given.get(name)
         if not isinstance(t, torch.Tensor):
