@@ -184,6 +184,31 @@ def vm_status(pid: int | str = "self") -> dict[str, int]:
     return out
 
 
+@contextlib.contextmanager
+def pinned(groups: Sequence[int], cpus: set[int]) -> Iterator[None]:
+    """Pin this thread and every thread of every process in the process groups ``groups`` (children
+    started with their own session: a node, its forkserver and its workers; an echo peer) to ``cpus``,
+    as ``taskset -a -c`` would; each thread's own affinity is put back on exit."""
+    tids = [(os.getpid(), threading.get_native_id())]
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        with contextlib.suppress(OSError, ValueError):
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) in groups:
+                    tids += [(pid, int(t)) for t in os.listdir(f"/proc/{pid}/task")]
+    before: list[tuple[int, set[int]]] = []
+    try:
+        for _, tid in tids:
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                previous = os.sched_getaffinity(tid)
+                os.sched_setaffinity(tid, cpus)
+                before.append((tid, previous))
+        yield
+    finally:
+        for tid, previous in before:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, previous)
+
+
 def reset_peak_rss(pid: int | str = "self") -> bool:
     """Reset VmHWM to the current RSS (``5`` into clear_refs, Linux >= 4.0); False where not allowed."""
     try:

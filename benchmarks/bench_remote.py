@@ -33,9 +33,23 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as c  # noqa: E402
 
+# Client and server share this host's cores. libgomp's default keeps this process's OpenMP threads
+# spinning for a while after each local parallel op, on the cores the server computes on next: a remote
+# x @ x right after the local one took 12 to 13 ms instead of 9.6 to 10 (the local matmul is 6.0 ms
+# either way). Set before torch loads libgomp; the server's workers set the same (WORKER_OMP).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# Client and server share this host's cores. libgomp's default keeps this process's OpenMP threads
+# spinning for a while after each local parallel op, on the cores the server computes on next: a remote
+# x @ x right after the local one took 12 to 13 ms instead of 9.6 to 10 (the local matmul is 6.0 ms
+# either way). Set before torch loads libgomp; the server's workers set the same (WORKER_OMP).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 PING_BYTES = 64
 BULK_BYTES = 64 << 20
 MATMUL_N = 1000
+#: x @ x rounds measured (each about 25 ms with its baselines), after the warm-up rounds (first allocations).
+MATMUL_ROUNDS, MATMUL_WARMUP = 15, 2
 MEM_BYTES = 1 << 30
 
 TARGET_TINY_VS_RAW = 6.0
@@ -256,8 +270,10 @@ def measure_rpc(kids: c.Children, samples: int) -> dict[str, Any]:
             kids.stop(p)
 
 
-def measure_genie(port: int, raw: RawPeer, samples: int, pipelined_ops: int, rounds: int) -> dict[str, Any]:
-    """genie's figures, each in blocks interleaved with the matching raw baseline."""
+def measure_genie(port: int, raw: RawPeer, samples: int, pipelined_ops: int, rounds: int,
+                  pin_groups: list[int]) -> dict[str, Any]:
+    """genie's figures, each in blocks interleaved with the matching raw baseline; ``pin_groups``: the process
+    groups of the node and of the raw peer, pinned with this thread for the pinned figures."""
     import torch
 
     import genie
@@ -272,14 +288,10 @@ def measure_genie(port: int, raw: RawPeer, samples: int, pipelined_ops: int, rou
             (x + 1).sum().item()
         out["tiny"], out["raw_ping"] = _tiny_blocks(x, raw, samples)
 
-        # The same, this process pinned to one CPU (taskset -c 0): no migration between the user's
-        # thread and the socket's wake-ups; the raw baseline runs pinned too.
-        affinity = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {min(affinity)})
-        try:
+        # The same with client and server pinned to one CPU (taskset -c 0 on this thread, every thread of
+        # the node and its workers, and the raw echo peer): no cross-CPU wake-up on either path.
+        with c.pinned(pin_groups, {min(os.sched_getaffinity(0))}):
             out["tiny_pinned"], out["raw_ping_pinned"] = _tiny_blocks(x, raw, samples)
-        finally:
-            os.sched_setaffinity(0, affinity)
 
         rates, client_cpu, local_op = [], [], []
         for _ in range(3):
@@ -319,12 +331,12 @@ def measure_genie(port: int, raw: RawPeer, samples: int, pipelined_ops: int, rou
         a = torch.randn(MATMUL_N, MATMUL_N)
         expect = a @ a
         mm, mm_local, mm_wire = [], [], []
-        for i in range(rounds + 1):
+        for i in range(MATMUL_ROUNDS + MATMUL_WARMUP):
             local_s = local_matmul_once(a)
             wire_s = raw.bulk(MATMUL_N * MATMUL_N * 4)
             t0 = time.perf_counter()
             r = _remote_square(a, dev).cpu()
-            if i:
+            if i >= MATMUL_WARMUP:
                 mm.append(time.perf_counter() - t0)
                 mm_local.append(local_s)
                 mm_wire.append(wire_s)
@@ -509,7 +521,8 @@ def run_parent(kids: c.Children, args: argparse.Namespace, samples: int, rounds:
         with NodeProcess("serve", "--port", "0", "--devices", "cpu") as server:
             c.quiet(server)
             port = server.control_port  # --port 0: any free port, bound
-            g = measure_genie(port, raw, samples, 20_000 if not args.quick else 5_000, rounds)
+            g = measure_genie(port, raw, samples, 20_000 if not args.quick else 5_000, rounds,
+                              [server.pid, echo.pid])
     finally:
         raw.close()
         kids.stop(echo)
