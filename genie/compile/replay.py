@@ -128,8 +128,14 @@ def _meta_inputs(inputs: list[Any]) -> tuple[list[Any], dict[int, int]]:
     return out, owner
 
 
-def _run_meta(gm: fx.GraphModule, lowered: Lowered, inputs: list[Any]) -> Plan:
-    """Run the graph on meta tensors: the outputs' layouts and aliasing, and the client scalars."""
+def _device(index: int) -> RemoteDevice:
+    tbl = registry._table
+    return tbl.devices[index] if tbl is not None and index < len(tbl.devices) else registry.table().get(index)
+
+
+def _run_meta(gm: fx.GraphModule, lowered: Lowered, inputs: list[Any], kind: str) -> Plan:
+    """Run the graph on meta tensors: the outputs' layouts and aliasing, and the client scalars; ``kind``: the
+    server device's (the layouts some ops return depend on it, as on the op path)."""
     metas, owner = _meta_inputs(inputs)
     env: dict[fx.Node, Any] = {}
     args_iter = iter(metas)
@@ -152,6 +158,9 @@ def _run_meta(gm: fx.GraphModule, lowered: Lowered, inputs: list[Any]) -> Plan:
                 fixup = dispatch.META_FIXUPS.get(n.target)
                 if fixup is not None:
                     out = _fixed(out, fixup, args, kwargs)
+                by_kind = dispatch.KIND_FIXUPS.get(n.target)
+                if by_kind is not None and kind in by_kind:
+                    out = _fixed(out, by_kind[kind], args, kwargs)
                 env[n] = out
             elif n.op == "output":
                 result = fx.node.map_arg(n.args[0], env.__getitem__)
@@ -185,7 +194,7 @@ def _run_meta(gm: fx.GraphModule, lowered: Lowered, inputs: list[Any]) -> Plan:
 
 
 def _fixed(out: Any, fixup: Any, args: Any, kwargs: Any) -> Any:
-    """Apply a :data:`genie.device.dispatch.META_FIXUPS` rule (where meta and real kernels disagree)."""
+    """Apply a :data:`genie.device.dispatch.META_FIXUPS` or ``KIND_FIXUPS`` rule (where meta and real kernels disagree)."""
     metas, spec = dmeta.describe(out)
     fixed = fixup(metas, args, kwargs)
     if fixed == metas:
@@ -295,9 +304,11 @@ class ReplayedGraph:
         elif found[1] < 0:
             plan = _fallback("none of its inputs is on a remote device")
         else:
-            plan = self.plans.get(found[0])
+            # The server device's kind is part of the key: some ops' outputs differ by it (KIND_FIXUPS).
+            kind = _device(found[1]).kind
+            plan = self.plans.get((kind, found[0]))
             if plan is None:
-                plan = self._plan(found[0], inputs)
+                plan = self._plan((kind, found[0]), inputs)
         if plan.reason is not None:
             self._note(plan.reason)
             self.op_by_op += 1
@@ -306,7 +317,8 @@ class ReplayedGraph:
         assert found is not None
         return self._replay(plan, inputs, found[1], found[2])
 
-    def _plan(self, sig: Any, inputs: list[Any]) -> Plan:
+    def _plan(self, key: tuple[str, Any], inputs: list[Any]) -> Plan:
+        """The plan of a new key, (the server device's kind, the inputs' signature)."""
         for i, x in enumerate(inputs):
             if i in self.lowered.mutated and isinstance(x, torch.Tensor) and x.get_device() < 0:
                 plan = _fallback(f"it writes to input {i}, a CPU tensor (the server would write only its copy; "
@@ -319,15 +331,14 @@ class ReplayedGraph:
                 plan = _fallback("an input carries a conjugate or negative bit")
                 break
         else:
-            plan = _run_meta(self.gm, self.lowered, inputs + list(self.lowered.constants))
+            plan = _run_meta(self.gm, self.lowered, inputs + list(self.lowered.constants), key[0])
         if len(self.plans) >= MAX_PLANS:
             self.plans.clear()
-        self.plans[sig] = plan
+        self.plans[key] = plan
         return plan
 
     def _replay(self, plan: Plan, inputs: list[Any], index: int, encoded: list[Any]) -> Any:
-        tbl = registry._table
-        device = tbl.devices[index] if tbl is not None and index < len(tbl.devices) else registry.table().get(index)
+        device = _device(index)
         gid = self.graph_id(device)
         constants = self.lowered.constants
         outs, descs = _allocate(plan, [*inputs, *constants] if constants else inputs, index)
