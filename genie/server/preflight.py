@@ -21,7 +21,9 @@ lists) refuses the op too: the real CPU/CUDA kernel is never reached with
 arguments its own checks may miss. Ops whose meta kernel is missing or whose
 output size depends on data (``nonzero``) are left to the real kernel and the
 quota checks after it: their outputs are bounded by their inputs (one with no
-tensor input that cannot be planned is refused). Before the plan: dtype,
+tensor input that cannot be planned is refused); the allowed ops without a meta
+kernel whose outputs are not (the histograms: bins are numbers) have output
+rules in :mod:`genie.server.sizerules`. Before the plan: dtype,
 layout and memory-format arguments must be those types (the JIT schema takes
 ints, and torch trusts any int), layouts strided, ``pin_memory`` false; after
 the size checks, the op's validator runs if it has one
@@ -42,7 +44,7 @@ import attrs
 import torch
 
 from genie.errors import ForbiddenOpError, QuotaExceededError, RemoteExecutionError
-from genie.server import validators
+from genie.server import sizerules, validators
 
 log = logging.getLogger("genie.server.preflight")
 
@@ -202,7 +204,8 @@ def plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> 
             meta_kwargs["device"] = _META  # device=None means the CPU: a factory must not allocate for real here
         before = {id(t): _nbytes(t) for t in inputs}
         storages = {t.untyped_storage()._cdata for t in inputs}
-        result = op(*meta_args, **meta_kwargs)
+        rule = sizerules.RULES.get(op)
+        result = op(*meta_args, **meta_kwargs) if rule is None else sizerules.run(op, meta_args, meta_kwargs)
     except NotImplementedError as exc:
         if "pre-flight covers" not in str(exc):
             _no_meta.add(op)
