@@ -50,7 +50,8 @@ def _histogram_out(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return hist, edges
 
 
-def _dd_counts(a: dict[str, Any]) -> list[int]:
+def _dd_counts(a: dict[str, Any]) -> list[Any]:
+    """The per-dimension ``bins`` (ints, or the bin-edge tensors of ``TensorList_bins``), one per input dim."""
     x = a["self"]
     if x.dim() < 2:
         raise RuntimeError("torch.histogramdd: input tensor should have at least 2 dimensions")
