@@ -126,7 +126,8 @@ def check_embedding(label: str, args: list[Any], kwargs: dict[str, Any]) -> None
     of 2**62 killed the process (found by tests/security/fuzz_ops.py). So: index tensors integer and
     contiguous, per-sample weights contiguous, ``mode`` 0 (sum), 1 (mean) or 2 (max); and with
     ``include_last_offset`` at least two offsets (one offset makes no bag and the kernel wrote past its
-    empty output)."""
+    empty output); 1-d indices with no offsets at all are refused too (with a weight that is not contiguous,
+    or in max mode, the kernel wrote past its empty output: SIGSEGV)."""
     names = _EMBEDDING_ARGS.get(label.split(".", 1)[0])
     if names is None:
         return
@@ -144,10 +145,14 @@ def check_embedding(label: str, args: list[Any], kwargs: dict[str, Any]) -> None
     if mode is not None and mode not in (0, 1, 2):
         raise _fail(label, f"mode {mode!r} is none of 0 (sum), 1 (mean), 2 (max)")
     offsets, indices = given.get("offsets"), given.get("indices")
-    if given.get("include_last_offset") and isinstance(offsets, torch.Tensor) and isinstance(indices, torch.Tensor) \
-            and offsets.numel() < 2 and indices.numel():
+    if not (isinstance(offsets, torch.Tensor) and isinstance(indices, torch.Tensor) and indices.numel()):
+        return
+    if given.get("include_last_offset") and offsets.numel() < 2:
         raise _fail(label, f"include_last_offset with {offsets.numel()} offset(s) makes no bag for "
                     f"{indices.numel()} indices; give at least two offsets (the last one closes the last bag)")
+    if indices.dim() == 1 and not offsets.numel():
+        raise _fail(label, f"{indices.numel()} indices and no offsets make no bag; give the offset where each bag "
+                    "starts, beginning with 0")
 
 
 def check_index_put_impl(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:

@@ -106,6 +106,11 @@ def _bn(running: torch.Tensor) -> list:
      [T(3, torch.ones(5, 5)), T(7, torch.tensor([0, 1, 2])), T(8, torch.tensor([0])), False, 2, False, None, True],
      [(3, 0, torch.ones(5, 5)), (7, 0, torch.tensor([0, 1, 2])), (8, 0, torch.tensor([0]))],
      "give at least two offsets"),
+    # 1-d indices with no offsets and a weight that is not contiguous (found by the fuzzer): SIGSEGV
+    ("aten::embedding_bag.padding_idx",
+     [T([3, _F32, [1 << 20, 3], [0, 0], 0, 12]), T(7, torch.tensor([0, 1, 2])), T([7, 10, [0], [1], 0, 24]), False,
+      0, False, None, False, None],
+     [(3, 0, torch.ones(3)), (7, 0, torch.tensor([0, 1, 2]))], "no offsets make no bag"),
     # an expanded (stride 0) offsets of 2**20 elements over one element: the kernel read past the storage
     ("aten::_embedding_bag",
      [T(3, torch.ones(3, 4)), T(7, torch.tensor([1, 0, 2, 1])), T([8, 10, [1 << 20], [0], 0, 8]), False, 2, False,
