@@ -15,10 +15,18 @@ from genie.errors import ForbiddenOpError, GenieError, ProtocolError, QuotaExcee
 from genie.server.ops import scrub
 from genie.server.store import StorageError
 
+#: Longest record message sent (characters). Some of torch's messages print a whole tensor: meshgrid's for
+#: a 2-d input of 2**20 rows was 9.4 MB, a reply the client refuses (found by tests/security/fuzz_ops.py).
+MAX_MESSAGE_CHARS = 4000
+
 
 def error(op: str, shapes: list[Any], kind: str, message: str, storages: Sequence[int] = ()) -> dict[str, Any]:
-    """A deferred-error record; its message scrubbed of heap addresses (:func:`genie.server.ops.scrub`)."""
-    return {"op": op, "shapes": shapes, "kind": kind, "message": scrub(message), "storages": list(storages)}
+    """A deferred-error record; its message scrubbed of heap addresses (:func:`genie.server.ops.scrub`) and
+    cut to :data:`MAX_MESSAGE_CHARS`."""
+    message = scrub(message)  # first: a cut must not leave part of an address behind
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = f"{message[:MAX_MESSAGE_CHARS]} ... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
+    return {"op": op, "shapes": shapes, "kind": kind, "message": message, "storages": list(storages)}
 
 
 def kind_of(exc: BaseException) -> str:

@@ -197,6 +197,18 @@ def test_error_messages_are_scrubbed_of_heap_addresses():
     assert scrub(text) == "invalid tensor at 0x… (storage 0x…), index 0x10 of 0x…"
 
 
+def test_an_error_message_that_prints_a_whole_tensor_is_cut_and_the_session_goes_on(client):
+    """torch's meshgrid error prints its 2-d input: for 2**20 rows a 9.4 MB message, a reply the client refused
+    (the session was lost; found by the fuzzer). Records carry at most MAX_MESSAGE_CHARS of it."""
+    from genie.server.records import MAX_MESSAGE_CHARS
+
+    tall = T([3, _F32, [1 << 20, 3], [0, 0], 0, 12])
+    error = _only_error(client, op("aten::meshgrid", [[tall]], outs=[None]), [(3, 0, V3)])
+    assert error["message"].startswith("torch.meshgrid: Expected 0D or 1D tensor"), error["message"][:200]
+    assert "more characters)" in error["message"] and len(error["message"]) < MAX_MESSAGE_CHARS + 100
+    assert client.sync().error is None  # the session goes on
+
+
 def test_fuzzer_short_seeded_run_keeps_the_server_and_a_bystander_alive():
     """The CI run of tests/security/fuzz_ops.py: every allowed op, seeded, bounded (``nox -s fuzz_ops``: long)."""
     report = fuzz_run(seed=20261123, seconds=40, max_calls=1500)
