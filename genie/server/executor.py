@@ -349,7 +349,11 @@ class Executor:
             self._precheck_outputs(label, storage_ids, outs)
         except (GenieError, IndexError, RuntimeError) as exc:  # RuntimeError: torch refused to build a tensor
             raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
-        try:  # limits and argument checks on meta tensors before the kernel sees anything (genie.server.preflight)
+        # Limits and argument checks on meta tensors before the kernel sees anything (genie.server.preflight),
+        # under the op deadline too: a meta run goes through decompositions, and one can loop or allocate
+        # without end (combinations with r = 2**31 built a list of 2**31 tensors; found by the fuzzer).
+        self.clock.begin(f"{label} (pre-flight)")  # isolation
+        try:
             planned = plan.functional if fresh is not None and plan.functional is not None else op
             checked = preflight.check(
                 planned, label, args, kwargs, max_elements=self.max_op_elements,
@@ -357,6 +361,8 @@ class Executor:
         except GenieError as exc:
             raise _CommandFailed(_error(label, shapes((args, kwargs)), _kind_of(exc), _message(exc),
                                         storage_ids)) from None
+        finally:
+            self.clock.end()  # isolation
         inputs = (args, kwargs)  # for error messages only: shapes() walks it when something fails
         used = self._used
         started = time.perf_counter()  # metrics

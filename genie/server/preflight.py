@@ -288,14 +288,15 @@ def _check_enums(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs:
             raise ForbiddenOpError(f"{label}: layout {value} is not served (genie tensors are strided)")
 
 
-_extras: dict[torch._ops.OpOverload, tuple[bool, validators.Check | None, bool]] = {}
+_Extras = tuple[bool, validators.Check | None, bool, validators.Check | None]
+_extras: dict[torch._ops.OpOverload, _Extras] = {}
 
 
-def _extras_of(op: torch._ops.OpOverload) -> tuple[bool, validators.Check | None, bool]:
-    """(whether the op takes dtype/layout/memory-format arguments, its validator, whether it is split-like),
-    cached per op."""
+def _extras_of(op: torch._ops.OpOverload) -> _Extras:
+    """(whether the op takes dtype/layout/memory-format arguments, its validator, whether it is split-like, its
+    pre-check), cached per op."""
     counted = any(word in op.name() for word in _COUNTED)
-    _extras[op] = found = (bool(_enum_spec(op)), validators.check_for(op), counted)
+    _extras[op] = found = (bool(_enum_spec(op)), validators.check_for(op), counted, validators.pre_check_for(op))
     return found
 
 
@@ -316,6 +317,8 @@ def check(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[s
     extras = _extras.get(op) or _extras_of(op)
     if extras[0]:
         _check_enums(op, label, args, kwargs)
+    if extras[3] is not None:
+        extras[3](label, args, kwargs)
     if extras[2]:
         count = _list_outputs(op, args, kwargs)
         if count > MAX_LIST_OUTPUTS:

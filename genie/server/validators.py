@@ -9,6 +9,7 @@ is cheap and runs only for its op: a dict lookup by OpOverload for all others.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -200,6 +201,32 @@ def check_cum_helper(label: str, args: list[Any], kwargs: dict[str, Any]) -> Non
 
 
 #: Checks by op packet name (``aten::_foreach_add_`` covers all its overloads).
+#: Most elements of the n**r grid torch's ``combinations`` kernel builds (meshgrid of r copies of the input,
+#: then an n**r mask), whatever the r-combinations it returns: 64 M, a 2**26-byte mask.
+MAX_COMBINATION_GRID = 1 << 26
+
+
+def check_combinations(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """``combinations(self, r, with_replacement)``: its kernel (and its meta run, which is the same
+    decomposition) makes r tensors and an n**r mask before it selects anything, so r = 2**31 built a list
+    of 2**31 tensors in the pre-flight (found by tests/security/fuzz_ops.py). Refused when n**r passes
+    :data:`MAX_COMBINATION_GRID` (a pre-check: it runs before the meta run and reads no data)."""
+    given = dict(zip(("self", "r", "with_replacement"), args, strict=False)) | kwargs
+    x, r = given.get("self"), given.get("r", 2)
+    if not isinstance(x, torch.Tensor) or not isinstance(r, int) or r <= 0:
+        return  # the kernel's own checks answer (r < 0 is its error; r == 0 is empty)
+    n = x.numel()
+    if r > 64:  # torch makes r tensors whatever n is
+        raise _fail(label, f"combinations with r = {r}: torch's kernel makes r tensors first; r may be at most 64")
+    if n > 1 and r * math.log2(n) > math.log2(MAX_COMBINATION_GRID):
+        raise _fail(label, f"combinations of {n} elements taken {r} at a time builds a grid of {n}**{r} elements "
+                    f"first (torch's kernel), more than {MAX_COMBINATION_GRID}; take fewer elements or a smaller r")
+
+
+#: Checks that must run before the pre-flight's meta run (they read no data): the meta run itself would fail.
+PRE_CHECKS: dict[str, Check] = {"aten::combinations": check_combinations}
+
+
 _BY_PACKET: dict[str, Check] = {
     "aten::_fused_adam_": check_fused_optimizer,
     "aten::_fused_adamw_": check_fused_optimizer,
@@ -232,3 +259,8 @@ def check_for(op: torch._ops.OpOverload) -> Check | None:
         found = _BY_PACKET.get(packet) or (check_foreach if packet.startswith("aten::_foreach_") else None)
         _cache[op] = found
         return found
+
+
+def pre_check_for(op: torch._ops.OpOverload) -> Check | None:
+    """The check of ``op`` that runs before its meta run (:data:`PRE_CHECKS`), or None."""
+    return PRE_CHECKS.get(op.name().split(".", 1)[0])

@@ -117,6 +117,9 @@ def _bn(running: torch.Tensor) -> list:
       None, True, -1],
      [(3, 0, torch.ones(3, 4)), (7, 0, torch.tensor([1, 0, 2, 1])), (8, 0, torch.tensor([0]))],
      "offsets must be contiguous"),
+    # combinations builds r tensors and an n**r mask first, in the pre-flight's meta run too: r = 2**31 never ended
+    ("aten::combinations", [T(3, V3), 2**31], [(3, 0, V3)], "r may be at most 64"),
+    ("aten::combinations", [T(3, V3), 20], [(3, 0, V3)], "builds a grid of 3**20 elements"),
     # cummax's kernel writes values and indices where self has elements: a 1-element values crashed it
     ("aten::_cummax_helper", [T(3, V3), T(4, ONE), T(7, torch.tensor([0])), 0],
      [(3, 0, V3), (4, 0, ONE), (7, 0, torch.tensor([0]))], "must both have the input's shape [3]"),
