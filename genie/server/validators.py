@@ -223,6 +223,20 @@ def check_combinations(label: str, args: list[Any], kwargs: dict[str, Any]) -> N
                     f"first (torch's kernel), more than {MAX_COMBINATION_GRID}; take fewer elements or a smaller r")
 
 
+def check_median_dim(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """``median.dim`` / ``nanmedian.dim`` (and their out forms): the CPU kernel walks the reduced dimension as if
+    its elements were distinct, so an expanded input (stride 0 along that dim) read past its storage: garbage
+    values from the worker's heap for 100 elements over 12, a SIGSEGV for 2**26 (found by the fuzzer). Such an
+    input is refused; ``.contiguous()`` first gives the right answer."""
+    given = dict(zip(("self", "dim", "keepdim"), args, strict=False)) | kwargs
+    x, dim = given.get("self"), given.get("dim")
+    if not isinstance(x, torch.Tensor) or not isinstance(dim, int) or not -x.dim() <= dim < max(x.dim(), 1):
+        return  # the full reduction, or the kernel's own dim check answers
+    if x.dim() and x.stride(dim) == 0 and x.size(dim) > 1:
+        raise _fail(label, f"its input is expanded along dim {dim} (stride 0 for {x.size(dim)} elements), which "
+                    "the CPU kernel reads past its storage; call .contiguous() first")
+
+
 #: Checks that must run before the pre-flight's meta run (they read no data): the meta run itself would fail.
 PRE_CHECKS: dict[str, Check] = {"aten::combinations": check_combinations}
 
@@ -238,6 +252,8 @@ _BY_PACKET: dict[str, Check] = {
     "aten::_embedding_bag_forward_only": check_embedding,
     "aten::_embedding_bag_backward": check_embedding,
     "aten::embedding_dense_backward": check_embedding,
+    "aten::median": check_median_dim,
+    "aten::nanmedian": check_median_dim,
     "aten::_cummax_helper": check_cum_helper,
     "aten::_cummin_helper": check_cum_helper,
     "aten::native_batch_norm": check_batch_norm,

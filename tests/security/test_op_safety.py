@@ -120,6 +120,9 @@ def _bn(running: torch.Tensor) -> list:
     # combinations builds r tensors and an n**r mask first, in the pre-flight's meta run too: r = 2**31 never ended
     ("aten::combinations", [T(3, V3), 2**31], [(3, 0, V3)], "r may be at most 64"),
     ("aten::combinations", [T(3, V3), 20], [(3, 0, V3)], "builds a grid of 3**20 elements"),
+    # median/nanmedian over an expanded dim read past the storage (garbage values; SIGSEGV for 2**26 elements)
+    ("aten::nanmedian.dim", [T([3, _F32, [1 << 26], [0], 0, 12]), -1, True], [(3, 0, V3)], "call .contiguous() first"),
+    ("aten::median.dim", [T([3, _F32, [100, 3], [0, 1], 0, 12]), 0], [(3, 0, V3)], "expanded along dim 0"),
     # cummax's kernel writes values and indices where self has elements: a 1-element values crashed it
     ("aten::_cummax_helper", [T(3, V3), T(4, ONE), T(7, torch.tensor([0])), 0],
      [(3, 0, V3), (4, 0, ONE), (7, 0, torch.tensor([0]))], "must both have the input's shape [3]"),
