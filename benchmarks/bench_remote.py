@@ -39,12 +39,6 @@ import _common as c  # noqa: E402
 # either way). Set before torch loads libgomp; the server's workers set the same (WORKER_OMP).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# Client and server share this host's cores. libgomp's default keeps this process's OpenMP threads
-# spinning for a while after each local parallel op, on the cores the server computes on next: a remote
-# x @ x right after the local one took 12 to 13 ms instead of 9.6 to 10 (the local matmul is 6.0 ms
-# either way). Set before torch loads libgomp; the server's workers set the same (WORKER_OMP).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 PING_BYTES = 64
 BULK_BYTES = 64 << 20
 MATMUL_N = 1000

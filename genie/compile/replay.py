@@ -305,17 +305,17 @@ class ReplayedGraph:
             plan = _fallback("none of its inputs is on a remote device")
         else:
             # The server device's kind is part of the key: some ops' outputs differ by it (KIND_FIXUPS).
-            kind = _device(found[1]).kind
-            plan = self.plans.get((kind, found[0]))
+            device = _device(found[1])
+            plan = self.plans.get((device.kind, found[0]))
             if plan is None:
-                plan = self._plan((kind, found[0]), inputs)
+                plan = self._plan((device.kind, found[0]), inputs)
         if plan.reason is not None:
             self._note(plan.reason)
             self.op_by_op += 1
             counts["op_by_op"] += 1
             return self.gm(*inputs)
         assert found is not None
-        return self._replay(plan, inputs, found[1], found[2])
+        return self._replay(plan, inputs, device, found[2])
 
     def _plan(self, key: tuple[str, Any], inputs: list[Any]) -> Plan:
         """The plan of a new key, (the server device's kind, the inputs' signature)."""
@@ -337,8 +337,8 @@ class ReplayedGraph:
         self.plans[key] = plan
         return plan
 
-    def _replay(self, plan: Plan, inputs: list[Any], index: int, encoded: list[Any]) -> Any:
-        device = _device(index)
+    def _replay(self, plan: Plan, inputs: list[Any], device: RemoteDevice, encoded: list[Any]) -> Any:
+        index = device.index
         gid = self.graph_id(device)
         constants = self.lowered.constants
         outs, descs = _allocate(plan, [*inputs, *constants] if constants else inputs, index)

@@ -3,11 +3,11 @@
 The pre-flight (:mod:`genie.server.preflight`) leaves an op it cannot run on meta tensors to the real kernel
 and the quota check after it, which is sound when the outputs are no bigger than the inputs (``nonzero``,
 ``unique``). The histogram ops break that: their bin counts are numbers, so a 10-element input with
-``bins=2**31`` made an 8 GiB histogram (``histogram.bin_ct``) and ``histogramdd`` with four bins of
+``bins=2**24`` allocated a 64 MiB histogram (``histogram.bin_ct``) and ``histogramdd`` with four bins of
 65,536 asked for 2**64 elements, before any quota could see them (found by tests/security/fuzz_ops.py).
 
 Each rule here makes the op's outputs on meta tensors from the bound arguments, as its CPU kernel shapes them
-(checked against it in tests/server/test_preflight_rules.py), so the pre-flight's element cap and byte
+(checked against it in tests/server/test_size_rules.py), so the pre-flight's element cap and byte
 quota refuse them before anything is allocated. A rule raises what the kernel would for bins below 1 or
 a mismatched dimension count. Only shapes are worked out; the data (ranges, weights) is the kernel's.
 """

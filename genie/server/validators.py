@@ -200,7 +200,6 @@ def check_cum_helper(label: str, args: list[Any], kwargs: dict[str, Any]) -> Non
         raise _fail(label, f"values must be {x.dtype} (got {out.dtype}) and indices torch.int64 (got {indices.dtype})")
 
 
-#: Checks by op packet name (``aten::_foreach_add_`` covers all its overloads).
 #: Most elements of the n**r grid torch's ``combinations`` kernel builds (meshgrid of r copies of the input,
 #: then an n**r mask), whatever the r-combinations it returns: 64 M, a 2**26-byte mask.
 MAX_COMBINATION_GRID = 1 << 26
@@ -241,6 +240,7 @@ def check_median_dim(label: str, args: list[Any], kwargs: dict[str, Any]) -> Non
 PRE_CHECKS: dict[str, Check] = {"aten::combinations": check_combinations}
 
 
+#: Checks by op packet name (``aten::_foreach_add_`` covers all its overloads).
 _BY_PACKET: dict[str, Check] = {
     "aten::_fused_adam_": check_fused_optimizer,
     "aten::_fused_adamw_": check_fused_optimizer,
