@@ -1,252 +1,46 @@
 // genie._C_keys: the server's command signatures (a plain CPython extension; no torch, compiles in a second).
 //
-// command_key(data) walks one msgpack command and returns (key, ids), or None when the bytes are not one
-// well-formed msgpack value the walker can key (the caller then takes the full path, which says what is
-// wrong). key is the command's bytes with every tensor tag's storage id taken out (and, for a CALL, its
-// request id and output storage ids), followed by the pattern of those ids (which are equal to which,
-// which are 0); ids are the ids taken out, in order. Two
-// commands with the same key differ only in storage ids that alias each other the same way, so what
-// the server validated for one (op, argument structure, layouts, scalars) holds for the other.
-//
-// The bytes come from the network: every read is bounds-checked, nesting is capped, nothing is trusted.
+// command_key(data) returns (key, ids), or None when the bytes cannot be keyed: see command_key.h, which
+// genie._C_plans (the native plan runner) shares.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <cstdint>
-#include <cstring>
-#include <string>
-#include <vector>
+#include "command_key.h"
 
 namespace {
-
-constexpr int kMaxDepth = 32;           // deeper commands take the full path
-constexpr size_t kMaxTensors = 4096;     // more tensor tags than this: the full path
-constexpr uint8_t kExtTensor = 8;        // genie.wire.values.EXT_TENSOR
-constexpr uint8_t kExtInlineTensor = 7;  // decoded into a fresh CPU tensor each time: never keyed
-constexpr uint8_t kMarker = 0xc1;        // the one byte msgpack never uses: a tensor tag in a key
-constexpr uint64_t kMaxId = (uint64_t(1) << 63) - 1;
-
-struct Walker {
-  const uint8_t* data;
-  size_t size;
-  size_t pos = 0;
-  size_t copied = 0;  // bytes before this offset are in key already
-  std::string key;
-  std::vector<uint64_t> ids;
-  size_t request_ids = 0;  // how many leading ids are not storage ids (a CALL's request id)
-
-  bool need(size_t n) const { return n <= size - pos; }
-
-  bool read_be(size_t n, uint64_t* out) {
-    if (!need(n)) return false;
-    uint64_t v = 0;
-    for (size_t i = 0; i < n; ++i) v = (v << 8) | data[pos + i];
-    pos += n;
-    *out = v;
-    return true;
-  }
-
-  bool skip(uint64_t n) {
-    if (n > size - pos) return false;
-    pos += static_cast<size_t>(n);
-    return true;
-  }
-
-  // An ext value whose header starts at pending_header, whose type byte is at pos and payload has len bytes.
-  bool ext(uint64_t len) {
-    if (!need(1)) return false;
-    uint8_t type = data[pos];
-    pos += 1;
-    if (len > size - pos) return false;
-    if (type == kExtInlineTensor) return false;
-    if (type != kExtTensor) {
-      pos += static_cast<size_t>(len);
-      return true;
-    }
-    // [storage_id, dtype, sizes, strides, offset, storage_nbytes]: a fixarray of 6 led by an unsigned id.
-    const uint8_t* p = data + pos;
-    if (len < 2 || p[0] != 0x96) return false;
-    uint64_t id;
-    size_t id_len;
-    if (p[1] < 0x80) {
-      id = p[1];
-      id_len = 1;
-    } else if (p[1] >= 0xcc && p[1] <= 0xcf) {
-      size_t n = size_t(1) << (p[1] - 0xcc);
-      if (len < 2 + n) return false;
-      id = 0;
-      for (size_t i = 0; i < n; ++i) id = (id << 8) | p[2 + i];
-      id_len = 1 + n;
-      if (id > kMaxId) return false;
-    } else {
-      return false;
-    }
-    if (ids.size() >= kMaxTensors) return false;
-    ids.push_back(id);
-    // The key: everything before this ext's header as is, then marker, the rest's length, the rest.
-    size_t header_at = pending_header;
-    key.append(reinterpret_cast<const char*>(data + copied), header_at - copied);
-    uint64_t rest = len - 1 - id_len;
-    key.push_back(static_cast<char>(kMarker));
-    key.push_back(static_cast<char>(kExtTensor));
-    for (int shift = 24; shift >= 0; shift -= 8) key.push_back(static_cast<char>((rest >> shift) & 0xff));
-    key.append(reinterpret_cast<const char*>(p + 1 + id_len), static_cast<size_t>(rest));
-    pos += static_cast<size_t>(len);
-    copied = pos;
-    return true;
-  }
-
-  size_t pending_header = 0;  // where the ext being walked starts (its header's first byte)
-
-  bool value(int depth) {
-    if (depth > kMaxDepth || !need(1)) return false;
-    size_t start = pos;
-    uint8_t b = data[pos++];
-    uint64_t n;
-    if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3) return true;
-    if ((b & 0xf0) == 0x80) return items(2 * uint64_t(b & 0x0f), depth);
-    if ((b & 0xf0) == 0x90) return items(b & 0x0f, depth);
-    if ((b & 0xe0) == 0xa0) return skip(b & 0x1f);
-    switch (b) {
-      case 0xc4: return read_be(1, &n) && skip(n);
-      case 0xc5: return read_be(2, &n) && skip(n);
-      case 0xc6: return read_be(4, &n) && skip(n);
-      case 0xc7: pending_header = start; return read_be(1, &n) && ext(n);
-      case 0xc8: pending_header = start; return read_be(2, &n) && ext(n);
-      case 0xc9: pending_header = start; return read_be(4, &n) && ext(n);
-      case 0xca: return skip(4);
-      case 0xcb: return skip(8);
-      case 0xcc: case 0xd0: return skip(1);
-      case 0xcd: case 0xd1: return skip(2);
-      case 0xce: case 0xd2: return skip(4);
-      case 0xcf: case 0xd3: return skip(8);
-      case 0xd4: pending_header = start; return ext(1);
-      case 0xd5: pending_header = start; return ext(2);
-      case 0xd6: pending_header = start; return ext(4);
-      case 0xd7: pending_header = start; return ext(8);
-      case 0xd8: pending_header = start; return ext(16);
-      case 0xd9: return read_be(1, &n) && skip(n);
-      case 0xda: return read_be(2, &n) && skip(n);
-      case 0xdb: return read_be(4, &n) && skip(n);
-      case 0xdc: return read_be(2, &n) && items(n, depth);
-      case 0xdd: return read_be(4, &n) && items(n, depth);
-      case 0xde: return read_be(2, &n) && items(2 * n, depth);
-      case 0xdf: return read_be(4, &n) && items(2 * n, depth);
-      default: return false;  // 0xc1: never used
-    }
-  }
-
-  // An unsigned int taken out of the key like a storage id (a CALL's request id and output storage ids).
-  bool blank_uint() {
-    if (!need(1)) return false;
-    size_t start = pos;
-    uint8_t b = data[pos++];
-    uint64_t v;
-    if (b < 0x80) {
-      v = b;
-    } else if (b >= 0xcc && b <= 0xcf) {
-      if (!read_be(size_t(1) << (b - 0xcc), &v) || v > kMaxId) return false;
-    } else {
-      return false;
-    }
-    if (ids.size() >= kMaxTensors) return false;
-    ids.push_back(v);
-    key.append(reinterpret_cast<const char*>(data + copied), start - copied);
-    key.push_back(static_cast<char>(kMarker));
-    key.push_back(0);
-    copied = pos;
-    return true;
-  }
-
-  // [CMD_CALL, req, device, op, args, kwargs, [out storage ids]] after its first two bytes: req and the
-  // output ids are taken out too (a request id changes with every call).
-  bool call_command() {
-    pos = 2;
-    if (!blank_uint()) return false;
-    request_ids = 1;  // the first id is the request's, not a storage's
-    for (int i = 0; i < 4; ++i)
-      if (!value(1)) return false;
-    if (!need(1)) return false;
-    uint8_t b = data[pos++];
-    uint64_t n;
-    if ((b & 0xf0) == 0x90) {
-      n = b & 0x0f;
-    } else if (b == 0xdc) {
-      if (!read_be(2, &n)) return false;
-    } else if (b == 0xdd) {
-      if (!read_be(4, &n)) return false;
-    } else {
-      return false;
-    }
-    if (n > size - pos) return false;
-    for (uint64_t i = 0; i < n; ++i)
-      if (!blank_uint()) return false;
-    return true;
-  }
-
-  bool items(uint64_t count, int depth) {
-    // Every item takes at least one byte: a count beyond what is left is malformed (and bounds the loop).
-    if (count > size - pos) return false;
-    for (uint64_t i = 0; i < count; ++i)
-      if (!value(depth + 1)) return false;
-    return true;
-  }
-};
 
 PyObject* command_key(PyObject*, PyObject* arg) {
   if (!PyBytes_Check(arg)) {
     PyErr_SetString(PyExc_TypeError, "command_key takes bytes");
     return nullptr;
   }
-  Walker w;
-  w.data = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(arg));
-  w.size = static_cast<size_t>(PyBytes_GET_SIZE(arg));
-  w.key.reserve(w.size + 16);
-  // A CALL (a fixarray of 7 led by CMD_CALL, 5) has its request and output ids taken out as well.
-  bool call = w.size >= 2 && w.data[0] == 0x97 && w.data[1] == 0x05;
-  if (!(call ? w.call_command() : w.value(0)) || w.pos != w.size) Py_RETURN_NONE;
-  w.key.append(reinterpret_cast<const char*>(w.data + w.copied), w.size - w.copied);
-  // The aliasing pattern: per id, 0xffff for storage 0, 0xfffe for a request id, else the index of the
-  // first storage id equal to it.
-  w.key.push_back(static_cast<char>(kMarker));
-  size_t count = w.ids.size();
-  for (size_t i = 0; i < count; ++i) {
-    size_t first = 0xffff;
-    if (i < w.request_ids) {
-      first = 0xfffe;  // a request id: never part of the aliasing pattern
-    } else if (w.ids[i] != 0) {
-      first = i;
-      for (size_t j = w.request_ids; j < i; ++j)
-        if (w.ids[j] == w.ids[i]) {
-          first = j;
-          break;
-        }
-    }
-    w.key.push_back(static_cast<char>((first >> 8) & 0xff));
-    w.key.push_back(static_cast<char>(first & 0xff));
-  }
+  std::string key;
+  std::vector<uint64_t> found;
+  if (!genie_keys::key_of(reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(arg)),
+                          static_cast<size_t>(PyBytes_GET_SIZE(arg)), &key, &found))
+    Py_RETURN_NONE;
+  size_t count = found.size();
   PyObject* ids = PyTuple_New(static_cast<Py_ssize_t>(count));
   if (ids == nullptr) return nullptr;
   for (size_t i = 0; i < count; ++i) {
-    PyObject* id = PyLong_FromUnsignedLongLong(w.ids[i]);
+    PyObject* id = PyLong_FromUnsignedLongLong(found[i]);
     if (id == nullptr) {
       Py_DECREF(ids);
       return nullptr;
     }
     PyTuple_SET_ITEM(ids, static_cast<Py_ssize_t>(i), id);
   }
-  PyObject* key = PyBytes_FromStringAndSize(w.key.data(), static_cast<Py_ssize_t>(w.key.size()));
-  if (key == nullptr) {
+  PyObject* key_bytes = PyBytes_FromStringAndSize(key.data(), static_cast<Py_ssize_t>(key.size()));
+  if (key_bytes == nullptr) {
     Py_DECREF(ids);
     return nullptr;
   }
-  PyObject* out = PyTuple_Pack(2, key, ids);
-  Py_DECREF(key);
+  PyObject* out = PyTuple_Pack(2, key_bytes, ids);
+  Py_DECREF(key_bytes);
   Py_DECREF(ids);
   return out;
 }
-
 PyMethodDef methods[] = {
     {"command_key", command_key, METH_O,
      "command_key(data: bytes) -> (key: bytes, ids: tuple[int, ...]) | None: a command's signature with its "

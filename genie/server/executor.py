@@ -131,13 +131,17 @@ class Executor:
         self.ops_run = 0
         #: ops run by a command plan (genie.server.plans), a share of ops_run
         self.plan_runs = 0
+        #: ops run by the native plan runner (genie._C_plans), a share of plan_runs
+        self.native_runs = 0
         #: Most commands plus uploads one batch may carry (``max_session_inflight``): everything a client can
         #: make the server hold or queue at once without waiting for an answer.
         self.max_inflight = MAX_COMMANDS
         #: Most elements one op may iterate over or produce (``max_op_elements``; 0: unbounded).
         self.max_op_elements = preflight.DEFAULT_MAX_OP_ELEMENTS
         self.metrics: SessionMetrics = NULL_SESSION_METRICS  # metrics: the server sets each session's
-        self.clock: OpClock | NullClock = NULL_CLOCK  # isolation: a session worker's op deadline clock
+        #: the native plan runner (genie._C_plans; None where it was not built): plans.native_plan's plans
+        self.native = plans.new_runner()
+        self._clock: OpClock | NullClock = NULL_CLOCK
         # The command being resolved: its device (where unseen storages are made) and the storages it used.
         self._device_now = self.devices[0]
         self._used: dict[int, torch.UntypedStorage] = {}
@@ -149,6 +153,17 @@ class Executor:
         self._ran_functional = False  # whether it was an out= op run in its functional form
         self._functional_result = False  # what _run_fresh did last
         self._plan_bytes = 0  # key bytes the plans hold
+
+    @property
+    def clock(self) -> OpClock | NullClock:
+        """The op deadline clock (isolation: a session worker's, which the native runner writes too)."""
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock: OpClock | NullClock) -> None:
+        self._clock = clock
+        if self.native is not None:
+            self.native.set_clock(getattr(clock, "address", 0))
 
     # -- batches ------------------------------------------------------------------------------
 
@@ -171,24 +186,47 @@ class Executor:
                 f"{self.max_inflight} (max_session_inflight); send smaller batches")
         transfers.receive(self, header, msg)
         self.metrics.queue_depth = len(cmds)  # metrics
-        keyer, known, run_plan = plans.command_key, self.plans, plans.run
-        for cmd in cmds:
+        keyer, known, run_plan, native = plans.command_key, self.plans, plans.run, self.native
+        metrics = self.metrics if self.metrics is not NULL_SESSION_METRICS else None
+        index, count = 0, len(cmds)
+        while index < count:
+            keyed = None
+            if native is not None:
+                # Commands with native plans run in C++ from here on; it stops at the first it cannot finish.
+                index, ran, outcome = native.run(cmds, index, self.store, self.max_op_elements, metrics,
+                                                 plans.MAX_KEYED_BYTES)
+                if ran:
+                    self._used = {}
+                    self.plan_runs += ran
+                    self.native_runs += ran
+                    self.ops_run += ran - (outcome is not None and outcome[0] == "failed")
+                if outcome is not None:
+                    if outcome[0] == "python":  # keyed, but no native plan: the Python plan or the full path
+                        keyed = (outcome[1], outcome[2])
+                    else:
+                        plans.finish_native(self, known[outcome[1]], outcome)
+                        index += 1
+                        self.metrics.queue_depth = count - index  # metrics
+                        continue
+                if index >= count:
+                    break
+            cmd = cmds[index]
+            index += 1
             if type(cmd) is not bytes:
                 raise FrameError(f"each command must be msgpack bytes, got {type(cmd).__name__}")
-            keyed = None
             # An op whose signature ran before runs by its plan (genie.server.plans); else the full path,
             # which makes the plan.
             head = cmd[:2]
-            if (head == plans.OP_PREFIX or head == plans.CALL_PREFIX) and keyer is not None \
+            if keyed is None and (head == plans.OP_PREFIX or head == plans.CALL_PREFIX) and keyer is not None \
                     and len(cmd) <= plans.MAX_KEYED_BYTES:
                 keyed = keyer(cmd)
-                if keyed is not None:
-                    plan = known.get(keyed[0])
-                    if plan is not None and run_plan(self, plan, keyed[1]):
-                        self.metrics.queue_depth -= 1  # metrics
-                        continue
+            if keyed is not None:
+                plan = known.get(keyed[0])
+                if plan is not None and run_plan(self, plan, keyed[1]):
+                    self.metrics.queue_depth = count - index  # metrics
+                    continue
             self._run_command(codec.decode(cmd), keyed)
-            self.metrics.queue_depth -= 1  # metrics
+            self.metrics.queue_depth = count - index  # metrics
 
     # -- commands -----------------------------------------------------------------------------
 
@@ -249,11 +287,16 @@ class Executor:
                 self._remember(keyed[0], plan)
 
     def _remember(self, key: bytes, plan: plans.CommandPlan) -> None:
+        native = self.native
         if len(self.plans) >= plans.MAX_PLANS or self._plan_bytes > plans.MAX_PLAN_BYTES:
             self.plans.clear()
+            if native is not None:
+                native.clear()
             self._plan_bytes = 0
         self.plans[key] = plan
         self._plan_bytes += len(key)
+        if native is not None:
+            native.add(key, plans.native_plan(plan))  # None: any native plan of the key is dropped
 
     def store_outputs_of(self, label: str, result: Any, inputs: Any, outs: list[Descriptor | None],
                          storage_ids: list[int]) -> None:

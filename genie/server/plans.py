@@ -20,6 +20,13 @@ run, the output rule) is the same work every time. So:
   the descriptor says (or already is the described storage, for in-place ops); anything else goes
   through the full output rule (:func:`genie.server.outputs.store_outputs`).
 
+A plan of the common shape (tensors as direct arguments, no validator) also gets a
+:class:`genie._C_plans.NativePlan` (:func:`native_plan`): the session's :class:`genie._C_plans.Runner`
+then walks a batch's commands in C++ (keying, the same per-storage checks, the kernel through the
+dispatcher with the GIL released, the op clock, the common output adoption) and hands back to Python
+only what it cannot finish there (:func:`finish_native`): an error, a result the full output rule must
+judge, a storage resized in place, a CALL's answer.
+
 Any check that does not pass before the kernel runs sends the command down the full path, which
 raises the same error with the same record as it always did: the plan path changes no error. A plan is
 made only from a command the full path accepted; nothing in a plan comes from the network that the
@@ -54,6 +61,12 @@ try:  # built with genie._C by setup.py; without it every command takes the full
     from genie._C_keys import command_key
 except ImportError:  # pragma: no cover - an install that did not build the extension
     command_key = None
+NativePlan: Any
+Runner: Any
+try:  # the native plan runner (genie/csrc/server_plans.cpp); without it plans run in Python
+    from genie._C_plans import NativePlan, Runner
+except ImportError:  # pragma: no cover - an install that did not build the extension
+    NativePlan = Runner = None
 
 log = logging.getLogger("genie.server.plans")
 
@@ -294,19 +307,7 @@ def _prepare(ex: Executor, plan: CommandPlan, ids: tuple[int, ...],
             return None
         if store.max_bytes and plan.new_bytes > store.max_bytes - store._bytes:
             return None
-        args = plan.args.copy()
-        for position, slot in plan.arg_fill:
-            args[position] = tensors[slot]
-        for position, template, fill in plan.nested_fill:
-            inner = template.copy()
-            for i, slot in fill:
-                inner[i] = tensors[slot]
-            args[position] = inner
-        kwargs = plan.kwargs
-        if plan.kw_fill:
-            kwargs = kwargs.copy()
-            for name, slot in plan.kw_fill:
-                kwargs[name] = tensors[slot]
+        args, kwargs = _arguments(plan, tensors)
         label = plan.label
         if plan.validator is not None:
             try:
@@ -320,6 +321,24 @@ def _prepare(ex: Executor, plan: CommandPlan, ids: tuple[int, ...],
     ex._used = used
     ex.plan_runs += 1
     return args, kwargs, used
+
+
+def _arguments(plan: CommandPlan, tensors: list[torch.Tensor]) -> tuple[list[Any], dict[str, Any]]:
+    """The plan's argument templates with its input tensors filled in."""
+    args = plan.args.copy()
+    for position, slot in plan.arg_fill:
+        args[position] = tensors[slot]
+    for position, template, fill in plan.nested_fill:
+        inner = template.copy()
+        for i, slot in fill:
+            inner[i] = tensors[slot]
+        args[position] = inner
+    kwargs = plan.kwargs
+    if plan.kw_fill:
+        kwargs = kwargs.copy()
+        for name, slot in plan.kw_fill:
+            kwargs[name] = tensors[slot]
+    return args, kwargs
 
 
 def _kernel(plan: CommandPlan, args: list[Any], kwargs: dict[str, Any]) -> Any:
@@ -367,13 +386,21 @@ def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
         return False
     args, kwargs, used = prepared
     out_ids = [ids[slot] for slot in plan.out_id_slots]
-    store = ex.store
-    storages = store._storages
-    label = plan.label
     result, failed = _timed(ex, plan, args, kwargs, used, ids, out_ids)
     if failed is not None:
         ex.fail_outputs(failed, out_ids)
         return True
+    _store(ex, plan, result, ids, args, kwargs, used, out_ids)
+    return True
+
+
+def _store(ex: Executor, plan: CommandPlan, result: Any, ids: tuple[int, ...], args: list[Any],
+           kwargs: dict[str, Any], used: dict[int, torch.UntypedStorage], out_ids: list[int]) -> None:
+    """Keep an OP's results (its kernel ran without an error): adopted when fresh and as described, else by
+    the full output rule."""
+    store = ex.store
+    storages = store._storages
+    label = plan.label
     single = plan.single
     if single is not None and type(result) is _Tensor:
         # One fresh output (most ops): the common case of _adopt, inline.
@@ -394,7 +421,7 @@ def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
                     store.adopt(storage_id, fresh, nbytes)
                 except Exception as exc:  # noqa: BLE001 - quota: reported as the full rule does
                     ex.defer(_error(label, _shapes(args, kwargs), kind_of(exc), _message(exc), out_ids))
-                return True
+                return
     failures = _adopt(plan, result, ids, storages, used, store)
     if failures is None:
         outs = [d if d is None else d.with_id(ids[slot]) for d, slot in zip(plan.out_descs, plan.out_slots,
@@ -403,7 +430,6 @@ def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
     else:
         for failure in failures:
             ex.defer(_error(label, _shapes(args, kwargs), kind_of(failure), _message(failure), out_ids))
-    return True
 
 
 def _run_call(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
@@ -469,3 +495,52 @@ def _adopt(plan: CommandPlan, result: Any, ids: tuple[int, ...], storages: dict[
         except Exception as exc:  # noqa: BLE001 - quota: that output only, as the full rule reports it
             failures.append(exc)
     return failures
+
+
+# -- the native runner (genie/csrc/server_plans.cpp) ------------------------------------------------------
+
+
+def new_runner() -> Any:
+    """A session's native plan runner, or None where the extension was not built."""
+    return Runner() if Runner is not None else None
+
+
+def native_plan(plan: CommandPlan) -> Any:
+    """The native form of ``plan``, or None when it has a shape only Python runs (a validator reads data,
+    tensors nested in lists) or its constants do not convert as torch converts them."""
+    if NativePlan is None or plan.validator is not None or plan.nested_fill:
+        return None
+    try:
+        return NativePlan(plan)
+    except Exception as exc:  # noqa: BLE001 - Python runs it, as before
+        log.debug("no native plan for %s: %s", plan.label, exc)
+        return None
+
+
+def finish_native(ex: Executor, plan: CommandPlan, outcome: tuple[Any, ...]) -> None:
+    """Finish a command whose kernel the native runner ran (``Runner.run``'s outcome), as :func:`run` does."""
+    kind, ids = outcome[0], outcome[2]
+    call = plan.call_outs >= 0
+    out_ids = list(ids[len(ids) - plan.call_outs:]) if call else [ids[slot] for slot in plan.out_id_slots]
+    label = plan.label
+    if kind == "call":
+        ex.finish_call(label, ids[0], outcome[3], out_ids)
+        return
+    if kind == "failed":  # the kernel raised: (..., exception, input tensors)
+        args, kwargs = _arguments(plan, outcome[4])
+        record = _error(label, _shapes(args, kwargs), "execution", _message(outcome[3]), out_ids)
+        if call:
+            ex.fail_call(ids[0], record, out_ids)
+        else:
+            ex.fail_outputs(record, out_ids)
+        return
+    # "outputs": a result the full output rule decides on, or a storage the op resized in place
+    result, tensors, used = outcome[3], outcome[4], outcome[5]
+    ex.set_current(plan.device, used)
+    if plan.writes:
+        ex.account_resizes(used)
+    if call:
+        ex.finish_call(label, ids[0], result, out_ids)
+        return
+    args, kwargs = _arguments(plan, tensors)
+    _store(ex, plan, result, ids, args, kwargs, used, out_ids)

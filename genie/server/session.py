@@ -103,9 +103,10 @@ class Session:
         return f"<Session {self.session_id} peer={self.peer}>"
 
     def stats(self) -> dict[str, Any]:
-        """The session's store counts, how many ops it ran and how many of those ran by a command plan."""
+        """The session's store counts, how many ops it ran, how many of those ran by a command plan and how
+        many of those by the native plan runner."""
         return {"peer": self.peer, **self.store.stats(), "ops": self.executor.ops_run,
-                "planned": self.executor.plan_runs}
+                "planned": self.executor.plan_runs, "native": self.executor.native_runs}
 
     def close(self) -> None:
         """Close the connection from another thread; the session thread then ends and frees everything."""

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import pytest
 import torch
 
 from genie._C_keys import command_key
-from genie.server import DataPlaneServer, codec
+from genie.server import DataPlaneServer, codec, plans
 from genie.wire.values import EXT_TENSOR, inline_tensor
 from tests.raw_client import RawClient, T, call, free, op, sync
 
@@ -121,9 +121,13 @@ def test_equal_keys_mean_equal_commands_but_for_ids_on_mutated_bytes() -> None:
 # -- end to end ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def server(inproc_server: Callable[..., DataPlaneServer]) -> Callable[..., DataPlaneServer]:
-    """``server(**options)``: an in-process server with one CPU device, sessions in threads."""
+@pytest.fixture(params=["native", "python"])
+def server(request: pytest.FixtureRequest, inproc_server: Callable[..., DataPlaneServer],
+           monkeypatch: pytest.MonkeyPatch) -> Callable[..., DataPlaneServer]:
+    """``server(**options)``: an in-process server with one CPU device, sessions in threads; every test runs
+    with plans run by the native runner (genie._C_plans) where they can be, and again with Python's only."""
+    if request.param == "python":
+        monkeypatch.setattr(plans, "Runner", None)  # sessions opened from now on get no native runner
     return lambda **options: inproc_server(devices=1, isolation="none", **options)
 
 
@@ -137,6 +141,14 @@ def _planned(srv: DataPlaneServer) -> int:
     return sum(s["planned"] for s in srv.stats()["per_session"].values())
 
 
+def _native(srv: DataPlaneServer) -> int:
+    return sum(s["native"] for s in srv.stats()["per_session"].values())
+
+
+def _native_mode() -> bool:
+    return plans.Runner is not None
+
+
 def test_a_chain_of_ops_runs_by_its_plan_and_gives_the_same_numbers(server, connect) -> None:
     srv = server()
     c = connect(srv)
@@ -146,6 +158,7 @@ def test_a_chain_of_ops_runs_by_its_plan_and_gives_the_same_numbers(server, conn
     assert c.sync().deferred == []
     assert c.fetch(n + 1, F).item() == 0.5 + n
     assert _planned(srv) == n - 1  # the first ran the full path and made the plan
+    assert _native(srv) == (n - 1 if _native_mode() else 0)
 
 
 def test_in_place_view_and_list_ops_by_plan_match_the_full_path(server, connect) -> None:
@@ -321,6 +334,7 @@ def test_an_out_op_with_fresh_outputs_runs_its_functional_form_by_plan(server, c
     c.send_batch([_add_out(i, i + 1) for i in range(1, n + 1)], uploads=[(1, 0, torch.tensor([2.0]))])
     assert c.sync().deferred == []
     assert c.fetch(n + 1, F).item() == 2.0 + n and _planned(srv) == n - 1
+    assert _native(srv) == (n - 1 if _native_mode() else 0)
 
 
 def test_an_out_op_into_a_known_storage_falls_back_and_writes_it(server, connect) -> None:
@@ -371,3 +385,77 @@ def test_a_call_failing_in_its_kernel_by_plan_answers_as_the_full_path(server, c
         c.send_batch([_add(7, 8, like=torch.empty((), dtype=torch.int64))])  # the failed output is poisoned
         assert "earlier command failed" in c.sync().deferred[0]["message"]
     assert answers[0] == answers[1] and answers[0]["kind"] == "execution"
+
+
+def test_an_op_the_device_runs_by_decomposition_leaves_the_native_runner_for_python(server, connect) -> None:
+    """aten::cudnn_batch_norm has no CPU kernel: by plan the native runner finds that out before anything
+    ran and Python's plan runs torch's decomposition, then and every later time; the numbers match."""
+    name = "aten::cudnn_batch_norm"
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")  # the premise of this test
+    x, weight, bias = torch.randn(4, 3, 5), torch.rand(3) + 0.5, torch.randn(3)
+    outs = [torch.empty(4, 3, 5), torch.empty(3), torch.empty(3), torch.empty(0, dtype=torch.uint8)]
+
+    def bn(base: int) -> bytes:  # inputs 1 to 5, outputs base to base + 3
+        return op(name, [*(T(k + 1, t) for k, t in enumerate((x, weight, bias, bias, bias))), True, 0.1, 1e-5],
+                  {}, [T(base + k, o) for k, o in enumerate(outs)])
+
+    srv = server()
+    c = connect(srv)
+    c.send_batch([bn(10), bn(20), bn(30)], uploads=[(1, 0, x), (2, 0, weight), (3, 0, bias),
+                                                     (4, 0, torch.zeros(3)), (5, 0, torch.ones(3))])
+    assert c.sync().deferred == []
+    assert _planned(srv) == 2 and _native(srv) == 0
+    expected = torch.nn.functional.batch_norm(x, torch.zeros(3), torch.ones(3), weight, bias, True, 0.1, 1e-5)
+    for base in (10, 20, 30):
+        torch.testing.assert_close(c.fetch(base, outs[0]), expected)
+
+
+def test_the_native_runner_keeps_the_op_clock_of_a_session_worker() -> None:
+    """While a kernel runs by a native plan the worker's op clock names it (the node's supervisor kills a
+    worker whose op runs past op_deadline by it); between ops the clock reads idle."""
+    import threading
+
+    from genie.server.executor import Executor
+    from genie.server.isolation.clock import NULL_CLOCK, OpClock
+    from genie.server.store import StorageStore
+    from genie.wire.frame import FrameHeader, MsgKind
+    from tests.raw_client import pack_body
+
+    class Sink:
+        peer = "test"
+
+        def sendv(self, buffers: Any) -> None:
+            return
+
+    if plans.Runner is None:
+        pytest.skip("genie._C_plans was not built")
+    clock = OpClock()
+    ex = Executor(cast(Any, Sink()), StorageStore(), [torch.device("cpu")])
+    ex.clock = clock
+    x = torch.empty(1200, 1200)
+
+    def batch(a: int, b: int, out: int) -> tuple[FrameHeader, bytes]:
+        body = pack_body({"uploads": [], "cmds": [op("aten::mm", [T(a, x), T(b, x)], {}, [T(out, x)])]})
+        return FrameHeader(MsgKind.BATCH, len(body), 0), body
+
+    try:
+        ex.store.put(1, torch.rand(1200, 1200).untyped_storage())
+        ex.store.put(2, torch.rand(1200, 1200).untyped_storage())
+        ex.run_batch(*batch(1, 2, 3))  # the full path makes the plan
+        seen: list[tuple[str, float] | None] = []
+        runs = [batch(1, 2, 10 + k) for k in range(8)]
+        def run_all() -> None:
+            for r in runs:
+                ex.run_batch(*r)
+
+        worker = threading.Thread(target=run_all)
+        worker.start()
+        while worker.is_alive():
+            seen.append(clock.running())
+        worker.join()
+        assert ex.native_runs == 8 and not ex.deferred
+        assert any(s is not None and s[0] == "aten::mm" for s in seen)  # the kernels run with the GIL released
+        assert clock.running() is None
+    finally:
+        ex.clock = NULL_CLOCK  # the runner forgets the page's address before it is unmapped
+        clock.close()

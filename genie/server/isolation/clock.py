@@ -14,6 +14,7 @@ or escape the deadline, which is its own session's business.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import struct
@@ -35,6 +36,7 @@ class OpClock:
             os.ftruncate(fd, mmap.PAGESIZE)
         self._fd = fd
         self._map = mmap.mmap(fd, mmap.PAGESIZE)
+        self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(self._map)  # holds the address below
 
     def __reduce__(self) -> Any:
         # Crosses to a worker while it is being started (multiprocessing's DupFd sends the fd along).
@@ -55,8 +57,15 @@ class OpClock:
             return None
         return raw.rstrip(b"\0").decode("utf-8", "replace") or "?", max(0.0, (time.monotonic_ns() - started) / 1e9)
 
+    @property
+    def address(self) -> int:
+        """Where the page is mapped in this process: the native plan runner (genie._C_plans) writes the same
+        layout there (0 once closed)."""
+        return ctypes.addressof(self._anchor) if self._anchor is not None else 0
+
     def close(self) -> None:
         """Unmap and close the page."""
+        self._anchor = None  # the map cannot close while a pointer into it exists
         self._map.close()
         os.close(self._fd)
 

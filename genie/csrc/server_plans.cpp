@@ -1,0 +1,567 @@
+// genie._C_plans: the server's native plan runner (genie.server.plans, genie.server.executor).
+//
+// A command plan (genie.server.plans.CommandPlan) is made in Python from a command the full path ran and
+// checked. A plan of the common shape (tensors as direct arguments, no validator) also gets a NativePlan:
+// its op's OperatorHandle and an argument stack with the constants converted once.
+// Runner.run walks a batch's commands from an index and runs every one whose key has a NativePlan, doing
+// in C++ what genie.server.plans.run does in Python, in the same order and with the same checks:
+//
+// - the command is keyed by the walker genie._C_keys uses (command_key.h);
+// - each input storage must be live in the session's store and hold exactly the bytes its descriptor said
+//   when the plan was checked; the storage count and byte quotas must leave room for the outputs;
+// - the kernel runs through the dispatcher with the GIL released, under the op clock of a session worker;
+// - each result is adopted when it is fresh, dense and laid out as described (or already is the described
+//   storage, for in-place ops), with the store's fast adoption checks.
+//
+// Anything else stops the walk. Before the kernel ran, nothing was done and Python runs the command by its
+// full path, which raises what it always raised. After it ran (an error, a result the full output rule must
+// judge, a storage resized in place, a CALL's answer), the outcome goes back to Python, which finishes the
+// command as genie.server.plans does. Nothing here reads a value from the network that the full path did
+// not check: a NativePlan is built only from a plan, and the bytes are only keyed and matched.
+
+#include <torch/extension.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/TensorOptions.h>
+#include <torch/csrc/Device.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/Storage.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/python_arg_parser.h>
+
+#include <time.h>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "command_key.h"
+
+namespace py = pybind11;
+
+namespace genie_plans {
+namespace {
+
+constexpr uint64_t kMaxStorageId = (uint64_t(1) << 63) - 1;
+constexpr size_t kClockLabel = 96;  // genie.server.isolation.clock: started_ns, then 96 bytes of op name
+
+struct Input {
+  size_t slot;  // index in the command's storage ids
+  int64_t nbytes;
+  int64_t offset;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  at::ScalarType dtype;
+};
+
+struct Output {
+  bool wanted;  // false: an output the client does not keep
+  size_t slot;
+  int64_t nbytes;
+  int64_t offset;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  at::ScalarType dtype;
+};
+
+std::vector<int64_t> int_list(py::handle seq) {
+  std::vector<int64_t> out;
+  for (py::handle v : seq) out.push_back(v.cast<int64_t>());
+  return out;
+}
+
+at::ScalarType dtype_of(py::handle obj) {
+  if (!THPDtype_Check(obj.ptr())) throw std::runtime_error("not a torch.dtype");
+  return reinterpret_cast<THPDtype*>(obj.ptr())->scalar_type;
+}
+
+int64_t monotonic_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+}  // namespace
+
+// What running one command signature natively needs (made from a genie.server.plans.CommandPlan).
+class NativePlan {
+ public:
+  explicit NativePlan(py::handle plan) {
+    py::object kernel = plan.attr("kernel");
+    py::object schema = kernel.attr("_schema");
+    auto name = schema.attr("name").cast<std::string>();
+    auto overload = schema.attr("overload_name").cast<std::string>();
+    auto handle = c10::Dispatcher::singleton().findSchema({name, overload});
+    if (!handle) throw std::runtime_error("no operator " + name + "." + overload);
+    op_.emplace(*handle);
+    label_ = plan.attr("label");
+    label_text_ = label_.cast<std::string>();
+    clock_label_.assign(kClockLabel, '\0');
+    std::memcpy(clock_label_.data(), label_text_.data(), std::min(label_text_.size(), kClockLabel));
+    py::object device = plan.attr("device");
+    if (!THPDevice_Check(device.ptr())) throw std::runtime_error("plan.device is not a torch.device");
+    device_ = reinterpret_cast<THPDevice*>(device.ptr())->device;
+    call_outs_ = plan.attr("call_outs").cast<int64_t>();
+    writes_ = plan.attr("writes").cast<bool>();
+    new_bytes_ = plan.attr("new_bytes").cast<int64_t>();
+    max_op_elements_ = plan.attr("max_op_elements").cast<int64_t>();
+
+    // The argument stack: every schema argument, constants converted as torch converts a Python call's.
+    const auto& arguments = op_->schema().arguments();
+    py::list args = plan.attr("args");
+    py::dict kwargs = plan.attr("kwargs");
+    if (args.size() > arguments.size()) throw std::runtime_error("more arguments than the schema has");
+    std::unordered_map<size_t, size_t> positional_fill;  // argument position -> input index
+    for (py::handle pair : plan.attr("arg_fill")) {
+      auto t = pair.cast<py::tuple>();
+      positional_fill[t[0].cast<size_t>()] = t[1].cast<size_t>();
+    }
+    std::unordered_map<std::string, size_t> keyword_fill;
+    for (py::handle pair : plan.attr("kw_fill")) {
+      auto t = pair.cast<py::tuple>();
+      keyword_fill[t[0].cast<std::string>()] = t[1].cast<size_t>();
+    }
+    size_t keywords_used = 0;
+    // Numbers where a Tensor is expected (x + 1) convert as torch's Python op call converts them.
+    std::string bare = name.substr(name.find("::") == std::string::npos ? 0 : name.find("::") + 2);
+    torch::jit::ToIValueAllowNumbersAsTensors numbers(torch::should_allow_numbers_as_tensors(bare));
+    for (size_t i = 0; i < arguments.size(); ++i) {
+      const auto& argument = arguments[i];
+      auto fill = positional_fill.find(i);
+      bool written = argument.alias_info() != nullptr && argument.alias_info()->isWrite();
+      bool slot = (i < args.size() && fill != positional_fill.end()) ||
+                  (i >= args.size() && keyword_fill.count(argument.name()));
+      // A constant is converted once and shared by every run: never one the op writes.
+      if (written && !slot) throw std::runtime_error("a written argument that is not a storage");
+      if (i < args.size()) {
+        if (fill != positional_fill.end()) {
+          fills_.emplace_back(i, fill->second);
+          stack_.emplace_back();
+        } else {
+          stack_.push_back(torch::jit::toIValue(args[i], argument.type()));
+        }
+        continue;
+      }
+      auto keyword = keyword_fill.find(argument.name());
+      if (keyword != keyword_fill.end()) {
+        fills_.emplace_back(i, keyword->second);
+        stack_.emplace_back();
+        ++keywords_used;
+      } else if (kwargs.contains(argument.name())) {
+        stack_.push_back(torch::jit::toIValue(kwargs[py::str(argument.name())], argument.type()));
+        ++keywords_used;
+      } else if (argument.default_value()) {
+        stack_.push_back(*argument.default_value());
+      } else {
+        throw std::runtime_error("argument " + argument.name() + " has no value");
+      }
+    }
+    if (keywords_used != kwargs.size() + keyword_fill.size())
+      throw std::runtime_error("a keyword argument the schema does not have");
+
+    for (py::handle entry : plan.attr("inputs")) {
+      auto t = entry.cast<py::tuple>();  // (slot, nbytes, offset, sizes, strides, empty tensor of its dtype)
+      inputs_.push_back(Input{t[0].cast<size_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(), int_list(t[3]),
+                              int_list(t[4]), THPVariable_Unpack(t[5].ptr()).scalar_type()});
+    }
+    if (fills_.size() != inputs_.size()) throw std::runtime_error("inputs and argument slots differ");
+    // An out= op run in its functional form (plan.fresh): its out arguments' storages must be new ones.
+    for (py::handle slot : plan.attr("fresh_slots")) fresh_slots_.push_back(slot.cast<size_t>());
+    py::list descs = plan.attr("out_descs");
+    py::list slots = plan.attr("out_slots");
+    for (size_t i = 0; i < descs.size(); ++i) {
+      py::handle d = descs[i];
+      if (d.is_none()) {
+        outputs_.push_back(Output{false, 0, 0, 0, {}, {}, at::ScalarType::Undefined});
+        continue;
+      }
+      outputs_.push_back(Output{true, slots[i].cast<size_t>(), d.attr("storage_nbytes").cast<int64_t>(),
+                                d.attr("offset").cast<int64_t>(), int_list(d.attr("sizes")),
+                                int_list(d.attr("strides")),
+                                dtype_of(d.attr("dtype"))});
+      ++kept_outputs_;
+    }
+  }
+
+  std::optional<c10::OperatorHandle> op_;
+  py::object label_;
+  std::string label_text_;
+  std::string clock_label_;
+  c10::Device device_{c10::kCPU};
+  int64_t call_outs_ = -1;  // a CALL's plan: how many output storage ids it gives
+  bool writes_ = false;
+  int64_t new_bytes_ = 0;
+  int64_t max_op_elements_ = 0;
+  std::vector<c10::IValue> stack_;
+  std::vector<std::pair<size_t, size_t>> fills_;  // (stack position, input index)
+  std::vector<Input> inputs_;
+  std::vector<Output> outputs_;
+  std::vector<size_t> fresh_slots_;  // ids that must be storages the session never made (out= run functional)
+  size_t kept_outputs_ = 0;
+  bool decomposes_ = false;  // the device has no kernel: torch's decomposition runs, in Python
+};
+
+// One session's native plans and their runner.
+class Runner {
+ public:
+  // The native plan of a key; None drops the key's (its plan is one only Python runs now).
+  void add(py::bytes key, std::shared_ptr<NativePlan> plan) {
+    if (plan)
+      plans_[std::string(key)] = std::move(plan);
+    else
+      plans_.erase(std::string(key));
+  }
+  void clear() { plans_.clear(); }
+  size_t size() const { return plans_.size(); }
+
+  // Where the op clock of a session worker lives (genie.server.isolation.clock.OpClock.address); 0: none.
+  void set_clock(uintptr_t address) { clock_ = reinterpret_cast<char*>(address); }
+
+  // Run cmds[start:] natively while their plans allow; returns (index, ran, outcome) where index is the
+  // first command not finished here. outcome is None when cmds[index] was not run (or index is the end),
+  // ("python", key, ids) when it was keyed but has no native plan, else the outcome of a command whose
+  // kernel ran: ("call", key, ids, result) | ("outputs", key, ids, result, tensors, used) |
+  // ("failed", key, ids, exception, tensors).
+  py::tuple run(py::list cmds, Py_ssize_t start, py::object store, int64_t max_op_elements, py::object metrics,
+                size_t max_keyed) {
+    storages_ = store.attr("_storages").ptr();
+    sizes_ = store.attr("_sizes").ptr();
+    poisoned_ = store.attr("_poisoned").ptr();
+    freed_ = store.attr("_freed").ptr();
+    max_storages_ = store.attr("max_storages").cast<int64_t>();
+    max_bytes_ = store.attr("max_bytes").cast<int64_t>();
+    bytes_ = store.attr("_bytes").cast<int64_t>();
+    int64_t bytes_before = bytes_;
+    metrics_ = metrics;
+    Py_ssize_t n = PyList_GET_SIZE(cmds.ptr());
+    Py_ssize_t i = start;
+    size_t ran = 0;
+    py::object outcome = py::none();
+    std::string key;
+    std::vector<uint64_t> ids;
+    for (; i < n; ++i) {
+      PyObject* cmd = PyList_GET_ITEM(cmds.ptr(), i);
+      if (!PyBytes_CheckExact(cmd)) break;
+      auto data = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(cmd));
+      auto size = static_cast<size_t>(PyBytes_GET_SIZE(cmd));
+      // OP ([CMD_OP, ...], a fixarray of 6) and CALL ([CMD_CALL, ...], of 7) are keyed; the rest is Python's.
+      if (size < 2 || size > max_keyed || !((data[0] == 0x96 && data[1] == 0x01) || (data[0] == 0x97 && data[1] == 0x05)))
+        break;
+      if (!genie_keys::key_of(data, size, &key, &ids)) break;
+      auto found = plans_.find(key);
+      if (found == plans_.end() || found->second->decomposes_ || found->second->max_op_elements_ != max_op_elements) {
+        outcome = py::make_tuple("python", py::bytes(key), id_tuple(ids));
+        break;
+      }
+      int result = run_one(*found->second, key, ids, &outcome);
+      if (result == kNotRun) {
+        outcome = py::make_tuple("python", py::bytes(key), id_tuple(ids));
+        break;
+      }
+      ++ran;
+      if (result == kOutcome) break;
+    }
+    if (bytes_ != bytes_before) store.attr("_bytes") = bytes_;
+    metrics_ = py::none();
+    return py::make_tuple(i, ran, outcome);
+  }
+
+ private:
+  static constexpr int kDone = 0;     // ran and stored: nothing left for Python
+  static constexpr int kNotRun = 1;   // nothing done: Python runs it by its full path
+  static constexpr int kOutcome = 2;  // ran; Python finishes it from the outcome
+
+  static py::tuple id_tuple(const std::vector<uint64_t>& ids) {
+    py::tuple out(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) out[i] = py::int_(ids[i]);
+    return out;
+  }
+
+  // The live storage `id` of `nbytes` bytes on `device`, or nullptr (borrowed from the store's map).
+  PyObject* live(uint64_t id, int64_t nbytes, const c10::Device& device) {
+    PyObject* key = PyLong_FromUnsignedLongLong(id);
+    if (key == nullptr) throw py::error_already_set();
+    PyObject* storage = PyDict_GetItemWithError(storages_, key);
+    PyObject* size = storage != nullptr ? PyDict_GetItemWithError(sizes_, key) : nullptr;
+    Py_DECREF(key);
+    if (PyErr_Occurred()) throw py::error_already_set();
+    if (storage == nullptr || size == nullptr || !THPStorage_Check(storage)) return nullptr;
+    int overflow = 0;
+    if (PyLong_AsLongLongAndOverflow(size, &overflow) != nbytes || overflow) return nullptr;
+    const c10::Storage& st = THPStorage_Unpack(storage);
+    if (static_cast<int64_t>(st.nbytes()) != nbytes || st.device() != device) return nullptr;
+    return storage;
+  }
+
+  // Whether the session made, freed or had poisoned storage `id`.
+  bool known(uint64_t id) {
+    PyObject* key = PyLong_FromUnsignedLongLong(id);
+    if (key == nullptr) throw py::error_already_set();
+    int found = PyDict_Contains(storages_, key);
+    if (found == 0) found = PyDict_Contains(poisoned_, key);
+    if (found == 0) found = PySet_Contains(freed_, key);
+    Py_DECREF(key);
+    if (found < 0) throw py::error_already_set();
+    return found == 1;
+  }
+
+  static bool fits(const NativePlan& plan, const torch::jit::Stack& stack) {
+    if (stack.size() != plan.outputs_.size()) return false;
+    for (size_t k = 0; k < stack.size(); ++k) {
+      const Output& out = plan.outputs_[k];
+      if (!out.wanted || !stack[k].isTensor()) return false;
+      const at::Tensor& t = stack[k].toTensor();
+      if (!t.defined() || t.scalar_type() != out.dtype || t.sizes() != c10::IntArrayRef(out.sizes)) return false;
+    }
+    return true;
+  }
+
+  void clock_begin(const NativePlan& plan) {
+    if (clock_ == nullptr) return;
+    std::memcpy(clock_ + 8, plan.clock_label_.data(), kClockLabel);
+    reinterpret_cast<std::atomic<int64_t>*>(clock_)->store(monotonic_ns(), std::memory_order_release);
+  }
+
+  void clock_end() {
+    if (clock_ != nullptr) reinterpret_cast<std::atomic<int64_t>*>(clock_)->store(0, std::memory_order_release);
+  }
+
+  void record(const NativePlan& plan, const char* status, int64_t started) {
+    if (metrics_.is_none()) return;
+    metrics_.attr("record_op")(plan.label_, status, double(monotonic_ns() - started) / 1e9);
+  }
+
+  py::list py_tensors(const std::vector<at::Tensor>& tensors) {
+    py::list out;
+    for (const auto& t : tensors) out.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(t)));
+    return out;
+  }
+
+  py::dict used_dict(const NativePlan& plan, const std::vector<uint64_t>& ids, size_t base,
+                     const std::vector<PyObject*>& used) {
+    py::dict out;
+    for (size_t k = 0; k < used.size(); ++k) out[py::int_(ids[base + plan.inputs_[k].slot])] = py::handle(used[k]);
+    return out;
+  }
+
+  int run_one(const NativePlan& plan, const std::string& key, const std::vector<uint64_t>& ids, py::object* outcome) {
+    size_t base = plan.call_outs_ >= 0 ? 1 : 0;  // a CALL's ids are [req, tensors..., outputs...]
+    size_t outputs = plan.call_outs_ >= 0 ? static_cast<size_t>(plan.call_outs_) : plan.kept_outputs_;
+    std::vector<at::Tensor> tensors;
+    std::vector<PyObject*> used;
+    tensors.reserve(plan.inputs_.size());
+    used.reserve(plan.inputs_.size());
+    for (const auto& in : plan.inputs_) {
+      if (base + in.slot >= ids.size()) return kNotRun;
+      PyObject* storage = live(ids[base + in.slot], in.nbytes, plan.device_);
+      if (storage == nullptr) return kNotRun;  // unknown, freed, poisoned or resized: the full path says
+      used.push_back(storage);
+      auto t = at::detail::make_tensor<c10::TensorImpl>(
+          c10::Storage(THPStorage_Unpack(storage)),
+          c10::DispatchKeySet(c10::computeDispatchKey(in.dtype, c10::kStrided, plan.device_)),
+          c10::scalarTypeToTypeMeta(in.dtype));
+      t.unsafeGetTensorImpl()->set_sizes_and_strides(in.sizes, in.strides, in.offset);
+      tensors.push_back(std::move(t));
+    }
+    for (size_t slot : plan.fresh_slots_) {  // what Executor._fresh_outs asks of them
+      if (slot >= ids.size() || known(ids[slot])) return kNotRun;
+    }
+    if (PyDict_Size(storages_) + PyDict_Size(poisoned_) + static_cast<Py_ssize_t>(outputs) > max_storages_)
+      return kNotRun;
+    if (max_bytes_ && plan.new_bytes_ > max_bytes_ - bytes_) return kNotRun;
+
+    torch::jit::Stack stack = plan.stack_;
+    for (size_t k = 0; k < plan.fills_.size(); ++k) stack[plan.fills_[k].first] = tensors[plan.fills_[k].second];
+    std::exception_ptr failure;
+    bool decomposes = false;
+    int64_t started = monotonic_ns();
+    clock_begin(plan);
+    {
+      py::gil_scoped_release no_gil;
+      try {
+        plan.op_->callBoxed(stack);
+      } catch (const c10::NotImplementedError& e) {
+        if (std::string(e.what_without_backtrace()).rfind("Could not run", 0) == 0)
+          decomposes = true;
+        else
+          failure = std::current_exception();
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    }
+    clock_end();
+    if (decomposes) {
+      const_cast<NativePlan&>(plan).decomposes_ = true;  // from now on Python runs it (decomposition)
+      return kNotRun;
+    }
+    if (failure) {
+      record(plan, "error", started);
+      torch::translate_exception_to_python(failure);
+      py::error_already_set error;  // takes the Python exception torch made of it
+      *outcome = py::make_tuple("failed", py::bytes(key), id_tuple(ids), error.value(), py_tensors(tensors));
+      return kOutcome;
+    }
+    record(plan, "ok", started);
+    // The functional form's results must have the out arguments' dtypes and sizes (genie.server.outputs.
+    // fits_outs); else the out= form runs after all, which Python's plan does (the functional run had no effect).
+    if (!plan.fresh_slots_.empty() && !fits(plan, stack)) return kNotRun;
+    bool resized = false;
+    if (plan.writes_)
+      for (size_t k = 0; k < used.size(); ++k)
+        if (static_cast<int64_t>(THPStorage_Unpack(used[k]).nbytes()) != plan.inputs_[k].nbytes) resized = true;
+    if (plan.call_outs_ >= 0 || resized || !adopt(plan, ids, stack, used)) {
+      py::object result = torch::jit::createPyObjectForStack(std::move(stack));
+      if (plan.call_outs_ >= 0 && !resized)
+        *outcome = py::make_tuple("call", py::bytes(key), id_tuple(ids), result);
+      else
+        *outcome = py::make_tuple("outputs", py::bytes(key), id_tuple(ids), result, py_tensors(tensors),
+                                  used_dict(plan, ids, base, used));
+      return kOutcome;
+    }
+    return kDone;
+  }
+
+  // The output rule's common cases (genie.server.plans._adopt): every kept result fresh, dense and laid out
+  // as described, or already the described storage (in place); then adopted as StorageStore.adopt's fast
+  // branch does. False, with nothing stored, when anything else holds: Python's rule decides.
+  bool adopt(const NativePlan& plan, const std::vector<uint64_t>& ids, const torch::jit::Stack& stack,
+             const std::vector<PyObject*>& used) {
+    std::vector<const at::Tensor*> results;
+    for (const auto& v : stack) {
+      if (v.isTensor()) {
+        results.push_back(&v.toTensor());
+      } else if (v.isTensorList()) {
+        return false;  // lists of results: the Python rule (rare on planned ops)
+      } else {
+        results.push_back(nullptr);
+      }
+    }
+    if (results.size() != plan.outputs_.size()) return false;
+    std::vector<std::pair<uint64_t, const at::Tensor*>> fresh;
+    std::vector<PyObject*> keys;
+    auto release = [&keys]() {
+      for (PyObject* k : keys) Py_DECREF(k);
+    };
+    for (size_t k = 0; k < results.size(); ++k) {
+      const Output& out = plan.outputs_[k];
+      if (!out.wanted) continue;
+      const at::Tensor* t = results[k];
+      if (t == nullptr || !t->defined() || t->layout() != c10::kStrided || t->scalar_type() != out.dtype ||
+          t->sizes() != c10::IntArrayRef(out.sizes) || t->strides() != c10::IntArrayRef(out.strides) ||
+          t->storage_offset() != out.offset || !t->has_storage()) {
+        release();
+        return false;
+      }
+      uint64_t id = ids[out.slot];
+      const c10::Storage& st = t->storage();
+      int64_t nbytes = static_cast<int64_t>(st.nbytes());
+      if (!nbytes || id == 0 || id > kMaxStorageId) {
+        release();
+        return false;
+      }
+      for (const auto& f : fresh)
+        if (f.first == id) {
+          release();
+          return false;
+        }
+      PyObject* key = PyLong_FromUnsignedLongLong(id);
+      if (key == nullptr) {
+        release();
+        throw py::error_already_set();
+      }
+      keys.push_back(key);
+      PyObject* known = PyDict_GetItemWithError(storages_, key);
+      if (known != nullptr) {
+        if (!THPStorage_Check(known) || THPStorage_Unpack(known).data() != st.data()) {
+          release();
+          return false;  // a copy into the known storage: the full rule does it
+        }
+        keys.pop_back();
+        Py_DECREF(key);
+        continue;  // in place
+      }
+      if (PyErr_Occurred()) {
+        release();
+        throw py::error_already_set();
+      }
+      for (PyObject* u : used) {
+        const c10::Storage& held = THPStorage_Unpack(u);
+        if (held.nbytes() && held.data() == st.data()) {
+          release();
+          return false;  // the result lives in an input's storage: not fresh
+        }
+      }
+      if (nbytes != out.nbytes || t->numel() * static_cast<int64_t>(t->element_size()) != nbytes) {
+        release();
+        return false;
+      }
+      fresh.emplace_back(id, t);
+    }
+    // StorageStore.adopt's fast branch for all of them, or none (its slow branch raises the quota errors).
+    int64_t count = PyDict_Size(storages_) + PyDict_Size(poisoned_);
+    int64_t added = 0;
+    for (const auto& f : fresh) added += static_cast<int64_t>(f.second->storage().nbytes());
+    if (count + static_cast<int64_t>(fresh.size()) > max_storages_ || (max_bytes_ && bytes_ + added > max_bytes_)) {
+      release();
+      return false;
+    }
+    bool poisoned = PyDict_Size(poisoned_) > 0;
+    for (size_t k = 0; k < fresh.size(); ++k) {
+      PyObject* key = keys[k];
+      const c10::Storage& st = fresh[k].second->storage();
+      PyObject* wrapped = THPStorage_Wrap(st);
+      PyObject* nbytes = wrapped != nullptr ? PyLong_FromLongLong(static_cast<int64_t>(st.nbytes())) : nullptr;
+      bool ok = nbytes != nullptr && PyDict_SetItem(storages_, key, wrapped) == 0 &&
+                PyDict_SetItem(sizes_, key, nbytes) == 0;
+      Py_XDECREF(wrapped);
+      Py_XDECREF(nbytes);
+      if (ok && poisoned && PyDict_DelItem(poisoned_, key) != 0) {
+        if (PyErr_ExceptionMatches(PyExc_KeyError))
+          PyErr_Clear();
+        else
+          ok = false;
+      }
+      if (!ok) {
+        release();
+        throw py::error_already_set();
+      }
+      bytes_ += static_cast<int64_t>(st.nbytes());
+    }
+    release();
+    return true;
+  }
+
+  std::unordered_map<std::string, std::shared_ptr<NativePlan>> plans_;
+  char* clock_ = nullptr;
+  // Per run(): the store's maps (borrowed: the store keeps them for the session's life) and quotas.
+  PyObject* storages_ = nullptr;
+  PyObject* sizes_ = nullptr;
+  PyObject* poisoned_ = nullptr;
+  PyObject* freed_ = nullptr;
+  int64_t max_storages_ = 0;
+  int64_t max_bytes_ = 0;
+  int64_t bytes_ = 0;
+  py::object metrics_ = py::none();
+};
+
+}  // namespace genie_plans
+
+PYBIND11_MODULE(_C_plans, m) {
+  m.doc() = "The server's native plan runner (genie.server.plans).";
+  py::class_<genie_plans::NativePlan, std::shared_ptr<genie_plans::NativePlan>>(m, "NativePlan")
+      .def(py::init<py::handle>(), py::arg("plan"));
+  py::class_<genie_plans::Runner>(m, "Runner")
+      .def(py::init<>())
+      .def("add", &genie_plans::Runner::add)
+      .def("clear", &genie_plans::Runner::clear)
+      .def("__len__", &genie_plans::Runner::size)
+      .def("set_clock", &genie_plans::Runner::set_clock)
+      .def("run", &genie_plans::Runner::run);
+}
