@@ -4,7 +4,8 @@
 // checked. A plan of the common shape (tensors as direct arguments, no validator) also gets a NativePlan:
 // its op's OperatorHandle and an argument stack with the constants converted once.
 // Runner.run walks a batch's commands from an index and runs every one whose key has a NativePlan, doing
-// in C++ what genie.server.plans.run does in Python, in the same order and with the same checks:
+// in C++ what genie.server.plans.run does in Python, in the same order and with the same checks (and FREEs
+// of storages the staging pool would not take, as StorageStore.free does):
 //
 // - the command is keyed by the walker genie._C_keys uses (command_key.h);
 // - each input storage must be live in the session's store and hold exactly the bytes its descriptor said
@@ -211,6 +212,10 @@ class NativePlan {
 // One session's native plans and their runner.
 class Runner {
  public:
+  // max_keyed: the longest command keyed (genie.server.plans.MAX_KEYED_BYTES); max_freed: freed ids the store
+  // remembers before starting over (genie.server.store.MAX_REMEMBERED_FREES).
+  Runner(size_t max_keyed, Py_ssize_t max_freed) : max_keyed_(max_keyed), max_freed_(max_freed) {}
+
   // The native plan of a key; None drops the key's (its plan is one only Python runs now).
   void add(py::bytes key, std::shared_ptr<NativePlan> plan) {
     if (plan)
@@ -225,12 +230,15 @@ class Runner {
   void set_clock(uintptr_t address) { clock_ = reinterpret_cast<char*>(address); }
 
   // Run cmds[start:] natively while their plans allow; returns (index, ran, outcome) where index is the
-  // first command not finished here. outcome is None when cmds[index] was not run (or index is the end),
-  // ("python", key, ids) when it was keyed but has no native plan, else the outcome of a command whose
-  // kernel ran: ("call", key, ids, result) | ("outputs", key, ids, result, tensors, used) |
+  // first command not finished here and ran counts the ops run. outcome is None when cmds[index] was not run
+  // (or index is the end), ("python", key, ids) when it was keyed but has no native plan, else the outcome
+  // of a command whose kernel ran: ("reply", key, ids, body) (a CALL answered with a number: send body as
+  // its REPLY) | ("call", key, ids, result) | ("outputs", key, ids, result, tensors, used) |
   // ("failed", key, ids, exception, tensors).
+  // pool_min: freed live storages this large go to the staging pool, so FREEs with one are Python's (0: every
+  // FREE of a live storage is). quiet: no deferred errors wait for the next reply (a CALL may answer here).
   py::tuple run(py::list cmds, Py_ssize_t start, py::object store, int64_t max_op_elements, py::object metrics,
-                size_t max_keyed) {
+                int64_t pool_min, bool quiet) {
     storages_ = store.attr("_storages").ptr();
     sizes_ = store.attr("_sizes").ptr();
     poisoned_ = store.attr("_poisoned").ptr();
@@ -251,8 +259,13 @@ class Runner {
       if (!PyBytes_CheckExact(cmd)) break;
       auto data = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(cmd));
       auto size = static_cast<size_t>(PyBytes_GET_SIZE(cmd));
+      if (size >= 2 && data[0] == 0x92 && data[1] == 0x03) {  // [CMD_FREE, [storage ids]]
+        if (!free_command(data, size, pool_min)) break;
+        continue;
+      }
       // OP ([CMD_OP, ...], a fixarray of 6) and CALL ([CMD_CALL, ...], of 7) are keyed; the rest is Python's.
-      if (size < 2 || size > max_keyed || !((data[0] == 0x96 && data[1] == 0x01) || (data[0] == 0x97 && data[1] == 0x05)))
+      if (size < 2 || size > max_keyed_ ||
+          !((data[0] == 0x96 && data[1] == 0x01) || (data[0] == 0x97 && data[1] == 0x05)))
         break;
       if (!genie_keys::key_of(data, size, &key, &ids)) break;
       auto found = plans_.find(key);
@@ -260,7 +273,7 @@ class Runner {
         outcome = py::make_tuple("python", py::bytes(key), id_tuple(ids));
         break;
       }
-      int result = run_one(*found->second, key, ids, &outcome);
+      int result = run_one(*found->second, key, ids, quiet, &outcome);
       if (result == kNotRun) {
         outcome = py::make_tuple("python", py::bytes(key), id_tuple(ids));
         break;
@@ -298,6 +311,154 @@ class Runner {
     const c10::Storage& st = THPStorage_Unpack(storage);
     if (static_cast<int64_t>(st.nbytes()) != nbytes || st.device() != device) return nullptr;
     return storage;
+  }
+
+  // A FREE (genie.server.store.StorageStore.free, with the staging pool's offer): false, with nothing done,
+  // when Python must run it (an id that is not a plain unsigned int, a storage the pool may take).
+  bool free_command(const uint8_t* data, size_t size, int64_t pool_min) {
+    size_t pos = 2;
+    uint64_t count = 0;
+    if ((data[pos] & 0xf0) == 0x90) {
+      count = data[pos] & 0x0f;
+      pos += 1;
+    } else if (data[pos] == 0xdc && size >= pos + 3) {
+      count = (uint64_t(data[pos + 1]) << 8) | data[pos + 2];
+      pos += 3;
+    } else {
+      return false;
+    }
+    std::vector<uint64_t> ids;
+    for (uint64_t k = 0; k < count; ++k) {
+      if (pos >= size) return false;
+      uint8_t b = data[pos];
+      uint64_t id = 0;
+      size_t n = 0;
+      if (b < 0x80) {
+        id = b;
+      } else if (b >= 0xcc && b <= 0xcf) {
+        n = size_t(1) << (b - 0xcc);
+        if (pos + 1 + n > size) return false;
+        for (size_t j = 0; j < n; ++j) id = (id << 8) | data[pos + 1 + j];
+      } else {
+        return false;
+      }
+      pos += 1 + n;
+      ids.push_back(id);
+    }
+    if (pos != size) return false;
+    std::vector<std::pair<PyObject*, bool>> keys;  // (id, live)
+    auto release = [&keys]() {
+      for (auto& k : keys) Py_DECREF(k.first);
+    };
+    for (uint64_t id : ids) {
+      PyObject* key = PyLong_FromUnsignedLongLong(id);
+      if (key == nullptr) {
+        release();
+        throw py::error_already_set();
+      }
+      PyObject* storage = PyDict_GetItemWithError(storages_, key);
+      if (storage == nullptr && PyErr_Occurred()) {
+        Py_DECREF(key);
+        release();
+        throw py::error_already_set();
+      }
+      if (storage != nullptr &&
+          (!THPStorage_Check(storage) || static_cast<int64_t>(THPStorage_Unpack(storage).nbytes()) >= pool_min)) {
+        Py_DECREF(key);
+        release();
+        return false;  // the staging pool may want it: Python offers it
+      }
+      keys.emplace_back(key, storage != nullptr);
+    }
+    bool ok = true;
+    for (auto& [key, is_live] : keys) {
+      if (!ok) break;
+      bool released = false;
+      if (is_live && PyDict_Contains(storages_, key) == 1) {  // freed twice in one command: once
+        PyObject* size_obj = PyDict_GetItemWithError(sizes_, key);
+        int overflow = 0;
+        int64_t nbytes = size_obj != nullptr ? PyLong_AsLongLongAndOverflow(size_obj, &overflow) : 0;
+        ok = size_obj != nullptr && !overflow && PyDict_DelItem(storages_, key) == 0 && PyDict_DelItem(sizes_, key) == 0;
+        bytes_ -= nbytes;
+        released = ok;
+      } else {
+        int poisoned = PyDict_Contains(poisoned_, key);
+        ok = poisoned >= 0 && (poisoned == 0 || PyDict_DelItem(poisoned_, key) == 0);
+        released = ok && poisoned == 1;
+      }
+      if (released) {
+        if (PySet_GET_SIZE(freed_) >= max_freed_) ok = PySet_Clear(freed_) == 0;
+        ok = ok && PySet_Add(freed_, key) == 0;
+      }
+    }
+    release();
+    if (!ok) throw py::error_already_set();
+    return true;
+  }
+
+  // A CALL's REPLY body [req, None, number, []] as genie.server.codec.packb writes it, for a result that is a
+  // plain number (the answer of .item()); false for anything else.
+  static bool number_reply(uint64_t req, const c10::IValue& value, std::string* out) {
+    out->push_back(static_cast<char>(0x94));
+    put_int(out, static_cast<int64_t>(req), true);
+    out->push_back(static_cast<char>(0xc0));
+    if (value.isBool()) {
+      out->push_back(static_cast<char>(value.toBool() ? 0xc3 : 0xc2));
+    } else if (value.isInt()) {
+      put_int(out, value.toInt(), false);
+    } else if (value.isDouble()) {
+      double d = value.toDouble();
+      uint64_t bits;
+      std::memcpy(&bits, &d, 8);
+      out->push_back(static_cast<char>(0xcb));
+      for (int shift = 56; shift >= 0; shift -= 8) out->push_back(static_cast<char>((bits >> shift) & 0xff));
+    } else {
+      return false;
+    }
+    out->push_back(static_cast<char>(0x90));
+    return true;
+  }
+
+  // msgpack's smallest form of an integer, as msgpack-python packs it.
+  static void put_int(std::string* out, int64_t v, bool unsigned_only) {
+    auto be = [out](uint64_t x, int bytes) {
+      for (int shift = 8 * (bytes - 1); shift >= 0; shift -= 8) out->push_back(static_cast<char>((x >> shift) & 0xff));
+    };
+    if (v >= 0 || unsigned_only) {
+      uint64_t u = static_cast<uint64_t>(v);
+      if (u < 0x80) {
+        out->push_back(static_cast<char>(u));
+      } else if (u <= 0xff) {
+        out->push_back(static_cast<char>(0xcc));
+        be(u, 1);
+      } else if (u <= 0xffff) {
+        out->push_back(static_cast<char>(0xcd));
+        be(u, 2);
+      } else if (u <= 0xffffffffULL) {
+        out->push_back(static_cast<char>(0xce));
+        be(u, 4);
+      } else {
+        out->push_back(static_cast<char>(0xcf));
+        be(u, 8);
+      }
+      return;
+    }
+    uint64_t u = static_cast<uint64_t>(v);
+    if (v >= -32) {
+      out->push_back(static_cast<char>(v));
+    } else if (v >= INT8_MIN) {
+      out->push_back(static_cast<char>(0xd0));
+      be(u, 1);
+    } else if (v >= INT16_MIN) {
+      out->push_back(static_cast<char>(0xd1));
+      be(u, 2);
+    } else if (v >= INT32_MIN) {
+      out->push_back(static_cast<char>(0xd2));
+      be(u, 4);
+    } else {
+      out->push_back(static_cast<char>(0xd3));
+      be(u, 8);
+    }
   }
 
   // Whether the session made, freed or had poisoned storage `id`.
@@ -351,7 +512,8 @@ class Runner {
     return out;
   }
 
-  int run_one(const NativePlan& plan, const std::string& key, const std::vector<uint64_t>& ids, py::object* outcome) {
+  int run_one(const NativePlan& plan, const std::string& key, const std::vector<uint64_t>& ids, bool quiet,
+              py::object* outcome) {
     size_t base = plan.call_outs_ >= 0 ? 1 : 0;  // a CALL's ids are [req, tensors..., outputs...]
     size_t outputs = plan.call_outs_ >= 0 ? static_cast<size_t>(plan.call_outs_) : plan.kept_outputs_;
     std::vector<at::Tensor> tensors;
@@ -416,6 +578,13 @@ class Runner {
     if (plan.writes_)
       for (size_t k = 0; k < used.size(); ++k)
         if (static_cast<int64_t>(THPStorage_Unpack(used[k]).nbytes()) != plan.inputs_[k].nbytes) resized = true;
+    if (plan.call_outs_ >= 0 && !resized && quiet && stack.size() == 1) {
+      std::string body;
+      if (number_reply(ids[0], stack[0], &body)) {
+        *outcome = py::make_tuple("reply", py::bytes(key), id_tuple(ids), py::bytes(body));
+        return kOutcome;
+      }
+    }
     if (plan.call_outs_ >= 0 || resized || !adopt(plan, ids, stack, used)) {
       py::object result = torch::jit::createPyObjectForStack(std::move(stack));
       if (plan.call_outs_ >= 0 && !resized)
@@ -539,6 +708,8 @@ class Runner {
   }
 
   std::unordered_map<std::string, std::shared_ptr<NativePlan>> plans_;
+  size_t max_keyed_;
+  Py_ssize_t max_freed_;
   char* clock_ = nullptr;
   // Per run(): the store's maps (borrowed: the store keeps them for the session's life) and quotas.
   PyObject* storages_ = nullptr;
@@ -558,7 +729,7 @@ PYBIND11_MODULE(_C_plans, m) {
   py::class_<genie_plans::NativePlan, std::shared_ptr<genie_plans::NativePlan>>(m, "NativePlan")
       .def(py::init<py::handle>(), py::arg("plan"));
   py::class_<genie_plans::Runner>(m, "Runner")
-      .def(py::init<>())
+      .def(py::init<size_t, Py_ssize_t>(), py::arg("max_keyed"), py::arg("max_freed"))
       .def("add", &genie_plans::Runner::add)
       .def("clear", &genie_plans::Runner::clear)
       .def("__len__", &genie_plans::Runner::size)

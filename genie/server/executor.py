@@ -192,11 +192,16 @@ class Executor:
         while index < count:
             keyed = None
             if native is not None:
-                # Commands with native plans run in C++ from here on; it stops at the first it cannot finish.
+                # Commands with native plans (and FREEs) run in C++ from here on; it stops at the first it
+                # cannot finish. Freed storages the staging pool may take are offered to it in Python.
+                pool = self.transfers.pool
+                start = index
                 index, ran, outcome = native.run(cmds, index, self.store, self.max_op_elements, metrics,
-                                                 plans.MAX_KEYED_BYTES)
+                                                 0 if pool.skip else pool.min_bytes,
+                                                 not self.deferred and not self.dropped)
+                if index > start:
+                    self._used = {}  # what FREE does: no finished command's storages stay referenced
                 if ran:
-                    self._used = {}
                     self.plan_runs += ran
                     self.native_runs += ran
                     self.ops_run += ran - (outcome is not None and outcome[0] == "failed")
@@ -351,6 +356,10 @@ class Executor:
             return False
         self._reply(req, None, encoded)
         return True
+
+    def send_reply(self, body: bytes) -> None:
+        """Send a REPLY body made elsewhere (the native runner's answer to a CALL; no deferred errors waited)."""
+        send_frame(self.channel, MsgKind.REPLY, body)
 
     def fail_call(self, req: Any, error: dict[str, Any], storage_ids: list[int]) -> None:
         """A CALL failed: poison its output storages with ``error`` and answer ``req`` with it."""

@@ -502,7 +502,9 @@ def _adopt(plan: CommandPlan, result: Any, ids: tuple[int, ...], storages: dict[
 
 def new_runner() -> Any:
     """A session's native plan runner, or None where the extension was not built."""
-    return Runner() if Runner is not None else None
+    from genie.server.store import MAX_REMEMBERED_FREES
+
+    return Runner(MAX_KEYED_BYTES, MAX_REMEMBERED_FREES) if Runner is not None else None
 
 
 def native_plan(plan: CommandPlan) -> Any:
@@ -523,6 +525,9 @@ def finish_native(ex: Executor, plan: CommandPlan, outcome: tuple[Any, ...]) -> 
     call = plan.call_outs >= 0
     out_ids = list(ids[len(ids) - plan.call_outs:]) if call else [ids[slot] for slot in plan.out_id_slots]
     label = plan.label
+    if kind == "reply":  # a CALL answered with a number, no deferred errors waiting: the body is ready
+        ex.send_reply(outcome[3])
+        return
     if kind == "call":
         ex.finish_call(label, ids[0], outcome[3], out_ids)
         return

@@ -467,8 +467,8 @@ def test_random_command_streams_end_the_same_with_and_without_the_native_runner(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A differential test: one random stream of ops (outputs mostly into new storages, sometimes into live,
     freed or never-made ones; inputs sometimes freed or poisoned, the poison spreading; in-place, out= and
-    CALL commands; frees) goes to a session with the native runner and to one without. Every answer, every
-    deferred error and every storage's bytes at the end must be equal."""
+    CALL commands; frees) goes to a session with the native runner and to one without. Every reply (numbers,
+    errors, deferred errors) and every storage's bytes at the end must be equal."""
     rng = random.Random(20261126)
     v, s = torch.empty(4), torch.empty(())
     shapes: dict[int, torch.Tensor] = {k: (v if k % 3 else s) for k in range(1, 13)}  # one layout per id
@@ -517,16 +517,18 @@ def test_random_command_streams_end_the_same_with_and_without_the_native_runner(
         stream.append(batch)
     uploads = [(k, 0, torch.arange(float(t.numel()), dtype=torch.int64).to(t.dtype).reshape(t.shape) + k)
                for k, t in shapes.items() if k <= 12]
-    def play(native: bool) -> tuple[list[Any], list[Any], int]:
+    def play(native: bool) -> tuple[list[str], list[Any], int]:
         if not native:
             monkeypatch.setattr(plans, "Runner", None)
         srv = inproc_server(devices=1, isolation="none")
         c = raw_clients(srv.port)
         c.send_batch([], uploads=uploads)
         answers = []
-        for batch in stream:
-            c.send_batch(batch)
-            answers.append(c.sync().deferred)
+        for batch in stream:  # every reply: each CALL's (its number or error, deferred errors), then the sync's
+            c.send_batch([*batch, sync(c.next_req())])
+            for _ in range(sum(cmd[:2] == plans.CALL_PREFIX for cmd in batch) + 1):
+                r = c.reply()
+                answers.append(repr((r.req, r.error, r.result, r.deferred)))  # repr: nan equals nan
         values = []
         for k, like in shapes.items():
             r = c.request([raw_fetch(c.next_req(), desc(k, like))])
@@ -536,3 +538,23 @@ def test_random_command_streams_end_the_same_with_and_without_the_native_runner(
     with_native, without = play(True), play(False)
     assert with_native[0] == without[0] and with_native[1] == without[1]
     assert with_native[2] > 40 and without[2] == 0  # the stream did run natively where it could
+
+
+def test_calls_answer_numbers_of_every_kind_and_carry_the_errors_waiting(server, connect) -> None:
+    """A CALL by plan answers floats, ints of every size and sign, bools and infinities as the full path does
+    (the native runner writes those replies itself); an error deferred earlier in the batch rides along."""
+    values = [torch.tensor(2.5), torch.tensor(float("-inf")), torch.tensor(-(1 << 40)), torch.tensor(7),
+              torch.tensor(200, dtype=torch.uint8), torch.tensor(-3, dtype=torch.int8), torch.tensor(True),
+              torch.tensor(1 << 62), torch.tensor(-20, dtype=torch.int16)]
+    srv = server()
+    c = connect(srv)
+    c.send_batch([], uploads=[(k + 1, 0, v) for k, v in enumerate(values)])
+    for _ in range(3):
+        for k, v in enumerate(values):
+            r = c.request([call(c.next_req(), "aten::_local_scalar_dense.default", [T(k + 1, v)])])
+            assert r.error is None and r.deferred == [] and r.result == v.item() and type(r.result) is type(v.item())
+    assert _planned(srv) >= 2 * len(values)  # all but the first of each dtype's signature
+    assert _native(srv) == (_planned(srv) if _native_mode() else 0)
+    c.send_batch([free(50)], uploads=[(50, 0, F)])
+    r = c.request([_add(50, 51), call(c.next_req(), "aten::_local_scalar_dense.default", [T(1, values[0])])])
+    assert r.result == 2.5 and len(r.deferred) == 1 and "freed" in r.deferred[0]["message"]
