@@ -164,7 +164,7 @@ class NativePlan {
         throw std::runtime_error("argument " + argument.name() + " has no value");
       }
     }
-    if (keywords_used != kwargs.size() + keyword_fill.size())
+    if (keywords_used != kwargs.size())  // plan.kwargs names its tensor slots too (their values are None)
       throw std::runtime_error("a keyword argument the schema does not have");
 
     for (py::handle entry : plan.attr("inputs")) {

@@ -558,3 +558,18 @@ def test_calls_answer_numbers_of_every_kind_and_carry_the_errors_waiting(server,
     c.send_batch([free(50)], uploads=[(50, 0, F)])
     r = c.request([_add(50, 51), call(c.next_req(), "aten::_local_scalar_dense.default", [T(1, values[0])])])
     assert r.result == 2.5 and len(r.deferred) == 1 and "freed" in r.deferred[0]["message"]
+
+
+def test_an_out_op_into_live_storages_runs_by_its_plan_with_the_out_argument_as_a_slot(server, connect) -> None:
+    """``torch.mul(a, b, out=c)`` into a storage the session holds (what optimizers' in-place steps send): the
+    out argument is a tensor slot among the keyword arguments, and later commands run by plan (natively where
+    the runner is built), writing each out storage in place."""
+    srv = server()
+    c = connect(srv)
+    n = 6
+    cmds = [op("aten::mul.out", [T(1, F), T(2, F)], {"out": T(10 + k, F)}, [T(10 + k, F)]) for k in range(n)]
+    c.send_batch(cmds, uploads=[(1, 0, torch.tensor([3.0])), (2, 0, torch.tensor([-2.0])),
+                                *((10 + k, 0, torch.zeros(1)) for k in range(n))])
+    assert c.sync().deferred == []
+    assert [c.fetch(10 + k, F).item() for k in range(n)] == [-6.0] * n
+    assert _planned(srv) == n - 1 and _native(srv) == (n - 1 if _native_mode() else 0)
