@@ -232,7 +232,7 @@ class Runner {
   // Run cmds[start:] natively while their plans allow; returns (index, ran, outcome) where index is the
   // first command not finished here and ran counts the ops run. outcome is None when cmds[index] was not run
   // (or index is the end), ("python", key, ids) when it was keyed but has no native plan, else the outcome
-  // of a command whose kernel ran: ("reply", key, ids, body) (a CALL answered with a number: send body as
+  // of a command whose kernel ran: ("reply", None, None, body) (a CALL answered with a number: send body as
   // its REPLY) | ("call", key, ids, result) | ("outputs", key, ids, result, tensors, used) |
   // ("failed", key, ids, exception, tensors).
   // pool_min: freed live storages this large go to the staging pool, so FREEs with one are Python's (0: every
@@ -494,9 +494,18 @@ class Runner {
     if (clock_ != nullptr) reinterpret_cast<std::atomic<int64_t>*>(clock_)->store(0, std::memory_order_release);
   }
 
-  void record(const NativePlan& plan, const char* status, int64_t started) {
+  void record(const NativePlan& plan, bool ok, int64_t started) {
     if (metrics_.is_none()) return;
-    metrics_.attr("record_op")(plan.label_, status, double(monotonic_ns() - started) / 1e9);
+    static PyObject* method = PyUnicode_InternFromString("record_op");
+    static PyObject* ok_status = PyUnicode_InternFromString("ok");
+    static PyObject* error_status = PyUnicode_InternFromString("error");
+    PyObject* seconds = PyFloat_FromDouble(double(monotonic_ns() - started) / 1e9);
+    PyObject* done = seconds == nullptr ? nullptr
+                                        : PyObject_CallMethodObjArgs(metrics_.ptr(), method, plan.label_.ptr(),
+                                                                     ok ? ok_status : error_status, seconds, nullptr);
+    Py_XDECREF(seconds);
+    if (done == nullptr) throw py::error_already_set();
+    Py_DECREF(done);
   }
 
   py::list py_tensors(const std::vector<at::Tensor>& tensors) {
@@ -564,13 +573,13 @@ class Runner {
       return kNotRun;
     }
     if (failure) {
-      record(plan, "error", started);
+      record(plan, false, started);
       torch::translate_exception_to_python(failure);
       py::error_already_set error;  // takes the Python exception torch made of it
       *outcome = py::make_tuple("failed", py::bytes(key), id_tuple(ids), error.value(), py_tensors(tensors));
       return kOutcome;
     }
-    record(plan, "ok", started);
+    record(plan, true, started);
     // The functional form's results must have the out arguments' dtypes and sizes (genie.server.outputs.
     // fits_outs); else the out= form runs after all, which Python's plan does (the functional run had no effect).
     if (!plan.fresh_slots_.empty() && !fits(plan, stack)) return kNotRun;
@@ -581,7 +590,7 @@ class Runner {
     if (plan.call_outs_ >= 0 && !resized && quiet && stack.size() == 1) {
       std::string body;
       if (number_reply(ids[0], stack[0], &body)) {
-        *outcome = py::make_tuple("reply", py::bytes(key), id_tuple(ids), py::bytes(body));
+        *outcome = py::make_tuple("reply", py::none(), py::none(), py::bytes(body));  // Python only sends it
         return kOutcome;
       }
     }

@@ -206,8 +206,14 @@ class Executor:
                     self.native_runs += ran
                     self.ops_run += ran - (outcome is not None and outcome[0] == "failed")
                 if outcome is not None:
-                    if outcome[0] == "python":  # keyed, but no native plan: the Python plan or the full path
+                    kind = outcome[0]
+                    if kind == "python":  # keyed, but no native plan: the Python plan or the full path
                         keyed = (outcome[1], outcome[2])
+                    elif kind == "reply":  # a CALL answered with a number (no deferred errors waited)
+                        send_frame(self.channel, MsgKind.REPLY, outcome[3])
+                        index += 1
+                        self.metrics.queue_depth = count - index  # metrics
+                        continue
                     else:
                         plans.finish_native(self, known[outcome[1]], outcome)
                         index += 1
@@ -356,10 +362,6 @@ class Executor:
             return False
         self._reply(req, None, encoded)
         return True
-
-    def send_reply(self, body: bytes) -> None:
-        """Send a REPLY body made elsewhere (the native runner's answer to a CALL; no deferred errors waited)."""
-        send_frame(self.channel, MsgKind.REPLY, body)
 
     def fail_call(self, req: Any, error: dict[str, Any], storage_ids: list[int]) -> None:
         """A CALL failed: poison its output storages with ``error`` and answer ``req`` with it."""

@@ -520,14 +520,12 @@ def native_plan(plan: CommandPlan) -> Any:
 
 
 def finish_native(ex: Executor, plan: CommandPlan, outcome: tuple[Any, ...]) -> None:
-    """Finish a command whose kernel the native runner ran (``Runner.run``'s outcome), as :func:`run` does."""
+    """Finish a command whose kernel the native runner ran (``Runner.run``'s outcome other than a ready
+    ``reply``, which the executor sends), as :func:`run` does."""
     kind, ids = outcome[0], outcome[2]
     call = plan.call_outs >= 0
     out_ids = list(ids[len(ids) - plan.call_outs:]) if call else [ids[slot] for slot in plan.out_id_slots]
     label = plan.label
-    if kind == "reply":  # a CALL answered with a number, no deferred errors waiting: the body is ready
-        ex.send_reply(outcome[3])
-        return
     if kind == "call":
         ex.finish_call(label, ids[0], outcome[3], out_ids)
         return
