@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import genie
 
 PACKAGE = Path(genie.__file__).parent
@@ -189,3 +191,18 @@ def test_docs_architecture_md_names_every_module_of_the_package() -> None:
                                          in line for line in layout.splitlines()):
             missing.append(rel)
     assert not missing, f"docs/architecture.md's layout does not name: {missing}"
+
+
+_FIRST_IMPORTS = ["genie.wire.values", "genie.server", "torch"]
+
+
+@pytest.mark.parametrize("first", _FIRST_IMPORTS)
+def test_any_module_imported_first_leaves_torch_importable_and_the_device_registered(first: str) -> None:
+    """torch's device-backend autoload (genie.autoload) runs inside whichever genie module imported torch first;
+    that module may be half-made then (genie.wire.values once made `import torch` fail with "Failed to load the
+    backend extension: genie"). Registration then waits for genie.device, and the device works either way."""
+    code = (f"import {first}; import torch; import genie.device; "
+            "print(torch._C._get_privateuse1_backend_name(), torch.device('remote_accelerator:1'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["remote_accelerator", "remote_accelerator:1"]
