@@ -318,6 +318,7 @@ class Runner {
   bool free_command(const uint8_t* data, size_t size, int64_t pool_min) {
     size_t pos = 2;
     uint64_t count = 0;
+    if (pos >= size) return false;  // malformed: Python's decode says what is wrong
     if ((data[pos] & 0xf0) == 0x90) {
       count = data[pos] & 0x0f;
       pos += 1;

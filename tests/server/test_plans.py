@@ -573,3 +573,20 @@ def test_an_out_op_into_live_storages_runs_by_its_plan_with_the_out_argument_as_
     assert c.sync().deferred == []
     assert [c.fetch(10 + k, F).item() for k in range(n)] == [-6.0] * n
     assert _planned(srv) == n - 1 and _native(srv) == (n - 1 if _native_mode() else 0)
+
+
+@pytest.mark.parametrize("cmd", [b"\x92\x03", b"\x92\x03\x91", b"\x92\x03\x91\xcd\x01", b"\x92\x03\xdc\x00",
+                                 b"\x92\x03\x92\x05", b"\x92\x03\x91\x05\x00"])
+def test_a_malformed_free_closes_the_session_as_on_the_full_path(server, connect, cmd: bytes) -> None:
+    """FREE commands cut short or with trailing bytes (the native runner parses FREEs): the session ends with
+    the frame error Python's decode gives, its storages are freed, and the server serves the next session."""
+    srv = server()
+    c = connect(srv)
+    c.send_batch([_add(1, 2), _add(2, 3), free(2)], uploads=[(1, 0, F)])  # a plan and a native FREE first
+    assert c.sync().deferred == []
+    c.send_batch([cmd])
+    kind, body, _ = c.recv()
+    assert kind.name == "ERROR" and body["code"] == "frame", body
+    other = connect(srv)
+    other.send_batch([_add(1, 2)], uploads=[(1, 0, F)])
+    assert other.sync().deferred == [] and other.fetch(2, F).item() == 1.0
