@@ -233,8 +233,8 @@ class Runner {
   // first command not finished here and ran counts the ops run. outcome is None when cmds[index] was not run
   // (or index is the end), ("python", key, ids) when it was keyed but has no native plan, else the outcome
   // of a command whose kernel ran: ("reply", None, None, body) (a CALL answered with a number: send body as
-  // its REPLY) | ("call", key, ids, result) | ("outputs", key, ids, result, tensors, used) |
-  // ("failed", key, ids, exception, tensors).
+  // its REPLY) | ("call", key, ids, result, used) | ("outputs", key, ids, result, tensors, used) |
+  // ("failed", key, ids, exception, tensors, used), where used maps the input storage ids to their storages.
   // pool_min: freed live storages this large go to the staging pool, so FREEs with one are Python's (0: every
   // FREE of a live storage is). quiet: no deferred errors wait for the next reply (a CALL may answer here).
   py::tuple run(py::list cmds, Py_ssize_t start, py::object store, int64_t max_op_elements, py::object metrics,
@@ -577,7 +577,8 @@ class Runner {
       record(plan, false, started);
       torch::translate_exception_to_python(failure);
       py::error_already_set error;  // takes the Python exception torch made of it
-      *outcome = py::make_tuple("failed", py::bytes(key), id_tuple(ids), error.value(), py_tensors(tensors));
+      *outcome = py::make_tuple("failed", py::bytes(key), id_tuple(ids), error.value(), py_tensors(tensors),
+                                used_dict(plan, ids, base, used));
       return kOutcome;
     }
     record(plan, true, started);
@@ -598,7 +599,7 @@ class Runner {
     if (plan.call_outs_ >= 0 || resized || !adopt(plan, ids, stack, used)) {
       py::object result = torch::jit::createPyObjectForStack(std::move(stack));
       if (plan.call_outs_ >= 0 && !resized)
-        *outcome = py::make_tuple("call", py::bytes(key), id_tuple(ids), result);
+        *outcome = py::make_tuple("call", py::bytes(key), id_tuple(ids), result, used_dict(plan, ids, base, used));
       else
         *outcome = py::make_tuple("outputs", py::bytes(key), id_tuple(ids), result, py_tensors(tensors),
                                   used_dict(plan, ids, base, used));

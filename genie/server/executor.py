@@ -192,33 +192,10 @@ class Executor:
         while index < count:
             keyed = None
             if native is not None:
-                # Commands with native plans (and FREEs) run in C++ from here on; it stops at the first it
-                # cannot finish. Freed storages the staging pool may take are offered to it in Python.
-                pool = self.transfers.pool
-                start = index
-                index, ran, outcome = native.run(cmds, index, self.store, self.max_op_elements, metrics,
-                                                 0 if pool.skip else pool.min_bytes,
-                                                 not self.deferred and not self.dropped)
-                if index > start:
-                    self._used = {}  # what FREE does: no finished command's storages stay referenced
-                if ran:
-                    self.plan_runs += ran
-                    self.native_runs += ran
-                    self.ops_run += ran - (outcome is not None and outcome[0] == "failed")
-                if outcome is not None:
-                    kind = outcome[0]
-                    if kind == "python":  # keyed, but no native plan: the Python plan or the full path
-                        keyed = (outcome[1], outcome[2])
-                    elif kind == "reply":  # a CALL answered with a number (no deferred errors waited)
-                        send_frame(self.channel, MsgKind.REPLY, outcome[3])
-                        index += 1
-                        self.metrics.queue_depth = count - index  # metrics
-                        continue
-                    else:
-                        plans.finish_native(self, known[outcome[1]], outcome)
-                        index += 1
-                        self.metrics.queue_depth = count - index  # metrics
-                        continue
+                index, keyed, finished = self._run_natively(cmds, index, metrics)
+                self.metrics.queue_depth = count - index  # metrics
+                if finished:  # it finished a command the runner handed back: the runner goes on after it
+                    continue
                 if index >= count:
                     break
             cmd = cmds[index]
@@ -238,6 +215,35 @@ class Executor:
                     continue
             self._run_command(codec.decode(cmd), keyed)
             self.metrics.queue_depth = count - index  # metrics
+
+    def _run_natively(self, cmds: list[Any], index: int,
+                      metrics: SessionMetrics | None) -> tuple[int, tuple[bytes, tuple[int, ...]] | None, bool]:
+        """Run ``cmds[index:]`` by native plans (and FREEs) as far as the runner goes: (the index it stopped
+        at, that command's key when the runner keyed it, whether a command the runner handed back was
+        finished here, the index then past it). Freed storages the staging pool may take stay with Python,
+        which offers them to it."""
+        assert self.native is not None
+        pool = self.transfers.pool
+        start = index
+        index, ran, outcome = self.native.run(cmds, index, self.store, self.max_op_elements, metrics,
+                                              0 if pool.skip else pool.min_bytes,
+                                              not self.deferred and not self.dropped)
+        if index > start:
+            self._used = {}  # what FREE does: no finished command's storages stay referenced
+        if ran:
+            self.plan_runs += ran
+            self.native_runs += ran
+            self.ops_run += ran - (outcome is not None and outcome[0] == "failed")
+        if outcome is None:
+            return index, None, False
+        kind = outcome[0]
+        if kind == "python":  # keyed, but no native plan: the Python plan or the full path runs it
+            return index, (outcome[1], outcome[2]), False
+        if kind == "reply":  # a CALL answered with a number (no deferred errors waited)
+            send_frame(self.channel, MsgKind.REPLY, outcome[3])
+        else:
+            plans.finish_native(self, self.plans[outcome[1]], outcome)
+        return index + 1, None, True
 
     # -- commands -----------------------------------------------------------------------------
 

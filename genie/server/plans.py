@@ -522,14 +522,17 @@ def native_plan(plan: CommandPlan) -> Any:
 def finish_native(ex: Executor, plan: CommandPlan, outcome: tuple[Any, ...]) -> None:
     """Finish a command whose kernel the native runner ran (``Runner.run``'s outcome other than a ready
     ``reply``, which the executor sends), as :func:`run` does."""
-    kind, ids = outcome[0], outcome[2]
+    kind, ids, used = outcome[0], outcome[2], outcome[-1]
     call = plan.call_outs >= 0
     out_ids = list(ids[len(ids) - plan.call_outs:]) if call else [ids[slot] for slot in plan.out_id_slots]
     label = plan.label
+    ex.set_current(plan.device, used)  # as _prepare does: the rules below read the storages it used
     if kind == "call":
         ex.finish_call(label, ids[0], outcome[3], out_ids)
         return
-    if kind == "failed":  # the kernel raised: (..., exception, input tensors)
+    if plan.writes:  # as _timed does, whether the kernel failed or not
+        ex.account_resizes(used)
+    if kind == "failed":  # the kernel raised: (..., exception, input tensors, used)
         args, kwargs = _arguments(plan, outcome[4])
         record = _error(label, _shapes(args, kwargs), "execution", _message(outcome[3]), out_ids)
         if call:
@@ -538,10 +541,7 @@ def finish_native(ex: Executor, plan: CommandPlan, outcome: tuple[Any, ...]) -> 
             ex.fail_outputs(record, out_ids)
         return
     # "outputs": a result the full output rule decides on, or a storage the op resized in place
-    result, tensors, used = outcome[3], outcome[4], outcome[5]
-    ex.set_current(plan.device, used)
-    if plan.writes:
-        ex.account_resizes(used)
+    result, tensors = outcome[3], outcome[4]
     if call:
         ex.finish_call(label, ids[0], result, out_ids)
         return

@@ -590,3 +590,20 @@ def test_a_malformed_free_closes_the_session_as_on_the_full_path(server, connect
     other = connect(srv)
     other.send_batch([_add(1, 2)], uploads=[(1, 0, F)])
     assert other.sync().deferred == [] and other.fetch(2, F).item() == 1.0
+
+
+def test_a_call_answering_with_a_view_of_its_input_keeps_a_copy_by_plan_too(server, connect) -> None:
+    """A CALL whose result is a view of an input: the full path keeps a copy under the output id (one storage
+    never gets two ids). By plan the native runner hands such a result back with the storages it used, and
+    the copy is made the same way: writing the input afterwards leaves the CALL's output as it was."""
+    v = torch.empty(2)
+    srv = server()
+    c = connect(srv)
+    c.send_batch([], uploads=[(1, 0, torch.tensor([1.0, 2.0])), (2, 0, torch.tensor([3.0, 4.0]))])
+    for src, out in ((1, 5), (2, 6)):  # the second by plan
+        r = c.request([call(c.next_req(), "aten::view", [T(src, v), [2]], outs=[out])])
+        assert r.error is None and r.deferred == []
+    assert _planned(srv) == 1 and _native(srv) == (1 if _native_mode() else 0)
+    c.send_batch([op("aten::mul_.Tensor", [T(2, v), 10], {}, [T(2, v)])])
+    assert c.sync().deferred == []
+    assert c.fetch(6, v).tolist() == [3.0, 4.0] and c.fetch(2, v).tolist() == [30.0, 40.0]
