@@ -254,6 +254,22 @@ class Runner {
     py::object outcome = py::none();
     std::string key;
     std::vector<uint64_t> ids;
+    // The store's byte count follows what ran here even when something below raises (the session then ends).
+    struct WriteBack {
+      py::object& store;
+      int64_t& bytes;
+      int64_t before;
+      ~WriteBack() {
+        if (bytes != before) {
+          PyObject *type, *value, *trace;
+          PyErr_Fetch(&type, &value, &trace);  // keep an exception being raised
+          PyObject* now = PyLong_FromLongLong(bytes);
+          if (now == nullptr || PyObject_SetAttrString(store.ptr(), "_bytes", now) != 0) PyErr_Clear();
+          Py_XDECREF(now);
+          PyErr_Restore(type, value, trace);
+        }
+      }
+    } write_back{store, bytes_, bytes_before};
     for (; i < n; ++i) {
       PyObject* cmd = PyList_GET_ITEM(cmds.ptr(), i);
       if (!PyBytes_CheckExact(cmd)) break;
@@ -281,7 +297,6 @@ class Runner {
       ++ran;
       if (result == kOutcome) break;
     }
-    if (bytes_ != bytes_before) store.attr("_bytes") = bytes_;
     metrics_ = py::none();
     return py::make_tuple(i, ran, outcome);
   }
@@ -305,7 +320,7 @@ class Runner {
     PyObject* size = storage != nullptr ? PyDict_GetItemWithError(sizes_, key) : nullptr;
     Py_DECREF(key);
     if (PyErr_Occurred()) throw py::error_already_set();
-    if (storage == nullptr || size == nullptr || !THPStorage_Check(storage)) return nullptr;
+    if (storage == nullptr || size == nullptr || !THPStorage_Check(storage) || !PyLong_Check(size)) return nullptr;
     int overflow = 0;
     if (PyLong_AsLongLongAndOverflow(size, &overflow) != nbytes || overflow) return nullptr;
     const c10::Storage& st = THPStorage_Unpack(storage);
@@ -378,8 +393,10 @@ class Runner {
       if (is_live && PyDict_Contains(storages_, key) == 1) {  // freed twice in one command: once
         PyObject* size_obj = PyDict_GetItemWithError(sizes_, key);
         int overflow = 0;
-        int64_t nbytes = size_obj != nullptr ? PyLong_AsLongLongAndOverflow(size_obj, &overflow) : 0;
-        ok = size_obj != nullptr && !overflow && PyDict_DelItem(storages_, key) == 0 && PyDict_DelItem(sizes_, key) == 0;
+        bool sized = size_obj != nullptr && PyLong_Check(size_obj);
+        int64_t nbytes = sized ? PyLong_AsLongLongAndOverflow(size_obj, &overflow) : 0;
+        if (!sized && !PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "a live storage without its size");
+        ok = sized && !overflow && PyDict_DelItem(storages_, key) == 0 && PyDict_DelItem(sizes_, key) == 0;
         bytes_ -= nbytes;
         released = ok;
       } else {

@@ -582,13 +582,14 @@ def test_a_malformed_free_closes_the_session_as_on_the_full_path(server, connect
     the frame error Python's decode gives, its storages are freed, and the server serves the next session."""
     srv = server()
     c = connect(srv)
-    c.send_batch([_add(1, 2), _add(2, 3), free(2)], uploads=[(1, 0, F)])  # a plan and a native FREE first
+    zero = torch.zeros(1)
+    c.send_batch([_add(1, 2), _add(2, 3), free(2)], uploads=[(1, 0, zero)])  # a plan and a native FREE first
     assert c.sync().deferred == []
     c.send_batch([cmd])
     kind, body, _ = c.recv()
     assert kind.name == "ERROR" and body["code"] == "frame", body
     other = connect(srv)
-    other.send_batch([_add(1, 2)], uploads=[(1, 0, F)])
+    other.send_batch([_add(1, 2)], uploads=[(1, 0, zero)])
     assert other.sync().deferred == [] and other.fetch(2, F).item() == 1.0
 
 
