@@ -695,6 +695,12 @@ class Runner {
           return false;  // the result lives in an input's storage: not fresh
         }
       }
+      for (const auto& f : fresh) {
+        if (f.second->storage().data() == st.data()) {
+          release();
+          return false;  // two results over one fresh storage: the full rule gives it one id
+        }
+      }
       if (nbytes != out.nbytes || t->numel() * static_cast<int64_t>(t->element_size()) != nbytes) {
         release();
         return false;
