@@ -206,8 +206,13 @@ def _server(env: dict[str, str]) -> Iterator[Any]:
 
 
 def run(*, seed: int, seconds: float, max_calls: int = 0, only: list[str] | None = None,
-        check_every: int = 20, quota_bytes: int = 256 << 20, op_deadline: float = 5.0, log: Any = None) -> Report:
+        check_every: int = 20, quota_bytes: int = 256 << 20, op_deadline: float = 5.0, log: Any = None,
+        repeat: bool = False) -> Report:
     """Fuzz for ``seconds`` (or ``max_calls``) against a fresh server process; return the report.
+
+    ``repeat``: send every command that ran cleanly twice more in one batch, so the session runs it by its
+    command plan (natively where the server's runner covers it) over storages the first run may have
+    written, resized or freed.
 
     ``op_deadline`` is the server's: an op that runs longer (an SVD of a broadcast 8192 x 65536
     matrix within the element limit takes minutes) gets its session's worker killed, which the
@@ -235,7 +240,11 @@ def run(*, seed: int, seconds: float, max_calls: int = 0, only: list[str] | None
                     try:
                         reply = attacker.client.request([cmd, sync(attacker.client.next_req())])
                         report.errors += bool(reply.deferred or reply.error)
-                        for record in [*reply.deferred, *([reply.error] if reply.error else [])]:
+                        replies = [reply]
+                        if repeat and not (reply.deferred or reply.error):
+                            replies.append(attacker.client.request([cmd, cmd, sync(attacker.client.next_req())]))
+                            report.calls += 2
+                        for record in [r for one in replies for r in [*one.deferred, *([one.error] if one.error else [])]]:
                             if _POINTER.search(str(record.get("message", ""))):
                                 report.leaks.append(f"{name}: {record['message'][:300]}")
                     except (GenieError, OSError, AssertionError) as exc:
@@ -296,10 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=int(time.time()), help="random seed (default: the time)")
     parser.add_argument("--calls", type=int, default=0, help="stop after this many calls (default: no limit)")
     parser.add_argument("--op", action="append", help="fuzz only this op (repeatable)")
+    parser.add_argument("--repeat", action="store_true",
+                        help="send each command that ran cleanly twice more, so it runs by its command plan")
     opts = parser.parse_args(argv)
     print(f"seed {opts.seed}", flush=True)
     report = run(seed=opts.seed, seconds=opts.seconds, max_calls=opts.calls, only=opts.op,
-                 log=lambda text: print(text, file=sys.stderr, flush=True))
+                 log=lambda text: print(text, file=sys.stderr, flush=True), repeat=opts.repeat)
     print(report.summary())
     for death in report.deaths:
         print("DEATH", death)
