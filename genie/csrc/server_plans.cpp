@@ -83,6 +83,13 @@ at::ScalarType dtype_of(py::handle obj) {
   return reinterpret_cast<THPDtype*>(obj.ptr())->scalar_type;
 }
 
+// A storage id as the key of the store's maps (a Python int, owned).
+py::object id_key(uint64_t id) {
+  PyObject* key = PyLong_FromUnsignedLongLong(id);
+  if (key == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(key);
+}
+
 int64_t monotonic_ns() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -314,11 +321,9 @@ class Runner {
 
   // The live storage `id` of `nbytes` bytes on `device`, or nullptr (borrowed from the store's map).
   PyObject* live(uint64_t id, int64_t nbytes, const c10::Device& device) {
-    PyObject* key = PyLong_FromUnsignedLongLong(id);
-    if (key == nullptr) throw py::error_already_set();
-    PyObject* storage = PyDict_GetItemWithError(storages_, key);
-    PyObject* size = storage != nullptr ? PyDict_GetItemWithError(sizes_, key) : nullptr;
-    Py_DECREF(key);
+    py::object key = id_key(id);
+    PyObject* storage = PyDict_GetItemWithError(storages_, key.ptr());
+    PyObject* size = storage != nullptr ? PyDict_GetItemWithError(sizes_, key.ptr()) : nullptr;
     if (PyErr_Occurred()) throw py::error_already_set();
     if (storage == nullptr || size == nullptr || !THPStorage_Check(storage) || !PyLong_Check(size)) return nullptr;
     int overflow = 0;
@@ -362,33 +367,19 @@ class Runner {
       ids.push_back(id);
     }
     if (pos != size) return false;
-    std::vector<std::pair<PyObject*, bool>> keys;  // (id, live)
-    auto release = [&keys]() {
-      for (auto& k : keys) Py_DECREF(k.first);
-    };
+    std::vector<std::pair<py::object, bool>> keys;  // (id, live)
     for (uint64_t id : ids) {
-      PyObject* key = PyLong_FromUnsignedLongLong(id);
-      if (key == nullptr) {
-        release();
-        throw py::error_already_set();
-      }
-      PyObject* storage = PyDict_GetItemWithError(storages_, key);
-      if (storage == nullptr && PyErr_Occurred()) {
-        Py_DECREF(key);
-        release();
-        throw py::error_already_set();
-      }
+      py::object key = id_key(id);
+      PyObject* storage = PyDict_GetItemWithError(storages_, key.ptr());
+      if (storage == nullptr && PyErr_Occurred()) throw py::error_already_set();
       if (storage != nullptr &&
-          (!THPStorage_Check(storage) || static_cast<int64_t>(THPStorage_Unpack(storage).nbytes()) >= pool_min)) {
-        Py_DECREF(key);
-        release();
+          (!THPStorage_Check(storage) || static_cast<int64_t>(THPStorage_Unpack(storage).nbytes()) >= pool_min))
         return false;  // the staging pool may want it: Python offers it
-      }
-      keys.emplace_back(key, storage != nullptr);
+      keys.emplace_back(std::move(key), storage != nullptr);
     }
-    bool ok = true;
-    for (auto& [key, is_live] : keys) {
-      if (!ok) break;
+    for (auto& [key_object, is_live] : keys) {
+      PyObject* key = key_object.ptr();
+      bool ok = true;
       bool released = false;
       if (is_live && PyDict_Contains(storages_, key) == 1) {  // freed twice in one command: once
         PyObject* size_obj = PyDict_GetItemWithError(sizes_, key);
@@ -408,9 +399,8 @@ class Runner {
         if (PySet_GET_SIZE(freed_) >= max_freed_) ok = PySet_Clear(freed_) == 0;
         ok = ok && PySet_Add(freed_, key) == 0;
       }
+      if (!ok) throw py::error_already_set();
     }
-    release();
-    if (!ok) throw py::error_already_set();
     return true;
   }
 
@@ -481,12 +471,10 @@ class Runner {
 
   // Whether the session made, freed or had poisoned storage `id`.
   bool known(uint64_t id) {
-    PyObject* key = PyLong_FromUnsignedLongLong(id);
-    if (key == nullptr) throw py::error_already_set();
-    int found = PyDict_Contains(storages_, key);
-    if (found == 0) found = PyDict_Contains(poisoned_, key);
-    if (found == 0) found = PySet_Contains(freed_, key);
-    Py_DECREF(key);
+    py::object key = id_key(id);
+    int found = PyDict_Contains(storages_, key.ptr());
+    if (found == 0) found = PyDict_Contains(poisoned_, key.ptr());
+    if (found == 0) found = PySet_Contains(freed_, key.ptr());
     if (found < 0) throw py::error_already_set();
     return found == 1;
   }
@@ -641,103 +629,59 @@ class Runner {
       }
     }
     if (results.size() != plan.outputs_.size()) return false;
-    std::vector<std::pair<uint64_t, const at::Tensor*>> fresh;
-    std::vector<PyObject*> keys;
-    auto release = [&keys]() {
-      for (PyObject* k : keys) Py_DECREF(k);
-    };
+    std::vector<std::pair<py::object, const at::Tensor*>> fresh;  // (id key, result) of each fresh result
     for (size_t k = 0; k < results.size(); ++k) {
       const Output& out = plan.outputs_[k];
       if (!out.wanted) continue;
       const at::Tensor* t = results[k];
       if (t == nullptr || !t->defined() || t->layout() != c10::kStrided || t->scalar_type() != out.dtype ||
           t->sizes() != c10::IntArrayRef(out.sizes) || t->strides() != c10::IntArrayRef(out.strides) ||
-          t->storage_offset() != out.offset || !t->has_storage()) {
-        release();
+          t->storage_offset() != out.offset || !t->has_storage())
         return false;
-      }
       uint64_t id = ids[out.slot];
       const c10::Storage& st = t->storage();
       int64_t nbytes = static_cast<int64_t>(st.nbytes());
-      if (!nbytes || id == 0 || id > kMaxStorageId) {
-        release();
-        return false;
-      }
+      if (!nbytes || id == 0 || id > kMaxStorageId) return false;
+      py::object key = id_key(id);
       for (const auto& f : fresh)
-        if (f.first == id) {
-          release();
-          return false;
-        }
-      PyObject* key = PyLong_FromUnsignedLongLong(id);
-      if (key == nullptr) {
-        release();
-        throw py::error_already_set();
-      }
-      keys.push_back(key);
-      PyObject* known = PyDict_GetItemWithError(storages_, key);
+        if (f.first.equal(key)) return false;
+      PyObject* known = PyDict_GetItemWithError(storages_, key.ptr());
       if (known != nullptr) {
-        if (!THPStorage_Check(known) || THPStorage_Unpack(known).data() != st.data()) {
-          release();
+        if (!THPStorage_Check(known) || THPStorage_Unpack(known).data() != st.data())
           return false;  // a copy into the known storage: the full rule does it
-        }
-        keys.pop_back();
-        Py_DECREF(key);
-        continue;  // in place
+        continue;        // in place
       }
-      if (PyErr_Occurred()) {
-        release();
-        throw py::error_already_set();
-      }
+      if (PyErr_Occurred()) throw py::error_already_set();
       for (PyObject* u : used) {
         const c10::Storage& held = THPStorage_Unpack(u);
-        if (held.nbytes() && held.data() == st.data()) {
-          release();
-          return false;  // the result lives in an input's storage: not fresh
-        }
+        if (held.nbytes() && held.data() == st.data()) return false;  // the result lives in an input's storage
       }
-      for (const auto& f : fresh) {
-        if (f.second->storage().data() == st.data()) {
-          release();
-          return false;  // two results over one fresh storage: the full rule gives it one id
-        }
-      }
-      if (nbytes != out.nbytes || t->numel() * static_cast<int64_t>(t->element_size()) != nbytes) {
-        release();
-        return false;
-      }
-      fresh.emplace_back(id, t);
+      for (const auto& f : fresh)
+        if (f.second->storage().data() == st.data()) return false;  // two results over one fresh storage
+      if (nbytes != out.nbytes || t->numel() * static_cast<int64_t>(t->element_size()) != nbytes) return false;
+      fresh.emplace_back(std::move(key), t);
     }
     // StorageStore.adopt's fast branch for all of them, or none (its slow branch raises the quota errors).
     int64_t count = PyDict_Size(storages_) + PyDict_Size(poisoned_);
     int64_t added = 0;
     for (const auto& f : fresh) added += static_cast<int64_t>(f.second->storage().nbytes());
-    if (count + static_cast<int64_t>(fresh.size()) > max_storages_ || (max_bytes_ && bytes_ + added > max_bytes_)) {
-      release();
+    if (count + static_cast<int64_t>(fresh.size()) > max_storages_ || (max_bytes_ && bytes_ + added > max_bytes_))
       return false;
-    }
     bool poisoned = PyDict_Size(poisoned_) > 0;
-    for (size_t k = 0; k < fresh.size(); ++k) {
-      PyObject* key = keys[k];
-      const c10::Storage& st = fresh[k].second->storage();
-      PyObject* wrapped = THPStorage_Wrap(st);
-      PyObject* nbytes = wrapped != nullptr ? PyLong_FromLongLong(static_cast<int64_t>(st.nbytes())) : nullptr;
-      bool ok = nbytes != nullptr && PyDict_SetItem(storages_, key, wrapped) == 0 &&
-                PyDict_SetItem(sizes_, key, nbytes) == 0;
-      Py_XDECREF(wrapped);
-      Py_XDECREF(nbytes);
-      if (ok && poisoned && PyDict_DelItem(poisoned_, key) != 0) {
-        if (PyErr_ExceptionMatches(PyExc_KeyError))
-          PyErr_Clear();
-        else
-          ok = false;
-      }
-      if (!ok) {
-        release();
+    for (const auto& [key, t] : fresh) {
+      const c10::Storage& st = t->storage();
+      auto wrapped = py::reinterpret_steal<py::object>(THPStorage_Wrap(st));
+      if (!wrapped) throw py::error_already_set();
+      py::int_ nbytes(static_cast<int64_t>(st.nbytes()));
+      if (PyDict_SetItem(storages_, key.ptr(), wrapped.ptr()) != 0 ||
+          PyDict_SetItem(sizes_, key.ptr(), nbytes.ptr()) != 0)
         throw py::error_already_set();
+      if (poisoned && PyDict_DelItem(poisoned_, key.ptr()) != 0) {
+        if (!PyErr_ExceptionMatches(PyExc_KeyError)) throw py::error_already_set();
+        PyErr_Clear();
       }
       bytes_ += static_cast<int64_t>(st.nbytes());
     }
-    release();
     return true;
   }
 
