@@ -163,7 +163,7 @@ class Executor:
     def clock(self, clock: OpClock | NullClock) -> None:
         self._clock = clock
         if self.native is not None:
-            self.native.set_clock(getattr(clock, "address", 0))
+            self.native.set_clock(clock.address)
 
     # -- batches ------------------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ from genie.server.outputs import fits_outs, flatten_outputs
 from genie.server.records import error as _error
 from genie.server.records import kind_of, shapes
 from genie.server.records import message as _message
-from genie.server.store import StorageStore
+from genie.server.store import MAX_REMEMBERED_FREES, StorageStore
 from genie.wire.messages import CMD_OP
 
 if TYPE_CHECKING:
@@ -367,7 +367,7 @@ def _timed(ex: Executor, plan: CommandPlan, args: list[Any], kwargs: dict[str, A
                                      plan.device_index)
     except Exception as exc:
         metrics.record_op(label, "error", _perf_counter() - started)  # metrics
-        return None, _error(label, _shapes(args, kwargs), "execution", _message(exc), out_ids)
+        return None, _kernel_error(plan, args, kwargs, exc, out_ids)
     finally:
         clock.end()  # isolation
         if plan.writes:
@@ -375,6 +375,35 @@ def _timed(ex: Executor, plan: CommandPlan, args: list[Any], kwargs: dict[str, A
     ex.ops_run += 1
     metrics.record_op(label, "ok", _perf_counter() - started)  # metrics
     return result, None
+
+
+def _kernel_error(plan: CommandPlan, args: list[Any], kwargs: dict[str, Any], exc: BaseException,
+                  out_ids: list[int]) -> dict[str, Any]:
+    """The deferred-error record of a kernel that raised ``exc``."""
+    return _error(plan.label, _shapes(args, kwargs), "execution", _message(exc), out_ids)
+
+
+def _out_ids(plan: CommandPlan, ids: tuple[int, ...]) -> list[int]:
+    """The storage ids a command run by ``plan`` fills: a CALL's last ``call_outs`` ids, an OP's output slots."""
+    if plan.call_outs >= 0:
+        return list(ids[len(ids) - plan.call_outs:])
+    return [ids[slot] for slot in plan.out_id_slots]
+
+
+def _finish(ex: Executor, plan: CommandPlan, ids: tuple[int, ...], out_ids: list[int], result: Any,
+            failed: dict[str, Any] | None, args: list[Any], kwargs: dict[str, Any],
+            used: dict[int, torch.UntypedStorage]) -> None:
+    """After the kernel: a CALL is answered (with its error when it failed), an OP's outputs are kept or
+    poisoned with the error."""
+    if plan.call_outs >= 0:
+        if failed is not None:
+            ex.fail_call(ids[0], failed, out_ids)
+        else:
+            ex.finish_call(plan.label, ids[0], result, out_ids)
+    elif failed is not None:
+        ex.fail_outputs(failed, out_ids)
+    else:
+        _store(ex, plan, result, ids, args, kwargs, used, out_ids)
 
 
 def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
@@ -385,12 +414,9 @@ def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
     if prepared is None:
         return False
     args, kwargs, used = prepared
-    out_ids = [ids[slot] for slot in plan.out_id_slots]
+    out_ids = _out_ids(plan, ids)
     result, failed = _timed(ex, plan, args, kwargs, used, ids, out_ids)
-    if failed is not None:
-        ex.fail_outputs(failed, out_ids)
-        return True
-    _store(ex, plan, result, ids, args, kwargs, used, out_ids)
+    _finish(ex, plan, ids, out_ids, result, failed, args, kwargs, used)
     return True
 
 
@@ -440,12 +466,9 @@ def _run_call(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
     if prepared is None:
         return False
     args, kwargs, used = prepared
-    req, out_ids, label = ids[0], list(ids[end:]), plan.label
+    out_ids = _out_ids(plan, ids)
     result, failed = _timed(ex, plan, args, kwargs, used, ids, out_ids)
-    if failed is not None:
-        ex.fail_call(req, failed, out_ids)
-    else:
-        ex.finish_call(label, req, result, out_ids)
+    _finish(ex, plan, ids, out_ids, result, failed, args, kwargs, used)
     return True
 
 
@@ -502,8 +525,6 @@ def _adopt(plan: CommandPlan, result: Any, ids: tuple[int, ...], storages: dict[
 
 def new_runner() -> Any:
     """A session's native plan runner, or None where the extension was not built."""
-    from genie.server.store import MAX_REMEMBERED_FREES
-
     return Runner(MAX_KEYED_BYTES, MAX_REMEMBERED_FREES) if Runner is not None else None
 
 
@@ -523,27 +544,18 @@ def finish_native(ex: Executor, plan: CommandPlan, outcome: tuple[Any, ...]) -> 
     """Finish a command whose kernel the native runner ran (``Runner.run``'s outcome other than a ready
     ``reply``, which the executor sends), as :func:`run` does."""
     kind, ids, used = outcome[0], outcome[2], outcome[-1]
-    call = plan.call_outs >= 0
-    out_ids = list(ids[len(ids) - plan.call_outs:]) if call else [ids[slot] for slot in plan.out_id_slots]
-    label = plan.label
+    out_ids = _out_ids(plan, ids)
     ex.set_current(plan.device, used)  # as _prepare does: the rules below read the storages it used
-    if kind == "call":
-        ex.finish_call(label, ids[0], outcome[3], out_ids)
+    if kind == "call":  # it ran cleanly and resized nothing: (..., result, used)
+        _finish(ex, plan, ids, out_ids, outcome[3], None, [], {}, used)
         return
     if plan.writes:  # as _timed does, whether the kernel failed or not
         ex.account_resizes(used)
-    if kind == "failed":  # the kernel raised: (..., exception, input tensors, used)
-        args, kwargs = _arguments(plan, outcome[4])
-        record = _error(label, _shapes(args, kwargs), "execution", _message(outcome[3]), out_ids)
-        if call:
-            ex.fail_call(ids[0], record, out_ids)
-        else:
-            ex.fail_outputs(record, out_ids)
-        return
-    # "outputs": a result the full output rule decides on, or a storage the op resized in place
-    result, tensors = outcome[3], outcome[4]
-    if call:
-        ex.finish_call(label, ids[0], result, out_ids)
-        return
-    args, kwargs = _arguments(plan, tensors)
-    _store(ex, plan, result, ids, args, kwargs, used, out_ids)
+    # "failed": (..., exception, input tensors, used); "outputs": (..., result, input tensors, used), a result
+    # the full output rule decides on or a storage the op resized in place
+    args, kwargs = _arguments(plan, outcome[4])
+    if kind == "failed":
+        _finish(ex, plan, ids, out_ids, None, _kernel_error(plan, args, kwargs, outcome[3], out_ids), args, kwargs,
+                used)
+    else:
+        _finish(ex, plan, ids, out_ids, outcome[3], None, args, kwargs, used)

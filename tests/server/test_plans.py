@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import msgpack
 import pytest
@@ -421,17 +421,12 @@ def test_the_native_runner_keeps_the_op_clock_of_a_session_worker() -> None:
     from genie.server.store import StorageStore
     from genie.wire.frame import FrameHeader, MsgKind
     from tests.raw_client import pack_body
-
-    class Sink:
-        peer = "test"
-
-        def sendv(self, buffers: Any) -> None:
-            return
+    from tests.transport.transport_fakes import FakeChannel
 
     if plans.Runner is None:
         pytest.skip("genie._C_plans was not built")
     clock = OpClock()
-    ex = Executor(cast(Any, Sink()), StorageStore(), [torch.device("cpu")])
+    ex = Executor(FakeChannel("test"), StorageStore(), [torch.device("cpu")])
     ex.clock = clock
     x = torch.empty(1200, 1200)
 

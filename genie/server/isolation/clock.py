@@ -77,6 +77,8 @@ def _rebuild(dup: Any) -> OpClock:
 class NullClock:
     """What an executor times its ops with when no supervisor watches (sessions in threads)."""
 
+    address = 0  #: no page: the native plan runner writes no clock
+
     def begin(self, label: str) -> None:
         return
 
