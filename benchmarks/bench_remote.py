@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_remote.py            # about 1 minute on 2 cores
     .venv/bin/python benchmarks/bench_remote.py --quick    # fewer samples, no 1 GiB memory case
 
-Starts a real ``genie serve --devices cpu`` on loopback and connects with
+Starts a real ``genie serve --devices cpu`` (``--server-devices cuda:0`` on a GPU host) on loopback and connects with
 ``genie.init_sync``. Baselines, measured in the same run: a blocking-socket echo
 server process (64 B round trip with TCP_NODELAY; bulk ``sendall``/``recv_into``),
 local CPU matmul, and two ``torch.distributed.rpc`` processes (TensorPipe over
@@ -398,10 +398,10 @@ def _remote_square(a: Any, dev: str) -> Any:
     return x @ x
 
 
-def measure_memory(kids: c.Children) -> dict[str, Any]:
+def measure_memory(kids: c.Children, server_devices: str) -> dict[str, Any]:
     from genie.cluster.launch import NodeProcess
 
-    with NodeProcess("serve", "--port", "0", "--devices", "cpu") as server:
+    with NodeProcess("serve", "--port", "0", "--devices", server_devices) as server:
         c.quiet(server)
         port = server.control_port  # --port 0: any free port, bound
         client = kids.start([sys.executable, os.path.abspath(__file__), "--role", "memclient",
@@ -466,6 +466,8 @@ def main() -> int:
     parser.add_argument("--rpc-port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--genie-port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--samples", type=int, default=2000, help="round trips per latency figure")
+    parser.add_argument("--server-devices", default="cpu",
+                        help="the server's --devices (cuda:0 on a GPU host; the local baselines stay on the CPU)")
     args = parser.parse_args()
     if args.role == "echo":
         return child_echo()
@@ -487,7 +489,8 @@ def run_parent(kids: c.Children, args: argparse.Namespace, samples: int, rounds:
     from genie.cluster.launch import NodeProcess
 
     print(f"bench_remote: torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
-          f"network namespace: {'private' if os.environ.get(c.NETNS_ENV) == '1' else 'host'}")
+          f"network namespace: {'private' if os.environ.get(c.NETNS_ENV) == '1' else 'host'}, "
+          f"server devices: {args.server_devices}")
     table = c.Table()
     load = c.MachineLoad()
 
@@ -512,7 +515,7 @@ def run_parent(kids: c.Children, args: argparse.Namespace, samples: int, rounds:
               f"= {rpc_rate / raw_bulk_rate:.2f}x raw{'' if rpc['bulk_ok'] else '  (CONTENT MISMATCH)'}  (anchor)")
 
         # -- genie --------------------------------------------------------------------------------
-        with NodeProcess("serve", "--port", "0", "--devices", "cpu") as server:
+        with NodeProcess("serve", "--port", "0", "--devices", args.server_devices) as server:
             c.quiet(server)
             port = server.control_port  # --port 0: any free port, bound
             g = measure_genie(port, raw, samples, 20_000 if not args.quick else 5_000, rounds,
@@ -598,7 +601,7 @@ def run_parent(kids: c.Children, args: argparse.Namespace, samples: int, rounds:
 
     # -- memory ---------------------------------------------------------------------------------
     if not args.quick:
-        m = measure_memory(kids)
+        m = measure_memory(kids, args.server_devices)
         gib = float(MEM_BYTES)
         client_peak = m["hwm_after"] - m["rss_before"]
         server_peak = m["server_hwm"] - m["server_before"]

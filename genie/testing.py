@@ -18,6 +18,8 @@ Events:
 Servers and clusters (real processes on loopback, always stopped, even when a test fails):
 
 - ``genie_serve``: one bare data-plane server process (``python -m genie.server``) per test session.
+  Its ``--devices`` are :func:`shared_server_devices`: two CPU devices, or what
+  ``GENIE_TEST_SERVER_DEVICES`` names (``cuda:0,cuda:0`` runs the same tests with the server on a GPU).
 - ``genie_inproc_server(devices=2, transport=None, **options)``: an in-process
   :class:`~genie.server.DataPlaneServer` (TCP unless told otherwise) on port 0; ``.port`` is bound.
 - ``genie_cluster(workers=("w1",), ...)``: a :class:`LocalCluster`, a ``genie serve`` master on port 0
@@ -78,6 +80,7 @@ __all__ = [
     "announce_node",
     "refused_port",
     "serve_subprocess",
+    "shared_server_devices",
     "wait_until",
     "wait_until_async",
 ]
@@ -292,10 +295,19 @@ def serve_subprocess(*args: str, ready_timeout: float = 60.0, log_level: str = "
         yield server
 
 
+def shared_server_devices() -> str:
+    """The ``--devices`` of a test session's shared servers: ``GENIE_TEST_SERVER_DEVICES`` or ``cpu,cpu``.
+
+    Two logical devices, so tests reach ``remote_accelerator:0`` and ``:1``; on a GPU host
+    ``GENIE_TEST_SERVER_DEVICES=cuda:0,cuda:0`` puts both on the GPU.
+    """
+    return os.environ.get("GENIE_TEST_SERVER_DEVICES", "").strip() or "cpu,cpu"
+
+
 @pytest.fixture(scope="session")
 def genie_serve() -> Iterator[NodeProcess]:
-    """One data-plane server process (``--port 0 --devices cpu,cpu``) shared by a test session, killed at the end."""
-    with serve_subprocess("--port", "0", "--devices", "cpu,cpu") as server:
+    """One data-plane server process (``--port 0``, :func:`shared_server_devices`) shared by a test session."""
+    with serve_subprocess("--port", "0", "--devices", shared_server_devices()) as server:
         yield server
 
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import settings
 
 from genie.cluster.launch import NodeProcess
-from genie.testing import refused_port, wait_until
+from genie.testing import refused_port, shared_server_devices, wait_until
 
 __all__ = ["refused_port", "unused_port", "wait_until"]  # re-exported for the suite's modules
 
@@ -21,6 +21,18 @@ __all__ = ["refused_port", "unused_port", "wait_until"]  # re-exported for the s
 # (and in review), never only in the CI run that happened to draw it.
 settings.register_profile("genie", derandomize=True)
 settings.load_profile("genie")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``cpu_server`` tests are skipped when the shared server computes on a GPU: CUDA kernels round
+    differently from CPU ones, and an out-of-range index is a device-side assert there, not an error."""
+    devices = shared_server_devices()
+    if "cuda" not in devices:
+        return
+    skip = pytest.mark.skip(reason=f"needs the shared server on CPU devices (GENIE_TEST_SERVER_DEVICES={devices})")
+    for item in items:
+        if item.get_closest_marker("cpu_server"):
+            item.add_marker(skip)
 
 
 def unused_port() -> int:
@@ -37,8 +49,12 @@ def unused_port() -> int:
 
 @pytest.fixture(scope="session")
 def cpu_server() -> Iterator[NodeProcess]:
-    """A real `genie serve` process exposing two CPU devices (remote_accelerator:0 and :1), on any free port."""
-    with NodeProcess("serve", "--port", "0", "--devices", "cpu,cpu",
+    """A real `genie serve` process exposing two devices (remote_accelerator:0 and :1), on any free port.
+
+    Two CPU devices, or the GPU twice under ``GENIE_TEST_SERVER_DEVICES=cuda:0,cuda:0`` (the name stays:
+    most of the suite's modules ask for it).
+    """
+    with NodeProcess("serve", "--port", "0", "--devices", shared_server_devices(),
                      "--heartbeat-interval", "0.2", "--heartbeat-timeout", "2") as server:
         yield server
 

@@ -285,9 +285,11 @@ class Runtime:
             # (discovery's choice for nodes that serve).
             state.backend = session_backend(table) or state.backend
             from genie.device import ensure_registered
+            from genie.device.registration import prime_autograd
             from genie.device.registry import set_default_index, set_table
 
             ensure_registered()
+            prime_autograd()  # done at import already, except on a host with a CUDA driver
             set_table(table)
             self._placement_view = (time.monotonic(), ClusterFigures.from_reply(snapshot))
             if len(table):

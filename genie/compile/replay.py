@@ -155,9 +155,6 @@ def _run_meta(gm: fx.GraphModule, lowered: Lowered, inputs: list[Any], kind: str
                     out = n.target(*args, **kwargs)
                 except (NotImplementedError, RuntimeError) as exc:
                     return _fallback(f"{n.name} ({n.target}) has no usable meta kernel: {str(exc)[:200]}")
-                fixup = dispatch.META_FIXUPS.get(n.target)
-                if fixup is not None:
-                    out = _fixed(out, fixup, args, kwargs)
                 by_kind = dispatch.KIND_FIXUPS.get(n.target)
                 if by_kind is not None and kind in by_kind:
                     out = _fixed(out, by_kind[kind], args, kwargs)
@@ -194,7 +191,7 @@ def _run_meta(gm: fx.GraphModule, lowered: Lowered, inputs: list[Any], kind: str
 
 
 def _fixed(out: Any, fixup: Any, args: Any, kwargs: Any) -> Any:
-    """Apply a :data:`genie.device.dispatch.META_FIXUPS` or ``KIND_FIXUPS`` rule (where meta and real kernels disagree)."""
+    """Apply a :data:`genie.device.dispatch.KIND_FIXUPS` rule (where meta and the real kernels disagree)."""
     metas, spec = dmeta.describe(out)
     fixed = fixup(metas, args, kwargs)
     if fixed == metas:

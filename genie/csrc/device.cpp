@@ -25,6 +25,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Generator.h>
+#include <torch/headeronly/version.h>
 
 #include <array>
 #include <atomic>
@@ -498,6 +499,9 @@ using at::Scalar;
 using at::ScalarType;
 using at::IntArrayRef;
 using at::Tensor;
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
+using at::DimnameList;  // torch 2.11's list names it unqualified too (a GPU machine's image has 2.11)
+#endif
 #define GENIE_LOW(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
 #define GENIE_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
 #define GENIE_FP32_SET_OPT_DTYPE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)

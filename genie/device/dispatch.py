@@ -305,9 +305,6 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
         except dmeta.NeedsServer:
             return call_on_server(func, args, kwargs, device)
         values = [None if isinstance(o, torch.Tensor) else o for o in flat]
-        fixup = META_FIXUPS.get(func)
-        if fixup is not None:
-            metas = fixup(metas, args, kwargs)
         if info.by_kind is not None and device.kind in info.by_kind:
             metas = info.by_kind[device.kind](metas, args, kwargs)
         # Whether an in-place/out= target must change layout: the signature holds the target's
@@ -473,22 +470,15 @@ SERVER_OPS = frozenset({
     _aten.unique_dim.default,
 })
 
-def _batch_norm_eval(metas: list[Any], args: Any, kwargs: Any) -> list[Any]:
-    """Outside training the real kernels return empty saved mean/invstd; the meta kernel does not."""
+def _batch_norm_eval_cpu(metas: list[Any], args: Any, kwargs: Any) -> list[Any]:
+    """Outside training the CPU kernel returns empty saved mean/invstd; the meta kernel answers as the CUDA
+    kernel does (the running mean and invstd, one per channel: torch's decomposition notes the same split)."""
     training = args[5] if len(args) > 5 else kwargs.get("training")
     if training:
         return metas
     empty = (metas[1][0], (0,), (1,), 0)
     return [metas[0], empty, empty]
 
-
-#: Where a meta kernel's output layout differs from the real kernels' (the server checks it).
-META_FIXUPS: dict[Any, Any] = {
-    _aten.native_batch_norm.default: _batch_norm_eval,
-    # graph branch: AOTAutograd's graphs (torch.compile) call the _legit forms; the same rule holds for them
-    _aten._native_batch_norm_legit.default: _batch_norm_eval,
-    _aten._native_batch_norm_legit_no_training.default: lambda m, a, k: _batch_norm_eval(m, (*a[:5], False), {}),
-}
 
 #: The argument names of _embedding_bag and _embedding_bag_forward_only (one schema).
 _BAG_ARGS = tuple(a.name for a in _aten._embedding_bag.default._schema.arguments)
@@ -521,6 +511,11 @@ def _embedding_bag_cpu(metas: list[Any], args: Any, kwargs: Any, forward_only: b
 #: Where the real kernels' output layout depends on the server's device type (``RemoteDevice.kind``); the
 #: meta cache keys these ops on that type too.
 KIND_FIXUPS: dict[Any, dict[str, Any]] = {
+    _aten.native_batch_norm.default: {"cpu": _batch_norm_eval_cpu},
+    # graph branch: AOTAutograd's graphs (torch.compile) call the _legit forms; the same rule holds for them
+    _aten._native_batch_norm_legit.default: {"cpu": _batch_norm_eval_cpu},
+    _aten._native_batch_norm_legit_no_training.default: {
+        "cpu": lambda m, a, k: _batch_norm_eval_cpu(m, (*a[:5], False), {})},
     _aten._embedding_bag.default: {"cpu": _embedding_bag_cpu},
     _aten._embedding_bag_forward_only.default: {"cpu": functools.partial(_embedding_bag_cpu, forward_only=True)},
 }

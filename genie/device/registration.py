@@ -4,7 +4,8 @@ Done once per process, when :mod:`genie.device` is imported: rename PrivateUse1,
 ``genie._C`` (allocator, device guard, hooks, metadata kernels, autocast lists), register the
 ``torch.remote_accelerator`` module and the Python fallback that turns every other op into a
 command, and start autograd's engine while the guard reports room for every device index we
-may use (the engine sizes its per-device queues once, at its first backward).
+may use (the engine sizes its per-device queues once, at its first backward; on a host with a
+CUDA driver that waits for ``genie.init()``, see :func:`prime_autograd`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ log = logging.getLogger("genie.device")
 
 _lock = threading.Lock()
 _done = False
+_primed = False
 _libraries: list[Any] = []
 
 
@@ -56,13 +58,35 @@ def _whole(op: Any) -> Any:
     return kernel
 
 
-def _prime_autograd() -> None:
-    """Run a tiny CPU backward while the guard reports the maximum device count.
+def _cuda_driver_here() -> bool:
+    """Whether priming would initialise a CUDA driver on this host (checked without initialising it).
+
+    Autograd's engine asks every device type for its count when it starts, and CUDA answers by
+    initialising its driver. A process that has done so cannot use CUDA in a ``fork()``ed child
+    ("CUDA error: initialization error"): ``genie serve``'s session workers are such children of a
+    zygote that imported torch, and so are a user's forked data workers. torch itself never
+    initialises CUDA at import, so neither may genie.
+    """
+    if not torch.cuda._is_compiled() or torch.cuda.is_initialized():
+        return False
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/dxg"))
+
+
+def prime_autograd() -> None:
+    """Start autograd's engine while the guard reports the maximum device count (once per process).
 
     Autograd's engine starts its device threads once, sized by the largest deviceCount() of the
     registered device guards at that moment; a CPU backward before ``genie.init()`` would
     otherwise leave no queue for ``remote_accelerator:N`` and remote backward would fail.
+    Registration does this at import, except on a host with a CUDA driver (see
+    :func:`_cuda_driver_here`), where ``genie.init()`` does it instead: there a backward run before
+    ``genie.init()`` sizes the engine by the local GPU count.
     """
+    global _primed
+    with _lock:
+        if _primed:
+            return
+        _primed = True
     _C.set_max_devices(int(os.environ.get("GENIE_MAX_DEVICES", "16")))
     _C.set_priming(True)
     try:
@@ -101,8 +125,9 @@ def ensure_registered() -> None:
         _C.set_sync_hook(module._sync_hook)
         dconn.free_router = _route_frees
         _inductor.install()  # torch.compile's default backend hands remote graphs to backend="genie"
-        _prime_autograd()
         _done = True
+    if not _cuda_driver_here():
+        prime_autograd()
 
 
 def autoload() -> None:

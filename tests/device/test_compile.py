@@ -130,6 +130,7 @@ class Bags(nn.Module):
         return self.bag(ids, self.offsets)
 
 
+@pytest.mark.cpu_server
 def test_embedding_bag_training_replayed_matches_op_by_op_on_a_cpu_server() -> None:
     """The CPU kernel's offset2bag/bag_size come back in other shapes than torch's meta kernel says (it
     answers for CUDA); a replayed graph keeps them as saved outputs, so the graph's meta run applies the

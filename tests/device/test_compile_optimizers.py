@@ -49,18 +49,21 @@ def _same(remote: list[torch.Tensor], local: list[torch.Tensor]) -> None:
         assert torch.equal(r, c), f"parameter {i} differs by {(r - c).abs().max().item()}"
 
 
+@pytest.mark.cpu_server
 @pytest.mark.parametrize("opt_name", ["AdamW", "Adam", "SGD"])
 def test_fused_steps_op_by_op_are_bit_identical_to_cpu_fused(opt_name: str) -> None:
     """``fused=True``: one ``_fused_*_`` op per step (it returns nothing: no output is expected of it)."""
     _same(_train(D0, opt_name, fused=True), _train("cpu", opt_name, fused=True))
 
 
+@pytest.mark.cpu_server
 @pytest.mark.parametrize("opt_name", ["AdamW", "SGD"])
 def test_foreach_true_steps_op_by_op_are_bit_identical_to_cpu_foreach(opt_name: str) -> None:
     _same(_train(D0, opt_name, foreach=True), _train("cpu", opt_name, foreach=True))
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_server
 def test_fused_adamw_with_a_compiled_model_and_step_matches_cpu() -> None:
     """torch does not trace into fused optimizers (``torch.compiler.disable``): the compiled step runs the
     fused op eagerly on the device, the model's graphs replay; the result equals CPU's fused AdamW."""
@@ -69,6 +72,7 @@ def test_fused_adamw_with_a_compiled_model_and_step_matches_cpu() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_server
 def test_foreach_adamw_compiled_matches_cpu_compiled_bit_for_bit() -> None:
     """foreach=True compiled: the same aten graph as aot_eager on CPU (its CPU step counters make the step
     graph run op by op on the device, as the backend's rule for written CPU inputs says)."""

@@ -17,6 +17,7 @@ def test_shape_errors_surface_at_the_line_that_caused_them(remote) -> None:
         a @ b
 
 
+@pytest.mark.cpu_server  # on CUDA the bad index is a device-side assert, which ends the session's CUDA context
 def test_server_side_failure_surfaces_at_the_next_sync_point_naming_the_op(remote) -> None:
     idx = torch.tensor([0, 7], device=D0)  # out of range for a 3-row table: only the server can know
     table = torch.randn(3, 2, device=D0)

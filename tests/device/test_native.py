@@ -348,8 +348,6 @@ def current_device_0() -> Iterator[None]:
 
 
 def test_streams_events_and_accelerator_synchronize_wait_for_the_server(current_device_0: None) -> None:
-    from genie.errors import RemoteExecutionError
-
     stream = torch.remote_accelerator.current_stream(D0)  # type: ignore[attr-defined]
     assert stream.device == torch.device(D0)
     event = torch.Event(device=D0)
@@ -357,6 +355,14 @@ def test_streams_events_and_accelerator_synchronize_wait_for_the_server(current_
     event.record()
     event.synchronize()
     assert event.query()
+    assert x.sum().item() == 12.0
+
+
+@pytest.mark.cpu_server  # on CUDA the bad index is a device-side assert, which ends the session's CUDA context
+def test_accelerator_synchronize_raises_what_failed_on_the_server(current_device_0: None) -> None:
+    from genie.errors import RemoteExecutionError
+
+    x = torch.ones(4, device=D0) * 3
     picked = torch.randn(3, device=D0)[torch.tensor([0, 9], device=D0)]  # out of range: only the server knows
     with pytest.raises(RemoteExecutionError, match="aten::index"):
         torch.accelerator.synchronize()

@@ -20,6 +20,7 @@ def test_torch_defaults_to_foreach_on_the_device() -> None:
     assert _default_to_fused_or_foreach(params, differentiable=False, use_fused=False) == (False, True)
 
 
+@pytest.mark.cpu_server
 @pytest.mark.parametrize("opt_name", ["SGD", "Adam", "AdamW"])
 def test_foreach_steps_are_bit_identical_to_cpu_foreach(opt_name: str) -> None:
     """The device's default (foreach) against CPU forced to foreach: the same kernels, the same bits."""

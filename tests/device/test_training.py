@@ -33,8 +33,17 @@ def _forward_backward(module: nn.Module, inputs: list[torch.Tensor], device: str
         lambda: (nn.Embedding(10, 6), [torch.tensor([[1, 2, 3], [4, 5, 9]])]),
         lambda: (nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True),
                  [torch.randn(2, 5, 16)]),
+        # A layer before the padding, so its gradients pass through the padding's backward.
+        lambda: (nn.Sequential(nn.Conv2d(3, 4, 1), nn.Conv2d(4, 2, 3, padding=1, padding_mode="reflect")),
+                 [torch.randn(2, 3, 8, 8)]),
+        lambda: (nn.Sequential(nn.Conv2d(3, 4, 1), nn.Conv2d(4, 2, 3, padding=1, padding_mode="replicate")),
+                 [torch.randn(2, 3, 8, 8)]),
+        lambda: (nn.Sequential(nn.Conv1d(3, 4, 1), nn.ReplicationPad1d(2), nn.Conv1d(4, 2, 3)), [torch.randn(2, 3, 9)]),
+        lambda: (nn.Sequential(nn.Conv3d(2, 3, 1), nn.ReflectionPad3d(1), nn.Conv3d(3, 2, 3)), [torch.randn(1, 2, 4, 5, 5)]),
+        lambda: (nn.Sequential(nn.Conv3d(2, 3, 1), nn.ReplicationPad3d(1), nn.Conv3d(3, 2, 3)), [torch.randn(1, 2, 4, 5, 5)]),
     ],
-    ids=["Linear", "Conv2d", "BatchNorm2d", "LayerNorm", "Embedding", "TransformerEncoderLayer"],
+    ids=["Linear", "Conv2d", "BatchNorm2d", "LayerNorm", "Embedding", "TransformerEncoderLayer", "Conv2d-reflect",
+         "Conv2d-replicate", "ReplicationPad1d", "ReflectionPad3d", "ReplicationPad3d"],
 )
 def test_module_forward_and_backward_match_cpu(make) -> None:
     torch.manual_seed(0)

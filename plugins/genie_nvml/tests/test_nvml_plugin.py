@@ -1,5 +1,6 @@
 """genie-nvml: success paths against a FAKE pynvml module and a FAKE nvidia-smi script; the real
-"library not found" path on this machine; the hooks and the GPU health checks."""
+"library not found" path on this machine; the real library on a GPU host (skipped elsewhere); the hooks
+and the GPU health checks."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import ctypes.util
 import os
 import shutil
 import stat
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -142,6 +144,59 @@ def test_installed_plugin_loads_through_its_entry_point_and_reports_no_gpus() ->
     results = [c.check() for c in pm.health_checks() if c.name.startswith("gpu_")]
     assert len(results) == 3
     assert all(r.status is NodeStatus.HEALTHY and "NVML library not found" in r.message for r in results)
+
+
+def _nvml_works() -> bool:
+    """True on a host whose real pynvml initialises (a GPU and its driver): the GPU-host tests below."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+    except Exception:  # no library, no driver, no GPU: all mean "not a GPU host"
+        return False
+    return True
+
+
+gpu_host = pytest.mark.skipif(not _nvml_works(), reason="needs a real NVIDIA GPU and driver (NVML); none here")
+
+
+def _smi_gpus() -> list[str]:
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True).stdout
+    return [line for line in out.splitlines() if line.startswith("GPU ")]
+
+
+@gpu_host
+def test_real_nvml_on_a_gpu_host_reads_every_gpu_nvidia_smi_lists() -> None:
+    """REAL GPU: the reader over the real library sees the GPUs ``nvidia-smi -L`` lists, with live figures."""
+    listed = _smi_gpus()
+    reader = NvmlReader()
+    try:
+        reading = reader.read()
+    finally:
+        reader.close()
+    assert reading.source == "nvml" and reading.driver_version
+    assert len(reading.gpus) == len(listed) >= 1
+    for gpu, line in zip(reading.gpus, listed, strict=True):
+        assert gpu["name"] in line and gpu["uuid"] in line, (gpu, line)
+        assert gpu["memory_total"] >= 1 << 30 and 0 <= gpu["memory_used"] <= gpu["memory_total"]
+        assert 0 <= gpu["utilization"] <= 100 and 0 < gpu["temperature"] < 110
+        assert gpu["power_watts"] > 0 and gpu["clock_memory_mhz"] > 0
+        assert "nvml_errors" not in gpu, gpu["nvml_errors"]
+
+
+@gpu_host
+def test_installed_plugin_on_a_gpu_host_reports_its_gpus_and_grades_them() -> None:
+    """REAL GPU: the plugin through its entry point: the monitor's snapshot lists the GPUs, and the three
+    GPU checks give a verdict per GPU (a GPU that really is hot or full may grade worse than healthy)."""
+    count = len(_smi_gpus())
+    pm = PluginManager(autoload=True, environ={"GENIE_PLUGINS": "nvml"})
+    snapshot = ResourceMonitor(pm, NODE).collect()
+    assert snapshot.metrics["nvml"]["available"] is True and snapshot.metrics["nvml"]["source"] == "nvml"
+    assert len(snapshot.gpus) == count and all(g["memory_total"] > 0 for g in snapshot.gpus)
+    results = [c.check() for c in pm.health_checks() if c.name.startswith("gpu_")]
+    assert len(results) == 3 and all(r.message for r in results)
+    assert all(r.status is not NodeStatus.UNHEALTHY for r in results), [r.message for r in results]
 
 
 # -- nvidia-smi fallback through a FAKE script ---------------------------------------------------------
