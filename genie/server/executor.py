@@ -32,6 +32,7 @@ from genie.errors import (
     GenieError,
     ProtocolError,
     QuotaExceededError,
+    RemoteDeviceLost,
 )
 from genie.server import codec, controls, plans, preflight, transfers
 from genie.server.codec import Descriptor, check_id, is_int
@@ -54,6 +55,10 @@ log = logging.getLogger("genie.server.executor")
 
 #: Most deferred errors kept between two replies; the rest are counted.
 MAX_DEFERRED = 256
+#: CUDA's sticky errors: after one, the process's CUDA context is unusable and every later op fails too.
+STICKY_DEVICE_ERRORS = ("device-side assert triggered", "an illegal memory access was encountered",
+                        "unspecified launch failure", "misaligned address", "an illegal instruction was encountered",
+                        "uncorrectable ECC error")
 #: Most commands in one batch.
 MAX_COMMANDS = 1 << 20
 
@@ -108,6 +113,18 @@ def op_plan(name: Any) -> _OpPlan:
         plan = _OpPlan(name)  # resolve_op checks the name, whatever its type
         _plans[name] = plan
     return plan
+
+
+def context_lost(records: Sequence[dict[str, Any] | None]) -> str | None:
+    """Why the session's device context is lost, when one of these error records is a CUDA sticky error."""
+    for record in records:
+        message = record.get("message", "") if isinstance(record, dict) else ""
+        if "CUDA error" in message and any(sticky in message for sticky in STICKY_DEVICE_ERRORS):
+            first = message.strip().splitlines()[0]
+            return (f"{record.get('op') or 'an op'} failed with '{first}', which leaves the session's CUDA context "
+                    "unusable (a device-side assert is often an index out of range): its tensors are gone; "
+                    "reconnect with genie.shutdown() and genie.init()")
+    return None
 
 
 class _CommandFailed(Exception):
@@ -568,6 +585,10 @@ class Executor:
         body = codec.packb([req if is_int(req) else None, error, result, deferred])
         send_frame(self.channel, MsgKind.REPLY, body, payload)
         del keep  # the payload views point into this tensor: it must outlive the send
+        if error is not None or deferred:
+            lost = context_lost([error, *deferred])
+            if lost is not None:  # the client has the op's error; the session cannot go on
+                raise RemoteDeviceLost(lost)
 
 
     # -- the interface of command hooks (genie.server.graphs uses it instead of the privates above) -------

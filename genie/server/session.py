@@ -35,7 +35,14 @@ from typing import Any
 
 import torch
 
-from genie.errors import ConnectionClosedError, FrameError, GenieError, ProtocolError, QuotaExceededError
+from genie.errors import (
+    ConnectionClosedError,
+    FrameError,
+    GenieError,
+    ProtocolError,
+    QuotaExceededError,
+    RemoteDeviceLost,
+)
 from genie.security import REFUSALS
 from genie.server import graphs as _graphs  # noqa: F401 - registers CMD_GRAPH and CMD_REPLAY with the executor
 from genie.server.executor import Executor
@@ -127,6 +134,9 @@ class Session:
         except QuotaExceededError as exc:
             log.warning("closing session %d (%s): %s", self.session_id, self.peer, exc)
             self._send_quietly(MsgKind.ERROR, {"code": "quota", "reason": str(exc)})
+        except RemoteDeviceLost as exc:  # a CUDA sticky error: with isolation none, the node's other sessions too
+            log.error("closing session %d (%s): %s", self.session_id, self.peer, exc)
+            self._send_quietly(MsgKind.ERROR, {"code": "lost", "reason": str(exc)})
         except (FrameError, ProtocolError) as exc:
             log.warning("closing session %d (%s): %s", self.session_id, self.peer, exc)
             self._send_quietly(MsgKind.ERROR, {"code": "frame", "reason": str(exc)})
