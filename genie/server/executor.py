@@ -118,7 +118,9 @@ def op_plan(name: Any) -> _OpPlan:
 def context_lost(records: Sequence[dict[str, Any] | None]) -> str | None:
     """Why the session's device context is lost, when one of these error records is a CUDA sticky error."""
     for record in records:
-        message = record.get("message", "") if isinstance(record, dict) else ""
+        if not isinstance(record, dict):
+            continue
+        message = str(record.get("message", ""))
         if "CUDA error" in message and any(sticky in message for sticky in STICKY_DEVICE_ERRORS):
             first = message.strip().splitlines()[0]
             return (f"{record.get('op') or 'an op'} failed with '{first}', which leaves the session's CUDA context "
