@@ -46,3 +46,43 @@ def test_cpu_backward_before_init_leaves_remote_backward_working_on_every_device
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
     assert "remote_accelerator:1 [3.0, 3.0, 3.0]" in out.stdout, out.stdout + out.stderr
     assert "remote_accelerator:0 [3.0, 3.0, 3.0]" in out.stdout
+
+
+def test_on_a_simulated_gpu_host_autograd_is_primed_by_init_not_at_import(tmp_path) -> None:
+    """On a host with a CUDA driver, registration must not start autograd's engine (that initialises the
+    CUDA driver, and a forked child, genie serve's session workers included, can then not use CUDA):
+    genie.init() does it. This machine has no GPU: the driver's presence is SIMULATED (a CUDA build and
+    /dev/nvidiactl reported while the device registers); the real case ran on an H200
+    (tests/device/test_gpu_host.py)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "gpu_host_priming.py"
+    script.write_text(textwrap.dedent("""
+        import os, socket, torch
+        real_exists, real_compiled = os.path.exists, torch.cuda._is_compiled
+        os.path.exists = lambda p: p == "/dev/nvidiactl" or real_exists(p)
+        torch.cuda._is_compiled = lambda: True
+        from genie.device import registration
+        registration.ensure_registered()
+        os.path.exists, torch.cuda._is_compiled = real_exists, real_compiled
+        print("primed at import:", registration._primed, flush=True)
+        import genie
+        from genie.cluster.launch import NodeProcess
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        with NodeProcess("serve", "--port", str(port), "--devices", "cpu,cpu"):
+            genie.init_sync(master_addr="127.0.0.1", master_port=port)
+            print("primed after init:", registration._primed, flush=True)
+            r = torch.ones(3, device="remote_accelerator:1", requires_grad=True)
+            (r * 3).sum().backward()
+            print("remote_accelerator:1", r.grad.tolist(), flush=True)
+            genie.shutdown_sync()
+    """))
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}  # registration only when the script asks
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env)
+    text = out.stdout + out.stderr
+    assert "primed at import: False" in out.stdout, text
+    assert "primed after init: True" in out.stdout, text
+    assert "remote_accelerator:1 [3.0, 3.0, 3.0]" in out.stdout, text
