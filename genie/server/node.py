@@ -169,6 +169,8 @@ class DataPlaneServer:
         self._ids = itertools.count(1)
         self._device_info = describe_devices(self.devices)
         self.sessions_served = 0
+        #: set when a session in this process lost the CUDA context it shares with every in-process session
+        self.context_lost: str | None = None
         #: the weight cache every session of this node shares (genie.server.content), None when cache_bytes is 0
         self.cache = ContentCache(config.cache_bytes, shared=config.share_cache) if config.cache_bytes else None
         self.metrics = ServerMetrics(backend=getattr(transport, "name", "tcp"), authenticated=bool(self.security.token),
@@ -386,6 +388,9 @@ class DataPlaneServer:
             in_time = self._gate.release(ticket)
             if not in_time:
                 return f"handshake not finished within {self.hello_timeout:g} s"
+            if self.context_lost is not None:
+                return (f"this node's CUDA context is lost ({self.context_lost}); sessions in the node's process "
+                        "share it, so the node must be restarted (process isolation keeps it to one session)")
             if len(self._sessions) >= self.max_sessions:
                 log.warning("refusing %s: %d sessions already (max_sessions)", session.peer, self.max_sessions)
                 return (f"this node serves {self.max_sessions} sessions already (max_sessions); "
@@ -396,6 +401,10 @@ class DataPlaneServer:
     def _session_ended(self, session: Session | WorkerSession) -> None:
         if self.supervisor is not None and isinstance(session, WorkerSession):
             self.supervisor.forget(session)
+        if isinstance(session, Session) and session.lost_context is not None and self.context_lost is None:
+            self.context_lost = session.lost_context  # in this process: every in-process session shares it
+            log.critical("the node's CUDA context is lost: %s. Sessions in the node's process cannot use the GPU "
+                         "any more; new ones are refused: restart the node", session.lost_context)
         with self._lock:
             self._sessions.pop(session.session_id, None)
             pending = self._pending.pop(session.session_id, None)

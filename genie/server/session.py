@@ -104,6 +104,8 @@ class Session:
         self.thread: threading.Thread | None = None
         self.closing = False
         self.serving = False
+        #: why the session ended on a lost CUDA context (RemoteDeviceLost), else None: the node's, when in-process
+        self.lost_context: str | None = None
         self._echo_buffer = bytearray()  # measurement sessions reuse it (genie.cluster.linkfigures)
 
     def __repr__(self) -> str:
@@ -136,6 +138,7 @@ class Session:
             self._send_quietly(MsgKind.ERROR, {"code": "quota", "reason": str(exc)})
         except RemoteDeviceLost as exc:  # a CUDA sticky error: with isolation none, the node's other sessions too
             log.error("closing session %d (%s): %s", self.session_id, self.peer, exc)
+            self.lost_context = str(exc)
             self._send_quietly(MsgKind.ERROR, {"code": "lost", "reason": str(exc)})
         except (FrameError, ProtocolError) as exc:
             log.warning("closing session %d (%s): %s", self.session_id, self.peer, exc)

@@ -87,3 +87,33 @@ def test_a_session_ending_on_a_lost_context_sends_error_lost() -> None:
     body = unpack_body(channel.frames[-1][HEADER.size:HEADER.size + header.body_len])
     assert header.kind == MsgKind.ERROR and body["code"] == "lost" and "device-side assert" in body["reason"]
     assert channel.closed
+
+
+def test_simulated_lost_context_in_the_nodes_process_refuses_new_sessions(inproc_server, monkeypatch) -> None:
+    """With sessions in the node's process (isolation none), one lost CUDA context is every session's: the
+    node refuses new sessions, saying to restart it. SIMULATED: a CPU kernel's error stands in for CUDA's
+    sticky error (this machine has no GPU), by classifying its message as one."""
+    from genie.server import executor
+    from tests.raw_client import RawClient, T, desc, op
+
+    real = executor.context_lost
+
+    def lost_on_shape_error(records):
+        for record in records:
+            if isinstance(record, dict) and "shape checks" in str(record.get("message", "")):
+                return real([{**record, "message": ASSERT}])
+        return None
+
+    monkeypatch.setattr(executor, "context_lost", lost_on_shape_error)
+    server = inproc_server(isolation="none")
+    a, b = torch.ones(3), torch.ones(4)
+    with RawClient(server.port) as c:
+        c.handshake()
+        c.send_batch([op("aten::add.Tensor", [T(1, a), T(2, b)], {}, [desc(3, a)])], uploads=[(1, 0, a), (2, 0, b)])
+        reply = c.sync()
+        assert "shape checks" in reply.deferred[0]["message"]  # the op's own error first
+        kind, body, _ = c.recv()
+        assert kind == MsgKind.ERROR and body["code"] == "lost" and "device-side assert" in body["reason"]
+    with RawClient(server.port) as late:
+        kind, body = late.hello()
+        assert kind == MsgKind.REJECT and "CUDA context is lost" in body["reason"] and "restart" in body["reason"]
