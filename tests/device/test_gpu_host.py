@@ -68,3 +68,37 @@ def test_a_gpu_server_with_process_isolation_runs_a_matmul_and_a_backward() -> N
                 genie.shutdown_sync()
     """)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_device_side_assert_ends_only_the_session_that_hit_it() -> None:
+    """An out-of-range index is a device-side assert on CUDA: that session is answered the error, then ends
+    (RemoteDeviceLost at its next call); the server serves the next session on the GPU."""
+    from genie.cluster.launch import NodeProcess
+
+    with NodeProcess("serve", "--port", "0", "--devices", "cuda:0", "--isolation", "process") as server:
+        hit = _python(f"""
+            import torch, genie
+            from genie.errors import RemoteDeviceLost, RemoteExecutionError
+            genie.init_sync(master_addr="127.0.0.1", master_port={server.control_port}, timeout=60)
+            x = torch.randn(3, device="remote_accelerator:0")
+            bad = x[torch.tensor([0, 9], device="remote_accelerator:0")]
+            try:
+                bad.cpu()
+                raise SystemExit("an out-of-range index on CUDA raised nothing")
+            except RemoteExecutionError as exc:
+                assert "device-side assert" in str(exc), exc
+            try:
+                x.cpu()
+                raise SystemExit("the session went on after a device-side assert")
+            except RemoteDeviceLost as exc:
+                print("lost:", exc, flush=True)
+            genie.shutdown_sync()
+        """)
+        assert hit.returncode == 0 and "lost:" in hit.stdout, hit.stdout + hit.stderr
+        after = _python(f"""
+            import torch, genie
+            genie.init_sync(master_addr="127.0.0.1", master_port={server.control_port}, timeout=60)
+            assert torch.ones(4, device="remote_accelerator:0").sum().item() == 4
+            genie.shutdown_sync()
+        """)
+        assert after.returncode == 0, after.stdout + after.stderr + server.log()[-3000:]
