@@ -197,7 +197,8 @@ KILLED_PEER = textwrap.dedent("""
                 child.kill()
                 child.wait()
     listener.close()
-    print("SURVIVED", flush=True)
+    from genie_dpdk.engine import faults_recovered
+    print("SURVIVED", "faults recovered:", faults_recovered(), flush=True)
 """)
 
 

@@ -38,6 +38,7 @@ int gd_send_wait(gd_chan *c, double slice);
 void gd_fail(gd_chan *c);
 int64_t gd_recv(gd_chan *c, uint8_t *buf, uint64_t len, double slice);
 int gd_engine_start(void);
+int gd_faults_recovered(void);
 void gd_engine_stop(void);
 int gd_engine_running(void);
 """

@@ -51,6 +51,12 @@ def bytes_moved() -> tuple[int, int]:
     return _moved[0], _moved[1]
 
 
+def faults_recovered() -> int:
+    """Bursts that faulted because a killed peer's shared memory went away under them (shim.c's fault
+    guard): each ended its channel instead of the process."""
+    return int(load_shim()[1].gd_faults_recovered()) if shim_built() else 0
+
+
 def load_shim() -> tuple[Any, Any]:
     """The compiled shim's (ffi, lib); BackendUnavailableError naming the fix when it was not built."""
     try:

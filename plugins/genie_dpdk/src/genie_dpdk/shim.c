@@ -22,12 +22,21 @@
  * only after its engine let go of the channel and closes its port only after the peer's shutdown came
  * (genie_dpdk.channel). Both ports are closed only when neither engine touches them.
  *
+ * A peer that is killed (SIGKILL, a crash) gives no such order: its control stream and its memif
+ * socket close together, and EAL's interrupt thread may unmap the shared memory while the engine is
+ * inside a burst on that port. So every burst runs under a fault guard (guarded_rx / guarded_tx): a
+ * SIGSEGV or SIGBUS inside one jumps back to the engine loop, which takes the channel's peer as gone
+ * (its waiters get an error, its port is never polled again) instead of the process dying. A fault
+ * anywhere else goes to the handler that was there before (Python's faulthandler, or the default).
+ *
  * Loss injection for tests: gd_chan_set_loss drops received frames with a seeded
  * probability, on the receive side, before any protocol processing.
  */
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -111,6 +120,62 @@ struct gd_chan {
 
 typedef struct gd_chan gd_chan;
 static struct gd_chan *chans[MAXCHAN];
+
+/* The fault guard (see the top): set only while the engine thread is inside a burst. */
+static __thread sigjmp_buf *burst_jmp;
+static __thread pthread_mutex_t *held_mu; /* a channel mutex the engine holds, released after a fault */
+static struct sigaction prev_segv, prev_bus;
+static int guard_installed;
+static volatile int faults_recovered; /* bursts that faulted and were taken as their peer's death */
+
+static void on_fault(int sig, siginfo_t *info, void *uc) {
+    sigjmp_buf *jb = burst_jmp;
+    if (jb != NULL) {
+        burst_jmp = NULL;
+        siglongjmp(*jb, 1);
+    }
+    struct sigaction *prev = sig == SIGSEGV ? &prev_segv : &prev_bus;
+    if (prev->sa_flags & SA_SIGINFO) {
+        prev->sa_sigaction(sig, info, uc);
+    } else if (prev->sa_handler != SIG_DFL && prev->sa_handler != SIG_IGN) {
+        prev->sa_handler(sig);
+    } else { /* the default action: put it back; the faulting instruction runs again and ends the process */
+        struct sigaction dfl;
+        memset(&dfl, 0, sizeof dfl);
+        dfl.sa_handler = SIG_DFL;
+        sigaction(sig, &dfl, NULL);
+    }
+}
+
+static void install_guard(void) { /* under reg_mu */
+    if (guard_installed)
+        return;
+    struct sigaction act;
+    memset(&act, 0, sizeof act);
+    act.sa_sigaction = on_fault;
+    act.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&act.sa_mask);
+    sigaction(SIGSEGV, &act, &prev_segv);
+    sigaction(SIGBUS, &act, &prev_bus);
+    guard_installed = 1;
+}
+
+/* A burst on the channel's port, under the fault guard armed by engine_main for this channel. */
+static uint16_t guarded_rx(uint16_t port, struct rte_mbuf **ms, uint16_t n, sigjmp_buf *jb) {
+    burst_jmp = jb;
+    uint16_t got = rte_eth_rx_burst(port, 0, ms, n);
+    burst_jmp = NULL;
+    return got;
+}
+
+static __thread sigjmp_buf *chan_jmp; /* the engine loop's jump point for the channel being served */
+
+static uint16_t guarded_tx(uint16_t port, struct rte_mbuf **ms, uint16_t n) {
+    burst_jmp = chan_jmp;
+    uint16_t sent = rte_eth_tx_burst(port, 0, ms, n);
+    burst_jmp = NULL;
+    return sent;
+}
 static pthread_mutex_t reg_mu = PTHREAD_MUTEX_INITIALIZER;
 static volatile int engine_run;
 static pthread_t engine_thread;
@@ -518,7 +583,7 @@ static struct rte_mbuf *frame(struct gd_chan *c, uint8_t type, uint64_t seq, con
 }
 
 static void send_frames(struct gd_chan *c, struct rte_mbuf **ms, uint64_t *seqs, int n, int *is_new) {
-    uint16_t sent = n ? rte_eth_tx_burst(c->port, 0, ms, (uint16_t)n) : 0;
+    uint16_t sent = n ? guarded_tx(c->port, ms, (uint16_t)n) : 0;
     uint64_t now = rte_get_tsc_cycles();
     for (int i = 0; i < n; i++) {
         if (i < sent) {
@@ -763,8 +828,9 @@ static void let_go(struct gd_chan *c) {
     struct rte_mbuf *ms[BURST];
     uint16_t n;
     pthread_mutex_lock(&c->mu);
+    held_mu = &c->mu;
     do {
-        n = rte_eth_rx_burst(c->port, 0, ms, BURST);
+        n = guarded_rx(c->port, ms, BURST, chan_jmp);
         uint64_t now = rte_get_tsc_cycles();
         for (uint16_t k = 0; k < n; k++) {
             if (!c->closed)
@@ -772,11 +838,28 @@ static void let_go(struct gd_chan *c) {
             rte_pktmbuf_free(ms[k]);
         }
     } while (n == BURST);
+    held_mu = NULL;
     c->peer_gone = 1;
     c->final_acks = 0;
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
     shutdown(c->ctl_fd, SHUT_WR);
+}
+
+/* A burst on the channel's port faulted: its peer died and DPDK unmapped the memory under the burst
+ * (see the top). Whatever the burst left half done stays so: the port is never polled again. */
+static void lost(struct gd_chan *c) {
+    if (held_mu != NULL) {
+        pthread_mutex_unlock(held_mu);
+        held_mu = NULL;
+    }
+    pthread_mutex_lock(&c->mu);
+    c->peer_gone = 1;
+    c->final_acks = 0;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    if (c->ctl_fd >= 0)
+        shutdown(c->ctl_fd, SHUT_WR);
 }
 
 static void *engine_main(void *unused) {
@@ -785,7 +868,7 @@ static void *engine_main(void *unused) {
     struct rte_mbuf *ms[BURST];
     unsigned idle = 0, pass = 0;
     while (engine_run) {
-        int work = 0;
+        volatile int work = 0; /* volatile: kept across a fault's siglongjmp */
         /* The control streams are looked at every 16th pass while busy (a system call each) and at every
          * pass that naps; the closing side waits for our shutdown, so how soon only bounds its wait. */
         int look = (++pass & 15) == 0 || idle > 2000;
@@ -794,13 +877,23 @@ static void *engine_main(void *unused) {
             struct gd_chan *c = chans[i];
             if (c == NULL || c->peer_gone)
                 continue;
-            if (look && peer_shut(c)) {
-                let_go(c);
+            sigjmp_buf jb;
+            if (sigsetjmp(jb, 1) != 0) { /* a burst on c's port faulted */
+                chan_jmp = NULL;
+                faults_recovered++;
+                lost(c);
                 continue;
             }
-            uint16_t n = rte_eth_rx_burst(c->port, 0, ms, BURST);
+            chan_jmp = &jb;
+            if (look && peer_shut(c)) {
+                let_go(c);
+                chan_jmp = NULL;
+                continue;
+            }
+            uint16_t n = guarded_rx(c->port, ms, BURST, &jb);
             uint64_t now = rte_get_tsc_cycles();
             pthread_mutex_lock(&c->mu);
+            held_mu = &c->mu;
             for (uint16_t k = 0; k < n; k++) {
                 if (!c->closed)
                     on_frame(c, ms[k], now);
@@ -817,7 +910,7 @@ static void *engine_main(void *unused) {
                     work = 1;
             } else if (c->final_acks > 0) {
                 struct rte_mbuf *m = frame(c, T_ACK, c->rcv_nxt, NULL, SACK_WORDS * 8);
-                if (m != NULL && rte_eth_tx_burst(c->port, 0, &m, 1) == 1)
+                if (m != NULL && guarded_tx(c->port, &m, 1) == 1)
                     c->final_acks--;
                 else if (m != NULL)
                     rte_pktmbuf_free(m);
@@ -825,7 +918,9 @@ static void *engine_main(void *unused) {
                     pthread_cond_broadcast(&c->cv);
                 work = 1;
             }
+            held_mu = NULL;
             pthread_mutex_unlock(&c->mu);
+            chan_jmp = NULL;
             if (n)
                 work = 1;
         }
@@ -853,6 +948,7 @@ int gd_engine_start(void) {
     pthread_mutex_lock(&reg_mu);
     int rc = 0;
     if (!engine_started) {
+        install_guard();
         engine_run = 1;
         rc = pthread_create(&engine_thread, NULL, engine_main, NULL);
         if (rc == 0)
@@ -873,3 +969,5 @@ void gd_engine_stop(void) {
 }
 
 int gd_engine_running(void) { return engine_started; }
+
+int gd_faults_recovered(void) { return faults_recovered; }
