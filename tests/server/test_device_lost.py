@@ -16,6 +16,7 @@ from genie.errors import RemoteDeviceLost
 from genie.server.executor import Executor, context_lost
 from genie.server.records import error
 from genie.server.store import StorageStore
+from genie.testing import wait_until
 from genie.wire.frame import HEADER, MsgKind, decode_header, unpack_body
 from tests.transport.transport_fakes import FakeChannel
 
@@ -114,6 +115,8 @@ def test_simulated_lost_context_in_the_nodes_process_refuses_new_sessions(inproc
         assert "shape checks" in reply.deferred[0]["message"]  # the op's own error first
         kind, body, _ = c.recv()
         assert kind == MsgKind.ERROR and body["code"] == "lost" and "device-side assert" in body["reason"]
+    # The node records the loss when the session's thread ends, just after that frame went out.
+    wait_until(lambda: server.context_lost is not None, 5, what="the node to record the lost context")
     with RawClient(server.port) as late:
         kind, body = late.hello()
         assert kind == MsgKind.REJECT and "CUDA context is lost" in body["reason"] and "restart" in body["reason"]
