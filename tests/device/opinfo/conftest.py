@@ -22,7 +22,7 @@ from typing import Any
 
 import opinfo_expected
 import pytest
-from opinfo_cases import Case, mode_from_env, select
+from opinfo_cases import Case, mode_from_env, select, server_devices
 from opinfo_pool import Pool
 
 _SWEEP = pytest.StashKey["Sweep"]()
@@ -100,7 +100,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         "mode": sweep.mode,
         "torch": _torch_version(),
         "python": platform.python_version(),
-        "server_devices": os.environ.get("GENIE_OPINFO_SERVER_DEVICES", "cpu"),
+        "server_devices": server_devices(),
         "seconds": round(time.monotonic() - sweep.started, 1),
         "restarts": sweep.pool.restarts,
         "rates": rows,

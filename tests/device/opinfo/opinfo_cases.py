@@ -56,6 +56,11 @@ class Case:
         return cls(op=data["op"], variant=data["variant"], dtype=data["dtype"], kind=data["kind"])
 
 
+def server_devices(environ: dict[str, str] | None = None) -> str:
+    """The sweep server's ``--devices``: ``GENIE_OPINFO_SERVER_DEVICES`` (``cuda:0`` on a GPU host) or ``cpu``."""
+    return (os.environ if environ is None else environ).get("GENIE_OPINFO_SERVER_DEVICES", "cpu").strip() or "cpu"
+
+
 def mode_from_env(environ: dict[str, str] | None = None) -> str:
     """The sweep ``GENIE_OPINFO`` asks for; a clear error for anything but ``ci`` / ``full``."""
     mode = (os.environ if environ is None else environ).get("GENIE_OPINFO", "ci").strip().lower() or "ci"

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from opinfo_cases import SELFTEST, Case
+from opinfo_cases import SELFTEST, Case, server_devices
 
 from genie.cluster.launch import NodeProcess
 
@@ -127,7 +127,7 @@ def _tempfile(prefix: str) -> tuple[int, str]:
 def start_server() -> NodeProcess:
     """A real ``genie serve`` process on a free loopback port with one device: ``cpu``, or what
     ``GENIE_OPINFO_SERVER_DEVICES`` names (``cuda:0`` on a GPU machine)."""
-    devices = os.environ.get("GENIE_OPINFO_SERVER_DEVICES", "cpu")
+    devices = server_devices()
     with socket.socket() as s:  # serve has no --port 0: take a free port the usual way
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -27,21 +27,19 @@ def _protocol_out() -> TextIO:
 
 def list_cases(op_db: list[Any]) -> list[dict[str, str]]:
     import torch
-    from opinfo_cases import BACKWARD_DTYPES, FORWARD_DTYPES, Case
+    from opinfo_cases import BACKWARD_DTYPES, FORWARD_DTYPES, Case, server_devices
 
     # A server on a GPU runs each op in the dtypes the OpInfo declares for CUDA too (its dtypesIfCUDA), as
     # PyTorch's own test_compare_cpu does; CPU-only dtypes (int64 matmul, say) are not the device's to run.
-    gpu = os.environ.get("GENIE_OPINFO_SERVER_DEVICES", "cpu").strip().startswith("cuda")
+    kinds = ("cpu", "cuda") if server_devices().startswith("cuda") else ("cpu",)
     cases: list[Case] = []
     for op in op_db:
-        supported = op.supported_dtypes("cpu") & (op.supported_dtypes("cuda") if gpu else op.supported_dtypes("cpu"))
+        supported = set.intersection(*(set(op.supported_dtypes(k)) for k in kinds))
         for name in FORWARD_DTYPES:
             if getattr(torch, name) in supported:
                 cases.append(Case(op.name, op.variant_test_name, name, "forward"))
         if op.supports_autograd:
-            backward = op.supported_backward_dtypes("cpu")
-            if gpu:
-                backward = backward & op.supported_backward_dtypes("cuda")
+            backward = set.intersection(*(set(op.supported_backward_dtypes(k)) for k in kinds))
             for name in BACKWARD_DTYPES:
                 dtype = getattr(torch, name)
                 if dtype in supported and dtype in backward:

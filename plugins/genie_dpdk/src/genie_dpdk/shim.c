@@ -121,7 +121,9 @@ struct gd_chan {
 typedef struct gd_chan gd_chan;
 static struct gd_chan *chans[MAXCHAN];
 
-/* The fault guard (see the top): set only while the engine thread is inside a burst. */
+/* The fault guard (see the top): chan_jmp is the engine loop's jump point for the channel it serves;
+ * burst_jmp holds it only while the engine thread is inside a burst on that channel's port. */
+static __thread sigjmp_buf *chan_jmp;
 static __thread sigjmp_buf *burst_jmp;
 static __thread pthread_mutex_t *held_mu; /* a channel mutex the engine holds, released after a fault */
 static struct sigaction prev_segv, prev_bus;
@@ -160,15 +162,13 @@ static void install_guard(void) { /* under reg_mu */
     guard_installed = 1;
 }
 
-/* A burst on the channel's port, under the fault guard armed by engine_main for this channel. */
-static uint16_t guarded_rx(uint16_t port, struct rte_mbuf **ms, uint16_t n, sigjmp_buf *jb) {
-    burst_jmp = jb;
+/* Bursts on the served channel's port, under the fault guard engine_main armed for it. */
+static uint16_t guarded_rx(uint16_t port, struct rte_mbuf **ms, uint16_t n) {
+    burst_jmp = chan_jmp;
     uint16_t got = rte_eth_rx_burst(port, 0, ms, n);
     burst_jmp = NULL;
     return got;
 }
-
-static __thread sigjmp_buf *chan_jmp; /* the engine loop's jump point for the channel being served */
 
 static uint16_t guarded_tx(uint16_t port, struct rte_mbuf **ms, uint16_t n) {
     burst_jmp = chan_jmp;
@@ -176,6 +176,7 @@ static uint16_t guarded_tx(uint16_t port, struct rte_mbuf **ms, uint16_t n) {
     burst_jmp = NULL;
     return sent;
 }
+
 static pthread_mutex_t reg_mu = PTHREAD_MUTEX_INITIALIZER;
 static volatile int engine_run;
 static pthread_t engine_thread;
@@ -830,7 +831,7 @@ static void let_go(struct gd_chan *c) {
     pthread_mutex_lock(&c->mu);
     held_mu = &c->mu;
     do {
-        n = guarded_rx(c->port, ms, BURST, chan_jmp);
+        n = guarded_rx(c->port, ms, BURST);
         uint64_t now = rte_get_tsc_cycles();
         for (uint16_t k = 0; k < n; k++) {
             if (!c->closed)
@@ -890,7 +891,7 @@ static void *engine_main(void *unused) {
                 chan_jmp = NULL;
                 continue;
             }
-            uint16_t n = guarded_rx(c->port, ms, BURST, &jb);
+            uint16_t n = guarded_rx(c->port, ms, BURST);
             uint64_t now = rte_get_tsc_cycles();
             pthread_mutex_lock(&c->mu);
             held_mu = &c->mu;
