@@ -281,7 +281,7 @@ class ReplayedGraph:
             gid = next(_graph_ids)
             low = self.lowered
             blob = encode_definition(low.inputs, low.nodes, low.outputs, dispatch.encoder_for(device))
-            conn._request(lambda req: [wm.CMD_GRAPH, req, device.local_index, gid, blob], device=device.label)
+            conn._request([wm.CMD_GRAPH, 0, device.local_index, gid, blob], device=device.label)
             ids[device.local_index] = gid
             counts["defined"] += 1
             log.debug("%s defined on %s as graph %d (%d nodes)", self.name, device.label, gid, len(low.nodes))

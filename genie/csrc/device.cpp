@@ -27,6 +27,8 @@
 #include <torch/csrc/Generator.h>
 #include <torch/headeronly/version.h>
 
+#include "wire.h"
+
 #include <array>
 #include <atomic>
 #include <string>
@@ -609,14 +611,21 @@ void reset_peak(int device) {
   s.peak = s.allocated;
 }
 
+}  // namespace
+
 // ---------------------------------------------------------------------------------------------
 // Wire descriptors, built here because the fallback needs two or three per op:
 // [storage_id, dtype code, sizes, strides, storage_offset, storage_nbytes].
+namespace {
 std::array<int, static_cast<size_t>(at::ScalarType::NumOptions)> g_dtype_codes = [] {
   std::array<int, static_cast<size_t>(at::ScalarType::NumOptions)> a{};
   a.fill(-1);
   return a;
 }();
+
+}  // namespace
+
+int wire_dtype_code(c10::ScalarType s) { return g_dtype_codes[static_cast<size_t>(s)]; }
 
 int wire_dtype(const at::Tensor& t) {
   TORCH_CHECK(t.device().type() == DeviceType::PrivateUse1, "genie: not a remote_accelerator tensor (", t.device(), ")");
@@ -680,12 +689,10 @@ void pack_int_array(std::string& out, c10::IntArrayRef v) {
   }
 }
 
-// The EXT_TENSOR payload (the msgpack of the descriptor list).
-py::bytes wire_ext_payload(const at::Tensor& t) {
+// The EXT_TENSOR payload (the msgpack of the descriptor list), appended to `out`.
+void pack_tensor_payload(std::string& out, const at::Tensor& t) {
   int code = wire_dtype(t);
   const auto& st = t.storage();
-  std::string out;
-  out.reserve(48);
   pack_array_header(out, 6);
   pack_uint(out, id_of_pointer(st.data()));
   pack_uint(out, static_cast<uint64_t>(code));
@@ -693,6 +700,13 @@ py::bytes wire_ext_payload(const at::Tensor& t) {
   pack_int_array(out, t.strides());
   pack_uint(out, static_cast<uint64_t>(t.storage_offset()));
   pack_uint(out, static_cast<uint64_t>(st.nbytes()));
+}
+
+namespace {
+py::bytes wire_ext_payload(const at::Tensor& t) {
+  std::string out;
+  out.reserve(48);
+  pack_tensor_payload(out, t);
   return py::bytes(out);
 }
 
@@ -708,6 +722,7 @@ RemoteGenerator* remote_generator(py::handle obj) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace genie;
   m.doc() = "genie's native remote_accelerator device (PrivateUse1): allocator, guard, hooks, metadata kernels";
+  init_fastpath(m);
   m.def("install", &install, "Register the allocator and hooks (idempotent).");
   m.def("set_device_count", [](int n) {
     TORCH_CHECK(n >= 0 && n < 127, "genie: bad device count ", n);

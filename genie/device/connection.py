@@ -24,6 +24,7 @@ from typing import Any
 import msgpack
 import torch
 
+from genie import _C
 from genie.device.flushing import FlushChooser
 from genie.device.stats import STATS
 from genie.device.transfers import ClientCache
@@ -99,6 +100,9 @@ class NodeConnection:
         self.content: ClientCache | None = None
         self._cached: list[list[Any]] = []
         self._early_deferred: list[Any] = []  # errors a CMD_HAVE reply carried, raised at the next sync point
+        self._head = memoryview(bytearray(wf.HEADER.size))  # each reply's frame header (under the lock)
+        #: genie._C's queue for this session: ops it encodes itself (genie/csrc/fastpath.cpp); room set by _room()
+        self.qid: int = _C.queue_new()
 
     # -- handshake ---------------------------------------------------------------------------
     def handshake(self, hello: dict[str, Any], timeout: float, *, token: bytes = b"") -> dict[str, Any]:
@@ -128,6 +132,7 @@ class NodeConnection:
         """Declare the node lost (a failed sync point, or the runtime's failure detector)."""
         if self._lost is None:
             self._lost = reason
+            _C.queue_room(self.qid, 0, 0)  # every op goes through Python now, which raises
             log.warning("node %s at %s lost: %s", self.node_id, self.address, reason)
             try:
                 self.channel.close()
@@ -160,6 +165,7 @@ class NodeConnection:
             if self._lost is not None:
                 self.queue(b"")  # dropped inside backward, else RemoteDeviceLost (see queue)
                 return
+            self._pull()
             cmd = packer.pack([wm.CMD_OP, device, name, args, kwargs, outs])
             self._cmds.append(cmd)  # queue()'s work inline: this is the per-op path
             self._cmd_bytes += len(cmd)
@@ -167,6 +173,8 @@ class NodeConnection:
             STATS.op_queued()  # stats
             if len(self._cmds) >= self.flush_at or self._cmd_bytes >= MAX_BATCH_BYTES:
                 self._flush_locked()
+            else:
+                self._room()
 
     def command(self, cmd: list[Any]) -> None:
         """Queue a command of plain values (CMD_SEED, CMD_RESIZE)."""
@@ -183,6 +191,7 @@ class NodeConnection:
             if self._lost is not None and torch._C._current_graph_task_id() != -1:
                 return
             self.check_alive()
+            self._pull()
             self._append(cmd)
             self.stats["ops"] += 1
             STATS.op_queued()  # stats
@@ -200,6 +209,7 @@ class NodeConnection:
             candidate = content.hold(storage_id, device, src, view)
             with self.lock:
                 self.check_alive()
+                self._pull()
                 if overwrite and (self._cmds or self._writes_pending(storage_id)):
                     self._flush_locked()
                 if content.add(candidate):
@@ -207,6 +217,7 @@ class NodeConnection:
             return
         with self.lock:
             self.check_alive()
+            self._pull()
             if overwrite and (self._cmds or content is not None and content.holds(storage_id)):
                 self._flush_locked()
             elif view.nbytes >= POOLED_UPLOAD_BYTES and free_router is not None:
@@ -223,6 +234,8 @@ class NodeConnection:
             self._cmd_bytes += view.nbytes
             if self._cmd_bytes >= MAX_BATCH_BYTES:
                 self._flush_locked()
+            else:
+                self._room()
 
     def _writes_pending(self, storage_id: int) -> bool:
         """Whether a queued or held-back upload writes ``storage_id`` (a later one must not overtake it)."""
@@ -234,6 +247,22 @@ class NodeConnection:
         self._cmd_bytes += len(cmd)
         if len(self._cmds) >= self.flush_at or self._cmd_bytes >= MAX_BATCH_BYTES:
             self._flush_locked()
+        else:
+            self._room()
+
+    def _pull(self) -> None:
+        """Take the commands genie._C queued for this session (in order: before anything Python queues now)."""
+        native = _C.queue_take(self.qid)
+        if native is not None:
+            self._cmds.extend(native)
+            self._cmd_bytes += sum(map(len, native))
+            self.stats["ops"] += len(native)
+            STATS.op_queued(len(native))  # stats
+
+    def _room(self) -> None:
+        """Tell genie._C how many commands may still join the batch natively before it must be sent."""
+        if self._lost is None:
+            _C.queue_room(self.qid, self.flush_at - len(self._cmds) - 1, MAX_BATCH_BYTES - self._cmd_bytes)
 
     # -- sending -------------------------------------------------------------------------------
     def flush(self) -> None:
@@ -273,9 +302,12 @@ class NodeConnection:
                 self.lock.release()
 
     def has_pending(self) -> bool:
-        return bool(self._cmds or self._uploads or self.frees or self.content is not None and self.content.pending)
+        return bool(self._cmds or self._uploads or self.frees or self.content is not None and self.content.pending
+                    or _C.queue_count(self.qid))
 
     def _flush_locked(self) -> None:
+        if not self._pending_request:  # a request took them before it queued itself
+            self._pull()
         if self.content is not None and self.content.pending:
             self._ask_cache()
         if free_router is not None:
@@ -289,6 +321,7 @@ class NodeConnection:
             else:
                 self._cmds.append(free_cmd)
         if not self._cmds and not self._uploads and not self._cached:
+            self._room()
             return
         batch: dict[str, Any] = {"uploads": self._uploads, "cmds": self._cmds}
         if self._cached:
@@ -305,16 +338,24 @@ class NodeConnection:
             self._cmd_bytes = 0
         self.last_send = time.monotonic()
         self.flush_at = min(self.flush_at * 2, MAX_BATCH_CMDS)  # the server has work now: grow
+        self._room()
         self.stats["batches"] += 1
         STATS.batch_sent()  # stats
 
     # -- sync points ---------------------------------------------------------------------------
-    def _request(self, build: Callable[[int], list[Any]], default: Callable[[Any], Any] | None = None,
+    def _request(self, command: list[Any], default: Callable[[Any], Any] | None = None,
                  payload_into: Callable[[Any], torch.Tensor | None] | None = None, device: str = "") -> Any:
+        """Send the batch with ``command`` last (its second element becomes the request id) and read the reply.
+
+        This is every sync point's path: kept to the few steps a round trip needs, since its cost is
+        paid once per ``.item()`` (docs/benchmarks.md, where the tiny round trip goes).
+        """
         with self.lock:
-            self.check_alive(device)
-            req = next(self._requests)
-            started, command = time.perf_counter(), build(req)  # stats
+            if self._lost is not None:
+                raise self._device_lost(device)
+            req = command[1] = next(self._requests)
+            started = time.perf_counter()  # stats
+            self._pull()
             self._cmds.append(msgpack.packb(command, use_bin_type=True, default=default))
             self._pending_request = True
             try:
@@ -322,37 +363,26 @@ class NodeConnection:
             finally:
                 self._pending_request = False
             try:
-                header, body = wf.recv_header_and_body(self.channel)
-                if header.kind != wf.MsgKind.REPLY:
-                    text = wf.unpack_body(body) if body else {}
-                    reason = text.get("reason", text) if isinstance(text, dict) else text
-                    self.mark_lost(f"the node closed the session: {reason}")  # an ERROR frame ends the session
-                    if isinstance(text, dict) and text.get("code") == "lost":  # its worker died or was killed
-                        raise self._device_lost(device)
-                    if isinstance(text, dict) and text.get("code") == "quota":
-                        raise QuotaExceededError(f"node {self.node_id} closed this session: {reason}")
-                    raise ProtocolError(f"node {self.node_id} sent {header.kind.name} instead of a reply: {reason}")
+                kind, body, payload_len = wf.recv_frame(self.channel, self._head)
+                if kind != wf.MsgKind.REPLY:
+                    self._refused(kind, body, device)
                 reply = wf.unpack_body(body)
-                if not (isinstance(reply, list) and len(reply) == 4 and reply[0] == req):
+                if type(reply) is not list or len(reply) != 4 or reply[0] != req:
                     raise ProtocolError(f"node {self.node_id} sent a reply out of step: {str(reply)[:200]}")
                 _, error, result, deferred = reply
                 out = None
-                if header.payload_len:
-                    out = payload_into(result) if payload_into and error is None else None
-                    if out is None:
-                        wf.discard_payload(self.channel, header.payload_len)
-                    else:
-                        prefault(out)  # usually fresh memory (.cpu()'s result): one call, not a fault per page
-                        wf.recv_payload(self.channel, header, [tensor_bytes(out)])
-                        self.stats["bytes_down"] += header.payload_len
+                if payload_len:
+                    out = self._download(payload_len, payload_into, result, error)
             except (ConnectionClosedError, TimeoutError, OSError, FrameError) as exc:
                 self.mark_lost(f"no answer: {exc}")
                 raise self._device_lost(device) from exc
-            self.stats["round_trips"] += 1
+            stats = self.stats
+            stats["round_trips"] += 1
             # Everything sent has run: the server is idle again. Start small (or full, where that measured faster).
-            choice = self.flush_policy.interval_done(self.stats["ops"], time.perf_counter())
-            self.flush_at = MIN_BATCH_CMDS if choice == "small" else MAX_BATCH_CMDS
-            STATS.round_trip(command, started, header.payload_len)  # stats
+            small = self.flush_policy.interval_done(stats["ops"], time.perf_counter()) == "small"
+            self.flush_at = MIN_BATCH_CMDS if small else MAX_BATCH_CMDS
+            self._room()
+            STATS.round_trip(command, started, payload_len)  # stats
             if self._early_deferred:
                 deferred, self._early_deferred = [*self._early_deferred, *deferred], []
         if deferred:
@@ -360,6 +390,29 @@ class NodeConnection:
         if error is not None:
             raise _execution_error(error)
         return out if payload_into is not None else result
+
+    def _refused(self, kind: wf.MsgKind, body: bytearray, device: str) -> None:
+        """A frame other than the reply: the node ended the session (an ERROR frame says why)."""
+        text = wf.unpack_body(body) if body else {}
+        reason = text.get("reason", text) if isinstance(text, dict) else text
+        self.mark_lost(f"the node closed the session: {reason}")
+        if isinstance(text, dict) and text.get("code") == "lost":  # its worker died or was killed
+            raise self._device_lost(device)
+        if isinstance(text, dict) and text.get("code") == "quota":
+            raise QuotaExceededError(f"node {self.node_id} closed this session: {reason}")
+        raise ProtocolError(f"node {self.node_id} sent {kind.name} instead of a reply: {reason}")
+
+    def _download(self, nbytes: int, payload_into: Callable[[Any], torch.Tensor | None] | None, result: Any,
+                  error: Any) -> torch.Tensor | None:
+        """Receive a reply's payload into the tensor ``payload_into`` names (or drop it)."""
+        out = payload_into(result) if payload_into and error is None else None
+        if out is None:
+            wf.discard_payload(self.channel, nbytes)
+            return None
+        prefault(out)  # usually fresh memory (.cpu()'s result): one call, not a fault per page
+        wf.recv_payload(self.channel, wf.FrameHeader(wf.MsgKind.REPLY, 0, nbytes), [tensor_bytes(out)])
+        self.stats["bytes_down"] += nbytes
+        return out
 
     def _ask_cache(self) -> None:
         """One CMD_HAVE round trip for the uploads held back: hits go out as ``cached``, misses with their bytes."""
@@ -398,18 +451,16 @@ class NodeConnection:
 
     def fetch(self, local: int, desc: list[Any], out: torch.Tensor, device: str = "") -> torch.Tensor:
         """Download the described tensor's values into ``out`` (a contiguous CPU tensor of its dtype and shape)."""
-        return self._request(lambda req: [wm.CMD_FETCH, req, local, tensor_ext(desc)], payload_into=lambda _: out,
-                             device=device)
+        return self._request([wm.CMD_FETCH, 0, local, tensor_ext(desc)], payload_into=lambda _: out, device=device)
 
     def call(self, local: int, name: str, args: Any, kwargs: Any, out_ids: list[int],
              default: Callable[[Any], Any], device: str = "") -> Any:
         """Run an op now and return its result (tensors as descriptors over the storages ``out_ids``)."""
-        return self._request(lambda req: [wm.CMD_CALL, req, local, name, args, kwargs, out_ids], default=default,
-                             device=device)
+        return self._request([wm.CMD_CALL, 0, local, name, args, kwargs, out_ids], default=default, device=device)
 
     def sync(self) -> None:
         """Wait until everything sent so far has run; raise the first deferred error."""
-        self._request(lambda req: [wm.CMD_SYNC, req])
+        self._request([wm.CMD_SYNC, 0])
 
     def close(self) -> None:
         """Say goodbye (best effort) and close the channel."""
@@ -421,6 +472,7 @@ class NodeConnection:
                 except GenieError:
                     pass
             self._lost = self._lost or "closed by this client"
+            _C.queue_drop(self.qid)
             self.channel.close()
 
 

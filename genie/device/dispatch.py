@@ -353,9 +353,39 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
             targets = {id(o) for o in outs if isinstance(o, torch.Tensor)}
             args, kwargs = tree_map(lambda a: _resolved(a, targets), (args, kwargs))
         device.connection.op(device.local_index, info.name, args, kwargs, wire_outs, encoder_for(device))
+        if key is not None and not (info.random or math_bits or info.list_return) and _C.fast_teaching(info.name):
+            _teach(info, metas, values, conform, kinds)
     if leaf:
         return outs[0]
     return tree_unflatten(outs, spec)
+
+
+def _teach(info: OpInfo, metas: list[Any], values: list[Any], conform: list[bool], kinds: list[Any]) -> None:
+    """Teach genie._C this call's signature (genie/csrc/fastpath.cpp): its outputs, when it can answer
+    the next call with the same signature alone (fresh or in-place outputs that keep their layout)."""
+    plan: list[tuple[Any, ...]] = []
+    for i, m in enumerate(metas):
+        if m is None:
+            if values[i] is not None:
+                return  # a number among the results: only Python knows it
+            plan.append((2,))
+            continue
+        kind, pos = kinds[i]
+        if kind == "inplace":
+            if conform[i] or pos is None or pos >= len(info.arg_names):
+                return
+            plan.append((1, pos))
+        elif kind == "fresh":
+            dtype, shape, stride, offset = m
+            plan.append((0, dtype, list(shape), list(stride), offset, dmeta.storage_numel(shape, stride, offset)))
+        else:
+            return
+    _C.fast_learn(info.name, not info.float_values_matter, plan)
+
+
+def overload_of(namespace: str, name: str, overload: str) -> Any:
+    """The OpOverload of an operator the dispatcher names (genie._C's fallback calls Python with it)."""
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
 
 
 def _arg(info: OpInfo, pos: int | None, args: Any, kwargs: Any) -> Any:
@@ -439,6 +469,17 @@ def call_on_server(func: Any, args: Any, kwargs: Any, device: RemoteDevice) -> A
     result = device.connection.call(device.local_index, info.name, args, kwargs, ids, encoder_for(device),
                                     device=device.label)
     return _decode_call_result(info, result, device)
+
+
+def _local_scalar(func: Any, args: Any, kwargs: Any) -> Any:
+    """``.item()``, ``float(t)``, ``bool(t)``: the commonest sync point, so it skips the general path's
+    signature and result decoding (one tensor in, one number out)."""
+    t = args[0]
+    index = t.get_device()
+    tbl = registry._table
+    device = tbl.devices[index] if tbl is not None and 0 <= index < len(tbl.devices) else table().get(index)
+    return device.connection.call(device.local_index, "aten::_local_scalar_dense", [t], {}, [_C.new_storage_id()],
+                                  encoder_for(device), device=device.label)
 
 
 def adopt(desc: Any, device: RemoteDevice) -> torch.Tensor:
@@ -538,4 +579,4 @@ def set_layout(t: torch.Tensor, shape: Any, stride: Any, offset: int, device: Re
 
 
 #: Ops with their own rules, filled in by genie.device.copies.
-SPECIAL: dict[Any, Any] = {}
+SPECIAL: dict[Any, Any] = {_aten._local_scalar_dense.default: _local_scalar}

@@ -116,12 +116,13 @@ def ensure_registered() -> None:
                 _C.set_dtype_code(dtype, code)
         torch._register_device_module(dispatch.BACKEND, module.make_module())
         torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
-        lib = torch.library.Library("_", "IMPL")  # noqa: TOR901 - the fallback needs the catch-all library
-        lib.fallback(dispatch.fallback, "PrivateUse1")
+        # genie._C registers the PrivateUse1 fallback (genie/csrc/fastpath.cpp): signatures it learned are
+        # queued natively, the rest come here.
+        _C.set_python_fallback(dispatch.fallback, dispatch.overload_of)
         aten = torch.library.Library("aten", "IMPL")  # noqa: TOR901
         for op_name in WHOLE_OPS:
             aten.impl(op_name, _whole(getattr(torch.ops.aten, op_name).default), "PrivateUse1")
-        _libraries.extend([lib, aten])
+        _libraries.append(aten)
         _C.set_sync_hook(module._sync_hook)
         dconn.free_router = _route_frees
         _inductor.install()  # torch.compile's default backend hands remote graphs to backend="genie"

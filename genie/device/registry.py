@@ -19,6 +19,7 @@ import attrs
 from genie import _C
 from genie.device.connection import NodeConnection
 from genie.errors import DeviceError, NotInitializedError
+from genie.wire import messages as wm
 
 
 @attrs.frozen
@@ -54,6 +55,7 @@ class DeviceTable:
                 self.devices.append(d)
             if _table is self:
                 _C.set_device_count(len(self.devices))
+                _route(self)
         for listener in list(_listeners):
             listener(devices)
 
@@ -89,9 +91,17 @@ def on_devices_added(listener: Callable[[list[RemoteDevice]], None]) -> Callable
     return lambda: _listeners.remove(listener) if listener in _listeners else None
 
 
+def _route(table: DeviceTable | None) -> None:
+    """Tell genie._C's op path which session queue and node index each device has (none: no table)."""
+    routes = [(d.connection.qid, d.local_index) for d in table.devices] if table is not None else []
+    _C.set_routes(routes, wm.CMD_OP)
+
+
 def set_table(table: DeviceTable | None) -> None:
     global _table
     _table = table
+    _C.fast_forget()  # another cluster's servers may answer some signatures differently (KIND_FIXUPS)
+    _route(table)
     _C.set_device_count(len(table) if table is not None else 0)
     _C.new_session()
     _C.set_default_device(0)

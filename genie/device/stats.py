@@ -115,8 +115,8 @@ class ClientStats:
             self._sync: dict[tuple[Any, str], list[float]] = {}  # (caller_place(), reason)
 
     # -- recording (NodeConnection, under its lock) ----------------------------------------------
-    def op_queued(self) -> None:
-        self.ops_queued += 1
+    def op_queued(self, n: int = 1) -> None:
+        self.ops_queued += n
 
     def uploaded(self, nbytes: int) -> None:
         self.bytes_up += nbytes

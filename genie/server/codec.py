@@ -208,7 +208,7 @@ _EXT_HOOK = make_ext_hook(_tensor_tag, DeviceRef, GeneratorRef, _tensor_from_byt
 _NESTED = frozenset({list, dict, Descriptor, DeviceRef, GeneratorRef})
 
 
-def decode(data: bytes) -> Any:
+def decode(data: bytes | bytearray) -> Any:
     """Decode one command (or a batch body) with descriptor, device and generator placeholders."""
     return unpack_body(data, ext_hook=_EXT_HOOK)
 

@@ -186,7 +186,7 @@ class Executor:
 
     # -- batches ------------------------------------------------------------------------------
 
-    def run_batch(self, header: FrameHeader, body: bytes) -> None:
+    def run_batch(self, header: FrameHeader, body: bytes | bytearray) -> None:
         """Run one BATCH frame whose header and body were read; reads its payload first."""
         # Ops run without autograd; grad mode is per thread, so switching it off here once per batch
         # replaces a no_grad() context around every op.
@@ -203,7 +203,8 @@ class Executor:
             raise QuotaExceededError(
                 f"session in-flight limit exceeded: a batch of {inflight} commands and uploads, limit "
                 f"{self.max_inflight} (max_session_inflight); send smaller batches")
-        transfers.receive(self, header, msg)
+        if header.payload_len or msg.get("uploads") or msg.get("cached"):
+            transfers.receive(self, header, msg)
         self.metrics.queue_depth = len(cmds)  # metrics
         keyer, known, run_plan, native = plans.command_key, self.plans, plans.run, self.native
         metrics = self.metrics if self.metrics is not NULL_SESSION_METRICS else None

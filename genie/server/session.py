@@ -49,11 +49,14 @@ from genie.server.executor import Executor
 from genie.server.store import StorageStore
 from genie.transport.base import Channel
 from genie.wire.frame import (
+    HEADER,
     MAX_ECHO_BYTES,
     MAX_HANDSHAKE_BODY_BYTES,
     PROTOCOL_VERSION,
+    FrameHeader,
     MsgKind,
     pack_body,
+    recv_frame,
     recv_header_and_body,
     send_frame,
     unpack_body,
@@ -212,18 +215,19 @@ class Session:
         return True
 
     def _serve(self) -> None:
+        head, max_payload, run_batch = memoryview(bytearray(HEADER.size)), self._max_payload, self.executor.run_batch
         while True:
-            header, body = recv_header_and_body(self.channel, max_payload=self._max_payload)
-            if header.kind == MsgKind.BATCH:
-                self.executor.run_batch(header, body)
-            elif header.kind == MsgKind.ECHO:
-                self._echo(header.payload_len)
-            elif header.kind == MsgKind.GOODBYE:
+            kind, body, payload_len = recv_frame(self.channel, head, max_payload=max_payload)
+            if kind == MsgKind.BATCH:
+                run_batch(FrameHeader(kind, len(body), payload_len), body)
+            elif kind == MsgKind.ECHO:
+                self._echo(payload_len)
+            elif kind == MsgKind.GOODBYE:
                 log.debug("session %d (%s) said goodbye", self.session_id, self.peer)
                 self.closing = True
                 return
             else:
-                raise FrameError(f"unexpected {header.kind.name} frame in a data-plane session")
+                raise FrameError(f"unexpected {kind.name} frame in a data-plane session")
 
     def _echo(self, nbytes: int) -> None:
         """Send an ECHO's payload back as it came: what a client measures a backend's path to this node with."""

@@ -122,7 +122,7 @@ _UNPACK_LIMITS: dict[str, Any] = {
 }
 
 
-def unpack_body(body: bytes | memoryview, ext_hook: Any = None) -> Any:
+def unpack_body(body: bytes | bytearray | memoryview, ext_hook: Any = None) -> Any:
     """Decode a msgpack body with every container bounded; malformed input raises FrameError."""
     try:
         if ext_hook is None:
@@ -142,8 +142,8 @@ def send_frame(
     channel: Channel, kind: MsgKind, body: bytes, payload: Sequence[Buffer] = ()
 ) -> int:
     """Send one frame; payload buffers go out as they are (no joining). Returns bytes sent."""
-    payload_len = sum(memoryview(b).nbytes for b in payload)
-    channel.sendv([encode_header(kind, len(body), payload_len), body, *payload])
+    payload_len = sum(memoryview(b).nbytes for b in payload) if payload else 0
+    channel.sendv([HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, len(body), payload_len), body, *payload])
     return HEADER.size + len(body) + payload_len
 
 
@@ -153,13 +153,25 @@ def recv_header_and_body(channel: Channel, *, max_payload: int = DEFAULT_MAX_PAY
 
     The header is bound-checked (``max_payload``, ``max_body``) before a byte of the body is allocated.
     """
-    head = bytearray(HEADER.size)
-    channel.recv_into(memoryview(head))
-    header = decode_header(head, max_payload=max_payload, max_body=max_body)
-    body = bytearray(header.body_len)
-    if header.body_len:
+    kind, body, payload_len = recv_frame(channel, memoryview(bytearray(HEADER.size)), max_payload=max_payload,
+                                         max_body=max_body)
+    return FrameHeader(kind, len(body), payload_len), bytes(body)
+
+
+def recv_frame(channel: Channel, head: memoryview, *, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES,
+               max_body: int = MAX_BODY_BYTES) -> tuple[MsgKind, bytearray, int]:
+    """``(kind, body, payload length)`` of the next frame, its header read into ``head`` (16 bytes, reused
+    by the caller): :func:`recv_header_and_body` without an object per frame, for the sync-point path.
+    The caller then receives the payload."""
+    channel.recv_into(head)
+    magic, version, kind, body_len, payload_len = HEADER.unpack(head)
+    if (magic != MAGIC or version != PROTOCOL_VERSION or kind not in _KINDS or body_len > max_body
+            or body_len > MAX_BODY_BYTES or payload_len > max_payload):
+        decode_header(head, max_payload=max_payload, max_body=max_body)  # raises the FrameError that names it
+    body = bytearray(body_len)
+    if body_len:
         channel.recv_into(memoryview(body))
-    return header, bytes(body)
+    return _KINDS[kind], body, payload_len
 
 
 def recv_payload(channel: Channel, header: FrameHeader, views: Sequence[memoryview]) -> None:

@@ -273,7 +273,7 @@ def test_a_replayed_graph_reports_a_failing_node_at_the_next_sync_and_the_sessio
                              [Ref(2)], lambda o: o)
     conn = device.connection
     gid = next(_ids)
-    conn._request(lambda req: [wm.CMD_GRAPH, req, device.local_index, gid, blob])
+    conn._request([wm.CMD_GRAPH, 0, device.local_index, gid, blob])
     x = torch.randn(4).to(D0)
     out = torch.empty(4, device=D0)
     conn.queue(msgpack.packb([wm.CMD_REPLAY, device.local_index, gid, [x], [dispatch.descriptor(out)]],
@@ -304,7 +304,7 @@ def test_the_server_refuses_bad_definitions_with_a_clear_error(definition: dict[
         return
     with pytest.raises((ForbiddenOpError, RemoteExecutionError), match=message):
         gid = next(_ids)
-        device.connection._request(lambda req: [wm.CMD_GRAPH, req, device.local_index, gid, blob])
+        device.connection._request([wm.CMD_GRAPH, 0, device.local_index, gid, blob])
     assert torch.equal((torch.ones(2).to(D0) * 3).cpu(), torch.full((2,), 3.0))
 
 
@@ -337,7 +337,7 @@ def test_a_hostile_replay_is_a_deferred_error_and_the_session_goes_on(output: Re
     conn = device.connection
     gid = next(_ids)
     blob = encode_definition(1, [], [output], lambda o: o)
-    conn._request(lambda req: [wm.CMD_GRAPH, req, device.local_index, gid, blob])
+    conn._request([wm.CMD_GRAPH, 0, device.local_index, gid, blob])
     out = torch.empty(4, device=D0)
     conn.queue(msgpack.packb([wm.CMD_REPLAY, device.local_index, gid, [5], [dispatch.descriptor(out)]],
                              default=dispatch.encoder_for(device)))

@@ -1,0 +1,686 @@
+// genie._C's op path: the PrivateUse1 fallback, and the signature cache that queues ops without Python.
+//
+// Every aten op on remote_accelerator without a kernel of its own reaches `fallback`. The first call
+// of a signature (the op, and per argument its type and value, or a tensor's device, dtype, sizes,
+// strides and offset) goes to Python (genie.device.dispatch.fallback): meta inference, the outputs,
+// the command. When Python finds the op plain (fresh or in-place outputs, no random numbers, no
+// round trip) it teaches the signature back (`fast_learn`: the outputs' layouts). Later calls with
+// that signature are answered here: outputs allocated through the allocator (new storage ids), the
+// command encoded as the msgpack Python would send, appended to its connection's queue. No GIL, no
+// Python objects. Python drains a connection's queue, in order, before it queues anything itself
+// and before every batch it sends, and tells the queue how much room the batch has left: a full
+// queue sends the op to Python, which flushes (genie.device.connection).
+//
+// Python's view of arguments (positional up to the first trailing default, keyword-only ones by
+// name unless defaulted) follows torch's own Python fallback (parseIValuesToPyArgsKwargs), so a
+// command encoded here is the command Python sends for the same call.
+
+#include <torch/extension.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "wire.h"
+
+namespace genie {
+namespace {
+
+namespace py = pybind11;
+using c10::IValue;
+
+// ---------------------------------------------------------------------------------------------
+// Connection queues: commands encoded here, waiting for Python to put them in a batch.
+struct Queue {
+  std::mutex mu;
+  std::vector<std::string> cmds;
+  size_t bytes = 0;
+  // How many more commands / bytes may wait here before the batch must go (Python sets it after
+  // each change of its own batch; 0 while the node is lost or unknown: every op goes to Python).
+  size_t room_cmds = 0;
+  size_t room_bytes = 0;
+};
+
+struct Route {
+  std::shared_ptr<Queue> queue;
+  int local = 0;  // the device's index on its node
+};
+
+std::mutex g_mu;  // queues, routes, op facts, the signature cache
+std::unordered_map<int64_t, std::shared_ptr<Queue>> g_queues;
+int64_t g_next_queue = 1;
+std::vector<Route> g_routes;  // by global device index
+
+// ---------------------------------------------------------------------------------------------
+// Per op: what the encoder needs, built once.
+enum class ArgKind : uint8_t { plain, dtype, layout, memory_format };
+
+struct OpFacts {
+  std::string name;         // "aten::add.Tensor", as OpOverload.name()
+  std::string name_packed;  // its msgpack str
+  std::vector<ArgKind> kinds;
+  size_t kwarg_only_start = 0;
+  bool floats_by_type = false;  // float arguments key by type (Python: not OpInfo.float_values_matter)
+  bool taught = false;          // Python has taught one signature (so floats_by_type is known)
+  py::object* overload = nullptr;  // the Python OpOverload (leaked: outlives interpreter teardown)
+};
+std::unordered_map<const void*, OpFacts*> g_facts;  // by &op.schema() (operators live for the process)
+
+ArgKind kind_of(const c10::Argument& a) {
+  auto t = a.real_type();
+  if (auto opt = t->cast<c10::OptionalType>()) t = opt->getElementType();
+  switch (t->kind()) {
+    case c10::TypeKind::ScalarTypeType: return ArgKind::dtype;
+    case c10::TypeKind::LayoutType: return ArgKind::layout;
+    case c10::TypeKind::MemoryFormatType: return ArgKind::memory_format;
+    default: return ArgKind::plain;
+  }
+}
+
+void pack_str(std::string& out, const std::string& s) {
+  size_t n = s.size();
+  if (n < 32) {
+    out.push_back(static_cast<char>(0xa0 | n));
+  } else if (n <= 0xff) {
+    out.push_back(static_cast<char>(0xd9));
+    out.push_back(static_cast<char>(n));
+  } else {
+    TORCH_CHECK(n <= 0xffff, "genie: string argument too long");
+    out.push_back(static_cast<char>(0xda));
+    out.push_back(static_cast<char>(n >> 8));
+    out.push_back(static_cast<char>(n & 0xff));
+  }
+  out.append(s);
+}
+
+OpFacts* facts_of(const c10::OperatorHandle& op) {
+  const void* key = &op.schema();
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    auto it = g_facts.find(key);
+    if (it != g_facts.end()) return it->second;
+  }
+  auto* f = new OpFacts();  // leaked on purpose, as the operators themselves
+  const auto& schema = op.schema();
+  f->name = schema.name();
+  if (!schema.overload_name().empty()) f->name += "." + schema.overload_name();
+  pack_str(f->name_packed, f->name);
+  const auto& args = schema.arguments();
+  for (const auto& a : args) f->kinds.push_back(kind_of(a));
+  f->kwarg_only_start = args.size();
+  while (f->kwarg_only_start > 0 && args[f->kwarg_only_start - 1].kwarg_only()) --f->kwarg_only_start;
+  std::lock_guard<std::mutex> g(g_mu);
+  auto [it, added] = g_facts.emplace(key, f);
+  if (!added) delete f;
+  return it->second;
+}
+
+// torch's rule: an argument equal to its schema default is left out of Python's args/kwargs.
+bool is_default(const c10::Argument& a, const IValue& v) {
+  const auto& d = a.default_value();
+  if (!d.has_value() || v.isTensor()) return false;  // a default is never a defined tensor
+  if (d->isNone() || v.isNone()) return d->isNone() && v.isNone();
+  return *d == v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Signatures and encoding, in one pass over the arguments.
+struct Encoder {
+  std::string key;   // the signature: op, then a tag and data per argument
+  std::string body;  // the msgpack of args then kwargs
+  int device = -1;   // the one remote device the tensors are on
+  bool floats_by_type = false;
+
+  template <typename T>
+  void put(T v) { key.append(reinterpret_cast<const char*>(&v), sizeof(T)); }
+
+  void pack_int(int64_t v) {
+    if (v >= 0) return pack_uint(body, static_cast<uint64_t>(v));
+    if (v >= -32) { body.push_back(static_cast<char>(v)); return; }
+    auto be = [this](uint8_t tag, uint64_t x, int n) {
+      body.push_back(static_cast<char>(tag));
+      for (int i = n - 1; i >= 0; --i) body.push_back(static_cast<char>((x >> (8 * i)) & 0xff));
+    };
+    if (v >= INT8_MIN) be(0xd0, static_cast<uint64_t>(v), 1);
+    else if (v >= INT16_MIN) be(0xd1, static_cast<uint64_t>(v), 2);
+    else if (v >= INT32_MIN) be(0xd2, static_cast<uint64_t>(v), 4);
+    else be(0xd3, static_cast<uint64_t>(v), 8);
+  }
+
+  void pack_double(double d) {
+    uint64_t bits;
+    std::memcpy(&bits, &d, 8);
+    body.push_back(static_cast<char>(0xcb));
+    for (int i = 7; i >= 0; --i) body.push_back(static_cast<char>((bits >> (8 * i)) & 0xff));
+  }
+
+  // A list argument: its tag and length in the key, its array header in the body.
+  void begin_list(char tag, size_t n) {
+    put<char>(tag);
+    put<uint64_t>(n);
+    pack_array_header(body, n);
+  }
+
+  void pack_ext1(int8_t type, uint8_t byte) {
+    body.push_back(static_cast<char>(0xd4));
+    body.push_back(static_cast<char>(type));
+    body.push_back(static_cast<char>(byte));
+  }
+
+  // A Python number that C++ wrapped in a CPU tensor (`x + 1`): Python gets the number back
+  // (torch::jit::toPyObject), so it crosses as a number.
+  bool wrapped_number(const at::Tensor& t) {
+    if (!t.device().is_cpu()) return false;
+    switch (t.scalar_type()) {
+      case at::kBool: {
+        bool b = *t.const_data_ptr<bool>();
+        put<char>(b ? 'b' : 'B');
+        body.push_back(static_cast<char>(b ? 0xc3 : 0xc2));
+        return true;
+      }
+      case at::kLong: {
+        int64_t i = *t.const_data_ptr<int64_t>();
+        put<char>('i');
+        put<int64_t>(i);
+        pack_int(i);
+        return true;
+      }
+      case at::kDouble: {
+        double d = *t.const_data_ptr<double>();
+        put<char>('f');
+        if (!floats_by_type) put<double>(d);
+        pack_double(d);
+        return true;
+      }
+      default:
+        return false;
+    }
+  }
+
+  // A remote tensor (EXT_TENSOR 8); false for anything the signature cannot hold.
+  bool tensor(const at::Tensor& t) {
+    if (!t.defined()) {
+      put<char>('U');
+      body.push_back(static_cast<char>(0xc0));
+      return true;
+    }
+    if (t.unsafeGetTensorImpl()->is_wrapped_number()) return wrapped_number(t);
+    if (t.device().type() != c10::DeviceType::PrivateUse1 || t.layout() != c10::kStrided || t.is_conj() ||
+        t.is_neg() || wire_dtype_code(t.scalar_type()) < 0)
+      return false;
+    int d = t.device().index();
+    if (device >= 0 && d != device) return false;  // Python raises the mixed-device error
+    device = d;
+    put<char>('T');
+    put<int8_t>(static_cast<int8_t>(t.scalar_type()));
+    put<int64_t>(t.dim());
+    for (auto s : t.sizes()) put<int64_t>(s);
+    for (auto s : t.strides()) put<int64_t>(s);
+    put<int64_t>(t.storage_offset());
+    std::string payload;
+    pack_tensor_payload(payload, t);
+    if (payload.size() <= 0xff) {
+      body.push_back(static_cast<char>(0xc7));
+      body.push_back(static_cast<char>(payload.size()));
+    } else {
+      body.push_back(static_cast<char>(0xc8));
+      body.push_back(static_cast<char>(payload.size() >> 8));
+      body.push_back(static_cast<char>(payload.size() & 0xff));
+    }
+    body.push_back(static_cast<char>(8));
+    body.append(payload);
+    return true;
+  }
+
+  bool value(const IValue& v, ArgKind kind) {
+    if (v.isNone()) {
+      put<char>('N');
+      body.push_back(static_cast<char>(0xc0));
+      return true;
+    }
+    if (v.isTensor()) return tensor(v.toTensor());
+    if (v.isBool()) {
+      put<char>(v.toBool() ? 'b' : 'B');
+      body.push_back(static_cast<char>(v.toBool() ? 0xc3 : 0xc2));
+      return true;
+    }
+    if (v.isInt()) {
+      int64_t i = v.toInt();
+      put<char>('i');
+      put<int64_t>(i);
+      switch (kind) {
+        case ArgKind::plain: pack_int(i); return true;
+        case ArgKind::dtype: {
+          int code = wire_dtype_code(static_cast<c10::ScalarType>(i));
+          if (code < 0) return false;
+          pack_ext1(2, static_cast<uint8_t>(code));
+          return true;
+        }
+        case ArgKind::layout:  // genie.wire.values.LAYOUT_NAMES: only strided is sent by ops that get here
+          if (static_cast<c10::Layout>(i) != c10::kStrided) return false;
+          pack_ext1(4, 0);
+          return true;
+        case ArgKind::memory_format: {  // MEMORY_FORMAT_NAMES order
+          static const int8_t codes[] = {0, 3, 1, 2};  // Contiguous, Preserve, ChannelsLast, ChannelsLast3d
+          if (i < 0 || i > 3) return false;
+          pack_ext1(5, static_cast<uint8_t>(codes[i]));
+          return true;
+        }
+      }
+      return false;
+    }
+    if (v.isDouble()) {
+      double d = v.toDouble();
+      put<char>('f');
+      if (!floats_by_type) put<double>(d);
+      pack_double(d);
+      return true;
+    }
+    if (v.isString()) {
+      const auto& s = v.toStringRef();
+      put<char>('s');
+      put<uint64_t>(s.size());
+      key.append(s);
+      pack_str(body, s);
+      return true;
+    }
+    if (v.isIntList()) {
+      auto l = v.toIntList();
+      begin_list('I', l.size());
+      for (int64_t x : l) {
+        put<int64_t>(x);
+        pack_int(x);
+      }
+      return true;
+    }
+    if (v.isDoubleList()) {
+      auto l = v.toDoubleList();
+      begin_list('F', l.size());
+      for (double x : l) {
+        put<double>(x);
+        pack_double(x);
+      }
+      return true;
+    }
+    if (v.isBoolList()) {
+      auto l = v.toBoolList();
+      begin_list('L', l.size());
+      for (bool x : l) {
+        put<char>(x ? 1 : 0);
+        body.push_back(static_cast<char>(x ? 0xc3 : 0xc2));
+      }
+      return true;
+    }
+    if (v.isTensorList()) {
+      auto l = v.toTensorList();
+      begin_list('V', l.size());
+      for (const at::Tensor& t : l) {
+        if (!t.defined() || !tensor(t)) return false;
+      }
+      return true;
+    }
+    if (v.isList()) {  // Tensor?[] (index, index_put_)
+      auto l = v.toListRef();
+      begin_list('O', l.size());
+      for (const IValue& e : l) {
+        if (e.isNone()) {
+          put<char>('N');
+          body.push_back(static_cast<char>(0xc0));
+        } else if (!e.isTensor() || !e.toTensor().defined() || !tensor(e.toTensor())) {
+          return false;
+        }
+      }
+      return true;
+    }
+    return false;  // devices, generators, complex numbers, symbolic sizes...: Python's path
+  }
+
+  // The signature and the [args, kwargs] msgpack of a call; false when it cannot be cached.
+  bool call(const OpFacts& f, const c10::FunctionSchema& schema, c10::ArrayRef<IValue> args) {
+    key.clear();
+    body.clear();
+    device = -1;
+    floats_by_type = f.floats_by_type;
+    put<const void*>(&schema);
+    const auto& decl = schema.arguments();
+    size_t positional = f.kwarg_only_start;
+    while (positional > 0 && is_default(decl[positional - 1], args[positional - 1])) --positional;
+    pack_array_header(body, positional);
+    for (size_t i = 0; i < positional; ++i) {
+      if (!value(args[i], f.kinds[i])) return false;
+    }
+    put<char>('|');
+    size_t keywords = 0;
+    for (size_t i = f.kwarg_only_start; i < args.size(); ++i) keywords += is_default(decl[i], args[i]) ? 0 : 1;
+    if (keywords >= 16) return false;
+    body.push_back(static_cast<char>(0x80 | keywords));
+    for (size_t i = f.kwarg_only_start; i < args.size(); ++i) {
+      if (is_default(decl[i], args[i])) continue;
+      pack_str(body, decl[i].name());
+      put<uint64_t>(i);
+      if (!value(args[i], f.kinds[i])) return false;
+    }
+    // Defaulted trailing arguments are in the key too (values Python never sees).
+    for (size_t i = positional; i < f.kwarg_only_start; ++i) put<char>('d');
+    return device >= 0;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// What Python taught about a signature: its outputs.
+struct Out {
+  enum Kind : uint8_t { fresh, inplace, undefined } kind = fresh;
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  std::vector<int64_t> sizes, strides;
+  int64_t offset = 0;
+  int64_t span = 0;  // elements the storage needs (fresh outputs with an offset)
+  size_t arg = 0;    // in-place: the argument it is
+};
+struct Signature {
+  std::vector<Out> outs;
+};
+std::unordered_map<std::string, std::shared_ptr<const Signature>> g_signatures;
+constexpr size_t kMaxSignatures = 1 << 16;
+
+// The call Python is handling on this thread, so fast_learn knows which signature it teaches.
+struct Teaching {
+  const OpFacts* facts;
+  std::string key;
+  bool floats_by_type;
+  std::shared_ptr<Signature> learned;
+};
+thread_local Teaching* tl_teaching = nullptr;
+
+py::object* g_python_fallback = nullptr;  // genie.device.dispatch.fallback
+py::object* g_resolve = nullptr;          // genie.device.dispatch.overload_of
+std::atomic<uint64_t> g_hits{0}, g_misses{0};
+uint8_t g_cmd_op = 1;  // genie.wire.messages.CMD_OP, set with the routes
+
+// ---------------------------------------------------------------------------------------------
+// The hit path: outputs, the command, the queue.
+bool answer(const OpFacts& f, const Signature& sig, Encoder& enc, torch::jit::Stack* stack, size_t nargs) {
+  std::shared_ptr<Queue> q;
+  int local = 0;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    if (enc.device >= static_cast<int>(g_routes.size()) || !g_routes[enc.device].queue) return false;
+    q = g_routes[enc.device].queue;
+    local = g_routes[enc.device].local;
+  }
+  // No lock is held from here on while a tensor may be made or dropped: dropping one with a Python
+  // object takes the GIL, and Python threads hold the GIL while they take a queue's lock. The room
+  // is a soft bound (a batch may end a few commands over it when threads race); a lost node's
+  // room is 0 before its first failed op returns.
+  {
+    std::lock_guard<std::mutex> g(q->mu);
+    if (q->cmds.size() >= q->room_cmds || q->bytes + enc.body.size() + 64 >= q->room_bytes) return false;
+  }
+  auto args = torch::jit::last(*stack, nargs);
+  for (const auto& o : sig.outs) {
+    if (o.kind == Out::inplace && (o.arg >= nargs || !args[o.arg].isTensor())) return false;
+  }
+  std::vector<at::Tensor> outs;
+  outs.reserve(sig.outs.size());
+  auto opts = at::TensorOptions().device(c10::Device(c10::DeviceType::PrivateUse1, enc.device));
+  for (const auto& o : sig.outs) {
+    if (o.kind == Out::inplace) {
+      outs.push_back(args[o.arg].toTensor());
+    } else if (o.kind == Out::undefined) {
+      outs.emplace_back();
+    } else if (o.offset == 0) {
+      outs.push_back(at::empty_strided(o.sizes, o.strides, opts.dtype(o.dtype)));
+    } else {
+      outs.push_back(at::empty({o.span}, opts.dtype(o.dtype)).as_strided(o.sizes, o.strides, o.offset));
+    }
+  }
+  std::string cmd;
+  cmd.reserve(enc.body.size() + f.name_packed.size() + 64 * (outs.size() + 1));
+  cmd.push_back(static_cast<char>(0x96));  // [CMD_OP, device, op, args, kwargs, outs]
+  cmd.push_back(static_cast<char>(g_cmd_op));
+  pack_uint(cmd, static_cast<uint64_t>(local));
+  cmd.append(f.name_packed);
+  cmd.append(enc.body);
+  pack_array_header(cmd, outs.size());
+  std::string payload;
+  for (const auto& t : outs) {
+    if (!t.defined()) {
+      cmd.push_back(static_cast<char>(0xc0));
+      continue;
+    }
+    payload.clear();
+    pack_tensor_payload(payload, t);
+    cmd.push_back(static_cast<char>(0xc7));
+    cmd.push_back(static_cast<char>(payload.size()));
+    cmd.push_back(static_cast<char>(8));
+    cmd.append(payload);
+  }
+  {
+    std::lock_guard<std::mutex> g(q->mu);
+    q->bytes += cmd.size();
+    q->cmds.push_back(std::move(cmd));
+  }
+  torch::jit::drop(*stack, nargs);
+  for (auto& t : outs) torch::jit::push(*stack, std::move(t));
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The miss path: Python, as torch's own Python fallback calls it.
+py::object to_python(const IValue& v, ArgKind kind) {
+  if (v.isNone()) return py::none();
+  switch (kind) {
+    case ArgKind::dtype: return py::cast(static_cast<c10::ScalarType>(v.toInt()));
+    case ArgKind::layout: return py::cast(static_cast<c10::Layout>(v.toInt()));
+    case ArgKind::memory_format: return py::cast(static_cast<c10::MemoryFormat>(v.toInt()));
+    default: return torch::jit::toPyObject(v);
+  }
+}
+
+py::object overload_of(OpFacts& f, const c10::FunctionSchema& schema) {
+  if (f.overload == nullptr) {
+    TORCH_CHECK(g_resolve != nullptr, "genie: remote_accelerator ops need genie.device registered first");
+    const auto& name = schema.name();
+    auto sep = name.find("::");
+    f.overload = new py::object((*g_resolve)(name.substr(0, sep), name.substr(sep + 2), schema.overload_name()));
+  }
+  return *f.overload;
+}
+
+void call_python(OpFacts& f, const c10::OperatorHandle& op, torch::jit::Stack* stack, Teaching* teaching) {
+  const auto& schema = op.schema();
+  const auto& decl = schema.arguments();
+  size_t nargs = decl.size();
+  auto arguments = torch::jit::pop(*stack, nargs);
+  py::gil_scoped_acquire gil;
+  TORCH_CHECK(g_python_fallback != nullptr, "genie: remote_accelerator ops need genie.device registered first");
+  size_t positional = f.kwarg_only_start;
+  while (positional > 0 && is_default(decl[positional - 1], arguments[positional - 1])) --positional;
+  py::tuple args(positional + 1);
+  args[0] = overload_of(f, schema);
+  for (size_t i = 0; i < positional; ++i) args[i + 1] = to_python(arguments[i], f.kinds[i]);
+  py::dict kwargs;
+  for (size_t i = f.kwarg_only_start; i < nargs; ++i) {
+    if (!is_default(decl[i], arguments[i])) kwargs[py::str(decl[i].name())] = to_python(arguments[i], f.kinds[i]);
+  }
+  Teaching* outer = tl_teaching;
+  tl_teaching = teaching;
+  py::object out;
+  try {
+    out = (*g_python_fallback)(*args, **kwargs);
+  } catch (...) {
+    tl_teaching = outer;
+    throw;
+  }
+  tl_teaching = outer;
+  const auto& returns = schema.returns();
+  if (returns.empty()) {
+    TORCH_CHECK(out.is_none(), "genie: ", f.name, " returns nothing, the fallback returned a value");
+  } else if (returns.size() == 1) {
+    torch::jit::push(*stack, torch::jit::toIValue(out, returns[0].real_type()));
+  } else {
+    auto seq = py::cast<py::sequence>(out);
+    TORCH_CHECK(seq.size() == returns.size(), "genie: ", f.name, " returns ", returns.size(), " values, the fallback ",
+                seq.size());
+    for (size_t i = 0; i < returns.size(); ++i) torch::jit::push(*stack, torch::jit::toIValue(seq[i], returns[i].real_type()));
+  }
+}
+
+void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  OpFacts& f = *facts_of(op);
+  const auto& schema = op.schema();
+  size_t nargs = schema.arguments().size();
+  thread_local Encoder enc;
+  bool cacheable = enc.call(f, schema, torch::jit::last(*stack, nargs));
+  if (cacheable) {
+    std::shared_ptr<const Signature> sig;
+    {
+      std::lock_guard<std::mutex> g(g_mu);
+      auto it = g_signatures.find(enc.key);
+      if (it != g_signatures.end()) sig = it->second;
+    }
+    if (sig && answer(f, *sig, enc, stack, nargs)) {
+      g_hits.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+  }
+  g_misses.fetch_add(1, std::memory_order_relaxed);
+  if (!cacheable) return call_python(f, op, stack, nullptr);
+  Teaching teaching{&f, enc.key, enc.floats_by_type, nullptr};
+  call_python(f, op, stack, &teaching);
+  if (teaching.learned && teaching.learned->outs.size() == schema.returns().size() &&
+      f.floats_by_type == teaching.floats_by_type) {
+    std::lock_guard<std::mutex> g(g_mu);
+    if (g_signatures.size() >= kMaxSignatures) g_signatures.clear();  // AdamW-like value churn: start over
+    g_signatures[teaching.key] = std::move(teaching.learned);
+  }
+}
+
+// fast_learn(name, floats_by_type, outs): outs per return, (0, dtype, sizes, strides, offset, span) fresh,
+// (1, argument position) in place, (2,) undefined. Ignored unless it teaches the call this thread's
+// fallback handed to Python (an op Python runs for another reason, nested, teaches nothing).
+void fast_learn(const std::string& name, bool floats_by_type, py::list outs) {
+  Teaching* t = tl_teaching;
+  if (t == nullptr || t->facts->name != name || t->learned) return;
+  auto* f = const_cast<OpFacts*>(t->facts);
+  if (!f->taught) {
+    f->floats_by_type = floats_by_type;
+    f->taught = true;
+  }
+  auto sig = std::make_shared<Signature>();
+  for (auto item : outs) {
+    auto e = py::cast<py::tuple>(item);
+    Out o;
+    int kind = py::cast<int>(e[0]);
+    if (kind == 0) {
+      o.kind = Out::fresh;
+      o.dtype = reinterpret_cast<THPDtype*>(e[1].ptr())->scalar_type;
+      o.sizes = py::cast<std::vector<int64_t>>(e[2]);
+      o.strides = py::cast<std::vector<int64_t>>(e[3]);
+      o.offset = py::cast<int64_t>(e[4]);
+      o.span = py::cast<int64_t>(e[5]);
+    } else if (kind == 1) {
+      o.kind = Out::inplace;
+      o.arg = py::cast<size_t>(e[1]);
+    } else {
+      o.kind = Out::undefined;
+    }
+    sig->outs.push_back(std::move(o));
+  }
+  t->learned = std::move(sig);
+}
+
+std::shared_ptr<Queue> queue_of(int64_t id) {
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_queues.find(id);
+  TORCH_CHECK(it != g_queues.end(), "genie: no op queue ", id);
+  return it->second;
+}
+
+}  // namespace
+
+void init_fastpath(py::module_& m) {
+  m.def("set_python_fallback", [](py::object fallback, py::object resolve) {
+    if (g_python_fallback == nullptr) {  // leaked: outlive interpreter teardown order
+      g_python_fallback = new py::object();
+      g_resolve = new py::object();
+    }
+    *g_python_fallback = std::move(fallback);
+    *g_resolve = std::move(resolve);
+  }, "The Python fallback (func, *args, **kwargs) and the OpOverload resolver (namespace, name, overload).");
+  m.def("fast_teaching", [](const std::string& name) {
+    return tl_teaching != nullptr && !tl_teaching->learned && tl_teaching->facts->name == name;
+  }, "Whether this thread's fallback waits to learn a call of this op (then fast_learn teaches it).");
+  m.def("fast_learn", &fast_learn, "Teach the call being handled: its outputs (see fastpath.cpp).");
+  m.def("fast_forget", [] {
+    std::lock_guard<std::mutex> g(g_mu);
+    g_signatures.clear();
+  }, "Forget every signature (a new session: servers of another kind answer some ops differently).");
+  m.def("fast_counts", [] {
+    std::lock_guard<std::mutex> g(g_mu);
+    return py::make_tuple(g_hits.load(), g_misses.load(), g_signatures.size());
+  }, "(ops answered here, ops handed to Python, signatures known).");
+  m.def("queue_new", [] {
+    std::lock_guard<std::mutex> g(g_mu);
+    int64_t id = g_next_queue++;
+    g_queues[id] = std::make_shared<Queue>();
+    return id;
+  });
+  m.def("queue_drop", [](int64_t id) {
+    std::lock_guard<std::mutex> g(g_mu);
+    auto it = g_queues.find(id);
+    if (it == g_queues.end()) return;
+    {
+      std::lock_guard<std::mutex> gq(it->second->mu);
+      it->second->room_cmds = it->second->room_bytes = 0;
+    }
+    g_queues.erase(it);
+  });
+  m.def("queue_take", [](int64_t id) -> py::object {
+    auto q = queue_of(id);
+    std::vector<std::string> cmds;
+    {
+      std::lock_guard<std::mutex> g(q->mu);
+      if (q->cmds.empty()) return py::none();
+      cmds.swap(q->cmds);
+      q->bytes = 0;
+    }
+    py::list out(cmds.size());
+    for (size_t i = 0; i < cmds.size(); ++i) out[i] = py::bytes(cmds[i]);
+    return out;
+  }, "The commands queued natively since the last call, in order (None when there are none).");
+  m.def("queue_room", [](int64_t id, int64_t cmds, int64_t bytes) {
+    auto q = queue_of(id);
+    std::lock_guard<std::mutex> g(q->mu);
+    q->room_cmds = static_cast<size_t>(std::max<int64_t>(cmds, 0));
+    q->room_bytes = static_cast<size_t>(std::max<int64_t>(bytes, 0));
+  }, "How many commands and bytes may wait natively before the batch must be sent (0: none).");
+  m.def("queue_count", [](int64_t id) {
+    auto q = queue_of(id);
+    std::lock_guard<std::mutex> g(q->mu);
+    return q->cmds.size();
+  });
+  m.def("set_routes", [](const std::vector<std::pair<int64_t, int>>& routes, int cmd_op) {
+    std::lock_guard<std::mutex> g(g_mu);
+    g_cmd_op = static_cast<uint8_t>(cmd_op);
+    g_routes.clear();
+    for (const auto& [qid, local] : routes) {
+      auto it = g_queues.find(qid);
+      g_routes.push_back(Route{it == g_queues.end() ? nullptr : it->second, local});
+    }
+  }, "Per global device index: (its connection's queue, its index on its node); and the wire's CMD_OP.");
+}
+
+}  // namespace genie
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&genie::fallback>());
+}

@@ -1,0 +1,27 @@
+// What genie._C's two translation units share: msgpack for tensor descriptors (device.cpp) and the
+// native op path that encodes whole commands (fastpath.cpp). See genie/wire/values.py for the format.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <string>
+
+namespace genie {
+
+// The wire code of a dtype (genie.wire.values.DTYPE_NAMES), -1 where it cannot cross the wire.
+int wire_dtype_code(c10::ScalarType s);
+// The wire code of a remote tensor's dtype; raises for other devices, math bits, unknown dtypes.
+int wire_dtype(const at::Tensor& t);
+// msgpack, as Python's msgpack packs the same values.
+void pack_uint(std::string& out, uint64_t v);
+void pack_array_header(std::string& out, size_t n);
+void pack_int_array(std::string& out, c10::IntArrayRef v);
+// The EXT_TENSOR payload of a remote tensor: [storage_id, dtype, sizes, strides, offset, storage_nbytes].
+void pack_tensor_payload(std::string& out, const at::Tensor& t);
+
+// The native op path (fastpath.cpp): its Python functions on genie._C.
+void init_fastpath(pybind11::module_& m);
+
+}  // namespace genie
