@@ -389,7 +389,7 @@ struct Signature {
   std::vector<Out> outs;
 };
 std::unordered_map<std::string, std::shared_ptr<const Signature>> g_signatures;
-constexpr size_t kMaxSignatures = 1 << 16;
+constexpr size_t kMaxSignatures = 1 << 15;
 
 // The call Python is handling on this thread, so fast_learn knows which signature it teaches.
 struct Teaching {

@@ -338,7 +338,8 @@ class NodeConnection:
             self._cmd_bytes = 0
         self.last_send = time.monotonic()
         self.flush_at = min(self.flush_at * 2, MAX_BATCH_CMDS)  # the server has work now: grow
-        self._room()
+        if not self._pending_request:  # a request sets the room once its reply is in
+            self._room()
         self.stats["batches"] += 1
         STATS.batch_sent()  # stats
 

@@ -52,8 +52,9 @@ def caller_line() -> str:
 
 
 def caller_place() -> tuple[Any, int] | None:
-    """``(code, line)`` of the first frame outside genie and torch, formatted only when read (every
-    round trip records one: the walk is a dict lookup per frame)."""
+    """``(code, instruction offset)`` of the first frame outside genie and torch, turned into a line
+    only when read (every round trip records one: the walk is a dict lookup per frame, and a frame's
+    line number would walk its function's line table)."""
     frame = sys._getframe(1)
     outside = _outside
     while frame is not None:
@@ -62,16 +63,23 @@ def caller_place() -> tuple[Any, int] | None:
         if known is None:
             known = outside[code] = not code.co_filename.startswith(_skip_dirs())
         if known:
-            return code, frame.f_lineno
+            return code, frame.f_lasti
         frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def _line_of(code: Any, offset: int) -> int | None:
+    for start, end, line in code.co_lines():
+        if start <= offset < end:
+            return line  # type: ignore[no-any-return]
     return None
 
 
 def _format_place(place: Any) -> str:
     if place is None:
         return "?"
-    code, line = place
-    return f"{os.path.basename(code.co_filename)}:{line} ({code.co_name})"
+    code, offset = place
+    return f"{os.path.basename(code.co_filename)}:{_line_of(code, offset)} ({code.co_name})"
 
 
 def command_reason(command: list[Any]) -> str:
