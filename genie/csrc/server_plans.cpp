@@ -34,6 +34,7 @@
 
 #include <time.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -255,6 +256,17 @@ class Runner {
     bytes_ = store.attr("_bytes").cast<int64_t>();
     int64_t bytes_before = bytes_;
     metrics_ = metrics;
+    // Borrowed for this run: the session's metrics keep them (SessionMetrics._ok, its counts, tally.ops).
+    ok_latency_ = ok_counts_ = ops_ = nullptr;
+    if (!metrics.is_none() && py::hasattr(metrics, "_ok")) {
+      if (buckets_.empty()) {
+        for (auto b : py::module_::import("genie.server.metrics").attr("DURATION_BUCKETS")) buckets_.push_back(b.cast<double>());
+      }
+      ok_latency_ = metrics.attr("_ok").ptr();
+      ok_counts_ = metrics.attr("_ok").attr("counts").ptr();
+      ops_ = metrics.attr("tally").attr("ops").ptr();
+      if (!PyList_Check(ok_counts_) || !PyDict_Check(ops_)) ok_counts_ = nullptr;
+    }
     Py_ssize_t n = PyList_GET_SIZE(cmds.ptr());
     Py_ssize_t i = start;
     size_t ran = 0;
@@ -505,13 +517,48 @@ class Runner {
     static PyObject* method = PyUnicode_InternFromString("record_op");
     static PyObject* ok_status = PyUnicode_InternFromString("ok");
     static PyObject* error_status = PyUnicode_InternFromString("error");
-    PyObject* seconds = PyFloat_FromDouble(double(monotonic_ns() - started) / 1e9);
+    double elapsed = double(monotonic_ns() - started) / 1e9;
+    if (ok && record_ok(plan, ok_status, elapsed)) return;
+    PyObject* seconds = PyFloat_FromDouble(elapsed);
     PyObject* done = seconds == nullptr ? nullptr
                                         : PyObject_CallMethodObjArgs(metrics_.ptr(), method, plan.label_.ptr(),
                                                                      ok ? ok_status : error_status, seconds, nullptr);
     Py_XDECREF(seconds);
     if (done == nullptr) throw py::error_already_set();
     Py_DECREF(done);
+  }
+
+  // SessionMetrics.record_op for an op that ran ("ok") and whose name the session counted before, without a
+  // Python call (three per `.item()` round trip otherwise); false leaves it to record_op (a new name).
+  bool record_ok(const NativePlan& plan, PyObject* ok_status, double seconds) {
+    if (ok_counts_ == nullptr) return false;
+    PyObject* key = PyTuple_Pack(2, plan.label_.ptr(), ok_status);
+    if (key == nullptr) throw py::error_already_set();
+    PyObject* count = PyDict_GetItemWithError(ops_, key);  // borrowed
+    if (count == nullptr) {
+      Py_DECREF(key);
+      if (PyErr_Occurred()) throw py::error_already_set();
+      return false;
+    }
+    auto bump = [](PyObject* v) { return PyLong_FromLongLong(PyLong_AsLongLong(v) + 1); };
+    PyObject* next = bump(count);
+    int failed = next == nullptr || PyDict_SetItem(ops_, key, next) != 0;
+    Py_XDECREF(next);
+    Py_DECREF(key);
+    if (failed) throw py::error_already_set();
+    auto bucket = static_cast<Py_ssize_t>(std::lower_bound(buckets_.begin(), buckets_.end(), seconds) - buckets_.begin());
+    if (bucket >= PyList_GET_SIZE(ok_counts_)) throw std::runtime_error("genie: latency buckets out of step");
+    PyObject* in_bucket = bump(PyList_GET_ITEM(ok_counts_, bucket));
+    if (in_bucket == nullptr) throw py::error_already_set();
+    PyList_SetItem(ok_counts_, bucket, in_bucket);  // steals in_bucket, drops the old count
+    static PyObject* sum_name = PyUnicode_InternFromString("sum");
+    PyObject* sum = PyObject_GetAttr(ok_latency_, sum_name);
+    PyObject* total = sum == nullptr ? nullptr : PyFloat_FromDouble(PyFloat_AsDouble(sum) + seconds);
+    failed = total == nullptr || PyObject_SetAttr(ok_latency_, sum_name, total) != 0;
+    Py_XDECREF(sum);
+    Py_XDECREF(total);
+    if (failed) throw py::error_already_set();
+    return true;
   }
 
   py::list py_tensors(const std::vector<at::Tensor>& tensors) {
@@ -698,6 +745,10 @@ class Runner {
   int64_t max_bytes_ = 0;
   int64_t bytes_ = 0;
   py::object metrics_ = py::none();
+  PyObject* ok_latency_ = nullptr;
+  PyObject* ok_counts_ = nullptr;
+  PyObject* ops_ = nullptr;
+  std::vector<double> buckets_;  // genie.server.metrics.DURATION_BUCKETS
 };
 
 }  // namespace genie_plans

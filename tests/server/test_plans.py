@@ -162,6 +162,22 @@ def test_a_chain_of_ops_runs_by_its_plan_and_gives_the_same_numbers(server, conn
     assert _native(srv) == (n - 1 if _native_mode() else 0)
 
 
+def test_ops_run_by_plan_are_counted_in_the_sessions_metrics(server, connect) -> None:
+    """The native runner records each op as SessionMetrics.record_op does (it skips the Python call for names
+    the session counted before): one count per op, one latency observation per op."""
+    srv = server()
+    c = connect(srv)
+    n = 50
+    c.send_batch([*(_add(i, i + 1) for i in range(1, n + 1)), free(*range(1, n + 1))],
+                 uploads=[(1, 0, torch.tensor([0.5]))])
+    assert c.sync().deferred == []
+    (metrics,) = srv.metrics.sessions()
+    ops = {op: count for (op, status), count in metrics.tally.ops.items() if status == "ok"}
+    assert ops.get("aten::add.Tensor") == n, ops
+    assert metrics.tally.latency["ok"].count == sum(ops.values())
+    assert 0 < metrics.tally.latency["ok"].sum < 60
+
+
 def test_in_place_view_and_list_ops_by_plan_match_the_full_path(server, connect) -> None:
     x = torch.arange(6.0).reshape(2, 3)
     cmds = []
