@@ -18,7 +18,11 @@ measures both and keeps the faster one:
 - every :data:`EXPLORE_EVERY` measured intervals the other is tried once more, so a change
   (another workload, a loaded machine) is noticed.
 
-Workloads repeat (training steps), so the per-op medians compare like with like.
+Workloads repeat (training steps), so the per-op medians compare like with like, within a *size
+class*: intervals are measured and decided per power of four of their op count, and the next
+interval is taken to be of the last one's class. A phase of 20,000 pipelined ops between two sync
+points and a training step of a few hundred ops can favour different choices, and without classes
+the samples of one decided the other's first intervals (bench_remote runs both on one connection).
 """
 
 from __future__ import annotations
@@ -40,13 +44,22 @@ SAMPLES = 5
 EXPLORE_EVERY = 32
 
 
+class _SizeClass:
+    """What one size class of intervals measured."""
+
+    def __init__(self) -> None:
+        self.choice: Choice = "small"
+        self.times: dict[Choice, deque[float]] = {"small": deque(maxlen=SAMPLES), "full": deque(maxlen=SAMPLES)}
+        self.measured = 0
+
+
 class FlushChooser:
     """One connection's choice between small-first and full batches (see the module docstring)."""
 
     def __init__(self) -> None:
         self.choice: Choice = "small"
-        self._times: dict[Choice, deque[float]] = {"small": deque(maxlen=SAMPLES), "full": deque(maxlen=SAMPLES)}
-        self._measured = 0
+        self._classes: dict[int, _SizeClass] = {}
+        self._last: _SizeClass | None = None
         self._start = 0.0
         self._ops = 0
 
@@ -55,21 +68,28 @@ class FlushChooser:
         record the interval that ended and return the choice for the next one."""
         ops = ops_total - self._ops
         if ops >= MEASURED_OPS and self._start:
-            self._times[self.choice].append((now - self._start) / ops)
-            self.choice = self._choose()
+            size = self._classes.get(ops.bit_length() // 2)
+            if size is None:
+                size = self._classes[ops.bit_length() // 2] = _SizeClass()
+            size.times[self.choice].append((now - self._start) / ops)
+            size.choice = _choose(size)
+            self._last, self.choice = size, size.choice
         self._start, self._ops = now, ops_total
         return self.choice
 
-    def _choose(self) -> Choice:
-        small, full = self._times["small"], self._times["full"]
-        if len(small) < WARMUP or len(full) < WARMUP:
-            return "full" if len(full) < len(small) else "small"
-        best: Choice = "small" if statistics.median(small) <= statistics.median(full) else "full"
-        self._measured += 1
-        if self._measured % EXPLORE_EVERY == 0:
-            return "full" if best == "small" else "small"
-        return best
-
     def medians(self) -> dict[str, float | None]:
-        """Seconds per op each choice measured (median of its recent samples; None before any)."""
-        return {k: statistics.median(v) if v else None for k, v in self._times.items()}
+        """Seconds per op each choice measured in the size class of the last measured interval (median of
+        its recent samples; None before any)."""
+        times = self._last.times if self._last is not None else {"small": (), "full": ()}
+        return {k: statistics.median(v) if v else None for k, v in times.items()}
+
+
+def _choose(size: _SizeClass) -> Choice:
+    small, full = size.times["small"], size.times["full"]
+    if len(small) < WARMUP or len(full) < WARMUP:
+        return "full" if len(full) < len(small) else "small"
+    best: Choice = "small" if statistics.median(small) <= statistics.median(full) else "full"
+    size.measured += 1
+    if size.measured % EXPLORE_EVERY == 0:
+        return "full" if best == "small" else "small"
+    return best

@@ -104,6 +104,18 @@ def test_the_chooser_notices_when_the_faster_choice_changes() -> None:
     assert seen[-1] == "full"
 
 
+def test_intervals_of_another_size_keep_their_own_choice() -> None:
+    """A long pipelined phase where small batches win does not decide a training step's batches (bench_remote
+    saw a step 1.7x slower with the choice carried over)."""
+    chooser = FlushChooser()
+    _feed(chooser, {"small": 2e-6, "full": 4e-6}, 2 * flushing.WARMUP + 2, ops=20_000)
+    assert chooser.choice == "small"
+    seen = _feed(chooser, {"small": 60e-6, "full": 30e-6}, 2 * flushing.WARMUP + 4, ops=300)
+    assert seen[-3:] == ["full"] * 3
+    assert chooser.medians() == {"small": pytest.approx(60e-6), "full": pytest.approx(30e-6)}
+    assert _feed(chooser, {"small": 2e-6, "full": 4e-6}, 2, ops=20_000)[-1] == "small"
+
+
 def test_short_intervals_are_not_measured() -> None:
     """Intervals under MEASURED_OPS ops (a tiny op and .item()) flush only at their sync point either way."""
     chooser = FlushChooser()
