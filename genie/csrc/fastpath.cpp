@@ -72,6 +72,7 @@ struct OpFacts {
   bool floats_by_type = false;  // float arguments key by type (Python: not OpInfo.float_values_matter)
   bool taught = false;          // Python has taught one signature (so floats_by_type is known)
   py::object* overload = nullptr;  // the Python OpOverload (leaked: outlives interpreter teardown)
+  enum Copy : uint8_t { not_copy, copy_into, copy_from } copy = not_copy;  // copy_(self, src) / _copy_from(src, dst)
 };
 std::unordered_map<const void*, OpFacts*> g_facts;  // by &op.schema() (operators live for the process)
 
@@ -114,6 +115,8 @@ OpFacts* facts_of(const c10::OperatorHandle& op) {
   f->name = schema.name();
   if (!schema.overload_name().empty()) f->name += "." + schema.overload_name();
   pack_str(f->name_packed, f->name);
+  if (f->name == "aten::copy_") f->copy = OpFacts::copy_into;
+  if (f->name == "aten::_copy_from") f->copy = OpFacts::copy_from;
   const auto& args = schema.arguments();
   for (const auto& a : args) f->kinds.push_back(kind_of(a));
   f->kwarg_only_start = args.size();
@@ -534,11 +537,48 @@ void call_python(OpFacts& f, const c10::OperatorHandle& op, torch::jit::Stack* s
   }
 }
 
+// A copy between two tensors of one remote device (`clone`, a gradient's accumulation, `dst.copy_(src)`):
+// genie.device.copies.copy_into's first rule, one server `copy_`, without Python. False: Python's path.
+bool copy_natively(Encoder& enc, torch::jit::Stack* stack, size_t nargs, bool from) {
+  auto args = torch::jit::last(*stack, nargs);
+  if (!args[0].isTensor() || !args[1].isTensor()) return false;
+  at::Tensor dst = from ? args[1].toTensor() : args[0].toTensor();  // owned: the stack's copy is dropped below
+  at::Tensor src = from ? args[0].toTensor() : args[1].toTensor();
+  if (!dst.defined() || !src.defined() || dst.numel() == 0 || dst.unsafeGetTensorImpl()->is_wrapped_number() ||
+      src.unsafeGetTensorImpl()->is_wrapped_number())
+    return false;
+  enc.key.clear();
+  enc.body.clear();
+  enc.device = -1;
+  pack_array_header(enc.body, 2);
+  if (!enc.tensor(dst) || !enc.tensor(src)) return false;
+  enc.body.push_back(static_cast<char>(0x80));  // no keyword arguments
+  static const Signature in_place{{Out{Out::inplace}}};
+  static const std::string name_packed = [] {
+    std::string out;
+    pack_str(out, "aten::copy_");
+    return out;
+  }();
+  OpFacts copy_facts;
+  copy_facts.name_packed = name_packed;
+  // The command names copy_(dst, src) with dst as its output; the op returns dst either way.
+  torch::jit::Stack args_for_answer;
+  args_for_answer.push_back(dst);
+  if (!answer(copy_facts, in_place, enc, &args_for_answer, 1)) return false;
+  torch::jit::drop(*stack, nargs);
+  torch::jit::push(*stack, dst);
+  return true;
+}
+
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   OpFacts& f = *facts_of(op);
   const auto& schema = op.schema();
   size_t nargs = schema.arguments().size();
   thread_local Encoder enc;
+  if (f.copy != OpFacts::not_copy && copy_natively(enc, stack, nargs, f.copy == OpFacts::copy_from)) {
+    g_hits.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   bool cacheable = enc.call(f, schema, torch::jit::last(*stack, nargs));
   if (cacheable) {
     std::shared_ptr<const Signature> sig;

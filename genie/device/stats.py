@@ -150,9 +150,13 @@ class ClientStats:
     # -- reading --------------------------------------------------------------------------------
     def sync_points(self) -> list[SyncPoint]:
         """Every (line, reason) that caused round trips, most round trips first."""
+        merged: dict[tuple[str, str], list[float]] = {}
         with self._lock:
-            items = [SyncPoint(_format_place(place), reason, int(c), s)
-                     for (place, reason), (c, s) in self._sync.items()]
+            for (place, reason), (c, s) in self._sync.items():  # one line may hold several call sites
+                entry = merged.setdefault((_format_place(place), reason), [0, 0.0])
+                entry[0] += c
+                entry[1] += s
+        items = [SyncPoint(line, reason, int(c), s) for (line, reason), (c, s) in merged.items()]
         return sorted(items, key=lambda p: (-p.count, -p.seconds, p.line))
 
     def snapshot(self) -> dict[str, Any]:

@@ -131,3 +131,19 @@ def test_a_number_wrapped_in_a_cpu_tensor_crosses_as_a_number() -> None:
         torch.testing.assert_close((x + k).cpu(), torch.arange(4) + k)
         torch.testing.assert_close((x * 0.5).cpu(), torch.arange(4) * 0.5)
         torch.testing.assert_close((x > 1).cpu(), torch.arange(4) > 1)
+
+
+def test_copies_between_tensors_of_one_device_are_queued_natively() -> None:
+    """``clone``, ``dst.copy_(src)`` and a gradient's accumulation copy on the server without Python."""
+    src_cpu = torch.arange(12.0).reshape(3, 4)
+    src = src_cpu.to(D0)
+    dst = torch.zeros(4, 3, device=D0)
+    before = native_hits()
+    for _ in range(3):
+        torch.testing.assert_close(src.clone().cpu(), src_cpu)
+        dst.t().copy_(src)  # a strided destination
+        torch.testing.assert_close(dst.cpu(), src_cpu.t())
+        torch.testing.assert_close(src.to(torch.float64).cpu(), src_cpu.double())
+    assert native_hits() - before >= 6
+    other = torch.ones(2, device=D1)
+    torch.testing.assert_close(torch.zeros(2, device=D0).copy_(other).cpu(), torch.ones(2))  # across devices
