@@ -87,7 +87,8 @@ class NodeConnection:
         self.last_send = time.monotonic()
         self.backend = "tcp"
         self.encoder: Callable[[Any], Any] | None = None
-        self._pending_request = False
+        #: a sync point's command while it is being sent: the batch's last, after its frees (see _flush_locked)
+        self._request_cmd: bytes | None = None
         #: commands that make a batch full now (adaptive: see MIN_BATCH_CMDS)
         self.flush_at = MIN_BATCH_CMDS
         #: small first batches or full ones after a sync point, measured (genie.device.flushing)
@@ -306,20 +307,22 @@ class NodeConnection:
                     or _C.queue_count(self.qid))
 
     def _flush_locked(self) -> None:
-        if not self._pending_request:  # a request took them before it queued itself
-            self._pull()
         if self.content is not None and self.content.pending:
             self._ask_cache()
+        # Frees first, then the native queue: an op that used a storage freed by now was queued before the
+        # storage was freed, so it is among the commands taken after (other threads queue natively without
+        # this lock: taken the other way round, a FREE could overtake their op into this batch).
         if free_router is not None:
             free_router()
+        self._pull()
         if self.frees:
             # After the queued commands: a storage is freed only once no queued op can still use it...
             frees, self.frees = self.frees, []
-            free_cmd = msgpack.packb([wm.CMD_FREE, frees])
-            if self._cmds and self._pending_request:
-                self._cmds.insert(len(self._cmds) - 1, free_cmd)  # ...but before a request, so it is answered last
-            else:
-                self._cmds.append(free_cmd)
+            self._cmds.append(msgpack.packb([wm.CMD_FREE, frees]))
+        request = self._request_cmd
+        if request is not None:  # ...but before a request, so it is answered last
+            self._request_cmd = None
+            self._cmds.append(request)
         if not self._cmds and not self._uploads and not self._cached:
             self._room()
             return
@@ -338,7 +341,7 @@ class NodeConnection:
             self._cmd_bytes = 0
         self.last_send = time.monotonic()
         self.flush_at = min(self.flush_at * 2, MAX_BATCH_CMDS)  # the server has work now: grow
-        if not self._pending_request:  # a request sets the room once its reply is in
+        if request is None:  # a request sets the room once its reply is in
             self._room()
         self.stats["batches"] += 1
         STATS.batch_sent()  # stats
@@ -356,13 +359,11 @@ class NodeConnection:
                 raise self._device_lost(device)
             req = command[1] = next(self._requests)
             started = time.perf_counter()  # stats
-            self._pull()
-            self._cmds.append(msgpack.packb(command, use_bin_type=True, default=default))
-            self._pending_request = True
+            self._request_cmd = msgpack.packb(command, use_bin_type=True, default=default)
             try:
                 self._flush_locked()
             finally:
-                self._pending_request = False
+                self._request_cmd = None
             try:
                 kind, body, payload_len = wf.recv_frame(self.channel, self._head)
                 if kind != wf.MsgKind.REPLY:

@@ -147,3 +147,35 @@ def test_copies_between_tensors_of_one_device_are_queued_natively() -> None:
     assert native_hits() - before >= 6
     other = torch.ones(2, device=D1)
     torch.testing.assert_close(torch.zeros(2, device=D0).copy_(other).cpu(), torch.ones(2))  # across devices
+
+
+def test_a_free_taken_at_a_flush_goes_after_every_op_queued_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other threads queue natively without the session's lock, so between two steps of one thread's flush
+    another may queue an op and drop its input. The flush takes the frees first, then the native queue:
+    the op goes out before its input's FREE. (Taken the other way round, the full OpInfo sweep met
+    'storage N was freed earlier in this session'.) The other thread's steps run here inside the flush,
+    where the race would put them."""
+    from genie.device import connection
+
+    x = torch.ones(4, device=D0)
+    for _ in range(3):  # teach mul and sum
+        (x * 2).sum().item()
+    y = x * 2
+    y.sum().item()  # y's storage now exists on the server
+    late: list[torch.Tensor] = []
+    real = connection.free_router
+    assert real is not None
+
+    def another_thread_then_route() -> None:
+        if not late:
+            nonlocal y
+            late.append(y.sum())  # queued natively, reads y's storage...
+            del y  # ...which is freed now
+        real()
+
+    monkeypatch.setattr(connection, "free_router", another_thread_then_route)
+    before = native_hits()
+    assert (x + 1).sum().item() == 8.0  # this sync point's flush
+    assert native_hits() > before and late
+    monkeypatch.setattr(connection, "free_router", real)
+    assert late[0].item() == 8.0
