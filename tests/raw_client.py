@@ -186,7 +186,7 @@ class RawClient:
         header, raw = recv_header_and_body(self.channel)
         payload = bytearray(header.payload_len)
         if header.payload_len:
-            recv_payload(self.channel, header, [memoryview(payload)])
+            recv_payload(self.channel, header.payload_len, [memoryview(payload)])
         return header.kind, unpack_body(raw, ext_hook=lambda code, data: msgpack.ExtType(code, data)), bytes(payload)
 
     def reply(self) -> Reply:

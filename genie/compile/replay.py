@@ -128,11 +128,6 @@ def _meta_inputs(inputs: list[Any]) -> tuple[list[Any], dict[int, int]]:
     return out, owner
 
 
-def _device(index: int) -> RemoteDevice:
-    tbl = registry._table
-    return tbl.devices[index] if tbl is not None and index < len(tbl.devices) else registry.table().get(index)
-
-
 def _run_meta(gm: fx.GraphModule, lowered: Lowered, inputs: list[Any], kind: str) -> Plan:
     """Run the graph on meta tensors: the outputs' layouts and aliasing, and the client scalars; ``kind``: the
     server device's (the layouts some ops return depend on it, as on the op path)."""
@@ -302,7 +297,7 @@ class ReplayedGraph:
             plan = _fallback("none of its inputs is on a remote device")
         else:
             # The server device's kind is part of the key: some ops' outputs differ by it (KIND_FIXUPS).
-            device = _device(found[1])
+            device = registry.device_at(found[1])
             plan = self.plans.get((device.kind, found[0]))
             if plan is None:
                 plan = self._plan((device.kind, found[0]), inputs)

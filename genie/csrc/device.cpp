@@ -650,24 +650,22 @@ py::list wire_desc(const at::Tensor& t) {
 }
 
 // msgpack for non-negative ints and arrays: all a descriptor holds.
+void pack_tagged(std::string& out, uint8_t tag, uint64_t x, int bytes) {
+  out.push_back(static_cast<char>(tag));
+  for (int i = bytes - 1; i >= 0; --i) out.push_back(static_cast<char>((x >> (8 * i)) & 0xff));
+}
+
 void pack_uint(std::string& out, uint64_t v) {
-  auto put_be = [&out](uint64_t x, int bytes) {
-    for (int i = bytes - 1; i >= 0; --i) out.push_back(static_cast<char>((x >> (8 * i)) & 0xff));
-  };
   if (v < 128) {
     out.push_back(static_cast<char>(v));
   } else if (v <= 0xff) {
-    out.push_back(static_cast<char>(0xcc));
-    put_be(v, 1);
+    pack_tagged(out, 0xcc, v, 1);
   } else if (v <= 0xffff) {
-    out.push_back(static_cast<char>(0xcd));
-    put_be(v, 2);
+    pack_tagged(out, 0xcd, v, 2);
   } else if (v <= 0xffffffffULL) {
-    out.push_back(static_cast<char>(0xce));
-    put_be(v, 4);
+    pack_tagged(out, 0xce, v, 4);
   } else {
-    out.push_back(static_cast<char>(0xcf));
-    put_be(v, 8);
+    pack_tagged(out, 0xcf, v, 8);
   }
 }
 
@@ -675,9 +673,7 @@ void pack_array_header(std::string& out, size_t n) {
   if (n < 16) {
     out.push_back(static_cast<char>(0x90 | n));
   } else {
-    out.push_back(static_cast<char>(0xdc));
-    out.push_back(static_cast<char>((n >> 8) & 0xff));
-    out.push_back(static_cast<char>(n & 0xff));
+    pack_tagged(out, 0xdc, n, 2);
   }
 }
 
@@ -700,6 +696,18 @@ void pack_tensor_payload(std::string& out, const at::Tensor& t) {
   pack_int_array(out, t.strides());
   pack_uint(out, static_cast<uint64_t>(t.storage_offset()));
   pack_uint(out, static_cast<uint64_t>(st.nbytes()));
+}
+
+void pack_tensor_ext(std::string& out, const at::Tensor& t) {
+  std::string payload;
+  pack_tensor_payload(payload, t);
+  if (payload.size() <= 0xff) {
+    pack_tagged(out, 0xc7, payload.size(), 1);  // ext 8
+  } else {
+    pack_tagged(out, 0xc8, payload.size(), 2);  // ext 16 (a descriptor has at most 64 sizes and strides)
+  }
+  out.push_back(static_cast<char>(8));  // EXT_TENSOR
+  out.append(payload);
 }
 
 namespace {

@@ -92,13 +92,10 @@ void pack_str(std::string& out, const std::string& s) {
   if (n < 32) {
     out.push_back(static_cast<char>(0xa0 | n));
   } else if (n <= 0xff) {
-    out.push_back(static_cast<char>(0xd9));
-    out.push_back(static_cast<char>(n));
+    pack_tagged(out, 0xd9, n, 1);
   } else {
     TORCH_CHECK(n <= 0xffff, "genie: string argument too long");
-    out.push_back(static_cast<char>(0xda));
-    out.push_back(static_cast<char>(n >> 8));
-    out.push_back(static_cast<char>(n & 0xff));
+    pack_tagged(out, 0xda, n, 2);
   }
   out.append(s);
 }
@@ -135,6 +132,13 @@ bool is_default(const c10::Argument& a, const IValue& v) {
   return *d == v;
 }
 
+// How many arguments Python gets by position: up to the keyword-only ones, less the trailing defaults.
+size_t positional_count(const OpFacts& f, const std::vector<c10::Argument>& decl, c10::ArrayRef<IValue> args) {
+  size_t n = f.kwarg_only_start;
+  while (n > 0 && is_default(decl[n - 1], args[n - 1])) --n;
+  return n;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Signatures and encoding, in one pass over the arguments.
 struct Encoder {
@@ -149,21 +153,40 @@ struct Encoder {
   void pack_int(int64_t v) {
     if (v >= 0) return pack_uint(body, static_cast<uint64_t>(v));
     if (v >= -32) { body.push_back(static_cast<char>(v)); return; }
-    auto be = [this](uint8_t tag, uint64_t x, int n) {
-      body.push_back(static_cast<char>(tag));
-      for (int i = n - 1; i >= 0; --i) body.push_back(static_cast<char>((x >> (8 * i)) & 0xff));
-    };
-    if (v >= INT8_MIN) be(0xd0, static_cast<uint64_t>(v), 1);
-    else if (v >= INT16_MIN) be(0xd1, static_cast<uint64_t>(v), 2);
-    else if (v >= INT32_MIN) be(0xd2, static_cast<uint64_t>(v), 4);
-    else be(0xd3, static_cast<uint64_t>(v), 8);
+    auto bits = static_cast<uint64_t>(v);
+    if (v >= INT8_MIN) pack_tagged(body, 0xd0, bits, 1);
+    else if (v >= INT16_MIN) pack_tagged(body, 0xd1, bits, 2);
+    else if (v >= INT32_MIN) pack_tagged(body, 0xd2, bits, 4);
+    else pack_tagged(body, 0xd3, bits, 8);
   }
 
   void pack_double(double d) {
     uint64_t bits;
     std::memcpy(&bits, &d, 8);
-    body.push_back(static_cast<char>(0xcb));
-    for (int i = 7; i >= 0; --i) body.push_back(static_cast<char>((bits >> (8 * i)) & 0xff));
+    pack_tagged(body, 0xcb, bits, 8);
+  }
+
+  // Scalars: the key's tag (and value: floats only unless keyed by type) and the msgpack value.
+  void none() {
+    put<char>('N');
+    body.push_back(static_cast<char>(0xc0));
+  }
+
+  void boolean(bool b) {
+    put<char>(b ? 'b' : 'B');
+    body.push_back(static_cast<char>(b ? 0xc3 : 0xc2));
+  }
+
+  void integer(int64_t i) {
+    put<char>('i');
+    put<int64_t>(i);
+    pack_int(i);
+  }
+
+  void real(double d) {
+    put<char>('f');
+    if (!floats_by_type) put<double>(d);
+    pack_double(d);
   }
 
   // A list argument: its tag and length in the key, its array header in the body.
@@ -184,28 +207,10 @@ struct Encoder {
   bool wrapped_number(const at::Tensor& t) {
     if (!t.device().is_cpu()) return false;
     switch (t.scalar_type()) {
-      case at::kBool: {
-        bool b = *t.const_data_ptr<bool>();
-        put<char>(b ? 'b' : 'B');
-        body.push_back(static_cast<char>(b ? 0xc3 : 0xc2));
-        return true;
-      }
-      case at::kLong: {
-        int64_t i = *t.const_data_ptr<int64_t>();
-        put<char>('i');
-        put<int64_t>(i);
-        pack_int(i);
-        return true;
-      }
-      case at::kDouble: {
-        double d = *t.const_data_ptr<double>();
-        put<char>('f');
-        if (!floats_by_type) put<double>(d);
-        pack_double(d);
-        return true;
-      }
-      default:
-        return false;
+      case at::kBool: boolean(*t.const_data_ptr<bool>()); return true;
+      case at::kLong: integer(*t.const_data_ptr<int64_t>()); return true;
+      case at::kDouble: real(*t.const_data_ptr<double>()); return true;
+      default: return false;
     }
   }
 
@@ -229,39 +234,30 @@ struct Encoder {
     for (auto s : t.sizes()) put<int64_t>(s);
     for (auto s : t.strides()) put<int64_t>(s);
     put<int64_t>(t.storage_offset());
-    std::string payload;
-    pack_tensor_payload(payload, t);
-    if (payload.size() <= 0xff) {
-      body.push_back(static_cast<char>(0xc7));
-      body.push_back(static_cast<char>(payload.size()));
-    } else {
-      body.push_back(static_cast<char>(0xc8));
-      body.push_back(static_cast<char>(payload.size() >> 8));
-      body.push_back(static_cast<char>(payload.size() & 0xff));
-    }
-    body.push_back(static_cast<char>(8));
-    body.append(payload);
+    pack_tensor_ext(body, t);
     return true;
   }
 
   bool value(const IValue& v, ArgKind kind) {
     if (v.isNone()) {
-      put<char>('N');
-      body.push_back(static_cast<char>(0xc0));
+      none();
       return true;
     }
     if (v.isTensor()) return tensor(v.toTensor());
     if (v.isBool()) {
-      put<char>(v.toBool() ? 'b' : 'B');
-      body.push_back(static_cast<char>(v.toBool() ? 0xc3 : 0xc2));
+      boolean(v.toBool());
       return true;
     }
     if (v.isInt()) {
       int64_t i = v.toInt();
-      put<char>('i');
+      if (kind == ArgKind::plain) {
+        integer(i);
+        return true;
+      }
+      put<char>('i');  // a dtype, layout or memory format: the key holds its value, the body its wire code
       put<int64_t>(i);
       switch (kind) {
-        case ArgKind::plain: pack_int(i); return true;
+        case ArgKind::plain: break;  // handled above
         case ArgKind::dtype: {
           int code = wire_dtype_code(static_cast<c10::ScalarType>(i));
           if (code < 0) return false;
@@ -282,10 +278,7 @@ struct Encoder {
       return false;
     }
     if (v.isDouble()) {
-      double d = v.toDouble();
-      put<char>('f');
-      if (!floats_by_type) put<double>(d);
-      pack_double(d);
+      real(v.toDouble());
       return true;
     }
     if (v.isString()) {
@@ -336,8 +329,7 @@ struct Encoder {
       begin_list('O', l.size());
       for (const IValue& e : l) {
         if (e.isNone()) {
-          put<char>('N');
-          body.push_back(static_cast<char>(0xc0));
+          none();
         } else if (!e.isTensor() || !e.toTensor().defined() || !tensor(e.toTensor())) {
           return false;
         }
@@ -355,8 +347,7 @@ struct Encoder {
     floats_by_type = f.floats_by_type;
     put<const void*>(&schema);
     const auto& decl = schema.arguments();
-    size_t positional = f.kwarg_only_start;
-    while (positional > 0 && is_default(decl[positional - 1], args[positional - 1])) --positional;
+    size_t positional = positional_count(f, decl, args);
     pack_array_header(body, positional);
     for (size_t i = 0; i < positional; ++i) {
       if (!value(args[i], f.kinds[i])) return false;
@@ -410,23 +401,50 @@ uint8_t g_cmd_op = 1;  // genie.wire.messages.CMD_OP, set with the routes
 
 // ---------------------------------------------------------------------------------------------
 // The hit path: outputs, the command, the queue.
+
+// The session queue of remote device `device` and the device's index on its node, when the batch has
+// room for a command of about `bytes` more; false sends the op to Python. No lock is held after this
+// while a tensor may be made or dropped: dropping one with a Python object takes the GIL, and Python
+// threads hold the GIL while they take a queue's lock. The room is a soft bound (a batch may end a few
+// commands over it when threads race); a lost node's room is 0 before its first failed op returns.
+bool queue_for(int device, size_t bytes, std::shared_ptr<Queue>* q, int* local) {
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    if (device >= static_cast<int>(g_routes.size()) || !g_routes[device].queue) return false;
+    *q = g_routes[device].queue;
+    *local = g_routes[device].local;
+  }
+  std::lock_guard<std::mutex> g((*q)->mu);
+  return (*q)->cmds.size() < (*q)->room_cmds && (*q)->bytes + bytes + 64 < (*q)->room_bytes;
+}
+
+// [CMD_OP, local device, op, args, kwargs, outs] appended to `q`; `body` holds args and kwargs.
+void enqueue(Queue& q, int local, const std::string& name_packed, const std::string& body,
+             const std::vector<at::Tensor>& outs) {
+  std::string cmd;
+  cmd.reserve(body.size() + name_packed.size() + 64 * (outs.size() + 1));
+  cmd.push_back(static_cast<char>(0x96));
+  cmd.push_back(static_cast<char>(g_cmd_op));
+  pack_uint(cmd, static_cast<uint64_t>(local));
+  cmd.append(name_packed);
+  cmd.append(body);
+  pack_array_header(cmd, outs.size());
+  for (const auto& t : outs) {
+    if (t.defined()) {
+      pack_tensor_ext(cmd, t);
+    } else {
+      cmd.push_back(static_cast<char>(0xc0));
+    }
+  }
+  std::lock_guard<std::mutex> g(q.mu);
+  q.bytes += cmd.size();
+  q.cmds.push_back(std::move(cmd));
+}
+
 bool answer(const OpFacts& f, const Signature& sig, Encoder& enc, torch::jit::Stack* stack, size_t nargs) {
   std::shared_ptr<Queue> q;
   int local = 0;
-  {
-    std::lock_guard<std::mutex> g(g_mu);
-    if (enc.device >= static_cast<int>(g_routes.size()) || !g_routes[enc.device].queue) return false;
-    q = g_routes[enc.device].queue;
-    local = g_routes[enc.device].local;
-  }
-  // No lock is held from here on while a tensor may be made or dropped: dropping one with a Python
-  // object takes the GIL, and Python threads hold the GIL while they take a queue's lock. The room
-  // is a soft bound (a batch may end a few commands over it when threads race); a lost node's
-  // room is 0 before its first failed op returns.
-  {
-    std::lock_guard<std::mutex> g(q->mu);
-    if (q->cmds.size() >= q->room_cmds || q->bytes + enc.body.size() + 64 >= q->room_bytes) return false;
-  }
+  if (!queue_for(enc.device, enc.body.size(), &q, &local)) return false;
   auto args = torch::jit::last(*stack, nargs);
   for (const auto& o : sig.outs) {
     if (o.kind == Out::inplace && (o.arg >= nargs || !args[o.arg].isTensor())) return false;
@@ -445,32 +463,7 @@ bool answer(const OpFacts& f, const Signature& sig, Encoder& enc, torch::jit::St
       outs.push_back(at::empty({o.span}, opts.dtype(o.dtype)).as_strided(o.sizes, o.strides, o.offset));
     }
   }
-  std::string cmd;
-  cmd.reserve(enc.body.size() + f.name_packed.size() + 64 * (outs.size() + 1));
-  cmd.push_back(static_cast<char>(0x96));  // [CMD_OP, device, op, args, kwargs, outs]
-  cmd.push_back(static_cast<char>(g_cmd_op));
-  pack_uint(cmd, static_cast<uint64_t>(local));
-  cmd.append(f.name_packed);
-  cmd.append(enc.body);
-  pack_array_header(cmd, outs.size());
-  std::string payload;
-  for (const auto& t : outs) {
-    if (!t.defined()) {
-      cmd.push_back(static_cast<char>(0xc0));
-      continue;
-    }
-    payload.clear();
-    pack_tensor_payload(payload, t);
-    cmd.push_back(static_cast<char>(0xc7));
-    cmd.push_back(static_cast<char>(payload.size()));
-    cmd.push_back(static_cast<char>(8));
-    cmd.append(payload);
-  }
-  {
-    std::lock_guard<std::mutex> g(q->mu);
-    q->bytes += cmd.size();
-    q->cmds.push_back(std::move(cmd));
-  }
+  enqueue(*q, local, f.name_packed, enc.body, outs);
   torch::jit::drop(*stack, nargs);
   for (auto& t : outs) torch::jit::push(*stack, std::move(t));
   return true;
@@ -505,8 +498,7 @@ void call_python(OpFacts& f, const c10::OperatorHandle& op, torch::jit::Stack* s
   auto arguments = torch::jit::pop(*stack, nargs);
   py::gil_scoped_acquire gil;
   TORCH_CHECK(g_python_fallback != nullptr, "genie: remote_accelerator ops need genie.device registered first");
-  size_t positional = f.kwarg_only_start;
-  while (positional > 0 && is_default(decl[positional - 1], arguments[positional - 1])) --positional;
+  size_t positional = positional_count(f, decl, arguments);
   py::tuple args(positional + 1);
   args[0] = overload_of(f, schema);
   for (size_t i = 0; i < positional; ++i) args[i + 1] = to_python(arguments[i], f.kinds[i]);
@@ -538,7 +530,8 @@ void call_python(OpFacts& f, const c10::OperatorHandle& op, torch::jit::Stack* s
 }
 
 // A copy between two tensors of one remote device (`clone`, a gradient's accumulation, `dst.copy_(src)`):
-// genie.device.copies.copy_into's first rule, one server `copy_`, without Python. False: Python's path.
+// genie.device.copies.copy_into's first rule, one server `copy_(dst, src)` whose output is dst, without
+// Python. False: Python's path.
 bool copy_natively(Encoder& enc, torch::jit::Stack* stack, size_t nargs, bool from) {
   auto args = torch::jit::last(*stack, nargs);
   if (!args[0].isTensor() || !args[1].isTensor()) return false;
@@ -553,20 +546,17 @@ bool copy_natively(Encoder& enc, torch::jit::Stack* stack, size_t nargs, bool fr
   pack_array_header(enc.body, 2);
   if (!enc.tensor(dst) || !enc.tensor(src)) return false;
   enc.body.push_back(static_cast<char>(0x80));  // no keyword arguments
-  static const Signature in_place{{Out{Out::inplace}}};
-  static const std::string name_packed = [] {
+  std::shared_ptr<Queue> q;
+  int local = 0;
+  if (!queue_for(enc.device, enc.body.size(), &q, &local)) return false;
+  static const std::string copy_name = [] {
     std::string out;
     pack_str(out, "aten::copy_");
     return out;
   }();
-  OpFacts copy_facts;
-  copy_facts.name_packed = name_packed;
-  // The command names copy_(dst, src) with dst as its output; the op returns dst either way.
-  torch::jit::Stack args_for_answer;
-  args_for_answer.push_back(dst);
-  if (!answer(copy_facts, in_place, enc, &args_for_answer, 1)) return false;
+  enqueue(*q, local, copy_name, enc.body, {dst});
   torch::jit::drop(*stack, nargs);
-  torch::jit::push(*stack, dst);
+  torch::jit::push(*stack, std::move(dst));
   return true;
 }
 

@@ -15,11 +15,14 @@ int wire_dtype_code(c10::ScalarType s);
 // The wire code of a remote tensor's dtype; raises for other devices, math bits, unknown dtypes.
 int wire_dtype(const at::Tensor& t);
 // msgpack, as Python's msgpack packs the same values.
+void pack_tagged(std::string& out, uint8_t tag, uint64_t x, int bytes);  // a type byte, then x big-endian
 void pack_uint(std::string& out, uint64_t v);
 void pack_array_header(std::string& out, size_t n);
 void pack_int_array(std::string& out, c10::IntArrayRef v);
 // The EXT_TENSOR payload of a remote tensor: [storage_id, dtype, sizes, strides, offset, storage_nbytes].
 void pack_tensor_payload(std::string& out, const at::Tensor& t);
+// That payload as the msgpack extension value EXT_TENSOR (8), as Python's msgpack packs an ExtType.
+void pack_tensor_ext(std::string& out, const at::Tensor& t);
 
 // The native op path (fastpath.cpp): its Python functions on genie._C.
 void init_fastpath(pybind11::module_& m);

@@ -412,7 +412,7 @@ class NodeConnection:
             wf.discard_payload(self.channel, nbytes)
             return None
         prefault(out)  # usually fresh memory (.cpu()'s result): one call, not a fault per page
-        wf.recv_payload(self.channel, wf.FrameHeader(wf.MsgKind.REPLY, 0, nbytes), [tensor_bytes(out)])
+        wf.recv_payload(self.channel, nbytes, [tensor_bytes(out)])
         self.stats["bytes_down"] += nbytes
         return out
 

@@ -290,8 +290,7 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
     if info is None:
         info = op_info(func)
     sig, index, math_bits = signature_and_device(info.name, args, kwargs, info.float_values_matter)
-    tbl = registry._table
-    device = tbl.devices[index] if tbl is not None and index < len(tbl.devices) else table().get(index)
+    device = registry.device_at(index)
     if info.server:
         return call_on_server(func, args, kwargs, device)
     key: Any = (id(func), sig) if info.by_kind is None else (id(func), sig, device.kind)
@@ -475,9 +474,7 @@ def _local_scalar(func: Any, args: Any, kwargs: Any) -> Any:
     """``.item()``, ``float(t)``, ``bool(t)``: the commonest sync point, so it skips the general path's
     signature and result decoding (one tensor in, one number out)."""
     t = args[0]
-    index = t.get_device()
-    tbl = registry._table
-    device = tbl.devices[index] if tbl is not None and 0 <= index < len(tbl.devices) else table().get(index)
+    device = registry.device_at(t.get_device())
     return device.connection.call(device.local_index, "aten::_local_scalar_dense", [t], {}, [_C.new_storage_id()],
                                   encoder_for(device), device=device.label)
 

@@ -68,9 +68,10 @@ class FlushChooser:
         record the interval that ended and return the choice for the next one."""
         ops = ops_total - self._ops
         if ops >= MEASURED_OPS and self._start:
-            size = self._classes.get(ops.bit_length() // 2)
+            size_class = ops.bit_length() // 2  # a power of four of the op count
+            size = self._classes.get(size_class)
             if size is None:
-                size = self._classes[ops.bit_length() // 2] = _SizeClass()
+                size = self._classes[size_class] = _SizeClass()
             size.times[self.choice].append((now - self._start) / ops)
             size.choice = _choose(size)
             self._last, self.choice = size, size.choice

@@ -107,6 +107,12 @@ def set_table(table: DeviceTable | None) -> None:
     _C.set_default_device(0)
 
 
+def device_at(index: int) -> RemoteDevice:
+    """``table().get(index)`` for the per-op paths: one list lookup, the full check only on a miss."""
+    tbl = _table
+    return tbl.devices[index] if tbl is not None and 0 <= index < len(tbl.devices) else table().get(index)
+
+
 def table() -> DeviceTable:
     """The device table; NotInitializedError before ``genie.init()``."""
     if _table is None:

@@ -203,8 +203,7 @@ class Executor:
             raise QuotaExceededError(
                 f"session in-flight limit exceeded: a batch of {inflight} commands and uploads, limit "
                 f"{self.max_inflight} (max_session_inflight); send smaller batches")
-        if header.payload_len or msg.get("uploads") or msg.get("cached"):
-            transfers.receive(self, header, msg)
+        transfers.receive(self, header, msg)
         self.metrics.queue_depth = len(cmds)  # metrics
         keyer, known, run_plan, native = plans.command_key, self.plans, plans.run, self.native
         metrics = self.metrics if self.metrics is not NULL_SESSION_METRICS else None

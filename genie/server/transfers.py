@@ -149,6 +149,8 @@ def receive(ex: Executor, header: FrameHeader, msg: dict[str, Any]) -> None:
     uploads, cached = msg.get("uploads", []), msg.get("cached", [])
     if not isinstance(cached, list):
         raise FrameError("a BATCH's 'cached' must be a list")
+    if not (uploads or cached or header.payload_len):  # most batches: commands only
+        return
     specs = [_parse_upload(ex, up, False) for up in uploads]
     hits = [_parse_upload(ex, up, True) for up in cached]
     total = sum(s[2] for s in specs)
@@ -187,7 +189,7 @@ def _receive_sent(ex: Executor, header: FrameHeader, specs: list[tuple[int, torc
         for r in receivers:
             if r is not None:
                 prefault(r.buffer)
-        recv_payload(ex.channel, header, [tensor_bytes(b) for b in buffers])
+        recv_payload(ex.channel, header.payload_len, [tensor_bytes(b) for b in buffers])
         for (storage_id, device, nbytes, key), raw, received in zip(specs, buffers, receivers, strict=True):
             ex.metrics.record_bytes("in", nbytes, device)  # metrics
             if received is not None and key is not None and cache is not None:

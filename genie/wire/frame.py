@@ -143,7 +143,7 @@ def send_frame(
 ) -> int:
     """Send one frame; payload buffers go out as they are (no joining). Returns bytes sent."""
     payload_len = sum(memoryview(b).nbytes for b in payload) if payload else 0
-    channel.sendv([HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, len(body), payload_len), body, *payload])
+    channel.sendv([encode_header(kind, len(body), payload_len), body, *payload])
     return HEADER.size + len(body) + payload_len
 
 
@@ -174,12 +174,12 @@ def recv_frame(channel: Channel, head: memoryview, *, max_payload: int = DEFAULT
     return _KINDS[kind], body, payload_len
 
 
-def recv_payload(channel: Channel, header: FrameHeader, views: Sequence[memoryview]) -> None:
-    """Fill ``views`` from the payload; they must add up to exactly the header's payload length."""
+def recv_payload(channel: Channel, payload_len: int, views: Sequence[memoryview]) -> None:
+    """Fill ``views`` from the payload; they must add up to exactly the header's ``payload_len``."""
     total = sum(v.nbytes for v in views)
-    if total != header.payload_len:
+    if total != payload_len:
         raise FrameError(
-            f"frame body describes {total} payload bytes but the header says {header.payload_len}"
+            f"frame body describes {total} payload bytes but the header says {payload_len}"
         )
     for view in views:
         if view.nbytes:

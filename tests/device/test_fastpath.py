@@ -179,3 +179,14 @@ def test_a_free_taken_at_a_flush_goes_after_every_op_queued_before_it(monkeypatc
     assert native_hits() > before and late
     monkeypatch.setattr(connection, "free_router", real)
     assert late[0].item() == 8.0
+
+
+def test_a_descriptor_longer_than_255_bytes_crosses_natively_as_output_and_input() -> None:
+    """Thirty dimensions with 9-byte strides make a tensor descriptor of more than 255 bytes: msgpack's
+    ext 16 form, for the in-place output of a native command as for its input."""
+    x = torch.zeros(1, device=D0).as_strided([1] * 30, [2**40] * 30)
+    before = native_hits()
+    for _ in range(4):
+        x.add_(1)
+    assert native_hits() - before >= 2
+    assert x.sum().item() == 4.0
