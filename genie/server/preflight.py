@@ -64,6 +64,8 @@ class Plan:
     #: The largest input's element count and shape (a stride-0 view counts in full).
     max_input: int = 0
     input_shape: tuple[int, ...] = ()
+    #: Whether the op has a tensor input at all (an empty one bounds a data-dependent output too: nonzero of [5, 0]).
+    has_inputs: bool = False
     error: str | None = None
     #: False when the op could not be planned (no meta kernel, data-dependent output): nothing is refused.
     planned: bool = True
@@ -193,7 +195,7 @@ def plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> 
     leaves = _leaves(args, []) + _leaves(list(kwargs.values()), [])
     biggest = max(leaves, key=lambda t: t.numel(), default=None)
     max_input, input_shape = (biggest.numel(), tuple(biggest.shape)) if biggest is not None else (0, ())
-    unplanned = Plan(planned=False, max_input=max_input, input_shape=input_shape)
+    unplanned = Plan(planned=False, max_input=max_input, input_shape=input_shape, has_inputs=biggest is not None)
     if op in _no_meta:
         return unplanned
     inputs: list[torch.Tensor] = []
@@ -329,7 +331,7 @@ def check(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[s
         raise _too_many(label, f"an input of shape {list(found.input_shape)}", found.max_input, max_elements)
     if extras[1] is not None:  # after the size check: some validators read the data
         extras[1](label, args, kwargs)
-    if not found.planned and not found.max_input:
+    if not found.planned and not found.has_inputs:
         # Nothing bounds what an op without tensor inputs makes if its meta run failed: refuse it.
         raise ForbiddenOpError(f"{label} refused before running: its output size cannot be worked out in "
                                "advance on these arguments")

@@ -75,12 +75,28 @@ def _histogramdd_tensors(a: dict[str, Any]) -> tuple[torch.Tensor, list[torch.Te
     return _empty(counts, x), [_empty([n + 1], x) for n in counts]
 
 
+def _bin_edges(a: dict[str, Any]) -> list[torch.Tensor]:
+    """``_histogramdd_bin_edges``: one edge tensor of n + 1 per dimension (what ``histogramdd`` sends first)."""
+    return [_empty([n + 1], a["self"]) for n in _bins(_dd_counts(a))]
+
+
+def _from_bin_cts(a: dict[str, Any]) -> torch.Tensor:
+    return _empty(_bins(_dd_counts(a)), a["self"])
+
+
+def _from_bin_tensors(a: dict[str, Any]) -> torch.Tensor:
+    return _empty(_bins([e.numel() - 1 for e in _dd_counts(a)]), a["self"])
+
+
 RULES: dict[Any, Rule] = {
     _aten.histogram.bin_ct: _histogram,
     _aten.histogram.bin_ct_out: _histogram_out,
     _aten.histogramdd.default: _histogramdd,
     _aten.histogramdd.int_bins: _histogramdd,
     _aten.histogramdd.TensorList_bins: _histogramdd_tensors,
+    _aten._histogramdd_bin_edges.default: _bin_edges,
+    _aten._histogramdd_from_bin_cts.default: _from_bin_cts,
+    _aten._histogramdd_from_bin_tensors.default: _from_bin_tensors,
 }
 
 

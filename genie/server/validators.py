@@ -15,13 +15,10 @@ from typing import Any
 
 import torch
 
-from genie.errors import RemoteExecutionError
+from genie.server import index_checks
+from genie.server.index_checks import refuse as _fail
 
 Check = Callable[[str, list[Any], dict[str, Any]], None]
-
-
-def _fail(label: str, problem: str) -> RemoteExecutionError:
-    return RemoteExecutionError(f"{label} refused before running: {problem}")
 
 
 def _tensor_lists(args: list[Any], kwargs: dict[str, Any]) -> list[list[torch.Tensor]]:
@@ -157,16 +154,23 @@ def check_embedding(label: str, args: list[Any], kwargs: dict[str, Any]) -> None
 
 
 def check_index_put_impl(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
-    """``_index_put_impl_(..., unsafe)``: ``unsafe=True`` skips checks the public ``index_put_`` keeps."""
-    unsafe = args[4] if len(args) > 4 else kwargs.get("unsafe", False)
-    if unsafe:
-        raise _fail(label, "unsafe=True is not accepted (use index_put_)")
+    """``_index_put_impl_(self, indices, values, accumulate, unsafe)``: ``unsafe=True`` (what autograd's
+    backward of ``x[idx]`` sends) lets a kernel skip the index checks the public ``index_put_`` keeps. It is
+    served as ``unsafe=False``: the same result for indices in range, the kernel's error naming the index
+    otherwise. (The one check that rewrites an argument; the argument lists are the call's own.)"""
+    if len(args) > 4:
+        if args[4]:
+            args[4] = False
+    elif kwargs.get("unsafe"):
+        kwargs["unsafe"] = False  # a plan's template too: every call of that plan sends unsafe=True
 
 
 def check_batch_norm(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
     """``native_batch_norm`` and kin: the CPU kernel indexes weight, bias and the running and saved
     statistics by channel unchecked (a 1-element running_mean for 3 channels read past it): each one given
-    must be 1-d with one element per channel (``input.size(1)``), and the input at least 2-d."""
+    must be 1-d with one element per channel (``input.size(1)``), and the input at least 2-d. Outside
+    training a backward reads the running statistics, not the saved ones, which the forward returned
+    empty (``train``/``update`` False: empty saved statistics are accepted)."""
     backward = "backward" in label
     tensors = [a for a in args if isinstance(a, torch.Tensor) or a is None]
     start = 2 if backward else 1
@@ -179,8 +183,13 @@ def check_batch_norm(label: str, args: list[Any], kwargs: dict[str, Any]) -> Non
     if backward and isinstance(tensors[0], torch.Tensor) and tensors[0].shape != x.shape:
         raise _fail(label, f"grad_out {list(tensors[0].shape)} and input {list(x.shape)} differ")
     channels = x.size(1)
-    for t in tensors[start:]:
-        if t is not None and (t.dim() != 1 or t.numel() != channels):
+    # backward: weight, running mean and var, saved mean and invstd (batch_norm_backward's reserve follows)
+    per_channel = tensors[start:start + 5] if backward else tensors[start:]
+    training = args[7] if len(args) > 7 else kwargs.get("train", kwargs.get("update", True))
+    for position, t in enumerate(per_channel):
+        if t is None or backward and position >= 3 and not training and t.numel() == 0:
+            continue
+        if t.dim() != 1 or t.numel() != channels:
             raise _fail(label, f"a per-channel tensor of shape {list(t.shape)} for {channels} channels")
 
 
@@ -262,6 +271,11 @@ _BY_PACKET: dict[str, Check] = {
     "aten::_native_batch_norm_legit": check_batch_norm,
     "aten::_native_batch_norm_legit_no_training": check_batch_norm,
     "aten::_native_batch_norm_legit_functional": check_batch_norm,
+    "aten::_batch_norm_with_update": check_batch_norm,
+    "aten::_batch_norm_with_update_functional": check_batch_norm,
+    "aten::_batch_norm_no_update": check_batch_norm,
+    "aten::batch_norm_backward": check_batch_norm,
+    **index_checks.BY_PACKET,
 }
 _cache: dict[torch._ops.OpOverload, Check | None] = {}
 

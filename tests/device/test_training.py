@@ -13,6 +13,17 @@ D0 = "remote_accelerator:0"
 pytestmark = pytest.mark.usefixtures("remote")
 
 
+class _Rows(nn.Module):
+    """Advanced indexing with repeated rows: autograd sends _index_put_impl_(accumulate, unsafe=True)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(6, 4))
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        return self.table[index] * 2
+
+
 def _forward_backward(module: nn.Module, inputs: list[torch.Tensor], device: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
     m = copy.deepcopy(module).to(device)
     xs = [x.to(device) for x in inputs]
@@ -41,9 +52,16 @@ def _forward_backward(module: nn.Module, inputs: list[torch.Tensor], device: str
         lambda: (nn.Sequential(nn.Conv1d(3, 4, 1), nn.ReplicationPad1d(2), nn.Conv1d(4, 2, 3)), [torch.randn(2, 3, 9)]),
         lambda: (nn.Sequential(nn.Conv3d(2, 3, 1), nn.ReflectionPad3d(1), nn.Conv3d(3, 2, 3)), [torch.randn(1, 2, 4, 5, 5)]),
         lambda: (nn.Sequential(nn.Conv3d(2, 3, 1), nn.ReplicationPad3d(1), nn.Conv3d(3, 2, 3)), [torch.randn(1, 2, 4, 5, 5)]),
+        # pooling backward kernels scatter by the forward's indices (validated on the server)
+        lambda: (nn.Sequential(nn.Conv2d(3, 4, 1), nn.MaxPool2d(2)), [torch.randn(2, 3, 8, 8)]),
+        lambda: (nn.Sequential(nn.Conv2d(3, 4, 1), nn.AdaptiveMaxPool2d(3)), [torch.randn(2, 3, 8, 8)]),
+        lambda: (nn.Sequential(nn.Conv3d(2, 3, 1), nn.MaxPool3d(2)), [torch.randn(1, 2, 4, 4, 4)]),
+        lambda: (nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4).eval()), [torch.randn(2, 3, 5, 5)]),
+        lambda: (_Rows(), [torch.tensor([0, 2, 2, 5])]),
     ],
     ids=["Linear", "Conv2d", "BatchNorm2d", "LayerNorm", "Embedding", "TransformerEncoderLayer", "Conv2d-reflect",
-         "Conv2d-replicate", "ReplicationPad1d", "ReflectionPad3d", "ReplicationPad3d"],
+         "Conv2d-replicate", "ReplicationPad1d", "ReflectionPad3d", "ReplicationPad3d", "MaxPool2d", "AdaptiveMaxPool2d",
+         "MaxPool3d", "BatchNorm2d-eval", "index-repeated-rows"],
 )
 def test_module_forward_and_backward_match_cpu(make) -> None:
     torch.manual_seed(0)

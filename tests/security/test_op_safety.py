@@ -128,8 +128,9 @@ def _bn(running: torch.Tensor) -> list:
      [(3, 0, V3), (4, 0, ONE), (7, 0, torch.tensor([0]))], "must both have the input's shape [3]"),
     ("aten::_cummin_helper", [T(3, V3), T(4, V3), T(7, torch.tensor([0, 1, 2], dtype=torch.int32)), 0],
      [(3, 0, V3), (4, 0, V3), (7, 0, torch.tensor([0, 1, 2], dtype=torch.int32))], "indices torch.int64"),
-    ("aten::_index_put_impl_", [T(3, V3), [T(7, torch.tensor([0, 1, 2]))], T(3, V3), False, True],
-     [(3, 0, V3), (7, 0, torch.tensor([0, 1, 2]))], "unsafe=True"),
+    # unsafe=True is served as unsafe=False: the kernel checks the indices
+    ("aten::_index_put_impl_", [T(3, V3), [T(7, torch.tensor([0, 1, 10**11]))], T(8, V3), True, True],
+     [(3, 0, V3), (7, 0, torch.tensor([0, 1, 10**11])), (8, 0, V3)], "out of bounds"),
     # a dtype sent as a raw int reached the kernel as a ScalarType and killed the server (found by the fuzzer)
     ("aten::scalar_tensor", [0], [], "must be a dtype"),
 ])
@@ -247,3 +248,54 @@ def test_factory_arguments_outside_what_is_served_are_refused(client, name, args
 def test_factories_without_a_device_and_huge_splits_are_refused_at_once(client, name, args, kwargs, expect):
     error = _only_error(client, op(name, args, kwargs, outs=[None]), [(2, 0, V3)])
     assert error["kind"] == "forbidden" and expect in error["message"], error
+
+
+_IDX = torch.tensor([[[[10**11]]]])
+_PLANE = torch.zeros(1, 1, 2, 2)
+_G1 = torch.ones(1, 1, 1, 1)
+
+
+@pytest.mark.parametrize(("name", "args", "kwargs", "uploads", "expect"), [
+    # the kernel adds grad at the flat index each element of indices names, unchecked: 10**11 was SIGSEGV,
+    # 5 into a 4-element plane a silent write past it (genie/server/index_checks.py)
+    ("aten::max_pool2d_with_indices_backward", [T(2, _G1), T(3, _PLANE), [2, 2], [2, 2], [0, 0], [1, 1], False,
+                                                T(4, _IDX)], {}, [(2, 0, _G1), (3, 0, _PLANE), (4, 0, _IDX)],
+     "indices holds values outside [-1, 4)"),
+    ("aten::adaptive_max_pool2d_backward", [T(2, _G1), T(3, _PLANE), T(4, _IDX)], {},
+     [(2, 0, _G1), (3, 0, _PLANE), (4, 0, _IDX.clone().fill_(4))], "indices holds values outside [0, 4)"),
+    ("aten::adaptive_max_pool2d_backward", [T(2, _G1), T(3, _PLANE), T(4, torch.zeros(2, dtype=torch.int64))], {},
+     [(2, 0, _G1), (3, 0, _PLANE), (4, 0, torch.zeros(2, dtype=torch.int64))], "with grad_output's shape"),
+    # CTC reads log_probs at each target's class: 10**11 was SIGSEGV, -5 read outside it
+    ("aten::_ctc_loss", [T(2, torch.zeros(4, 1, 3)), T(3, torch.full((1, 2), -5)), [4], [2], 0, False], {},
+     [(2, 0, torch.zeros(4, 1, 3)), (3, 0, torch.full((1, 2), -5))], "targets holds values outside [0, 3)"),
+    # segment lengths walk data unchecked: a length of 10**6 over 2 elements was SIGSEGV
+    ("aten::_segment_reduce_backward", [T(2, ONE), T(2, ONE), T(3, torch.ones(2)), "max"],
+     {"lengths": T(4, torch.tensor([10**6]))}, [(2, 0, ONE), (3, 0, torch.ones(2)), (4, 0, torch.tensor([10**6]))],
+     "lengths holds values outside [0, 3)"),
+    # LAPACK's balancing crashed on NaN
+    ("aten::linalg_eigvals", [T(2, torch.full((3, 3), float("nan")))], {},
+     [(2, 0, torch.full((3, 3), float("nan")))], "NaN or infinity"),
+    # a 1-element grad for 100 rows' pairs: the kernel read past it
+    ("aten::_pdist_backward", [T(2, ONE), T(3, torch.zeros(100, 3)), 2.0, T(2, ONE)], {},
+     [(2, 0, ONE), (3, 0, torch.zeros(100, 3))], "100 rows make 4950 pairs"),
+    ("aten::unfold_backward", [T(2, torch.ones(1, 2)), [100], 0, 2, 1], {}, [(2, 0, torch.ones(1, 2))],
+     "unfolding [100] makes [99, 2]"),
+    # bincount allocates max + 1 bins: 2**40 asked for 8 TiB
+    ("aten::bincount", [T(2, torch.tensor([2**40]))], {}, [(2, 0, torch.tensor([2**40]))], "more than 16777216 bins"),
+])
+def test_ops_that_index_by_client_data_refuse_indices_outside_their_tensors(client, name, args, kwargs, uploads,
+                                                                            expect):
+    error = _only_error(client, op(name, args, kwargs, outs=[None]), uploads)
+    assert expect in error["message"] and name in error["message"], error
+
+
+def test_validated_pooling_backward_still_matches_the_cpu_kernel(client):
+    x = torch.randn(1, 2, 4, 4, generator=torch.Generator().manual_seed(3))
+    out, indices = torch.nn.functional.max_pool2d(x, 2, return_indices=True)
+    grad = torch.ones_like(out)
+    ref = torch.ops.aten.max_pool2d_with_indices_backward(grad, x, [2, 2], [2, 2], [0, 0], [1, 1], False, indices)
+    r = client.request([op("aten::max_pool2d_with_indices_backward",
+                           [T(2, grad), T(3, x), [2, 2], [2, 2], [0, 0], [1, 1], False, T(4, indices)],
+                           outs=[desc(5, ref)]), sync(client.next_req())], [(2, 0, grad), (3, 0, x), (4, 0, indices)])
+    assert not r.deferred, r
+    assert torch.equal(client.fetch(5, ref), ref)
