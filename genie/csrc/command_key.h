@@ -1,10 +1,13 @@
 // The command-key walker (genie.server.plans): shared by genie._C_keys (command_key) and genie._C_plans (the
 // native plan runner), so both key a command the same way. Header-only: each extension is one translation unit.
 //
-// key_of(data, size, &key, &ids) walks one msgpack command and fills its key (the bytes with every tensor
-// tag's storage id taken out, and for a CALL its request id and output storage ids; then the ids' aliasing
-// pattern) and the ids in order; false when the bytes are not one well-formed msgpack value the walker can
-// key (the caller then takes the full path, which says what is wrong).
+// key_of(data, size, &key, &ids, &floats) walks one msgpack command and fills its key (the bytes with every
+// tensor tag's storage id taken out, and for a CALL its request id and output storage ids; then the ids'
+// aliasing pattern), the ids in order, and its floats in order: each float is taken out of the key too (its
+// msgpack type stays), so an optimizer's changing scalars keep one key; a plan decides per op whether it
+// fills them in per command or compares them (genie.server.plans). False when the bytes are not one
+// well-formed msgpack value the walker can key (the caller then takes the full path, which says what is
+// wrong).
 //
 // The bytes come from the network: every read is bounds-checked, nesting is capped, nothing is trusted.
 
@@ -12,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -19,6 +23,7 @@ namespace genie_keys {
 
 constexpr int kMaxDepth = 32;           // deeper commands take the full path
 constexpr size_t kMaxTensors = 4096;     // more tensor tags than this: the full path
+constexpr size_t kMaxFloats = 4096;      // more floats than this: the full path
 constexpr uint8_t kExtTensor = 8;        // genie.wire.values.EXT_TENSOR
 constexpr uint8_t kExtInlineTensor = 7;  // decoded into a fresh CPU tensor each time: never keyed
 constexpr uint8_t kMarker = 0xc1;        // the one byte msgpack never uses: a tensor tag in a key
@@ -31,6 +36,7 @@ struct Walker {
   size_t copied = 0;  // bytes before this offset are in key already
   std::string key;
   std::vector<uint64_t> ids;
+  std::vector<double> floats;
   size_t request_ids = 0;  // how many leading ids are not storage ids (a CALL's request id)
 
   bool need(size_t n) const { return n <= size - pos; }
@@ -112,8 +118,8 @@ struct Walker {
       case 0xc7: pending_header = start; return read_be(1, &n) && ext(n);
       case 0xc8: pending_header = start; return read_be(2, &n) && ext(n);
       case 0xc9: pending_header = start; return read_be(4, &n) && ext(n);
-      case 0xca: return skip(4);
-      case 0xcb: return skip(8);
+      case 0xca: return take_float(start, 4);
+      case 0xcb: return take_float(start, 8);
       case 0xcc: case 0xd0: return skip(1);
       case 0xcd: case 0xd1: return skip(2);
       case 0xce: case 0xd2: return skip(4);
@@ -132,6 +138,27 @@ struct Walker {
       case 0xdf: return read_be(4, &n) && items(2 * n, depth);
       default: return false;  // 0xc1: never used
     }
+  }
+
+  // A float32 (n = 4) or float64 (n = 8) whose type byte is at start: its value to floats, its type to the key.
+  bool take_float(size_t start, size_t n) {
+    uint64_t bits;
+    if (floats.size() >= kMaxFloats || !read_be(n, &bits)) return false;
+    if (n == 4) {
+      uint32_t narrow = static_cast<uint32_t>(bits);
+      float f;
+      std::memcpy(&f, &narrow, sizeof f);
+      floats.push_back(static_cast<double>(f));
+    } else {
+      double d;
+      std::memcpy(&d, &bits, sizeof d);
+      floats.push_back(d);
+    }
+    key.append(reinterpret_cast<const char*>(data + copied), start - copied);
+    key.push_back(static_cast<char>(kMarker));
+    key.push_back(static_cast<char>(data[start]));
+    copied = pos;
+    return true;
   }
 
   // An unsigned int taken out of the key like a storage id (a CALL's request id and output storage ids).
@@ -193,7 +220,8 @@ struct Walker {
 
 
 // A command's key and ids (see the top of this file); false when it cannot be keyed.
-inline bool key_of(const uint8_t* data, size_t size, std::string* key_out, std::vector<uint64_t>* ids_out) {
+inline bool key_of(const uint8_t* data, size_t size, std::string* key_out, std::vector<uint64_t>* ids_out,
+                   std::vector<double>* floats_out) {
   Walker w;
   w.data = data;
   w.size = size;
@@ -223,6 +251,7 @@ inline bool key_of(const uint8_t* data, size_t size, std::string* key_out, std::
   }
   key_out->swap(w.key);
   ids_out->swap(w.ids);
+  floats_out->swap(w.floats);
   return true;
 }
 

@@ -22,6 +22,7 @@
 
 #include <torch/extension.h>
 
+#include <ATen/ScalarOps.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/TensorOptions.h>
 #include <torch/csrc/Device.h>
@@ -175,6 +176,36 @@ class NativePlan {
     if (keywords_used != kwargs.size())  // plan.kwargs names its tensor slots too (their values are None)
       throw std::runtime_error("a keyword argument the schema does not have");
 
+    // The command's floats: compared with the ones checked (float_values), or filled in per command
+    // (float_fill: top-level float or Scalar arguments, and numbers where a Tensor goes, wrapped as torch
+    // wraps them; a float inside a list leaves the plan to Python).
+    py::object values = plan.attr("float_values");
+    if (!values.is_none()) {
+      has_float_values_ = true;
+      for (py::handle v : values) float_values_.push_back(v.cast<double>());
+    }
+    size_t float_index = 0;
+    for (py::handle entry : plan.attr("float_fill")) {
+      auto t = entry.cast<py::tuple>();
+      if (t[1].cast<int64_t>() >= 0) throw std::runtime_error("a float inside a list");
+      size_t position;
+      if (py::isinstance<py::int_>(t[0])) {
+        position = t[0].cast<size_t>();
+      } else {
+        auto name = t[0].cast<std::string>();
+        position = arguments.size();
+        for (size_t i = 0; i < arguments.size(); ++i)
+          if (arguments[i].name() == name) position = i;
+      }
+      if (position >= arguments.size()) throw std::runtime_error("a float for an argument the schema does not have");
+      auto type = arguments[position].type();
+      if (auto optional = type->cast<c10::OptionalType>()) type = optional->getElementType();
+      bool wrapped = type->kind() == c10::TypeKind::TensorType;
+      if (!wrapped && type->kind() != c10::TypeKind::FloatType && type->kind() != c10::TypeKind::NumberType)
+        throw std::runtime_error("a float for an argument of type " + type->str());
+      float_fills_.push_back(FloatFill{position, float_index++, wrapped});
+    }
+
     for (py::handle entry : plan.attr("inputs")) {
       auto t = entry.cast<py::tuple>();  // (slot, nbytes, offset, sizes, strides, empty tensor of its dtype)
       inputs_.push_back(Input{t[0].cast<size_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(), int_list(t[3]),
@@ -213,6 +244,14 @@ class NativePlan {
   std::vector<Input> inputs_;
   std::vector<Output> outputs_;
   std::vector<size_t> fresh_slots_;  // ids that must be storages the session never made (out= run functional)
+  struct FloatFill {
+    size_t position;  // in the stack
+    size_t index;     // in the command's floats
+    bool wrapped;     // a number where a Tensor goes: a wrapped 0-dim double tensor, as torch makes it
+  };
+  std::vector<FloatFill> float_fills_;
+  bool has_float_values_ = false;  // the floats decide metadata: only these values run by the plan
+  std::vector<double> float_values_;
   size_t kept_outputs_ = 0;
   bool decomposes_ = false;  // the device has no kernel: torch's decomposition runs, in Python
 };
@@ -273,6 +312,7 @@ class Runner {
     py::object outcome = py::none();
     std::string key;
     std::vector<uint64_t> ids;
+    std::vector<double> floats;
     // The store's byte count follows what ran here even when something below raises (the session then ends).
     struct WriteBack {
       py::object& store;
@@ -302,15 +342,15 @@ class Runner {
       if (size < 2 || size > max_keyed_ ||
           !((data[0] == 0x96 && data[1] == 0x01) || (data[0] == 0x97 && data[1] == 0x05)))
         break;
-      if (!genie_keys::key_of(data, size, &key, &ids)) break;
+      if (!genie_keys::key_of(data, size, &key, &ids, &floats)) break;
       auto found = plans_.find(key);
       if (found == plans_.end() || found->second->decomposes_ || found->second->max_op_elements_ != max_op_elements) {
-        outcome = py::make_tuple("python", py::bytes(key), id_tuple(ids));
+        outcome = py::make_tuple("python", py::bytes(key), id_tuple(ids), float_tuple(floats));
         break;
       }
-      int result = run_one(*found->second, key, ids, quiet, &outcome);
+      int result = run_one(*found->second, key, ids, floats, quiet, &outcome);
       if (result == kNotRun) {
-        outcome = py::make_tuple("python", py::bytes(key), id_tuple(ids));
+        outcome = py::make_tuple("python", py::bytes(key), id_tuple(ids), float_tuple(floats));
         break;
       }
       ++ran;
@@ -324,6 +364,12 @@ class Runner {
   static constexpr int kDone = 0;     // ran and stored: nothing left for Python
   static constexpr int kNotRun = 1;   // nothing done: Python runs it by its full path
   static constexpr int kOutcome = 2;  // ran; Python finishes it from the outcome
+
+  static py::tuple float_tuple(const std::vector<double>& floats) {
+    py::tuple out(floats.size());
+    for (size_t i = 0; i < floats.size(); ++i) out[i] = py::float_(floats[i]);
+    return out;
+  }
 
   static py::tuple id_tuple(const std::vector<uint64_t>& ids) {
     py::tuple out(ids.size());
@@ -574,8 +620,13 @@ class Runner {
     return out;
   }
 
-  int run_one(const NativePlan& plan, const std::string& key, const std::vector<uint64_t>& ids, bool quiet,
-              py::object* outcome) {
+  int run_one(const NativePlan& plan, const std::string& key, const std::vector<uint64_t>& ids,
+              const std::vector<double>& floats, bool quiet, py::object* outcome) {
+    if (plan.has_float_values_ &&
+        (floats.size() != plan.float_values_.size() ||
+         (!floats.empty() && std::memcmp(floats.data(), plan.float_values_.data(), floats.size() * sizeof(double)))))
+      return kNotRun;  // other values than the plan was checked with: the full path
+    if (plan.float_fills_.size() > floats.size()) return kNotRun;
     size_t base = plan.call_outs_ >= 0 ? 1 : 0;  // a CALL's ids are [req, tensors..., outputs...]
     size_t outputs = plan.call_outs_ >= 0 ? static_cast<size_t>(plan.call_outs_) : plan.kept_outputs_;
     std::vector<at::Tensor> tensors;
@@ -603,6 +654,16 @@ class Runner {
 
     torch::jit::Stack stack = plan.stack_;
     for (size_t k = 0; k < plan.fills_.size(); ++k) stack[plan.fills_[k].first] = tensors[plan.fills_[k].second];
+    for (const auto& fill : plan.float_fills_) {
+      double value = floats[fill.index];
+      if (fill.wrapped) {
+        at::Tensor number = at::scalar_to_tensor(c10::Scalar(value));
+        number.unsafeGetTensorImpl()->set_wrapped_number(true);
+        stack[fill.position] = std::move(number);
+      } else {
+        stack[fill.position] = value;
+      }
+    }
     std::exception_ptr failure;
     bool decomposes = false;
     int64_t started = monotonic_ns();
@@ -630,6 +691,7 @@ class Runner {
       torch::translate_exception_to_python(failure);
       py::error_already_set error;  // takes the Python exception torch made of it
       *outcome = py::make_tuple("failed", py::bytes(key), id_tuple(ids), error.value(), py_tensors(tensors),
+                                float_tuple(floats),
                                 used_dict(plan, ids, base, used));
       return kOutcome;
     }
@@ -654,7 +716,7 @@ class Runner {
         *outcome = py::make_tuple("call", py::bytes(key), id_tuple(ids), result, used_dict(plan, ids, base, used));
       else
         *outcome = py::make_tuple("outputs", py::bytes(key), id_tuple(ids), result, py_tensors(tensors),
-                                  used_dict(plan, ids, base, used));
+                                  float_tuple(floats), used_dict(plan, ids, base, used));
       return kOutcome;
     }
     return kDone;

@@ -29,6 +29,7 @@ from genie.device import registry
 from genie.device.registry import RemoteDevice, table
 from genie.errors import DeviceError
 from genie.wire import messages as wm
+from genie.wire.floats import floats_decide_metadata
 from genie.wire.values import (
     EXT_TENSOR,
     device_ext,
@@ -113,28 +114,6 @@ class OpInfo:
         if self.list_return:  # a list return flattens into many outputs of one kind
             return self.returns[0] if len(self.returns) == 1 else ("fresh", None)
         return self.returns[i] if i < len(self.returns) else ("fresh", None)
-
-
-#: Ops whose float arguments decide the outputs' shape: sizes from a range or a scale factor.
-FLOAT_SHAPED_OPS = ("aten::arange", "aten::range", "aten::linspace", "aten::logspace", "aten::upsample_",
-                    "aten::_upsample_", "aten::histogram", "aten::histc")
-
-
-def floats_decide_metadata(name: str, schema: Any) -> bool:
-    """Whether an op's float arguments (``float``, ``Scalar``, lists of them) may change its output metadata.
-
-    Elementwise math, reductions, optimizer updates and losses take float values that change every
-    step but never their outputs' dtype (the type of a Scalar decides that, and stays in the key),
-    shape or strides. The exceptions are kept by value: ranges (``arange``, ``linspace``), upsampling
-    scale factors, histograms, any argument named like a scale or size, and ops that return numbers
-    (the cached number would be stale).
-    """
-    if name.startswith(FLOAT_SHAPED_OPS):
-        return True
-    for a in schema.arguments:
-        if "float" in str(a.type) and ("scale" in a.name or "size" in a.name):
-            return True
-    return any(not str(r.type).startswith("Tensor") and "Tensor" not in str(r.type) for r in schema.returns)
 
 
 #: Random ops with no generator argument: the server draws from the session's default generator.

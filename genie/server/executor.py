@@ -229,14 +229,14 @@ class Executor:
                 keyed = keyer(cmd)
             if keyed is not None:
                 plan = known.get(keyed[0])
-                if plan is not None and run_plan(self, plan, keyed[1]):
+                if plan is not None and run_plan(self, plan, keyed[1], keyed[2]):
                     self.metrics.queue_depth = count - index  # metrics
                     continue
             self._run_command(codec.decode(cmd), keyed)
             self.metrics.queue_depth = count - index  # metrics
 
     def _run_natively(self, cmds: list[Any], index: int,
-                      metrics: SessionMetrics | None) -> tuple[int, tuple[bytes, tuple[int, ...]] | None, bool]:
+                      metrics: SessionMetrics | None) -> tuple[int, plans.Keyed | None, bool]:
         """Run ``cmds[index:]`` by native plans (and FREEs) as far as the runner goes: (the index it stopped
         at, that command's key when the runner keyed it, whether a command the runner handed back was
         finished here, the index then past it). Freed storages the staging pool may take stay with Python,
@@ -257,7 +257,7 @@ class Executor:
             return index, None, False
         kind = outcome[0]
         if kind == "python":  # keyed, but no native plan: the Python plan or the full path runs it
-            return index, (outcome[1], outcome[2]), False
+            return index, (outcome[1], outcome[2], outcome[3]), False
         if kind == "reply":  # a CALL answered with a number (no deferred errors waited)
             send_frame(self.channel, MsgKind.REPLY, outcome[3])
         else:
@@ -266,7 +266,7 @@ class Executor:
 
     # -- commands -----------------------------------------------------------------------------
 
-    def _run_command(self, cmd: Any, keyed: tuple[bytes, tuple[int, ...]] | None = None) -> None:
+    def _run_command(self, cmd: Any, keyed: plans.Keyed | None = None) -> None:
         if not isinstance(cmd, list) or not cmd or not is_int(cmd[0]):
             raise FrameError(f"a command must be a list starting with a command code, got {type(cmd).__name__}")
         code = cmd[0]
@@ -299,7 +299,7 @@ class Executor:
         else:
             raise FrameError(f"unknown command code {code}")
 
-    def _cmd_op(self, cmd: list[Any], keyed: tuple[bytes, tuple[int, ...]] | None = None) -> None:
+    def _cmd_op(self, cmd: list[Any], keyed: plans.Keyed | None = None) -> None:
         if len(cmd) != 6 or not isinstance(cmd[4], dict) or not isinstance(cmd[5], list):
             raise FrameError("OP must be [CMD_OP, device, op, args, kwargs, outs]")
         # A tensor tag (decoded by the codec, layouts cached) or a plain descriptor list, checked the same way.
@@ -317,7 +317,7 @@ class Executor:
         self.store_outputs_of(label, result, inputs, outs, storage_ids)
         if keyed is not None and self._checked is not None and len(self.deferred) + self.dropped == deferred:
             # It ran and stored without a word: later commands of its signature may run by a plan.
-            plan = plans.build(self, [*cmd[:4], sent_kwargs, cmd[5]], keyed[1], op_plan(cmd[2]), self._checked,
+            plan = plans.build(self, [*cmd[:4], sent_kwargs, cmd[5]], keyed, op_plan(cmd[2]), self._checked,
                                self._ran_functional)
             if plan is not None:
                 self._remember(keyed[0], plan)
@@ -357,7 +357,7 @@ class Executor:
             self.store.poison(storage_id, f"{record['op']}: {record['message']}")
         self._defer(record)
 
-    def _cmd_call(self, cmd: list[Any], keyed: tuple[bytes, tuple[int, ...]] | None = None) -> None:
+    def _cmd_call(self, cmd: list[Any], keyed: plans.Keyed | None = None) -> None:
         if len(cmd) != 7 or not isinstance(cmd[5], dict) or not isinstance(cmd[6], list):
             raise FrameError("CALL must be [CMD_CALL, req, device, op, args, kwargs, out_storage_ids]")
         req, label = cmd[1], _label(cmd[3])
@@ -370,7 +370,7 @@ class Executor:
             return
         if self.finish_call(label, req, result, storage_ids) and keyed is not None and self._checked is not None:
             # It ran and answered without a word: later calls of its signature may run by a plan.
-            plan = plans.build_call(self, [*cmd[:5], sent_kwargs, cmd[6]], keyed[1], op_plan(cmd[3]), self._checked)
+            plan = plans.build_call(self, [*cmd[:5], sent_kwargs, cmd[6]], keyed, op_plan(cmd[3]), self._checked)
             if plan is not None:
                 self._remember(keyed[0], plan)
 

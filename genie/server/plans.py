@@ -6,8 +6,13 @@ each differs from the last time only in its storage ids: a fresh output per op. 
 run, the output rule) is the same work every time. So:
 
 - :func:`genie._C_keys.command_key` (genie/csrc/server_keys.cpp) walks a command's msgpack bytes,
-  bounds-checked, and returns its *key*: the bytes with every tensor tag's storage id taken out, plus
-  which ids alias which (and which are storage 0); and the ids in order.
+  bounds-checked, and returns its *key*: the bytes with every tensor tag's storage id and every float
+  taken out, plus which ids alias which (and which are storage 0); the ids in order; the floats in
+  order. An optimizer's step sizes change every step: with the floats out of the key its ops keep
+  their plans. Where a float's value may change the outputs' metadata
+  (:func:`genie.wire.floats.floats_decide_metadata`: ranges, scale factors, ops that return numbers),
+  the plan holds the floats it was checked with and runs only for the same values; elsewhere it fills
+  each command's floats in (they never change what the pre-flight checked: dtypes, shapes, strides).
 - The first command with a key runs the full path. When it succeeds, and its op is one a plan covers
   (:func:`build`), a :class:`CommandPlan` is kept under the key: the op's bound kernel, the argument
   templates with a slot per tensor, the checked layouts, the pre-flight answer.
@@ -50,13 +55,16 @@ from genie.server.records import error as _error
 from genie.server.records import kind_of, shapes
 from genie.server.records import message as _message
 from genie.server.store import MAX_REMEMBERED_FREES, StorageStore
+from genie.wire.floats import floats_decide_metadata
 from genie.wire.messages import CMD_OP
 
 if TYPE_CHECKING:
     from genie.server.executor import Executor, _OpPlan
     from genie.server.preflight import Plan
 
-command_key: Callable[[bytes], tuple[bytes, tuple[int, ...]] | None] | None
+#: A keyed command: (key, storage ids, floats), what :func:`genie._C_keys.command_key` returns.
+Keyed = tuple[bytes, tuple[int, ...], tuple[float, ...]]
+command_key: Callable[[bytes], Keyed | None] | None
 try:  # built with genie._C by setup.py; without it every command takes the full path
     from genie._C_keys import command_key
 except ImportError:  # pragma: no cover - an install that did not build the extension
@@ -91,7 +99,7 @@ class CommandPlan:
 
     __slots__ = ("arg_fill", "args", "call", "device", "device_index", "call_outs", "fresh", "fresh_slots", "in_descs", "inputs", "kernel",
                  "kw_fill", "kwargs", "label", "max_op_elements", "nested_fill", "new_bytes", "op", "out_descs",
-                 "out_id_slots", "out_slots", "single", "validator", "writes")
+                 "out_id_slots", "out_slots", "single", "validator", "writes", "float_fill", "float_values")
 
     def __init__(self) -> None:
         self.label = ""
@@ -114,6 +122,11 @@ class CommandPlan:
         self.nested_fill: list[tuple[int, list[Any], list[tuple[int, int]]]] = []
         self.kwargs: dict[str, Any] = {}
         self.kw_fill: list[tuple[str, int]] = []
+        #: each float of the command, in key order: (argument position or keyword, index in that argument's
+        #: list or -1), filled in per command; or, where float values may change the outputs' metadata,
+        #: the floats it was checked with (then ``float_fill`` is empty and other values take the full path)
+        self.float_fill: list[tuple[int | str, int]] = []
+        self.float_values: tuple[float, ...] | None = None
         self.in_descs: list[Descriptor] = []
         #: output descriptors by output position (None: no output wanted), and each one's index in the ids
         self.out_descs: list[Descriptor | None] = []
@@ -195,12 +208,47 @@ def coverable(op_plan: _OpPlan) -> bool:
     return not (op_plan.generator_arg or op_plan.generatorless or op_plan.devargs or op_plan.uninitialised)
 
 
-def build(ex: Executor, cmd: list[Any], ids: tuple[int, ...], op_plan: _OpPlan, checked: Plan,
+def _float_paths(args: list[Any], kwargs: dict[str, Any]) -> list[tuple[int | str, int]] | None:
+    """Where each float of a decoded command's args and kwargs (as sent) sits, in msgpack order: (position
+    or keyword, index in a list or -1); None when one sits deeper (no plan fills it in)."""
+    paths: list[tuple[int | str, int]] = []
+    places: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
+    for where, value in places:
+        kind = type(value)
+        if kind is float:
+            paths.append((where, -1))
+        elif kind is list:
+            for i, inner in enumerate(value):
+                if type(inner) is float:
+                    paths.append((where, i))
+                elif type(inner) in (list, dict) and _has_float(inner):
+                    return None
+        elif kind is dict and _has_float(value):
+            return None
+    return paths
+
+
+def _has_float(value: Any) -> bool:
+    kind = type(value)
+    if kind is float:
+        return True
+    if kind is list:
+        return any(_has_float(v) for v in value)
+    if kind is dict:
+        return any(_has_float(v) for v in value.values())
+    return False
+
+
+def build(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: _OpPlan, checked: Plan,
           functional: bool) -> CommandPlan | None:
     """A plan from a CMD_OP the full path just ran without an error (``checked``: its pre-flight answer;
     ``functional``: an out= op whose fresh out arguments it ran in its functional form), or None when its
     shape is not one plans cover. ``cmd[4]`` is the kwargs as sent."""
+    _, ids, floats = keyed
     if not coverable(op_plan) or 0 in ids:
+        return None
+    paths = _float_paths(cmd[3], cmd[4])
+    if paths is None or len(paths) != len(floats):
         return None
     plan = CommandPlan()
     tagged: list[Descriptor] = []  # every tensor tag of args and kwargs, in msgpack order: slot = index in ids
@@ -242,6 +290,13 @@ def build(ex: Executor, cmd: list[Any], ids: tuple[int, ...], op_plan: _OpPlan, 
     if found != list(ids):
         log.debug("command plan not made: ids %s differ from the descriptors' %s", ids, found)
         return None
+    if floats:
+        if floats_decide_metadata(cmd[2], op_plan.op._schema):
+            plan.float_values = floats
+        elif {where for where, _ in paths} & {position for position, _, _ in plan.nested_fill}:
+            return None  # a list of tensors and floats: no schema has one
+        else:
+            plan.float_fill = paths
     plan.label = cmd[2]
     plan.op = op_plan.op
     plan.kernel = op_plan.functional if functional and op_plan.functional is not None else op_plan.op
@@ -263,26 +318,28 @@ def build(ex: Executor, cmd: list[Any], ids: tuple[int, ...], op_plan: _OpPlan, 
     return plan
 
 
-def build_call(ex: Executor, cmd: list[Any], ids: tuple[int, ...], op_plan: _OpPlan,
+def build_call(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: _OpPlan,
                checked: Plan) -> CommandPlan | None:
     """A plan from a CMD_CALL ``[CMD_CALL, req, device, op, args, kwargs(as sent), out_storage_ids]`` the full
     path just answered without an error; its key's ids are the request id, the tensor tags, the output ids."""
     outs = len(cmd[6])
-    plan = build(ex, [CMD_OP, cmd[2], cmd[3], cmd[4], cmd[5], []], ids[1:len(ids) - outs], op_plan, checked, False)
+    key, ids, floats = keyed
+    plan = build(ex, [CMD_OP, cmd[2], cmd[3], cmd[4], cmd[5], []], (key, ids[1:len(ids) - outs], floats), op_plan,
+                 checked, False)
     if plan is not None:
         plan.call_outs = outs
     return plan
 
 
-def _prepare(ex: Executor, plan: CommandPlan, ids: tuple[int, ...],
-             outputs: int) -> tuple[list[Any], dict[str, Any], dict[int, torch.UntypedStorage]] | None:
+def _prepare(ex: Executor, plan: CommandPlan, ids: tuple[int, ...], outputs: int,
+             floats: tuple[float, ...]) -> tuple[list[Any], dict[str, Any], dict[int, torch.UntypedStorage]] | None:
     """The per-storage checks and the arguments of a command run by ``plan`` (``outputs``: how many storages
     it may add); None when the full path must run it instead (nothing done then)."""
     store = ex.store
     # The store's own maps, read directly: this is the per-command path (genie.server.store keeps them).
     storages = store._storages
     sizes = store._sizes
-    if plan.max_op_elements != ex.max_op_elements:
+    if plan.max_op_elements != ex.max_op_elements or plan.float_values is not None and floats != plan.float_values:
         return None
     try:  # anything unexpected before the kernel (torch refusing to build a tensor): the full path reports it
         used: dict[int, torch.UntypedStorage] = {}
@@ -307,7 +364,7 @@ def _prepare(ex: Executor, plan: CommandPlan, ids: tuple[int, ...],
             return None
         if store.max_bytes and plan.new_bytes > store.max_bytes - store._bytes:
             return None
-        args, kwargs = _arguments(plan, tensors)
+        args, kwargs = _arguments(plan, tensors, floats)
         label = plan.label
         if plan.validator is not None:
             try:
@@ -323,8 +380,9 @@ def _prepare(ex: Executor, plan: CommandPlan, ids: tuple[int, ...],
     return args, kwargs, used
 
 
-def _arguments(plan: CommandPlan, tensors: list[torch.Tensor]) -> tuple[list[Any], dict[str, Any]]:
-    """The plan's argument templates with its input tensors filled in."""
+def _arguments(plan: CommandPlan, tensors: list[torch.Tensor],
+               floats: tuple[float, ...]) -> tuple[list[Any], dict[str, Any]]:
+    """The plan's argument templates with its input tensors and the command's floats filled in."""
     args = plan.args.copy()
     for position, slot in plan.arg_fill:
         args[position] = tensors[slot]
@@ -334,10 +392,20 @@ def _arguments(plan: CommandPlan, tensors: list[torch.Tensor]) -> tuple[list[Any
             inner[i] = tensors[slot]
         args[position] = inner
     kwargs = plan.kwargs
-    if plan.kw_fill:
+    if plan.kw_fill or plan.float_fill:
         kwargs = kwargs.copy()
         for name, slot in plan.kw_fill:
             kwargs[name] = tensors[slot]
+    copied: set[int | str] = set()
+    for (where, index), value in zip(plan.float_fill, floats, strict=False):  # empty when the plan compares them
+        target: Any = args if type(where) is int else kwargs
+        if index < 0:
+            target[where] = value
+            continue
+        if where not in copied:  # a list of floats: this command's own copy
+            target[where] = list(target[where])
+            copied.add(where)
+        target[where][index] = value
     return args, kwargs
 
 
@@ -406,11 +474,11 @@ def _finish(ex: Executor, plan: CommandPlan, ids: tuple[int, ...], out_ids: list
         _store(ex, plan, result, ids, args, kwargs, used, out_ids)
 
 
-def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
+def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...], floats: tuple[float, ...]) -> bool:
     """Run a command by its plan; False (nothing done) when it must take the full path instead."""
     if plan.call_outs >= 0:
-        return _run_call(ex, plan, ids)
-    prepared = _prepare(ex, plan, ids, len(plan.out_id_slots))
+        return _run_call(ex, plan, ids, floats)
+    prepared = _prepare(ex, plan, ids, len(plan.out_id_slots), floats)
     if prepared is None:
         return False
     args, kwargs, used = prepared
@@ -458,11 +526,11 @@ def _store(ex: Executor, plan: CommandPlan, result: Any, ids: tuple[int, ...], a
             ex.defer(_error(label, _shapes(args, kwargs), kind_of(failure), _message(failure), out_ids))
 
 
-def _run_call(ex: Executor, plan: CommandPlan, ids: tuple[int, ...]) -> bool:
+def _run_call(ex: Executor, plan: CommandPlan, ids: tuple[int, ...], floats: tuple[float, ...]) -> bool:
     """A CALL by its plan: ids are [req, tensor storages..., output storages...]."""
     outputs = plan.call_outs
     end = len(ids) - outputs
-    prepared = _prepare(ex, plan, ids[1:end], outputs)
+    prepared = _prepare(ex, plan, ids[1:end], outputs, floats)
     if prepared is None:
         return False
     args, kwargs, used = prepared
@@ -551,9 +619,9 @@ def finish_native(ex: Executor, plan: CommandPlan, outcome: tuple[Any, ...]) -> 
         return
     if plan.writes:  # as _timed does, whether the kernel failed or not
         ex.account_resizes(used)
-    # "failed": (..., exception, input tensors, used); "outputs": (..., result, input tensors, used), a result
-    # the full output rule decides on or a storage the op resized in place
-    args, kwargs = _arguments(plan, outcome[4])
+    # "failed": (..., exception, input tensors, floats, used); "outputs": (..., result, input tensors, floats,
+    # used), a result the full output rule decides on or a storage the op resized in place
+    args, kwargs = _arguments(plan, outcome[4], outcome[5])
     if kind == "failed":
         _finish(ex, plan, ids, out_ids, None, _kernel_error(plan, args, kwargs, outcome[3], out_ids), args, kwargs,
                 used)

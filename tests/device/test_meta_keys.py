@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from genie.device import dispatch
+from genie.wire.floats import floats_decide_metadata
 
 D0 = "remote_accelerator:0"
 
@@ -79,9 +80,9 @@ def test_the_type_of_a_scalar_stays_in_the_key() -> None:
 
 def test_floats_decide_metadata_by_schema() -> None:
     aten = torch.ops.aten
-    assert not dispatch.floats_decide_metadata("aten::mul.Scalar", aten.mul.Scalar._schema)
-    assert not dispatch.floats_decide_metadata("aten::_foreach_addcdiv_.ScalarList",
+    assert not floats_decide_metadata("aten::mul.Scalar", aten.mul.Scalar._schema)
+    assert not floats_decide_metadata("aten::_foreach_addcdiv_.ScalarList",
                                                aten._foreach_addcdiv_.ScalarList._schema)
-    assert dispatch.floats_decide_metadata("aten::arange.start_step", aten.arange.start_step._schema)
-    assert dispatch.floats_decide_metadata("aten::upsample_nearest2d.vec", aten.upsample_nearest2d.vec._schema)
-    assert dispatch.floats_decide_metadata("aten::_local_scalar_dense", aten._local_scalar_dense.default._schema)
+    assert floats_decide_metadata("aten::arange.start_step", aten.arange.start_step._schema)
+    assert floats_decide_metadata("aten::upsample_nearest2d.vec", aten.upsample_nearest2d.vec._schema)
+    assert floats_decide_metadata("aten::_local_scalar_dense", aten._local_scalar_dense.default._schema)

@@ -10,6 +10,7 @@ in a fresh session with the same storages: its error record must equal the plan 
 from __future__ import annotations
 
 import random
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +35,13 @@ def key(data: bytes) -> tuple[bytes, tuple[int, ...]]:
     """The command's key and ids (the test fails when it cannot be keyed)."""
     found = command_key(data)
     assert found is not None
-    return found
+    return found[0], found[1]
+
+
+def floats(data: bytes) -> tuple[float, ...]:
+    found = command_key(data)
+    assert found is not None
+    return found[2]
 
 
 # -- the walker -------------------------------------------------------------------------------------------
@@ -55,6 +62,18 @@ def test_keys_differ_on_scalars_layouts_ops_and_aliasing() -> None:
     assert key(op("aten::sub.Tensor", [T(1, F), 1], {}, [T(2, F)]))[0] != base
     assert key(_add(3, 3))[0] != base  # the output aliases the input
     assert key(_add(0, 2))[0] != base  # storage 0 is the empty storage, never a slot
+
+
+def test_floats_are_taken_out_of_the_key_in_order_keeping_their_type() -> None:
+    """An optimizer's step size changes every step: its commands keep one key, the floats come apart."""
+    assert key(_add(1, 2, 1.5))[0] == key(_add(7, 8, -2.25e-3))[0]
+    assert floats(_add(1, 2, 1.5)) == (1.5,) and floats(_add(1, 2)) == ()
+    addcdiv = op("aten::addcdiv_", [T(1, F), T(2, F), T(3, F)], {"value": -0.001}, [T(1, F)])
+    assert floats(addcdiv) == (-0.001,)
+    scalars = op("aten::_foreach_add_.ScalarList", [[T(1, F), T(2, F)], [0.5, 2.0]], {}, [None])
+    assert floats(scalars) == (0.5, 2.0)
+    as_float32 = _add(1, 2, 1.5).replace(b"\xcb" + struct.pack(">d", 1.5), b"\xca" + struct.pack(">f", 1.5))
+    assert key(as_float32)[0] != key(_add(1, 2, 1.5))[0] and floats(as_float32) == (1.5,)
 
 
 def test_a_calls_request_and_output_ids_are_taken_out_of_its_key() -> None:
@@ -91,6 +110,8 @@ def _unblanked(data: bytes) -> Any:
             return [walk(v) for v in value]
         if isinstance(value, dict):
             return {k: walk(v) for k, v in value.items()}
+        if type(value) is float:
+            return (float, "taken out of the key")
         return (type(value), value)
     return walk(codec.decode(data))
 
@@ -160,6 +181,55 @@ def test_a_chain_of_ops_runs_by_its_plan_and_gives_the_same_numbers(server, conn
     assert c.fetch(n + 1, F).item() == 0.5 + n
     assert _planned(srv) == n - 1  # the first ran the full path and made the plan
     assert _native(srv) == (n - 1 if _native_mode() else 0)
+
+
+def test_an_optimizers_changing_scalars_keep_the_plan_and_each_step_uses_its_own(server, connect) -> None:
+    """AdamW's step sizes and bias corrections change every step: with the floats out of the key its ops run
+    by their plan (natively where the runner can), each with the float its command carries, as a keyword,
+    positional, a Scalar where a Tensor goes (x + 0.25) and a list of scalars (_foreach_add_.ScalarList)."""
+    srv = server()
+    c = connect(srv)
+    x = torch.tensor([1.0, -2.0, 4.0])
+    steps = [0.5 * (i + 1) for i in range(20)]
+    cmds = []
+    for i, lr in enumerate(steps):
+        cmds += [op("aten::add_.Tensor", [T(1, x), T(2, x)], {"alpha": -lr}, [T(1, x)]),
+                 op("aten::mul.Scalar", [T(1, x), lr], {}, [T(100 + i, x)]),
+                 op("aten::add.Tensor", [T(100 + i, x), lr / 4], {}, [T(200 + i, x)]),
+                 op("aten::_foreach_add_.ScalarList", [[T(3, x), T(4, x)], [lr, -lr]], {}, [None])]
+    c.send_batch(cmds, uploads=[(1, 0, x), (2, 0, torch.ones(3)), (3, 0, x), (4, 0, x)])
+    assert c.sync().deferred == []
+    expect, a, b = x.clone(), x.clone(), x.clone()
+    for i, lr in enumerate(steps):
+        expect.add_(torch.ones(3), alpha=-lr)
+        torch.testing.assert_close(c.fetch(200 + i, x), expect * lr + lr / 4)
+        a += lr
+        b -= lr
+    torch.testing.assert_close(c.fetch(1, x), expect)
+    torch.testing.assert_close(c.fetch(3, x), a)
+    torch.testing.assert_close(c.fetch(4, x), b)
+    assert _planned(srv) == 4 * (len(steps) - 1)  # each signature's first command made its plan
+    # _foreach_add_'s tensor list leaves it to the Python plan; the other three run natively
+    assert _native(srv) == (3 * (len(steps) - 1) if _native_mode() else 0)
+
+
+def test_floats_that_decide_the_output_shape_run_by_a_plan_only_for_the_same_values(server, connect) -> None:
+    """Upsampling's scale factor decides the output's length: a plan checked for 2.0 (8 elements) is not used
+    for 3.0 (12); the full path checks that one, so the quota and the descriptor checks see every length."""
+    srv = server()
+    c = connect(srv)
+    x = torch.arange(4.0).reshape(1, 1, 4)
+
+    def upsample(scale: float, storage_id: int) -> bytes:
+        out = torch.nn.functional.interpolate(x, scale_factor=scale)
+        return op("aten::upsample_nearest1d.vec", [T(1, x), None, [scale]], {}, [T(storage_id, out)])
+
+    c.send_batch([upsample(2.0, 2), upsample(2.0, 3), upsample(3.0, 4)], uploads=[(1, 0, x)])
+    assert c.sync().deferred == []
+    for storage_id, scale in ((3, 2.0), (4, 3.0)):
+        expect = torch.nn.functional.interpolate(x, scale_factor=scale)
+        assert torch.equal(c.fetch(storage_id, expect), expect)
+    assert _planned(srv) == 1  # only the second command, with the first one's end
 
 
 def test_ops_run_by_plan_are_counted_in_the_sessions_metrics(server, connect) -> None:

@@ -64,7 +64,10 @@ def test_discover_measures_every_backend_the_node_serves_through_a_session(node:
     # Each backend was measured on its own port, the one the node announced for it.
     ports = {rows[name]["details"]["measured_on"].rsplit(":", 1)[1] for name in served}
     assert len(ports) == len(served)
-    assert doc["selected"] == "shm"  # same host: shm is both the best priority and measured
+    # Measured bandwidth orders the measured backends (genie.transport.selection): on one host shm usually
+    # leads, but on a loaded machine another one can measure faster in this run; the rule is what is checked.
+    fastest = max(served, key=lambda name: rows[name]["figures"]["bandwidth"]["value"])
+    assert doc["selected"] == fastest, {name: rows[name]["figures"]["bandwidth"]["value"] for name in served}
 
     again = _rows(_discover(node, tmp_path))
     assert all(again[name]["details"]["figures_cached"] for name in served)
