@@ -26,5 +26,6 @@ void pack_tensor_ext(std::string& out, const at::Tensor& t);
 
 // The native op path (fastpath.cpp): its Python functions on genie._C.
 void init_fastpath(pybind11::module_& m);
+void init_host_pool(pybind11::module_& m);  // host_pool.cpp
 
 }  // namespace genie

@@ -182,15 +182,20 @@ def _template(values: list[Any], descs: list[Descriptor], ex: Executor,
     return out, fill, deeper
 
 
-def _has_placeholder(value: Any) -> bool:
+def _holds(value: Any, kinds: frozenset[type]) -> bool:
+    """Whether ``value`` is, or a list or dict inside it holds, a value of one of ``kinds``."""
     kind = type(value)
-    if kind in _PLACEHOLDERS:
+    if kind in kinds:
         return True
     if kind is list:
-        return any(_has_placeholder(v) for v in value)
+        return any(_holds(v, kinds) for v in value)
     if kind is dict:
-        return any(_has_placeholder(v) for v in value.values())
+        return any(_holds(v, kinds) for v in value.values())
     return False
+
+
+def _has_placeholder(value: Any) -> bool:
+    return _holds(value, _PLACEHOLDERS)
 
 
 def _placeholder_types() -> frozenset[type]:
@@ -229,14 +234,10 @@ def _float_paths(args: list[Any], kwargs: dict[str, Any]) -> list[tuple[int | st
 
 
 def _has_float(value: Any) -> bool:
-    kind = type(value)
-    if kind is float:
-        return True
-    if kind is list:
-        return any(_has_float(v) for v in value)
-    if kind is dict:
-        return any(_has_float(v) for v in value.values())
-    return False
+    return _holds(value, _FLOAT)
+
+
+_FLOAT = frozenset({float})
 
 
 def build(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: _OpPlan, checked: Plan,

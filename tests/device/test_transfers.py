@@ -79,3 +79,31 @@ def test_prefault_populates_fresh_memory_and_keeps_contents() -> None:
     assert torch.equal(data, copy)
     prefault(torch.empty(0))  # empty and small tensors are left alone
     prefault(torch.empty(10))
+
+
+def test_large_downloads_reuse_freed_host_blocks_and_stay_ordinary_cpu_tensors() -> None:
+    """``.cpu()`` of 4 MiB or more takes its memory from genie's host pool (genie/csrc/host_pool.cpp): a block
+    the last download's tensor freed comes back without a page fault per page. The result is a plain,
+    resizable CPU tensor; other ``_to_copy`` forms (dtype change, small, strided) run ATen's own."""
+    from genie import _C
+
+    torch.remote_accelerator.empty_cache()  # type: ignore[attr-defined]
+    src = torch.randn(2, 1 << 20)  # 8 MiB
+    remote = src.to(D0)
+    _, _, reused = _C.host_pool_stats()
+    first = remote.cpu()
+    assert torch.equal(first, src) and first.device.type == "cpu" and first.is_contiguous()
+    del first  # its block waits in the pool
+    assert _C.host_pool_stats()[:2] == (1, src.numel() * 4)
+    second = remote.to("cpu")
+    assert torch.equal(second, src) and _C.host_pool_stats()[2] == reused + 1
+    second.resize_(3, 1 << 20)  # an ordinary storage: it grows
+    second[2] = 1.0
+    assert torch.equal(second[:2], src) and bool((second[2] == 1).all())
+    del second
+    assert torch.equal(remote.to("cpu", torch.float64), src.double())  # a dtype change: ATen's composite
+    assert torch.equal(remote.t().cpu(), src.t())  # strided: preserve_format keeps its strides, as on CUDA
+    assert remote.t().cpu().stride() == src.t().stride()
+    assert torch.equal(remote[:, :10].cpu(), src[:, :10])  # small: the default allocator
+    torch.remote_accelerator.empty_cache()  # type: ignore[attr-defined]
+    assert _C.host_pool_stats()[:2] == (0, 0)
