@@ -305,12 +305,13 @@ def measure_genie(port: int, raw: RawPeer, samples: int, pipelined_ops: int, rou
             local_op.append((time.perf_counter() - t0) / pipelined_ops)
         out["pipelined"], out["client_cpu_per_op"], out["local_op"] = rates, client_cpu, local_op
 
-        # Adaptive batches: the connection first measures small-first against full batches (two steps of
-        # each, genie.device.flushing), so those warm-up steps are left out like the meta cache's.
+        # Adaptive batches: the connection first measures small-first against full batches (after the
+        # workload's first DISCARD steps, WARMUP steps of each: genie.device.flushing), so those warm-up
+        # steps are left out like the meta cache's.
         from genie.device import connection, flushing, registry
 
-        out["step_client"], out["step_remote"], out["step_local"] = _transformer_steps(
-            dev, rounds, warmup=2 + 2 * flushing.WARMUP)
+        warmup = 2 + flushing.DISCARD + 2 * flushing.WARMUP
+        out["step_client"], out["step_remote"], out["step_local"] = _transformer_steps(dev, rounds, warmup=warmup)
         policy = registry.table().get(0).connection.flush_policy
         out["flush_choice"], out["flush_medians"] = policy.choice, policy.medians()
         # The same step with fixed 512-command batches (the flush policy before adaptive batches).
@@ -318,7 +319,9 @@ def measure_genie(port: int, raw: RawPeer, samples: int, pipelined_ops: int, rou
         adaptive = connection.MIN_BATCH_CMDS
         connection.MIN_BATCH_CMDS = connection.MAX_BATCH_CMDS
         try:
-            _, out["step_remote_fixed"], _ = _transformer_steps(dev, rounds)
+            # As many warm-up steps as above: a model's steps are timed at the same positions in both
+            # phases (with 2 warm-up steps here the fixed phase timed a fresh model's first steps).
+            _, out["step_remote_fixed"], _ = _transformer_steps(dev, rounds, warmup=warmup)
         finally:
             connection.MIN_BATCH_CMDS = adaptive
 

@@ -13,10 +13,15 @@ measures both and keeps the faster one:
 - an *interval* runs from one sync point's reply to the next one's; only intervals of at
   least :data:`MEASURED_OPS` ops are measured (shorter ones flush only at their sync point,
   whatever the choice), as wall seconds per op;
+- the first :data:`DISCARD` measured intervals of a workload are not kept: caches fill on both
+  ends then (the node builds its plans, the client learns its signatures), and a training step's
+  first intervals measured 3 to 20 times its later ones, which decided the choice the wrong way
+  for the next 32 intervals (bench_remote: small batches kept at 1.17 to 1.33x the wall of full);
 - each choice is tried until it has :data:`WARMUP` samples (alternating), then the one with
   the lower median of its last :data:`SAMPLES` is kept, ties going to ``small``;
-- every :data:`EXPLORE_EVERY` measured intervals the other is tried once more, so a change
-  (another workload, a loaded machine) is noticed.
+- every :data:`EXPLORE_EVERY` measured intervals the other one is measured afresh (its old samples
+  dropped, :data:`WARMUP` new ones taken), so a change (another workload, a loaded machine) is
+  noticed and a stale sample cannot keep the worse choice.
 
 Workloads repeat (training steps), so the per-op medians compare like with like, within a *size
 class*: intervals are measured and decided per power of four of their op count, and the next
@@ -40,6 +45,8 @@ MEASURED_OPS = 64
 WARMUP = 3
 #: Samples per choice the median is taken over (the most recent).
 SAMPLES = 5
+#: Measured intervals of a size class not kept at its start (caches filling on both ends).
+DISCARD = 2
 #: Measured intervals between two tries of the choice not taken.
 EXPLORE_EVERY = 32
 
@@ -51,6 +58,7 @@ class _SizeClass:
         self.choice: Choice = "small"
         self.times: dict[Choice, deque[float]] = {"small": deque(maxlen=SAMPLES), "full": deque(maxlen=SAMPLES)}
         self.measured = 0
+        self.seen = 0  # measured intervals, the discarded ones included
 
 
 class FlushChooser:
@@ -72,8 +80,10 @@ class FlushChooser:
             size = self._classes.get(size_class)
             if size is None:
                 size = self._classes[size_class] = _SizeClass()
-            size.times[self.choice].append((now - self._start) / ops)
-            size.choice = _choose(size)
+            size.seen += 1
+            if size.seen > DISCARD:
+                size.times[self.choice].append((now - self._start) / ops)
+                size.choice = _choose(size)
             self._last, self.choice = size, size.choice
         self._start, self._ops = now, ops_total
         return self.choice
@@ -92,5 +102,7 @@ def _choose(size: _SizeClass) -> Choice:
     best: Choice = "small" if statistics.median(small) <= statistics.median(full) else "full"
     size.measured += 1
     if size.measured % EXPLORE_EVERY == 0:
-        return "full" if best == "small" else "small"
+        other: Choice = "full" if best == "small" else "small"
+        size.times[other].clear()  # measured afresh: WARMUP new samples before the medians decide again
+        return other
     return best

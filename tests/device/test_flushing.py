@@ -44,17 +44,24 @@ def test_batches_start_small_after_a_sync_and_double_up_to_the_maximum() -> None
     assert sizes[:3] == [connection.MIN_BATCH_CMDS * k for k in (1, 2, 4)]
     assert sizes[-1] == connection.MAX_BATCH_CMDS
     assert x[0].item() == queued  # every op ran, in order
-    # That interval was measured with small first batches: the chooser tries full ones next (its warm-up).
-    assert conn.flush_policy.medians()["small"] is not None
-    assert conn.flush_at == connection.MAX_BATCH_CMDS
+    # That interval was the workload's first: not kept (caches were filling), so small first batches stay.
+    assert conn.flush_policy.medians() == {"small": None, "full": None}
+    assert conn.flush_at == connection.MIN_BATCH_CMDS
     conn.flush_policy = FlushChooser()
 
 
-def _feed(chooser: FlushChooser, per_op: dict[str, float], intervals: int, ops: int = 200) -> list[str]:
-    """Run ``intervals`` measured intervals of ``ops`` ops, each taking ``per_op[choice]`` seconds per op."""
+def _feed(chooser: FlushChooser, per_op: dict[str, float], intervals: int, ops: int = 200,
+          warm: float = 1e-3) -> list[str]:
+    """Run ``intervals`` measured intervals of ``ops`` ops, each taking ``per_op[choice]`` seconds per op,
+    after the DISCARD first intervals of a new workload, at ``warm`` seconds per op (caches filling)."""
     now, total = 1.0, 0
     seen: list[str] = []
     chooser.interval_done(total, now)
+    size = chooser._classes.get(ops.bit_length() // 2)
+    for _ in range(flushing.DISCARD - (size.seen if size is not None else 0)):
+        total += ops
+        now += ops * warm
+        chooser.interval_done(total, now)
     for _ in range(intervals):
         seen.append(chooser.choice)
         total += ops
@@ -66,6 +73,7 @@ def _feed(chooser: FlushChooser, per_op: dict[str, float], intervals: int, ops: 
 def test_one_interval_that_held_other_work_does_not_decide() -> None:
     """The first interval after building a model also holds the building: 1 ms an op against 20 us."""
     chooser = FlushChooser()
+    _feed(chooser, {}, 0)  # the workload's first intervals, not kept
     now, total = 1.0, 0
     chooser.interval_done(total, now)
     per_op = {"small": 20e-6, "full": 10e-6}
@@ -89,11 +97,14 @@ def test_the_chooser_tries_both_then_keeps_full_batches_where_they_measured_fast
 
 
 def test_the_chooser_keeps_small_batches_where_the_overlap_wins_and_retries_the_other_now_and_then() -> None:
+    """Each retry measures the other choice afresh (WARMUP samples), so one stale sample cannot keep it."""
     chooser = FlushChooser()
-    seen = _feed(chooser, {"small": 10e-6, "full": 20e-6}, 2 * flushing.WARMUP + 2 * flushing.EXPLORE_EVERY)
+    seen = _feed(chooser, {"small": 10e-6, "full": 20e-6},
+                 2 * flushing.WARMUP + 2 * (flushing.EXPLORE_EVERY + flushing.WARMUP))
     steady = seen[2 * flushing.WARMUP:]
-    assert steady.count("full") == 2  # one retry per EXPLORE_EVERY measured intervals
-    assert steady.count("small") == len(steady) - 2
+    # one retry per EXPLORE_EVERY measured intervals, each WARMUP fresh samples of the other choice
+    assert steady.count("full") == 2 * flushing.WARMUP
+    assert steady.count("small") == len(steady) - 2 * flushing.WARMUP
 
 
 def test_the_chooser_notices_when_the_faster_choice_changes() -> None:
@@ -101,7 +112,8 @@ def test_the_chooser_notices_when_the_faster_choice_changes() -> None:
     _feed(chooser, {"small": 10e-6, "full": 20e-6}, 10)
     assert chooser.choice == "small"
     seen = _feed(chooser, {"small": 40e-6, "full": 20e-6}, 3 * flushing.EXPLORE_EVERY)
-    assert seen[-1] == "full"
+    # full from the first retry on, but for the fresh samples of small each later retry takes
+    assert seen[-flushing.EXPLORE_EVERY:].count("full") >= flushing.EXPLORE_EVERY - flushing.WARMUP
 
 
 def test_intervals_of_another_size_keep_their_own_choice() -> None:
@@ -139,3 +151,13 @@ def test_a_connection_that_measured_full_batches_faster_sends_full_batches_after
         assert conn.stats["batches"] == before  # no small first batch
     assert x[0].item() == connection.MIN_BATCH_CMDS * 2
     conn.flush_policy = FlushChooser()
+
+
+def test_a_retry_replaces_the_stale_samples_of_the_other_choice() -> None:
+    """Full batches measured slow while the machine was busy (1 ms an op), then faster than small ones: the
+    first retry measures them afresh and switches; old samples kept in its median would have held small."""
+    chooser = FlushChooser()
+    _feed(chooser, {"small": 20e-6, "full": 1e-3}, 2 * flushing.WARMUP)
+    assert chooser.choice == "small"
+    seen = _feed(chooser, {"small": 20e-6, "full": 10e-6}, flushing.EXPLORE_EVERY + flushing.WARMUP + 2)
+    assert seen[-2:] == ["full", "full"]
