@@ -17,3 +17,9 @@ class Runner:
     def set_clock(self, address: int, /) -> None: ...
     def run(self, cmds: list[Any], start: int, store: Any, max_op_elements: int, metrics: Any, pool_min: int,
             quiet: bool, /) -> tuple[int, int, tuple[Any, ...] | None]: ...
+
+#: Ops whose input tensors all have fewer elements run on one intra-op thread (2**18).
+SERIAL_BELOW: int
+
+def use_serial(serial: bool) -> None:
+    """One intra-op thread on this thread (True) or its own count (False); only a change calls torch."""

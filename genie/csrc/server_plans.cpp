@@ -22,6 +22,7 @@
 
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
 #include <ATen/ScalarOps.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/TensorOptions.h>
@@ -54,6 +55,25 @@ namespace {
 
 constexpr uint64_t kMaxStorageId = (uint64_t(1) << 63) - 1;
 constexpr size_t kClockLabel = 96;  // genie.server.isolation.clock: started_ns, then 96 bytes of op name
+// Ops whose input tensors all have fewer elements than this run on one intra-op thread. Inputs only, on
+// every path that runs an op (full path, plans, graph replays), so a result never depends on the path:
+// a parallel reduction may differ from a serial one in its last bits.
+constexpr int64_t kSerialBelow = int64_t(1) << 18;
+
+// The calling thread's intra-op threads: one for a small op, its own count otherwise. On a CPU node a
+// parallel region wakes the pool's sleeping threads (passive OpenMP: genie.server.isolation.supervisor),
+// about 50 us across CPUs on a small VM, more than a small op's whole work: a 2-layer transformer step
+// took 12.6 to 14 ms with the pool against 8.6 ms on one thread. at::set_num_threads is called only on
+// a change (the count is per thread for OpenMP; the session's ops all run on its thread).
+thread_local int tl_serial = -1;  // -1: not set yet on this thread
+thread_local int tl_threads = 0;  // the thread's count before the first change
+
+void set_threads(bool serial) {
+  if (tl_serial == static_cast<int>(serial)) return;
+  if (tl_serial < 0) tl_threads = at::get_num_threads();
+  at::set_num_threads(serial ? 1 : tl_threads);
+  tl_serial = serial;
+}
 
 struct Input {
   size_t slot;  // index in the command's storage ids
@@ -228,6 +248,14 @@ class NativePlan {
                                 dtype_of(d.attr("dtype"))});
       ++kept_outputs_;
     }
+    int64_t largest = 0;
+    auto count = [](const std::vector<int64_t>& sizes) {
+      int64_t n = 1;
+      for (int64_t d : sizes) n *= d;
+      return n;
+    };
+    for (const auto& in : inputs_) largest = std::max(largest, count(in.sizes));
+    serial_ = largest < kSerialBelow && device_.is_cpu();
   }
 
   std::optional<c10::OperatorHandle> op_;
@@ -253,6 +281,7 @@ class NativePlan {
   bool has_float_values_ = false;  // the floats decide metadata: only these values run by the plan
   std::vector<double> float_values_;
   size_t kept_outputs_ = 0;
+  bool serial_ = false;  // small inputs on a CPU device: one intra-op thread (see kSerialBelow)
   bool decomposes_ = false;  // the device has no kernel: torch's decomposition runs, in Python
 };
 
@@ -262,6 +291,8 @@ class Runner {
   // max_keyed: the longest command keyed (genie.server.plans.MAX_KEYED_BYTES); max_freed: freed ids the store
   // remembers before starting over (genie.server.store.MAX_REMEMBERED_FREES).
   Runner(size_t max_keyed, Py_ssize_t max_freed) : max_keyed_(max_keyed), max_freed_(max_freed) {}
+
+
 
   // The native plan of a key; None drops the key's (its plan is one only Python runs now).
   void add(py::bytes key, std::shared_ptr<NativePlan> plan) {
@@ -666,6 +697,7 @@ class Runner {
     }
     std::exception_ptr failure;
     bool decomposes = false;
+    set_threads(plan.serial_);
     int64_t started = monotonic_ns();
     clock_begin(plan);
     {
@@ -826,4 +858,7 @@ PYBIND11_MODULE(_C_plans, m) {
       .def("__len__", &genie_plans::Runner::size)
       .def("set_clock", &genie_plans::Runner::set_clock)
       .def("run", &genie_plans::Runner::run);
+  m.def("use_serial", &genie_plans::set_threads, py::arg("serial"),
+        "One intra-op thread on this thread (True) or its own count (False); a change only calls torch.");
+  m.attr("SERIAL_BELOW") = genie_plans::kSerialBelow;
 }

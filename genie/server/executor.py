@@ -444,6 +444,7 @@ class Executor:
             self.clock.end()  # isolation
         inputs = (args, kwargs)  # for error messages only: shapes() walks it when something fails
         used = self._used
+        plans.use_serial(self._device_now.type == "cpu" and checked.max_input < plans.SERIAL_BELOW)
         started = time.perf_counter()  # metrics
         self.clock.begin(label)  # isolation
         try:

@@ -41,6 +41,7 @@ full path did not check. Plans are per session (its limits are part of what was 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -72,9 +73,13 @@ except ImportError:  # pragma: no cover - an install that did not build the exte
 NativePlan: Any
 Runner: Any
 try:  # the native plan runner (genie/csrc/server_plans.cpp); without it plans run in Python
-    from genie._C_plans import NativePlan, Runner
+    from genie._C_plans import SERIAL_BELOW, NativePlan, Runner, use_serial
 except ImportError:  # pragma: no cover - an install that did not build the extension
     NativePlan = Runner = None
+    SERIAL_BELOW = 1 << 18
+
+    def use_serial(serial: bool) -> None:
+        """Without the extension the intra-op threads stay as torch set them."""
 
 log = logging.getLogger("genie.server.plans")
 
@@ -99,7 +104,7 @@ class CommandPlan:
 
     __slots__ = ("arg_fill", "args", "call", "device", "device_index", "call_outs", "fresh", "fresh_slots", "in_descs", "inputs", "kernel",
                  "kw_fill", "kwargs", "label", "max_op_elements", "nested_fill", "new_bytes", "op", "out_descs",
-                 "out_id_slots", "out_slots", "single", "validator", "writes", "float_fill", "float_values")
+                 "out_id_slots", "out_slots", "single", "validator", "writes", "float_fill", "float_values", "serial")
 
     def __init__(self) -> None:
         self.label = ""
@@ -127,6 +132,8 @@ class CommandPlan:
         #: the floats it was checked with (then ``float_fill`` is empty and other values take the full path)
         self.float_fill: list[tuple[int | str, int]] = []
         self.float_values: tuple[float, ...] | None = None
+        #: a small op on a CPU device: it runs on one intra-op thread (genie._C_plans.use_serial)
+        self.serial = False
         self.in_descs: list[Descriptor] = []
         #: output descriptors by output position (None: no output wanted), and each one's index in the ids
         self.out_descs: list[Descriptor | None] = []
@@ -313,6 +320,7 @@ def build(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: _OpPlan, checked:
                     torch.empty(0, dtype=d.dtype, device=plan.device)) for slot, d in zip(inputs, plan.in_descs,
                                                                                         strict=True)]
     plan.out_id_slots = [slot for slot in plan.out_slots if slot >= 0]
+    plan.serial = plan.device.type == "cpu" and serial_size([d.sizes for d in plan.in_descs])
     plan.fresh_slots = sorted(fresh_slots | set(plan.out_id_slots)) if plan.fresh else []
     if len(plan.out_descs) == 1 and plan.out_descs[0] is not None:
         plan.single = (plan.out_slots[0], plan.out_descs[0])
@@ -410,6 +418,13 @@ def _arguments(plan: CommandPlan, tensors: list[torch.Tensor],
     return args, kwargs
 
 
+def serial_size(shapes: list[Any]) -> bool:
+    """Whether every input tensor of these shapes has fewer than SERIAL_BELOW elements: such an op runs on
+    one intra-op thread, since waking the pool costs more than its work. The same rule on every path that
+    runs ops (genie/csrc/server_plans.cpp), so no result depends on the path."""
+    return all(math.prod(shape) < SERIAL_BELOW for shape in shapes)
+
+
 def _kernel(plan: CommandPlan, args: list[Any], kwargs: dict[str, Any]) -> Any:
     """The plan's bound kernel on the arguments; its decomposition when the device has no kernel (as run_op)."""
     try:
@@ -426,6 +441,7 @@ def _timed(ex: Executor, plan: CommandPlan, args: list[Any], kwargs: dict[str, A
     """Run the kernel as the full path does (op clock, metrics, resizes re-measured): (result, None), or
     (None, the deferred-error record) when it raised."""
     label, metrics, clock = plan.label, ex.metrics, ex.clock
+    use_serial(plan.serial)
     started = _perf_counter()  # metrics
     clock.begin(label)  # isolation
     try:
