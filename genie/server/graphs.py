@@ -38,7 +38,7 @@ from genie.server.executor import (
 )
 from genie.server.ops import resolve_op, run_op
 from genie.server.outputs import OutputMismatch
-from genie.server.plans import SERIAL_BELOW, use_serial
+from genie.server.plans import serial_size, use_serial
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
@@ -255,7 +255,6 @@ def _build(value: Any, env: list[Any]) -> Any:
 
 
 _NESTED = (Ref, list)
-_Tensor = torch.Tensor
 
 
 def _run_nodes(ex: Executor, graph: Graph, env: list[Any], held: set[int], label: str,
@@ -281,9 +280,8 @@ def _run_nodes(ex: Executor, graph: Graph, env: list[Any], held: set[int], label
                 kwargs = dict(kwargs)
                 for key, template in node.kw_refs:
                     kwargs[key] = _build(template, env)
-            if cpu:  # the op path's rule (genie.server.plans.serial_size): the same bits on either path
-                use_serial(all(type(a) is not _Tensor or a.numel() < SERIAL_BELOW for a in args)
-                           and all(type(v) is not _Tensor or v.numel() < SERIAL_BELOW for v in kwargs.values()))
+            if cpu:  # the op path's rule, over every input tensor (lists too): the same bits on either path
+                use_serial(serial_size([t.shape for t in tensor_leaves((args, kwargs))]))
             try:
                 result = node.call(*args, **kwargs)
             except NotImplementedError:
