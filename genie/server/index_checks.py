@@ -34,11 +34,13 @@ def refuse(label: str, problem: str) -> RemoteExecutionError:
     return RemoteExecutionError(f"{label} refused before running: {problem}")
 
 
-def _given(op_args: tuple[str, ...], args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+def given_args(op_args: tuple[str, ...], args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """An op's arguments by name: the positional ones named as ``op_args`` lists them, then the keywords."""
     return dict(zip(op_args, args, strict=False)) | kwargs
 
 
-def _schema_args(name: str, overload: str = "default") -> tuple[str, ...]:
+def schema_args(name: str, overload: str = "default") -> tuple[str, ...]:
+    """The argument names of ``aten::name.overload``, in schema order."""
     return tuple(a.name for a in getattr(getattr(torch.ops.aten, name), overload)._schema.arguments)
 
 
@@ -70,8 +72,8 @@ def check_pool_indices(label: str, args: list[Any], kwargs: dict[str, Any]) -> N
     _in_range(label, "indices", indices, 0 if "adaptive" in label else -1, plane)
 
 
-_CTC_ARGS = _schema_args("_ctc_loss")
-_CTC_BACKWARD_ARGS = _schema_args("_ctc_loss_backward")
+_CTC_ARGS = schema_args("_ctc_loss")
+_CTC_BACKWARD_ARGS = schema_args("_ctc_loss_backward")
 
 
 def _lengths(value: Any) -> list[int] | None:
@@ -88,7 +90,7 @@ def check_ctc(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
     shapes the forward made, which its kernel reads by. Lengths, blank and ``log_probs`` are the kernel's own
     checks."""
     backward = "backward" in label
-    given = _given(_CTC_BACKWARD_ARGS if backward else _CTC_ARGS, args, kwargs)
+    given = given_args(_CTC_BACKWARD_ARGS if backward else _CTC_ARGS, args, kwargs)
     log_probs, targets = given.get("log_probs"), given.get("targets")
     target_lengths, input_lengths = _lengths(given.get("target_lengths")), _lengths(given.get("input_lengths"))
     if not isinstance(log_probs, torch.Tensor) or not isinstance(targets, torch.Tensor) or target_lengths is None \
@@ -124,7 +126,7 @@ def check_ctc(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
                 raise refuse(label, f"{name} of shape {list(t.shape)}, the forward made {list(shapes[0])}")
 
 
-_SEGMENT_BACKWARD_ARGS = _schema_args("_segment_reduce_backward")
+_SEGMENT_BACKWARD_ARGS = schema_args("_segment_reduce_backward")
 
 
 def check_segment_reduce_backward(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
@@ -134,7 +136,7 @@ def check_segment_reduce_backward(label: str, args: list[Any], kwargs: dict[str,
     (lengths at least 0 adding up to at most its size, as ``unsafe=True`` forwards may leave a tail; offsets
     in [0, size], never decreasing), one row of them per position of the leading dims, and ``grad`` and
     ``output`` must have the forward's output shape."""
-    given = _given(_SEGMENT_BACKWARD_ARGS, args, kwargs)
+    given = given_args(_SEGMENT_BACKWARD_ARGS, args, kwargs)
     grad, output, data = given.get("grad"), given.get("output"), given.get("data")
     lengths, offsets, axis = given.get("lengths"), given.get("offsets"), given.get("axis", 0)
     if not all(isinstance(t, torch.Tensor) for t in (grad, output, data)) or not isinstance(axis, int):
@@ -176,14 +178,14 @@ def check_finite_eigvals(label: str, args: list[Any], kwargs: dict[str, Any]) ->
                      "torch.linalg.eig refuses such input too")
 
 
-_PDIST_BACKWARD_ARGS = _schema_args("_pdist_backward")
-_CDIST_BACKWARD_ARGS = _schema_args("_cdist_backward")
+_PDIST_BACKWARD_ARGS = schema_args("_pdist_backward")
+_CDIST_BACKWARD_ARGS = schema_args("_cdist_backward")
 
 
 def check_pdist_backward(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
     """``_pdist_backward(grad, self, p, pdist)``: the kernel reads ``grad`` and ``pdist`` at every pair of
     ``self``'s rows (a 1-element grad for 100 rows read past it): both must have n(n-1)/2 elements."""
-    given = _given(_PDIST_BACKWARD_ARGS, args, kwargs)
+    given = given_args(_PDIST_BACKWARD_ARGS, args, kwargs)
     x, grad, pdist = given.get("self"), given.get("grad"), given.get("pdist")
     if not all(isinstance(t, torch.Tensor) for t in (x, grad, pdist)):
         return
@@ -199,7 +201,7 @@ def check_pdist_backward(label: str, args: list[Any], kwargs: dict[str, Any]) ->
 def check_cdist_backward(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
     """``_cdist_backward(grad, x1, x2, p, cdist)``: the kernel reads ``grad`` and ``cdist`` by the shapes of
     x1 and x2: x1 (..., r1, m) and x2 (..., r2, m) with batch dims that broadcast, grad and cdist (batch, r1, r2)."""
-    given = _given(_CDIST_BACKWARD_ARGS, args, kwargs)
+    given = given_args(_CDIST_BACKWARD_ARGS, args, kwargs)
     x1, x2, grad, cdist = given.get("x1"), given.get("x2"), given.get("grad"), given.get("cdist")
     if not all(isinstance(t, torch.Tensor) for t in (x1, x2, grad, cdist)):
         return
@@ -221,7 +223,7 @@ def check_cdist_backward(label: str, args: list[Any], kwargs: dict[str, Any]) ->
 def check_unfold_backward(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
     """``unfold_backward(grad_in, input_sizes, dim, size, step)``: the kernel reads ``grad_in`` by the windows
     ``input_sizes.unfold(dim, size, step)`` makes; ``grad_in`` must have exactly that shape."""
-    given = _given(("grad_in", "input_sizes", "dim", "size", "step"), args, kwargs)
+    given = given_args(("grad_in", "input_sizes", "dim", "size", "step"), args, kwargs)
     grad, sizes = given.get("grad_in"), given.get("input_sizes")
     dim, size, step = given.get("dim"), given.get("size"), given.get("step")
     if not isinstance(grad, torch.Tensor) or not isinstance(sizes, (list, tuple)) \
@@ -239,7 +241,7 @@ def check_unfold_backward(label: str, args: list[Any], kwargs: dict[str, Any]) -
 def check_bincount(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
     """``bincount(self, weights, minlength)``: its output has max(self) + 1 or ``minlength`` bins, allocated
     by the data (2**40 asked the allocator for 8 TiB): at most :data:`MAX_BINCOUNT_BINS`."""
-    given = _given(("self", "weights", "minlength"), args, kwargs)
+    given = given_args(("self", "weights", "minlength"), args, kwargs)
     x, minlength = given.get("self"), given.get("minlength", 0)
     if isinstance(minlength, int) and minlength > MAX_BINCOUNT_BINS:
         raise refuse(label, f"minlength {minlength} is more than {MAX_BINCOUNT_BINS} bins")

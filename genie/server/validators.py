@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from genie.server import index_checks
+from genie.server.index_checks import given_args, schema_args
 from genie.server.index_checks import refuse as _fail
 
 Check = Callable[[str, list[Any], dict[str, Any]], None]
@@ -111,7 +112,7 @@ def _check_bags_from_offsets(label: str, grad: torch.Tensor, indices: torch.Tens
 
 #: The embedding ops :func:`check_embedding` covers, with their argument names (from their schemas).
 _EMBEDDING_ARGS: dict[str, tuple[str, ...]] = {
-    f"aten::{name}": tuple(a.name for a in getattr(torch.ops.aten, name).default._schema.arguments)
+    f"aten::{name}": schema_args(name)
     for name in ("embedding_bag", "_embedding_bag", "_embedding_bag_forward_only", "_embedding_bag_backward",
                  "_embedding_bag_per_sample_weights_backward", "embedding_dense_backward")
 }
@@ -129,7 +130,7 @@ def check_embedding(label: str, args: list[Any], kwargs: dict[str, Any]) -> None
     names = _EMBEDDING_ARGS.get(label.split(".", 1)[0])
     if names is None:
         return
-    given = dict(zip(names, args, strict=False)) | kwargs
+    given = given_args(names, args, kwargs)
     for name in (*_INDEX_ARGS, "per_sample_weights"):
         t = given.get(name)
         if not isinstance(t, torch.Tensor):
@@ -219,7 +220,7 @@ def check_combinations(label: str, args: list[Any], kwargs: dict[str, Any]) -> N
     decomposition) makes r tensors and an n**r mask before it selects anything, so r = 2**31 built a list
     of 2**31 tensors in the pre-flight (found by tests/security/fuzz_ops.py). Refused when n**r passes
     :data:`MAX_COMBINATION_GRID` (a pre-check: it runs before the meta run and reads no data)."""
-    given = dict(zip(("self", "r", "with_replacement"), args, strict=False)) | kwargs
+    given = given_args(("self", "r", "with_replacement"), args, kwargs)
     x, r = given.get("self"), given.get("r", 2)
     if not isinstance(x, torch.Tensor) or not isinstance(r, int) or r <= 0:
         return  # the kernel's own checks answer (r < 0 is its error; r == 0 is empty)
@@ -236,7 +237,7 @@ def check_median_dim(label: str, args: list[Any], kwargs: dict[str, Any]) -> Non
     its elements were distinct, so an expanded input (stride 0 along that dim) read past its storage: garbage
     values from the worker's heap for 100 elements over 12, a SIGSEGV for 2**26 (found by the fuzzer). Such an
     input is refused; ``.contiguous()`` first gives the right answer."""
-    given = dict(zip(("self", "dim", "keepdim"), args, strict=False)) | kwargs
+    given = given_args(("self", "dim", "keepdim"), args, kwargs)
     x, dim = given.get("self"), given.get("dim")
     if not isinstance(x, torch.Tensor) or not isinstance(dim, int) or not -x.dim() <= dim < max(x.dim(), 1):
         return  # the full reduction, or the kernel's own dim check answers
