@@ -13,7 +13,7 @@ setup(
     ext_modules=[
         CppExtension(
             "genie._C",
-            ["genie/csrc/device.cpp", "genie/csrc/fastpath.cpp", "genie/csrc/host_pool.cpp"],
+            ["genie/csrc/device.cpp", "genie/csrc/fastpath.cpp", "genie/csrc/host_pool.cpp", "genie/csrc/lane.cpp"],
             # The kernels only move metadata: -O1 compiles much faster than -O2 and runs the same.
             extra_compile_args=["-O1", "-g0"],
         ),

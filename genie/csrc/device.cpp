@@ -581,17 +581,6 @@ void resize_storage(const at::Tensor& t, int64_t nbytes) {
   storage.unsafeGetStorageImpl()->set_nbytes(static_cast<size_t>(nbytes));
 }
 
-py::list take_freed() {
-  std::vector<std::pair<int, uint64_t>> out;
-  {
-    auto& b = book();
-    std::lock_guard<std::mutex> g(b.mu);
-    out.swap(b.freed);
-  }
-  py::list l;
-  for (auto& [d, sid] : out) l.append(py::make_tuple(d, sid));
-  return l;
-}
 
 py::dict memory_stats(int device) {
   auto& b = book();
@@ -667,6 +656,29 @@ void pack_uint(std::string& out, uint64_t v) {
   } else {
     pack_tagged(out, 0xcf, v, 8);
   }
+}
+
+void pack_str(std::string& out, const std::string& s) {
+  size_t n = s.size();
+  if (n < 32) {
+    out.push_back(static_cast<char>(0xa0 | n));
+  } else if (n <= 0xff) {
+    pack_tagged(out, 0xd9, n, 1);
+  } else {
+    TORCH_CHECK(n <= 0xffff, "genie: string argument too long");
+    pack_tagged(out, 0xda, n, 2);
+  }
+  out.append(s);
+}
+
+uint64_t new_storage_id() { return next_id(); }
+
+std::vector<std::pair<int, uint64_t>> take_freed_all() {
+  std::vector<std::pair<int, uint64_t>> out;
+  auto& b = book();
+  std::lock_guard<std::mutex> g(b.mu);
+  out.swap(b.freed);
+  return out;
 }
 
 void pack_array_header(std::string& out, size_t n) {
@@ -750,7 +762,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     TORCH_CHECK(d >= 0 && d < 127, "genie: bad device index ", d);
     tl_device = static_cast<DeviceIndex>(d);
   });
-  m.def("take_freed", &take_freed, "Storages freed since the last call: [(device, storage_id), ...].");
   m.def("storage_id", &storage_id_of);
   m.def("describe", &describe);
   m.def("new_storage_id", [] { return next_id(); });

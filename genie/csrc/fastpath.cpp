@@ -39,17 +39,7 @@ namespace py = pybind11;
 using c10::IValue;
 
 // ---------------------------------------------------------------------------------------------
-// Connection queues: commands encoded here, waiting for Python to put them in a batch.
-struct Queue {
-  std::mutex mu;
-  std::vector<std::string> cmds;
-  size_t bytes = 0;
-  // How many more commands / bytes may wait here before the batch must go (Python sets it after
-  // each change of its own batch; 0 while the node is lost or unknown: every op goes to Python).
-  size_t room_cmds = 0;
-  size_t room_bytes = 0;
-};
-
+// Connection queues (queue.h): commands encoded here, waiting for the next batch.
 struct Route {
   std::shared_ptr<Queue> queue;
   int local = 0;  // the device's index on its node
@@ -73,6 +63,7 @@ struct OpFacts {
   bool taught = false;          // Python has taught one signature (so floats_by_type is known)
   py::object* overload = nullptr;  // the Python OpOverload (leaked: outlives interpreter teardown)
   enum Copy : uint8_t { not_copy, copy_into, copy_from } copy = not_copy;  // copy_(self, src) / _copy_from(src, dst)
+  bool item = false;  // _local_scalar_dense (.item()): a sync point the lane may answer
 };
 std::unordered_map<const void*, OpFacts*> g_facts;  // by &op.schema() (operators live for the process)
 
@@ -85,19 +76,6 @@ ArgKind kind_of(const c10::Argument& a) {
     case c10::TypeKind::MemoryFormatType: return ArgKind::memory_format;
     default: return ArgKind::plain;
   }
-}
-
-void pack_str(std::string& out, const std::string& s) {
-  size_t n = s.size();
-  if (n < 32) {
-    out.push_back(static_cast<char>(0xa0 | n));
-  } else if (n <= 0xff) {
-    pack_tagged(out, 0xd9, n, 1);
-  } else {
-    TORCH_CHECK(n <= 0xffff, "genie: string argument too long");
-    pack_tagged(out, 0xda, n, 2);
-  }
-  out.append(s);
 }
 
 OpFacts* facts_of(const c10::OperatorHandle& op) {
@@ -114,6 +92,7 @@ OpFacts* facts_of(const c10::OperatorHandle& op) {
   pack_str(f->name_packed, f->name);
   if (f->name == "aten::copy_") f->copy = OpFacts::copy_into;
   if (f->name == "aten::_copy_from") f->copy = OpFacts::copy_from;
+  f->item = f->name == "aten::_local_scalar_dense";
   const auto& args = schema.arguments();
   for (const auto& a : args) f->kinds.push_back(kind_of(a));
   f->kwarg_only_start = args.size();
@@ -397,7 +376,8 @@ thread_local Teaching* tl_teaching = nullptr;
 py::object* g_python_fallback = nullptr;  // genie.device.dispatch.fallback
 py::object* g_resolve = nullptr;          // genie.device.dispatch.overload_of
 std::atomic<uint64_t> g_hits{0}, g_misses{0};
-uint8_t g_cmd_op = 1;  // genie.wire.messages.CMD_OP, set with the routes
+uint8_t g_cmd_op = 1;    // genie.wire.messages.CMD_OP, set with the routes
+uint8_t g_cmd_call = 5;  // genie.wire.messages.CMD_CALL, likewise
 
 // ---------------------------------------------------------------------------------------------
 // The hit path: outputs, the command, the queue.
@@ -560,11 +540,48 @@ bool copy_natively(Encoder& enc, torch::jit::Stack* stack, size_t nargs, bool fr
   return true;
 }
 
+// `.item()` of a remote tensor answered by the lane (lane.cpp): the CALL Python's
+// genie.device.dispatch._local_scalar sends, sent with the queue's batch and its reply read without
+// Python's op path; Python's connection finishes the reply. False: Python's path (nothing was sent).
+bool item_natively(const OpFacts& f, const c10::FunctionSchema& schema, torch::jit::Stack* stack, size_t nargs) {
+  if (nargs != 1 || !stack->back().isTensor()) return false;
+  at::Tensor t = stack->back().toTensor();
+  if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1 || t.is_conj() || t.is_neg() ||
+      wire_dtype_code(t.scalar_type()) < 0)
+    return false;
+  std::shared_ptr<Queue> q;
+  int local = 0;
+  if (!route_of(t.get_device(), &q, &local) || !q->lane_on.load(std::memory_order_relaxed)) return false;
+  uint64_t req = q->next_request.fetch_add(1);
+  std::string cmd;
+  cmd.reserve(128);
+  cmd.push_back(static_cast<char>(0x97));  // [CMD_CALL, req, local, op, [t], {}, [out id]]
+  pack_uint(cmd, g_cmd_call);
+  pack_uint(cmd, req);
+  pack_uint(cmd, static_cast<uint64_t>(local));
+  cmd.append(f.name_packed);
+  pack_array_header(cmd, 1);
+  pack_tensor_ext(cmd, t);
+  cmd.push_back(static_cast<char>(0x80));
+  pack_array_header(cmd, 1);
+  pack_uint(cmd, new_storage_id());
+  IValue result;
+  auto type = schema.returns()[0].real_type();
+  if (!lane_request(q, t.get_device(), req, cmd, [&](py::handle r) { result = torch::jit::toIValue(r, type); })) return false;
+  torch::jit::drop(*stack, nargs);
+  torch::jit::push(*stack, std::move(result));
+  return true;
+}
+
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   OpFacts& f = *facts_of(op);
   const auto& schema = op.schema();
   size_t nargs = schema.arguments().size();
   thread_local Encoder enc;
+  if (f.item && item_natively(f, schema, stack, nargs)) {
+    g_hits.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   if (f.copy != OpFacts::not_copy && copy_natively(enc, stack, nargs, f.copy == OpFacts::copy_from)) {
     g_hits.fetch_add(1, std::memory_order_relaxed);
     return;
@@ -637,6 +654,31 @@ std::shared_ptr<Queue> queue_of(int64_t id) {
 
 }  // namespace
 
+bool route_of(int device, std::shared_ptr<Queue>* q, int* local) {
+  std::lock_guard<std::mutex> g(g_mu);
+  if (device < 0 || device >= static_cast<int>(g_routes.size()) || !g_routes[device].queue) return false;
+  *q = g_routes[device].queue;
+  *local = g_routes[device].local;
+  return true;
+}
+
+std::vector<uint64_t> take_frees(Queue& q) {
+  auto freed = take_freed_all();
+  if (!freed.empty()) {
+    std::lock_guard<std::mutex> g(g_mu);
+    for (const auto& [device, sid] : freed) {  // a device no session has (after shutdown): its storage is gone
+      if (device < 0 || device >= static_cast<int>(g_routes.size()) || !g_routes[device].queue) continue;
+      auto& target = *g_routes[device].queue;
+      std::lock_guard<std::mutex> gq(target.mu);
+      target.frees.push_back(sid);
+    }
+  }
+  std::vector<uint64_t> out;
+  std::lock_guard<std::mutex> g(q.mu);
+  out.swap(q.frees);
+  return out;
+}
+
 void init_fastpath(py::module_& m) {
   m.def("set_python_fallback", [](py::object fallback, py::object resolve) {
     if (g_python_fallback == nullptr) {  // leaked: outlive interpreter teardown order
@@ -687,26 +729,38 @@ void init_fastpath(py::module_& m) {
     for (size_t i = 0; i < cmds.size(); ++i) out[i] = py::bytes(cmds[i]);
     return out;
   }, "The commands queued natively since the last call, in order (None when there are none).");
-  m.def("queue_room", [](int64_t id, int64_t cmds, int64_t bytes) {
+  m.def("queue_room", [](int64_t id, int64_t cmds, int64_t bytes, bool clean) {
     auto q = queue_of(id);
     std::lock_guard<std::mutex> g(q->mu);
     q->room_cmds = static_cast<size_t>(std::max<int64_t>(cmds, 0));
     q->room_bytes = static_cast<size_t>(std::max<int64_t>(bytes, 0));
-  }, "How many commands and bytes may wait natively before the batch must be sent (0: none).");
+    q->clean = clean;
+  }, py::arg("id"), py::arg("cmds"), py::arg("bytes"), py::arg("clean") = false,
+     "How many commands and bytes may wait natively before the batch must be sent (0: none), and whether "
+     "Python holds nothing else for it (then the lane may send it: queue.h).");
+  m.def("queue_frees", [](int64_t id) {
+    auto q = queue_of(id);
+    return take_frees(*q);
+  }, "Storages of this session freed in this process since the last call (the process's others go to their "
+     "sessions' queues).");
+  m.def("queue_request_id", [](int64_t id) { return queue_of(id)->next_request.fetch_add(1); },
+        "The next request id of this session (shared with the lane).");
   m.def("queue_count", [](int64_t id) {
     auto q = queue_of(id);
     std::lock_guard<std::mutex> g(q->mu);
     return q->cmds.size();
   });
-  m.def("set_routes", [](const std::vector<std::pair<int64_t, int>>& routes, int cmd_op) {
+  m.def("set_routes", [](const std::vector<std::pair<int64_t, int>>& routes, int cmd_op, int cmd_call) {
     std::lock_guard<std::mutex> g(g_mu);
     g_cmd_op = static_cast<uint8_t>(cmd_op);
+    g_cmd_call = static_cast<uint8_t>(cmd_call);
     g_routes.clear();
     for (const auto& [qid, local] : routes) {
       auto it = g_queues.find(qid);
       g_routes.push_back(Route{it == g_queues.end() ? nullptr : it->second, local});
     }
-  }, "Per global device index: (its connection's queue, its index on its node); and the wire's CMD_OP.");
+  }, "Per global device index: (its connection's queue, its index on its node); and the wire's CMD_OP and CMD_CALL.");
+  init_lane(m, &queue_of);
 }
 
 }  // namespace genie

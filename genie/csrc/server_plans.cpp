@@ -22,6 +22,8 @@
 
 #include <torch/extension.h>
 
+#include "frame_io.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/ScalarOps.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -303,6 +305,76 @@ class Runner {
   }
   void clear() { plans_.clear(); }
   size_t size() const { return plans_.size(); }
+
+  // The wire's numbers serve() frames with (genie.wire.frame, genie.transport.record).
+  void set_wire(int version, int batch, int reply, int inline_record, uint64_t max_body) {
+    wire_.version = static_cast<uint8_t>(version);
+    wire_.batch = static_cast<uint8_t>(batch);
+    wire_.reply = static_cast<uint8_t>(reply);
+    wire_.inline_record = static_cast<uint8_t>(inline_record);
+    wire_.max_body = max_body;
+  }
+
+  // Wait for the session's next frame on socket `fd` (frames inside INLINE records when `records`; the GIL
+  // released meanwhile) and run it here when it is a BATCH of commands only, at most `max_commands`, that
+  // run() finishes (a CALL answered with a number: its REPLY sent here). Returns ("done", commands, ran);
+  // else what Python takes on: ("batch", cmds, (index, ran, outcome)) where run() stopped, ("frame", head,
+  // body or None, leftover) a frame read whole (Python's path checks and runs it; leftover: stream bytes
+  // past it), ("resume", partial, kind, length) a record only the channel reads, ("io", why, text) the
+  // socket ended (why: "closed", "timeout", "failed"). Other arguments as run()'s.
+  py::tuple serve(int fd, bool records, py::object store, int64_t max_op_elements, py::object metrics,
+                  int64_t pool_min, bool quiet, size_t max_commands) {
+    using genie_io::Io;
+    using genie_io::kHeader;
+    genie_io::Frame frame;
+    int err = 0;
+    Io io;
+    {
+      py::gil_scoped_release nogil;
+      io = genie_io::read_frame(fd, records, wire_, &frame, &err, {});
+    }
+    if (io != Io::ok) {
+      const char* why = io == Io::closed ? "closed" : io == Io::timeout ? "timeout" : "failed";
+      return py::make_tuple("io", why, genie_io::io_text(io, err, "receiving"));
+    }
+    if (frame.resume) return py::make_tuple("resume", py::bytes(frame.frame), frame.record_kind, frame.record_len);
+    const std::string& f = frame.frame;
+    size_t body_len = f.size() >= kHeader ? genie_io::le(f.data() + 4, 4) : 0;
+    bool whole = f.size() == kHeader + body_len;  // else the header failed read_frame's checks: Python names why
+    std::vector<std::pair<size_t, size_t>> spans;
+    if (!whole || static_cast<uint8_t>(f[3]) != wire_.batch || genie_io::le(f.data() + 8, 8) != 0 ||
+        !frame.leftover.empty() || !genie_io::batch_commands(f.data() + kHeader, body_len, &spans) ||
+        spans.size() > max_commands) {
+      py::object body = whole ? py::object(py::bytes(f.data() + kHeader, body_len)) : py::object(py::none());
+      return py::make_tuple("frame", py::bytes(f.data(), std::min(f.size(), kHeader)), body, py::bytes(frame.leftover));
+    }
+    c10::AutoGradMode no_grad(false);  // what Executor.run_batch sets per batch
+    py::list cmds(spans.size());
+    for (size_t i = 0; i < spans.size(); ++i) {
+      cmds[i] = py::bytes(f.data() + kHeader + spans[i].first, spans[i].second);
+    }
+    Py_ssize_t n = static_cast<Py_ssize_t>(spans.size());
+    Py_ssize_t index = 0;
+    size_t ran = 0;
+    while (index < n) {
+      py::tuple r = run(cmds, index, store, max_op_elements, metrics, pool_min, quiet);
+      index = r[0].cast<Py_ssize_t>();
+      ran += r[1].cast<size_t>();
+      py::object outcome = r[2];
+      if (outcome.is_none() && index >= n) break;
+      if (outcome.is_none() || py::str(outcome[py::int_(0)]).cast<std::string>() != "reply") {
+        return py::make_tuple("batch", cmds, py::make_tuple(index, ran, outcome));
+      }
+      std::string reply;
+      std::string body = outcome[py::int_(3)].cast<std::string>();
+      genie_io::frame_prefix(reply, wire_, wire_.reply, body.size(), records);
+      reply.append(body);
+      io = genie_io::send_all(fd, reply.data(), reply.size(), &err);
+      if (io != Io::ok) return py::make_tuple("io", "failed", genie_io::io_text(io, err, "sending"));
+      ++index;
+    }
+    return py::make_tuple("done", n, ran);
+  }
 
   // Where the op clock of a session worker lives (genie.server.isolation.clock.OpClock.address); 0: none.
   void set_clock(uintptr_t address) { clock_ = reinterpret_cast<char*>(address); }
@@ -829,6 +901,7 @@ class Runner {
   std::unordered_map<std::string, std::shared_ptr<NativePlan>> plans_;
   size_t max_keyed_;
   Py_ssize_t max_freed_;
+  genie_io::Wire wire_;
   char* clock_ = nullptr;
   // Per run(): the store's maps (borrowed: the store keeps them for the session's life) and quotas.
   PyObject* storages_ = nullptr;
@@ -857,7 +930,9 @@ PYBIND11_MODULE(_C_plans, m) {
       .def("clear", &genie_plans::Runner::clear)
       .def("__len__", &genie_plans::Runner::size)
       .def("set_clock", &genie_plans::Runner::set_clock)
-      .def("run", &genie_plans::Runner::run);
+      .def("run", &genie_plans::Runner::run)
+      .def("set_wire", &genie_plans::Runner::set_wire)
+      .def("serve", &genie_plans::Runner::serve);
   m.def("use_serial", &genie_plans::set_threads, py::arg("serial"),
         "One intra-op thread on this thread (True) or its own count (False); a change only calls torch.");
   m.attr("SERIAL_BELOW") = genie_plans::kSerialBelow;

@@ -8,16 +8,15 @@
 #include <cstdint>
 #include <string>
 
+#include "queue.h"
+
 namespace genie {
 
 // The wire code of a dtype (genie.wire.values.DTYPE_NAMES), -1 where it cannot cross the wire.
 int wire_dtype_code(c10::ScalarType s);
 // The wire code of a remote tensor's dtype; raises for other devices, math bits, unknown dtypes.
 int wire_dtype(const at::Tensor& t);
-// msgpack, as Python's msgpack packs the same values.
-void pack_tagged(std::string& out, uint8_t tag, uint64_t x, int bytes);  // a type byte, then x big-endian
-void pack_uint(std::string& out, uint64_t v);
-void pack_array_header(std::string& out, size_t n);
+// msgpack (the plain values: queue.h).
 void pack_int_array(std::string& out, c10::IntArrayRef v);
 // The EXT_TENSOR payload of a remote tensor: [storage_id, dtype, sizes, strides, offset, storage_nbytes].
 void pack_tensor_payload(std::string& out, const at::Tensor& t);

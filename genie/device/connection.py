@@ -14,9 +14,7 @@ user's thread, autograd's device thread and the flusher.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +37,7 @@ from genie.errors import (
     TransportError,
 )
 from genie.transport.base import Channel
+from genie.transport.record import INLINE
 from genie.wire import frame as wf
 from genie.wire import messages as wm
 from genie.wire.buffers import prefault, tensor_bytes
@@ -58,11 +57,6 @@ MIN_BATCH_CMDS = 16
 #: Uploads this large send the frees waiting before them first (genie.server.transfers.POOL_MIN_BYTES).
 POOLED_UPLOAD_BYTES = 1 << 20
 
-#: Moves storages freed by genie._C (any thread) to their connections' free lists; set by
-#: genie.device.registration. Called at each flush, so frees go out with the next batch.
-free_router: Callable[[], None] | None = None
-
-
 class NodeConnection:
     """One client's data-plane session with one node."""
 
@@ -73,8 +67,11 @@ class NodeConnection:
         self.op_timeout = op_timeout
         self.devices: list[dict[str, Any]] = []
         self.limits: dict[str, Any] = {}
-        self.lock = threading.RLock()
-        self._requests = itertools.count(1)
+        #: genie._C's queue for this session: ops it encodes itself (genie/csrc/fastpath.cpp); room set by _room()
+        self.qid: int = _C.queue_new()
+        #: every send and receive of the session holds it; shared with genie._C's lane (genie/csrc/lane.cpp)
+        self.lock = _C.SessionLock(self.qid)
+        self._lane = False  # whether genie._C answers .item() on this session's channel itself
         self._cmds: list[bytes] = []
         self._cmd_bytes = 0
         self._uploads: list[list[Any]] = []
@@ -102,8 +99,6 @@ class NodeConnection:
         self._cached: list[list[Any]] = []
         self._early_deferred: list[Any] = []  # errors a CMD_HAVE reply carried, raised at the next sync point
         self._head = memoryview(bytearray(wf.HEADER.size))  # each reply's frame header (under the lock)
-        #: genie._C's queue for this session: ops it encodes itself (genie/csrc/fastpath.cpp); room set by _room()
-        self.qid: int = _C.queue_new()
 
     # -- handshake ---------------------------------------------------------------------------
     def handshake(self, hello: dict[str, Any], timeout: float, *, token: bytes = b"") -> dict[str, Any]:
@@ -121,7 +116,19 @@ class NodeConnection:
             self.node_id = str(reply.get("node_id", self.node_id))
             self.content = ClientCache.from_welcome(reply.get("cache"), self.upload_cache)
             self.channel.settimeout(self.op_timeout)
+            self._start_lane()
             return reply
+
+    def _start_lane(self) -> None:
+        """Let genie._C answer ``.item()`` over this channel's stream itself, where the channel offers it
+        (``native_stream``: plain TCP and shared memory; TLS and the RDMA and DPDK paths do not)."""
+        native_stream = getattr(self.channel, "native_stream", None)
+        stream = native_stream() if native_stream is not None else None
+        if stream is not None:
+            fd, records = stream
+            _C.set_lane_wire(wf.PROTOCOL_VERSION, int(wf.MsgKind.BATCH), wm.CMD_FREE, INLINE, wf.MAX_BODY_BYTES)
+            _C.queue_lane(self.qid, fd, records, self)
+            self._lane = True
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -215,16 +222,18 @@ class NodeConnection:
                     self._flush_locked()
                 if content.add(candidate):
                     self._flush_locked()
+                else:
+                    self._room()  # the held-back upload goes with the next batch: never without it
             return
         with self.lock:
             self.check_alive()
             self._pull()
             if overwrite and (self._cmds or content is not None and content.holds(storage_id)):
                 self._flush_locked()
-            elif view.nbytes >= POOLED_UPLOAD_BYTES and free_router is not None:
+            elif view.nbytes >= POOLED_UPLOAD_BYTES:
                 # Frees run after their batch's uploads: send them first, so the node can receive this
                 # upload into the memory of a storage just freed (its staging pool: no page faults).
-                free_router()
+                self.frees.extend(_C.queue_frees(self.qid))
                 if self.frees:
                     self._flush_locked()
             self._uploads.append([storage_id, device, view.nbytes])
@@ -261,9 +270,17 @@ class NodeConnection:
             STATS.op_queued(len(native))  # stats
 
     def _room(self) -> None:
-        """Tell genie._C how many commands may still join the batch natively before it must be sent."""
+        """Tell genie._C how many commands may still join the batch natively before it must be sent, and
+        whether its lane may send the batch (nothing of Python's waits for it, the channel is at rest)."""
         if self._lost is None:
-            _C.queue_room(self.qid, self.flush_at - len(self._cmds) - 1, MAX_BATCH_BYTES - self._cmd_bytes)
+            _C.queue_room(self.qid, self.flush_at - len(self._cmds) - 1, MAX_BATCH_BYTES - self._cmd_bytes,
+                          self._lane and self._clean())
+
+    def _clean(self) -> bool:
+        content = self.content
+        return not (self._cmds or self._uploads or self.frees or self._cached or self._early_deferred
+                    or self._request_cmd is not None or content is not None and content.pending) \
+            and self._lane_channel().at_rest()
 
     # -- sending -------------------------------------------------------------------------------
     def flush(self) -> None:
@@ -312,8 +329,7 @@ class NodeConnection:
         # Frees first, then the native queue: an op that used a storage freed by now was queued before the
         # storage was freed, so it is among the commands taken after (other threads queue natively without
         # this lock: taken the other way round, a FREE could overtake their op into this batch).
-        if free_router is not None:
-            free_router()
+        self.frees.extend(_C.queue_frees(self.qid))
         self._pull()
         if self.frees:
             # After the queued commands: a storage is freed only once no queued op can still use it...
@@ -351,13 +367,14 @@ class NodeConnection:
                  payload_into: Callable[[Any], torch.Tensor | None] | None = None, device: str = "") -> Any:
         """Send the batch with ``command`` last (its second element becomes the request id) and read the reply.
 
-        This is every sync point's path: kept to the few steps a round trip needs, since its cost is
-        paid once per ``.item()`` (docs/benchmarks.md, where the tiny round trip goes).
+        This is every sync point's path but ``.item()``'s, which genie._C's lane takes while it can (see
+        _start_lane); kept to the few steps a round trip needs (docs/benchmarks.md, where the tiny round
+        trip goes).
         """
         with self.lock:
             if self._lost is not None:
                 raise self._device_lost(device)
-            req = command[1] = next(self._requests)
+            req = command[1] = _C.queue_request_id(self.qid)
             started = time.perf_counter()  # stats
             self._request_cmd = msgpack.packb(command, use_bin_type=True, default=default)
             try:
@@ -366,34 +383,97 @@ class NodeConnection:
                 self._request_cmd = None
             try:
                 kind, body, payload_len = wf.recv_frame(self.channel, self._head)
-                if kind != wf.MsgKind.REPLY:
-                    self._refused(kind, body, device)
-                reply = wf.unpack_body(body)
-                if type(reply) is not list or len(reply) != 4 or reply[0] != req:
-                    raise ProtocolError(f"node {self.node_id} sent a reply out of step: {str(reply)[:200]}")
-                _, error, result, deferred = reply
-                out = None
-                if payload_len:
-                    out = self._download(payload_len, payload_into, result, error)
             except (ConnectionClosedError, TimeoutError, OSError, FrameError) as exc:
                 self.mark_lost(f"no answer: {exc}")
                 raise self._device_lost(device) from exc
-            stats = self.stats
-            stats["round_trips"] += 1
-            # Everything sent has run: the server is idle again. Start small (or full, where that measured faster).
-            small = self.flush_policy.interval_done(stats["ops"], time.perf_counter()) == "small"
-            self.flush_at = MIN_BATCH_CMDS if small else MAX_BATCH_CMDS
-            self._room()
-            STATS.round_trip(command, started, payload_len)  # stats
-            if self._early_deferred:
-                deferred, self._early_deferred = [*self._early_deferred, *deferred], []
+            return self._finish(req, command, started, kind, body, payload_len, payload_into, device)
+
+    def _finish(self, req: int, command: list[Any], started: float, kind: wf.MsgKind, body: bytes | bytearray,
+                payload_len: int, payload_into: Callable[[Any], torch.Tensor | None] | None, device: str) -> Any:
+        """The reply to request ``req`` came (its header read, ``body`` its body; under the lock): its
+        payload into ``payload_into``'s tensor, the statistics, the next batch's bound, the node's errors
+        raised; returns the result (or the tensor the payload went to)."""
+        try:
+            if kind != wf.MsgKind.REPLY:
+                self._refused(kind, body, device)
+            reply = wf.unpack_body(body)
+            if type(reply) is not list or len(reply) != 4 or reply[0] != req:
+                raise ProtocolError(f"node {self.node_id} sent a reply out of step: {str(reply)[:200]}")
+            _, error, result, deferred = reply
+            out = None
+            if payload_len:
+                out = self._download(payload_len, payload_into, result, error)
+        except (ConnectionClosedError, TimeoutError, OSError, FrameError) as exc:
+            self.mark_lost(f"no answer: {exc}")
+            raise self._device_lost(device) from exc
+        stats = self.stats
+        stats["round_trips"] += 1
+        # Everything sent has run: the server is idle again. Start small (or full, where that measured faster).
+        small = self.flush_policy.interval_done(stats["ops"], time.perf_counter()) == "small"
+        self.flush_at = MIN_BATCH_CMDS if small else MAX_BATCH_CMDS
+        STATS.round_trip(command, started, payload_len)  # stats
+        if self._early_deferred:
+            deferred, self._early_deferred = [*self._early_deferred, *deferred], []
+        self._room()
         if deferred:
             raise _execution_error(deferred[0], more=len(deferred) - 1)
         if error is not None:
             raise _execution_error(error)
         return out if payload_into is not None else result
 
-    def _refused(self, kind: wf.MsgKind, body: bytearray, device: str) -> None:
+    # -- the lane's replies (genie/csrc/lane.cpp calls these with the session lock held) -----------------
+    def _lane_channel(self) -> Any:
+        """The channel, with the lane's optional methods (genie.transport.base.Channel)."""
+        return self.channel
+
+    def _lane_sent(self, taken: int) -> None:
+        """What a flush records, for the batch the lane sent with ``taken`` commands genie._C had queued."""
+        self.stats["ops"] += taken
+        STATS.op_queued(taken)  # stats
+        self.stats["batches"] += 1
+        STATS.batch_sent()  # stats
+        self.last_send = time.monotonic()
+
+    def _lane_reply(self, req: int, started: float, taken: int, device: int, head: bytes, body: bytes | None,
+                    leftover: bytes) -> Any:
+        """The lane sent ``.item()``'s request ``req`` and read the reply frame (``head`` and ``body``;
+        ``leftover``: stream bytes past it, which the channel gives first)."""
+        with self.lock:
+            self._lane_sent(taken)
+            if leftover:
+                self._lane_channel().unread(leftover)
+            label = device_label(device)
+            try:
+                kind, _, payload_len = wf.check_header(head)
+            except FrameError as exc:
+                self.mark_lost(f"no answer: {exc}")
+                raise self._device_lost(label) from exc
+            assert body is not None  # the lane reads the body of every header that passes the checks
+            return self._finish(req, _lane_command(req), started, kind, body, payload_len, None, label)
+
+    def _lane_resume(self, req: int, started: float, taken: int, device: int, partial: bytes, record_kind: int,
+                     record_len: int) -> Any:
+        """The lane sent request ``req``; the reply goes on in a record only the channel reads: ``partial``
+        is the frame so far, then the record (``record_kind``, ``record_len``) whose header the lane read."""
+        with self.lock:
+            self._lane_sent(taken)
+            label = device_label(device)
+            try:
+                self._lane_channel().resume_record(partial, record_kind, record_len)
+                kind, body, payload_len = wf.recv_frame(self.channel, self._head)
+            except (ConnectionClosedError, TimeoutError, OSError, FrameError) as exc:
+                self.mark_lost(f"no answer: {exc}")
+                raise self._device_lost(label) from exc
+            return self._finish(req, _lane_command(req), started, kind, body, payload_len, None, label)
+
+    def _lane_failed(self, req: int, started: float, taken: int, device: int, reason: str) -> None:
+        """The lane's send or receive of request ``req`` failed: the node is lost."""
+        with self.lock:
+            self._lane_sent(taken)
+            self.mark_lost(f"no answer: {reason}")
+            raise self._device_lost(device_label(device))
+
+    def _refused(self, kind: wf.MsgKind, body: bytes | bytearray, device: str) -> None:
         """A frame other than the reply: the node ended the session (an ERROR frame says why)."""
         text = wf.unpack_body(body) if body else {}
         reason = text.get("reason", text) if isinstance(text, dict) else text
@@ -420,7 +500,7 @@ class NodeConnection:
         """One CMD_HAVE round trip for the uploads held back: hits go out as ``cached``, misses with their bytes."""
         assert self.content is not None
         candidates = self.content.take()
-        req = next(self._requests)
+        req = _C.queue_request_id(self.qid)
         started, command = time.perf_counter(), [wm.CMD_HAVE, req, self.content.question(candidates)]  # stats
         body = msgpack.packb({"uploads": [], "cmds": [msgpack.packb(command, use_bin_type=True)]}, use_bin_type=True)
         try:
@@ -474,8 +554,21 @@ class NodeConnection:
                 except GenieError:
                     pass
             self._lost = self._lost or "closed by this client"
+            if self._lane:
+                _C.queue_lane(self.qid, -1, False, None)
+                self._lane = False
             _C.queue_drop(self.qid)
             self.channel.close()
+
+
+def _lane_command(req: int) -> list[Any]:
+    """What the statistics name a lane's request by (genie.device.stats.command_reason)."""
+    return [wm.CMD_CALL, req, 0, "aten::_local_scalar_dense"]
+
+
+def device_label(device: int) -> str:
+    """The name of global device ``device`` in errors (genie.device.registry.RemoteDevice.label)."""
+    return f"remote_accelerator:{device}"
 
 
 def _execution_error(info: Any, more: int = 0) -> GenieError:

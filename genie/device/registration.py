@@ -19,9 +19,8 @@ import torch
 
 from genie import _C
 from genie.compile import inductor as _inductor
-from genie.device import connection as dconn
 from genie.device import copies as _copies  # noqa: F401 - fills dispatch.SPECIAL
-from genie.device import dispatch, module, registry
+from genie.device import dispatch, module
 from genie.errors import DeviceError
 from genie.wire.values import DTYPES
 
@@ -31,19 +30,6 @@ _lock = threading.Lock()
 _done = False
 _primed = False
 _libraries: list[Any] = []
-
-
-def _route_frees() -> None:
-    """Hand storages freed anywhere in the process to the connection of their device."""
-    freed = _C.take_freed()
-    if not freed:
-        return
-    tbl = registry._table
-    if tbl is None:
-        return  # after shutdown: the sessions and their storages are gone
-    for index, sid in freed:
-        if 0 <= index < len(tbl.devices):
-            tbl.devices[index].connection.frees.append(sid)
 
 
 #: Ops whose composite kernels pick a backend-specific path PrivateUse1 lacks
@@ -124,7 +110,6 @@ def ensure_registered() -> None:
             aten.impl(op_name, _whole(getattr(torch.ops.aten, op_name).default), "PrivateUse1")
         _libraries.append(aten)
         _C.set_sync_hook(module._sync_hook)
-        dconn.free_router = _route_frees
         _inductor.install()  # torch.compile's default backend hands remote graphs to backend="genie"
         _done = True
     if not _cuda_driver_here():

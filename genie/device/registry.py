@@ -17,7 +17,7 @@ from collections.abc import Callable
 import attrs
 
 from genie import _C
-from genie.device.connection import NodeConnection
+from genie.device.connection import NodeConnection, device_label
 from genie.errors import DeviceError, NotInitializedError
 from genie.wire import messages as wm
 
@@ -35,7 +35,7 @@ class RemoteDevice:
 
     @property
     def label(self) -> str:
-        return f"remote_accelerator:{self.index}"
+        return device_label(self.index)
 
 
 class DeviceTable:
@@ -94,7 +94,7 @@ def on_devices_added(listener: Callable[[list[RemoteDevice]], None]) -> Callable
 def _route(table: DeviceTable | None) -> None:
     """Tell genie._C's op path which session queue and node index each device has (none: no table)."""
     routes = [(d.connection.qid, d.local_index) for d in table.devices] if table is not None else []
-    _C.set_routes(routes, wm.CMD_OP)
+    _C.set_routes(routes, wm.CMD_OP, wm.CMD_CALL)
 
 
 def set_table(table: DeviceTable | None) -> None:

@@ -204,6 +204,30 @@ class Executor:
                 f"session in-flight limit exceeded: a batch of {inflight} commands and uploads, limit "
                 f"{self.max_inflight} (max_session_inflight); send smaller batches")
         transfers.receive(self, header, msg)
+        self._run_commands(cmds)
+
+    def serve_native(self, fd: int, records: bool) -> tuple[Any, ...] | None:
+        """Wait for the session's next frame on socket ``fd`` (the channel's native stream, at rest) and run
+        it natively where the runner can (genie._C_plans.Runner.serve): None once the frame was handled;
+        else ("frame", ...), ("resume", ...) or ("io", ...), which the session takes on."""
+        assert self.native is not None
+        pool = self.transfers.pool
+        metrics = self.metrics if self.metrics is not NULL_SESSION_METRICS else None
+        got = self.native.serve(fd, records, self.store, self.max_op_elements, metrics,
+                                0 if pool.skip else pool.min_bytes, not self.deferred and not self.dropped,
+                                min(MAX_COMMANDS, self.max_inflight))
+        if got[0] == "done":
+            self._natively_ran(got[1], got[2], None)
+            self.metrics.queue_depth = 0  # metrics
+            return None
+        if got[0] == "batch":  # the runner stopped inside the batch: Python goes on from there
+            torch._C._set_grad_enabled(False)
+            self._run_commands(got[1], got[2])
+            return None
+        return got
+
+    def _run_commands(self, cmds: list[Any], ran: tuple[int, int, Any] | None = None) -> None:
+        """Run a batch's commands in order (``ran``: what the native runner already did from the first)."""
         self.metrics.queue_depth = len(cmds)  # metrics
         keyer, known, run_plan, native = plans.command_key, self.plans, plans.run, self.native
         metrics = self.metrics if self.metrics is not NULL_SESSION_METRICS else None
@@ -211,7 +235,8 @@ class Executor:
         while index < count:
             keyed = None
             if native is not None:
-                index, keyed, finished = self._run_natively(cmds, index, metrics)
+                index, keyed, finished = self._run_natively(cmds, index, metrics, ran)
+                ran = None
                 self.metrics.queue_depth = count - index  # metrics
                 if finished:  # it finished a command the runner handed back: the runner goes on after it
                     continue
@@ -235,24 +260,20 @@ class Executor:
             self._run_command(codec.decode(cmd), keyed)
             self.metrics.queue_depth = count - index  # metrics
 
-    def _run_natively(self, cmds: list[Any], index: int,
-                      metrics: SessionMetrics | None) -> tuple[int, plans.Keyed | None, bool]:
+    def _run_natively(self, cmds: list[Any], index: int, metrics: SessionMetrics | None,
+                      ran_before: tuple[int, int, Any] | None = None) -> tuple[int, plans.Keyed | None, bool]:
         """Run ``cmds[index:]`` by native plans (and FREEs) as far as the runner goes: (the index it stopped
         at, that command's key when the runner keyed it, whether a command the runner handed back was
         finished here, the index then past it). Freed storages the staging pool may take stay with Python,
-        which offers them to it."""
+        which offers them to it. ``ran_before``: the runner's result from ``index`` (serve_native ran it)."""
         assert self.native is not None
         pool = self.transfers.pool
         start = index
-        index, ran, outcome = self.native.run(cmds, index, self.store, self.max_op_elements, metrics,
-                                              0 if pool.skip else pool.min_bytes,
-                                              not self.deferred and not self.dropped)
-        if index > start:
-            self._used = {}  # what FREE does: no finished command's storages stay referenced
-        if ran:
-            self.plan_runs += ran
-            self.native_runs += ran
-            self.ops_run += ran - (outcome is not None and outcome[0] == "failed")
+        if ran_before is None:
+            ran_before = self.native.run(cmds, index, self.store, self.max_op_elements, metrics,
+                                         0 if pool.skip else pool.min_bytes, not self.deferred and not self.dropped)
+        index, ran, outcome = ran_before
+        self._natively_ran(index - start, ran, outcome)
         if outcome is None:
             return index, None, False
         kind = outcome[0]
@@ -263,6 +284,15 @@ class Executor:
         else:
             plans.finish_native(self, self.plans[outcome[1]], outcome)
         return index + 1, None, True
+
+    def _natively_ran(self, advanced: int, ran: int, outcome: Any) -> None:
+        """Count what the native runner did: ``advanced`` commands finished, ``ran`` ops run."""
+        if advanced:
+            self._used = {}  # what FREE does: no finished command's storages stay referenced
+        if ran:
+            self.plan_runs += ran
+            self.native_runs += ran
+            self.ops_run += ran - (outcome is not None and outcome[0] == "failed")
 
     # -- commands -----------------------------------------------------------------------------
 

@@ -610,7 +610,14 @@ def _adopt(plan: CommandPlan, result: Any, ids: tuple[int, ...], storages: dict[
 
 def new_runner() -> Any:
     """A session's native plan runner, or None where the extension was not built."""
-    return Runner(MAX_KEYED_BYTES, MAX_REMEMBERED_FREES) if Runner is not None else None
+    if Runner is None:
+        return None
+    from genie.transport.record import INLINE
+    from genie.wire.frame import MAX_BODY_BYTES, PROTOCOL_VERSION, MsgKind
+
+    runner = Runner(MAX_KEYED_BYTES, MAX_REMEMBERED_FREES)
+    runner.set_wire(PROTOCOL_VERSION, int(MsgKind.BATCH), int(MsgKind.REPLY), INLINE, MAX_BODY_BYTES)
+    return runner
 
 
 def native_plan(plan: CommandPlan) -> Any:

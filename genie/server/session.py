@@ -28,10 +28,11 @@ its :class:`~genie.server.executor.Executor`. Its life:
 from __future__ import annotations
 
 import logging
+import os
 import ssl
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -55,6 +56,7 @@ from genie.wire.frame import (
     PROTOCOL_VERSION,
     FrameHeader,
     MsgKind,
+    check_header,
     pack_body,
     recv_frame,
     recv_header_and_body,
@@ -216,18 +218,59 @@ class Session:
 
     def _serve(self) -> None:
         head, max_payload, run_batch = memoryview(bytearray(HEADER.size)), self._max_payload, self.executor.run_batch
-        while True:
-            kind, body, payload_len = recv_frame(self.channel, head, max_payload=max_payload)
-            if kind == MsgKind.BATCH:
-                run_batch(FrameHeader(kind, len(body), payload_len), body)
-            elif kind == MsgKind.ECHO:
-                self._echo(payload_len)
-            elif kind == MsgKind.GOODBYE:
-                log.debug("session %d (%s) said goodbye", self.session_id, self.peer)
-                self.closing = True
-                return
-            else:
-                raise FrameError(f"unexpected {kind.name} frame in a data-plane session")
+        stream: tuple[int, bool] | None = None  # a duplicate of the channel's socket, while the runner serves it
+        try:
+            while True:
+                if stream is None and self.executor.native is not None:
+                    stream = self._native_stream()
+                if stream is not None and self._channel_at_rest():
+                    got = self.executor.serve_native(*stream)
+                    if got is None:
+                        continue
+                    kind, body, payload_len = self._take_over(got, head, max_payload)
+                else:
+                    kind, body, payload_len = recv_frame(self.channel, head, max_payload=max_payload)
+                if kind == MsgKind.BATCH:
+                    run_batch(FrameHeader(kind, len(body), payload_len), body)
+                elif kind == MsgKind.ECHO:
+                    self._echo(payload_len)
+                elif kind == MsgKind.GOODBYE:
+                    log.debug("session %d (%s) said goodbye", self.session_id, self.peer)
+                    self.closing = True
+                    return
+                else:
+                    raise FrameError(f"unexpected {kind.name} frame in a data-plane session")
+        finally:
+            if stream is not None:
+                os.close(stream[0])
+
+    def _native_stream(self) -> tuple[int, bool] | None:
+        """A duplicate of the channel's socket for the native runner to read batches from (genie._C_plans:
+        a batch of commands it finishes never reaches Python), where the channel offers its stream (plain
+        TCP; shared memory once upgraded) and the handshake is done."""
+        native_stream = getattr(self.channel, "native_stream", None)
+        got = native_stream() if native_stream is not None and self.serving else None
+        return (os.dup(got[0]), got[1]) if got is not None else None
+
+    def _channel_at_rest(self) -> bool:
+        return bool(cast(Any, self.channel).at_rest())
+
+    def _take_over(self, got: tuple[Any, ...], head: memoryview, max_payload: int) -> tuple[MsgKind, Any, int]:
+        """A frame the native runner read but leaves to Python (Executor.serve_native): (kind, body, payload
+        length), the channel then where it would be after recv_frame."""
+        channel: Any = self.channel
+        if got[0] == "frame":
+            _, header, body, leftover = got
+            if leftover:
+                channel.unread(leftover)
+            kind, _, payload_len = check_header(header, max_payload=max_payload)
+            return kind, body, payload_len
+        if got[0] == "resume":
+            channel.resume_record(got[1], got[2], got[3])
+            return recv_frame(self.channel, head, max_payload=max_payload)
+        why, text = got[1], got[2]
+        cause = TimeoutError(text) if why == "timeout" else OSError(text)
+        raise ConnectionClosedError(f"connection to {self.peer}: {text}") from cause
 
     def _echo(self, nbytes: int) -> None:
         """Send an ECHO's payload back as it came: what a client measures a backend's path to this node with."""

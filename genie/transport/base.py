@@ -58,7 +58,14 @@ class ProbeTarget:
 
 @runtime_checkable
 class Channel(Protocol):
-    """A connected, reliable, ordered byte stream between two nodes."""
+    """A connected, reliable, ordered byte stream between two nodes.
+
+    Optional, for genie._C's lane (``.item()`` answered without Python's op path, genie/csrc/lane.cpp):
+    ``native_stream() -> (descriptor, records) | None``, a plain blocking socket whose byte stream is
+    this channel's while ``at_rest() -> bool`` says nothing of it is kept on this side (``records``:
+    frames travel inside INLINE records, genie.transport.record); a record channel also offers
+    ``unread(data)`` and ``resume_record(partial, kind, length)``, what the lane hands back.
+    """
 
     peer: str
 

@@ -143,6 +143,28 @@ class RecordChannel(ChannelLifecycle):
         with self._send_lock:
             self._send_control(UPGRADE_NO, reason.encode()[:MAX_REASON])
 
+    # -- genie._C's lane (see genie.transport.base.Channel.native_stream) ----------------------------
+    def native_stream(self) -> tuple[int, bool] | None:
+        """None: a backend whose small frames travel as INLINE records on a plain socket offers it."""
+        return None
+
+    def at_rest(self) -> bool:
+        """Whether the next stream byte begins a record on the socket (nothing kept on this side)."""
+        return not self._rec_left and not self._pending
+
+    def unread(self, data: bytes) -> None:
+        """Stream bytes the lane read past its frame: received first from now on."""
+        self._pending[:0] = data
+
+    def resume_record(self, partial: bytes, kind: int, length: int) -> None:
+        """The lane read ``partial`` (stream bytes), then the header of a record only this channel reads."""
+        self._pending[:0] = partial
+        self._enter_record(kind, length)
+
+    def _enter_record(self, kind: int, length: int) -> None:  # pragma: no cover - every lane backend defines it
+        """Go on inside a record whose header was read."""
+        raise self._unexpected(kind, length)
+
     def _take_pending(self, view: memoryview) -> int:
         """Copy bytes kept during the upgrade into ``view``; how many (0 when none)."""
         if not self._pending:

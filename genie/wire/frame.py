@@ -164,14 +164,21 @@ def recv_frame(channel: Channel, head: memoryview, *, max_payload: int = DEFAULT
     by the caller): :func:`recv_header_and_body` without an object per frame, for the sync-point path.
     The caller then receives the payload."""
     channel.recv_into(head)
+    kind, body_len, payload_len = check_header(head, max_payload=max_payload, max_body=max_body)
+    body = bytearray(body_len)
+    if body_len:
+        channel.recv_into(memoryview(body))
+    return kind, body, payload_len
+
+
+def check_header(head: bytes | bytearray | memoryview, *, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                 max_body: int = MAX_BODY_BYTES) -> tuple[MsgKind, int, int]:
+    """``(kind, body length, payload length)`` of a 16-byte header: :func:`decode_header` without an object."""
     magic, version, kind, body_len, payload_len = HEADER.unpack(head)
     if (magic != MAGIC or version != PROTOCOL_VERSION or kind not in _KINDS or body_len > max_body
             or body_len > MAX_BODY_BYTES or payload_len > max_payload):
         decode_header(head, max_payload=max_payload, max_body=max_body)  # raises the FrameError that names it
-    body = bytearray(body_len)
-    if body_len:
-        channel.recv_into(memoryview(body))
-    return _KINDS[kind], body, payload_len
+    return _KINDS[kind], body_len, payload_len
 
 
 def recv_payload(channel: Channel, payload_len: int, views: Sequence[memoryview]) -> None:

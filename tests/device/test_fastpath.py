@@ -154,8 +154,9 @@ def test_a_free_taken_at_a_flush_goes_after_every_op_queued_before_it(monkeypatc
     another may queue an op and drop its input. The flush takes the frees first, then the native queue:
     the op goes out before its input's FREE. (Taken the other way round, the full OpInfo sweep met
     'storage N was freed earlier in this session'.) The other thread's steps run here inside the flush,
-    where the race would put them."""
-    from genie.device import connection
+    where the race would put them. (genie._C's lane takes them in the same order: lane.cpp.)"""
+    from genie import _C
+    from genie.device import registry
 
     x = torch.ones(4, device=D0)
     for _ in range(3):  # teach mul and sum
@@ -163,21 +164,22 @@ def test_a_free_taken_at_a_flush_goes_after_every_op_queued_before_it(monkeypatc
     y = x * 2
     y.sum().item()  # y's storage now exists on the server
     late: list[torch.Tensor] = []
-    real = connection.free_router
-    assert real is not None
+    real = _C.queue_frees
 
-    def another_thread_then_route() -> None:
+    def another_thread_then_take(qid: int) -> list[int]:
         if not late:
             nonlocal y
             late.append(y.sum())  # queued natively, reads y's storage...
             del y  # ...which is freed now
-        real()
+        return real(qid)
 
-    monkeypatch.setattr(connection, "free_router", another_thread_then_route)
+    monkeypatch.setattr(_C, "queue_frees", another_thread_then_take)
     before = native_hits()
-    assert (x + 1).sum().item() == 8.0  # this sync point's flush
+    z = (x + 1).sum()
+    registry.table().devices[0].connection.sync()  # Python's flush, with the frees it takes
     assert native_hits() > before and late
-    monkeypatch.setattr(connection, "free_router", real)
+    monkeypatch.setattr(_C, "queue_frees", real)
+    assert z.item() == 8.0
     assert late[0].item() == 8.0
 
 

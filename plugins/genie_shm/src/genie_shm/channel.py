@@ -203,6 +203,17 @@ class ShmChannel(RecordChannel):
     def tls_version(self) -> str | None:
         return self.inner.tls_version
 
+    # -- genie._C's lane ----------------------------------------------------------------------
+    def native_stream(self) -> tuple[int, bool] | None:
+        """After the upgrade: the Unix socket small frames travel on, as INLINE records."""
+        if self._closed or not self.upgraded or not self._tx_unix or self._unix is None:
+            return None
+        return self._unix.fileno(), True
+
+    def at_rest(self) -> bool:
+        reader = self._reader
+        return super().at_rest() and (reader is None or reader.pos >= reader.end)
+
     # -- bulk path ---------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
         """A native bulk path for host memory through the rings; same host only."""
@@ -444,6 +455,9 @@ class ShmChannel(RecordChannel):
             else:
                 self.inner.recv_into(memoryview(head))
             kind, length = RECORD.unpack(head)
+        self._enter_record(kind, length)
+
+    def _enter_record(self, kind: int, length: int) -> None:
         if kind == INLINE:
             self._rec_type, self._rec_left = INLINE, length
         elif kind == RING and self._reader is not None:

@@ -113,6 +113,17 @@ class TcpChannel(ChannelLifecycle):
             self._sock.settimeout(None)
             kernel_timeouts(self._sock, seconds)
 
+    def native_stream(self) -> tuple[int, bool] | None:
+        """The socket for genie._C's lane (``(descriptor, False)``: frames straight on the stream); None under
+        TLS or once closed. See genie.transport.base.Channel."""
+        if self._closed or isinstance(self._sock, ssl.SSLSocket):
+            return None
+        return self._sock.fileno(), False
+
+    def at_rest(self) -> bool:
+        """Always: this side keeps no received bytes of its own."""
+        return True
+
     def sendv(self, buffers: Sequence[Buffer]) -> None:
         """Send every byte of ``buffers`` in order with scatter/gather ``sendmsg``, never joining them."""
         self._check_open("send to")

@@ -1,0 +1,243 @@
+// genie._C's lane: a sync point's round trip without Python's op path.
+//
+// `.item()` is the commonest sync point, and on a same-host node Python's path (the fallback, the
+// request, the batch, the frame, two receives) cost more than the node's work and the wire together.
+// Here, while Python holds nothing for the next batch (queue.h: `clean`, which it sets with the room),
+// the batch is built from what the session's queue holds (its frees, the commands genie._C encoded,
+// the request last), framed as genie.wire.frame frames it (inside an INLINE record where the channel
+// is a record stream: genie.transport.record), sent on a duplicate of the channel's socket, and the
+// reply frame read back whole, never a byte past it. The session lock (NodeConnection.lock, a
+// SessionLock) is held throughout, so Python's own sends and receives never interleave with it.
+//
+// Everything about the reply is Python's: the connection's `_lane_reply` checks the header, matches
+// the request id, raises the node's errors and keeps the statistics and the batching policy, as for
+// its own requests (genie.device.connection). A record only Python can read (a shared-memory ring
+// record) is handed back to it with the bytes read so far (`_lane_resume`); a failed send or receive
+// goes to `_lane_failed`, which declares the node lost. The GIL is taken only for those calls.
+
+#include "queue.h"
+
+#include "frame_io.h"
+
+#include <Python.h>
+#include <fcntl.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <stdexcept>
+
+namespace genie {
+
+namespace py = pybind11;
+
+LaneFd::~LaneFd() {
+  if (fd >= 0) ::close(fd);
+}
+
+bool Queue::try_lock_session() {
+  if (!session.try_lock()) return false;
+  owner.store(std::this_thread::get_id());
+  ++depth;
+  return true;
+}
+
+void Queue::lock_session() {
+  session.lock();
+  owner.store(std::this_thread::get_id());
+  ++depth;
+}
+
+void Queue::unlock_session() {
+  if (--depth == 0) owner.store(std::thread::id());
+  session.unlock();
+}
+
+namespace {
+
+using genie_io::Io;
+using genie_io::kHeader;
+
+genie_io::Wire g_wire;
+
+void pack_bin(std::string& out, const std::string& b) {
+  size_t n = b.size();
+  if (n <= 0xff) {
+    pack_tagged(out, 0xc4, n, 1);
+  } else if (n <= 0xffff) {
+    pack_tagged(out, 0xc5, n, 2);
+  } else {
+    pack_tagged(out, 0xc6, n, 4);
+  }
+  out.append(b);
+}
+
+double monotonic() {  // time.perf_counter()'s clock on Linux
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+// The BATCH frame {"uploads": [], "cmds": [...frees' FREE..., request]}, as genie.device.connection packs it.
+std::string batch_frame(const std::vector<std::string>& cmds, const std::vector<uint64_t>& frees,
+                        const std::string& request, bool records) {
+  std::string body;
+  size_t total = request.size() + 64 + 9 * frees.size();
+  for (const auto& c : cmds) total += c.size() + 5;
+  body.reserve(total);
+  body.push_back(static_cast<char>(0x82));
+  pack_str(body, "uploads");
+  body.push_back(static_cast<char>(0x90));
+  pack_str(body, "cmds");
+  size_t n = cmds.size() + (frees.empty() ? 0 : 1) + 1;
+  if (n <= 0xffff) {
+    pack_array_header(body, n);
+  } else {
+    pack_tagged(body, 0xdd, n, 4);
+  }
+  for (const auto& c : cmds) pack_bin(body, c);
+  if (!frees.empty()) {
+    std::string free_cmd;
+    free_cmd.push_back(static_cast<char>(0x92));
+    pack_uint(free_cmd, g_wire.cmd_free);
+    if (frees.size() <= 0xffff) {
+      pack_array_header(free_cmd, frees.size());
+    } else {
+      pack_tagged(free_cmd, 0xdd, frees.size(), 4);
+    }
+    for (auto sid : frees) pack_uint(free_cmd, sid);
+    pack_bin(body, free_cmd);
+  }
+  pack_bin(body, request);
+  std::string out;
+  out.reserve(body.size() + kHeader + genie_io::kRecord);
+  genie_io::frame_prefix(out, g_wire, g_wire.batch, body.size(), records);
+  out.append(body);
+  return out;
+}
+
+// Runs Python's signal handlers after an interrupted wait; a handler's exception ends the session (the
+// reply is still on its way: the stream is out of step) and is raised.
+void check_signals(Queue& q) {
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() == 0) return;
+  py::error_already_set pending;
+  py::handle(q.conn).attr("mark_lost")("a sync point was interrupted before its reply came");
+  throw pending;
+}
+
+// The session lock as Python sees it: NodeConnection.lock (threading.RLock's methods the client uses).
+struct SessionLock {
+  std::shared_ptr<Queue> q;
+  bool acquire(bool blocking) {
+    if (q->held_here()) {  // the holder again: at once
+      q->lock_session();
+      return true;
+    }
+    if (q->try_lock_session()) return true;
+    if (!blocking) return false;
+    py::gil_scoped_release nogil;  // the holder may be a lane waiting for the GIL
+    q->lock_session();
+    return true;
+  }
+};
+
+}  // namespace
+
+bool lane_request(const std::shared_ptr<Queue>& q, int device, uint64_t req, const std::string& request,
+                  const std::function<void(py::handle)>& on_result) {
+  if (g_wire.version == 0 || PyGILState_Check()) return false;  // holding the GIL: Python's path releases it
+  if (q->held_here() || !q->try_lock_session()) return false;
+  struct Unlock {
+    Queue& q;
+    ~Unlock() { q.unlock_session(); }
+  } unlock{*q};
+  std::shared_ptr<LaneFd> lane = q->lane;
+  if (!lane) return false;
+  {
+    std::lock_guard<std::mutex> g(q->mu);
+    if (!q->clean) return false;
+  }
+  // Frees first, then the queue, as Python's flush: an op that used a storage freed by now was queued
+  // before the free, so it is among the commands taken after.
+  std::vector<uint64_t> frees = take_frees(*q);
+  std::vector<std::string> cmds;
+  {
+    std::lock_guard<std::mutex> g(q->mu);
+    cmds.swap(q->cmds);
+    q->bytes = 0;
+    q->clean = false;  // until Python has finished the reply and set the room again
+  }
+  size_t taken = cmds.size();
+  double started = monotonic();
+  std::string frame = batch_frame(cmds, frees, request, q->lane_records);
+  cmds.clear();
+  int err = 0;
+  Io io = genie_io::send_all(lane->fd, frame.data(), frame.size(), &err);
+  genie_io::Frame reply;
+  if (io == Io::ok) {
+    io = genie_io::read_frame(lane->fd, q->lane_records, g_wire, &reply, &err, [&q] { check_signals(*q); });
+  }
+  py::gil_scoped_acquire gil;
+  py::handle conn(q->conn);
+  py::object result;
+  if (io != Io::ok) {
+    conn.attr("_lane_failed")(req, started, taken, device, genie_io::io_text(io, err, reply.frame.empty() ? "sending" : "receiving"));
+    throw std::logic_error("genie: the lane's failure was not raised");  // _lane_failed always raises
+  }
+  if (reply.resume) {
+    result = conn.attr("_lane_resume")(req, started, taken, device, py::bytes(reply.frame), reply.record_kind,
+                                       reply.record_len);
+  } else {
+    py::object body = py::none();
+    if (reply.frame.size() > kHeader) body = py::bytes(reply.frame.data() + kHeader, reply.frame.size() - kHeader);
+    else if (reply.frame.size() == kHeader && genie_io::le(reply.frame.data() + 4, 4) == 0) body = py::bytes("", 0);
+    result = conn.attr("_lane_reply")(req, started, taken, device, py::bytes(reply.frame.data(), kHeader), body,
+                                      py::bytes(reply.leftover));
+  }
+  on_result(result);
+  return true;
+}
+
+void init_lane(py::module_& m, std::shared_ptr<Queue> (*queue_of)(int64_t)) {
+  py::class_<SessionLock>(m, "SessionLock", "A session's lock (NodeConnection.lock), shared with the lane.")
+      .def(py::init([queue_of](int64_t qid) { return SessionLock{queue_of(qid)}; }))
+      .def("acquire", &SessionLock::acquire, py::arg("blocking") = true)
+      .def("release", [](SessionLock& s) { s.q->unlock_session(); })
+      .def("__enter__", [](SessionLock& s) { s.acquire(true); })
+      .def("__exit__", [](SessionLock& s, py::args) {
+        s.q->unlock_session();
+        return false;
+      });
+  m.def("set_lane_wire", [](int version, int batch, int cmd_free, int inline_record, uint64_t max_body) {
+    g_wire.version = static_cast<uint8_t>(version);
+    g_wire.batch = static_cast<uint8_t>(batch);
+    g_wire.cmd_free = static_cast<uint8_t>(cmd_free);
+    g_wire.inline_record = static_cast<uint8_t>(inline_record);
+    g_wire.max_body = max_body;
+  }, "The wire's numbers the lane frames with: protocol version, BATCH, CMD_FREE, INLINE, the longest body.");
+  m.def("queue_lane", [queue_of](int64_t qid, int fd, bool records, py::object conn) {
+    auto q = queue_of(qid);
+    std::shared_ptr<LaneFd> lane;
+    if (fd >= 0) {
+      int dup = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+      if (dup < 0) throw std::runtime_error(std::string("genie: cannot duplicate the channel's socket: ") + std::strerror(errno));
+      lane = std::make_shared<LaneFd>(dup);
+    }
+    {
+      py::gil_scoped_release nogil;
+      q->lock_session();
+    }
+    PyObject* old = q->conn;
+    q->lane = lane;
+    q->lane_records = records;
+    q->conn = lane ? conn.inc_ref().ptr() : nullptr;
+    q->lane_on.store(static_cast<bool>(lane));
+    q->unlock_session();
+    Py_XDECREF(old);
+  }, py::arg("qid"), py::arg("fd"), py::arg("records"), py::arg("conn"),
+     "Answer this session's .item() natively over a duplicate of socket `fd` (-1: stop), frames inside INLINE "
+     "records when `records`; `conn` finishes each reply (_lane_reply, _lane_resume, _lane_failed).");
+}
+
+}  // namespace genie

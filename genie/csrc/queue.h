@@ -1,0 +1,84 @@
+// A session's native half, shared by fastpath.cpp (ops queued without Python) and lane.cpp (sync points
+// answered without Python). No torch headers here: lane.cpp compiles in seconds without them.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace genie {
+
+// A descriptor the lane owns (a dup of the channel's socket): closed when the last user lets go, so a
+// channel closed by another thread never leaves a sync point reading a number the process reused.
+struct LaneFd {
+  int fd;
+  explicit LaneFd(int f) : fd(f) {}
+  ~LaneFd();
+  LaneFd(const LaneFd&) = delete;
+  LaneFd& operator=(const LaneFd&) = delete;
+};
+
+// One data-plane session's queue (genie.device.connection.NodeConnection.qid).
+struct Queue {
+  std::mutex mu;  // the fields up to `frees`
+  std::vector<std::string> cmds;  // commands encoded natively, waiting for the next batch
+  size_t bytes = 0;
+  // How many more commands / bytes may wait here before the batch must go (Python sets it after
+  // each change of its own batch; 0 while the node is lost or unknown: every op goes to Python).
+  size_t room_cmds = 0;
+  size_t room_bytes = 0;
+  // Python holds nothing for the next batch (no commands, uploads, cache questions or errors of its
+  // own) and its channel is at rest: a native sync point may send this queue's commands alone.
+  bool clean = false;
+  std::vector<uint64_t> frees;  // storages of this session freed in this process, not yet sent
+
+  // The session lock (NodeConnection.lock): every send and receive of the session holds it.
+  std::recursive_mutex session;
+  std::atomic<std::thread::id> owner{};
+  int depth = 0;  // under `session`
+  std::atomic<uint64_t> next_request{1};
+
+  // The native lane (under `session`): the channel's stream while it is at rest, and the connection
+  // whose Python finishes each reply (a strong reference, changed with the GIL held).
+  std::shared_ptr<LaneFd> lane;
+  bool lane_records = false;  // frames travel inside INLINE records (genie.transport.record)
+  std::atomic<bool> lane_on{false};  // `lane` is set (read without the lock: a hint, checked again under it)
+  PyObject* conn = nullptr;
+
+  bool held_here() const { return owner.load() == std::this_thread::get_id(); }
+  bool try_lock_session();
+  void lock_session();
+  void unlock_session();
+};
+
+// The queue of remote device `device` (a global index) and the device's index on its node; false: none.
+bool route_of(int device, std::shared_ptr<Queue>* q, int* local);
+// Storages freed anywhere in this process, each handed to its session's queue; then `q`'s, taken.
+std::vector<uint64_t> take_frees(Queue& q);
+
+// msgpack as Python's msgpack packs the same values (device.cpp; torch-free, so lane.cpp shares them).
+void pack_tagged(std::string& out, uint8_t tag, uint64_t x, int bytes);  // a type byte, then x big-endian
+void pack_uint(std::string& out, uint64_t v);
+void pack_array_header(std::string& out, size_t n);
+void pack_str(std::string& out, const std::string& s);
+// A storage id no other storage of this process has (device.cpp).
+uint64_t new_storage_id();
+// Storages freed since the last call, (global device index, storage id) (device.cpp).
+std::vector<std::pair<int, uint64_t>> take_freed_all();
+
+// lane.cpp: send `q`'s batch with `request` (a msgpack command, request id `req`) last and read the reply;
+// `on_result` gets (with the GIL) what the Python connection's method that completes it returned. False,
+// having sent nothing, when the lane cannot take it (no lane, Python holds work, another thread has the
+// session, or this one does): the caller takes Python's path.
+bool lane_request(const std::shared_ptr<Queue>& q, int device, uint64_t req, const std::string& request,
+                  const std::function<void(pybind11::handle)>& on_result);
+void init_lane(pybind11::module_& m, std::shared_ptr<Queue> (*queue_of)(int64_t));
+
+}  // namespace genie

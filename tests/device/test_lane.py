@@ -1,0 +1,110 @@
+"""genie._C's lane (genie/csrc/lane.cpp) and the node's native serving (Runner.serve), against a real node.
+
+`.item()` is answered over the channel's own socket by C++ at both ends while Python holds nothing for
+the batch; everything else (the statistics, the errors, the node's refusals) must come out as Python's
+path gives it. Each test runs on plain TCP and on shared memory (INLINE records over a Unix socket).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import genie
+from genie import _C
+from genie.cluster.launch import NodeProcess
+from genie.device import registry
+from genie.errors import RemoteDeviceLost, RemoteExecutionError
+
+D0 = "remote_accelerator:0"
+
+
+@pytest.fixture(params=["tcp", "shm"])
+def session(request: pytest.FixtureRequest) -> Iterator[NodeProcess]:
+    """genie initialised with one backend against a node of its own (one CPU device)."""
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--heartbeat-interval", "0.2",
+                     "--heartbeat-timeout", "2") as node:
+        genie.init_sync(master_addr=node.host, master_port=node.control_port, backend=request.param,
+                        heartbeat_interval=0.2, heartbeat_timeout=2, timeout=20)
+        try:
+            yield node
+        finally:
+            genie.shutdown_sync()
+
+
+def lane_items(n: int, y: torch.Tensor) -> int:
+    """How many of n ``y.item()`` calls the lane answered (each counts as a native hit; Python's path none)."""
+    assert y.item() == 16.0  # y's own commands (a factory Python queued) go first, in Python's batch
+    before = _C.fast_counts()[0]
+    for _ in range(n):
+        assert y.item() == 16.0
+    return _C.fast_counts()[0] - before
+
+
+def test_item_takes_the_lane_and_counts_as_a_round_trip_of_its_line(session: NodeProcess) -> None:
+    conn = registry.table().devices[0].connection
+    assert conn._lane, "plain TCP and upgraded shared memory both offer their socket"
+    y = torch.ones(16, device=D0).sum()
+    stats_before = genie.stats()
+    assert lane_items(20, y) == 20
+    stats = genie.stats()
+    assert stats["round_trips"] - stats_before["round_trips"] >= 20
+    lines = [p["line"] for p in stats["sync_points"]]
+    assert any(Path(__file__).name in line for line in lines), lines
+    for _ in range(50):  # queued ops, frees and the request in one batch, natively at both ends
+        x = torch.ones(16, device=D0) * 2
+        assert (x + 1).sum().item() == 48.0
+
+
+def test_python_work_waiting_for_the_batch_takes_python_path_first(session: NodeProcess) -> None:
+    y = torch.ones(16, device=D0).sum()
+    assert lane_items(2, y) == 2
+    conn = registry.table().devices[0].connection
+    with conn.lock:  # an upload Python holds: the batch is Python's to send
+        z = torch.arange(4.0).to(D0)
+        assert conn._uploads
+    before = _C.fast_counts()[0]
+    assert y.item() == 16.0
+    assert _C.fast_counts()[0] == before, "Python's path sent the upload with the request"
+    assert z.sum().item() == 6.0
+    assert lane_items(3, y) == 3
+
+
+def test_node_errors_come_through_the_lane_as_through_python(session: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Errors deferred from queued ops reach the item: Python's errors, and the session goes on. 300 failing
+    gathers (long shapes, long indices in their messages) make a reply of 256 deferred records, over 64 KiB:
+    on shared memory more than an INLINE record holds, so it goes on in a ring record that the channel reads
+    (_lane_resume)."""
+    conn = registry.table().devices[0].connection
+    resumed: list[int] = []
+    real = conn._lane_resume
+
+    def spy(*args: Any) -> Any:
+        resumed.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(conn, "_lane_resume", spy)
+    x = torch.ones([8] + [1] * 60, device=D0)
+    index = torch.full([1] * 61, 10**17, dtype=torch.int64, device=D0)
+    for _ in range(3):
+        assert x.sum().item() == 8.0
+    for _ in range(300):
+        torch.gather(x, 0, index)
+    with pytest.raises(RemoteExecutionError, match="out of bounds") as raised:
+        x.sum().item()
+    assert "256 more errors" in str(raised.value)
+    assert bool(resumed) == (conn.backend == "shm")
+    assert lane_items(3, torch.full((16,), 1.0, device=D0).sum()) == 3
+
+
+def test_a_node_gone_mid_item_is_a_lost_device(session: NodeProcess) -> None:
+    y = torch.ones(16, device=D0).sum()
+    assert lane_items(2, y) == 2
+    session.kill()
+    with pytest.raises(RemoteDeviceLost):
+        for _ in range(50):  # the lane's send or receive fails, or the failure detector got there first
+            y.item()
