@@ -116,6 +116,91 @@ std::string batch_frame(const std::vector<std::string>& cmds, const std::vector<
   return out;
 }
 
+// The value of a REPLY [req, nil, number, []] to request `req` with nothing else in it (no payload, no
+// error, no deferred errors): what the node's runner sends for .item() (server_plans.cpp, number_reply).
+struct Number {
+  enum Kind : uint8_t { none, boolean, integer, unsigned_integer, real } kind = none;
+  bool b = false;
+  int64_t i = 0;
+  uint64_t u = 0;
+  double d = 0;
+};
+
+bool read_uint(const char*& p, const char* end, uint64_t* v) {
+  if (p >= end) return false;
+  uint8_t t = static_cast<uint8_t>(*p++);
+  if (t < 0x80) {
+    *v = t;
+    return true;
+  }
+  int width = t == 0xcc ? 1 : t == 0xcd ? 2 : t == 0xce ? 4 : t == 0xcf ? 8 : 0;
+  if (width == 0 || end - p < width) return false;
+  *v = genie_io::be(p, width);
+  p += width;
+  return true;
+}
+
+Number number_reply(const std::string& f, uint64_t req) {
+  Number n;
+  if (f.size() < kHeader + 4 || static_cast<uint8_t>(f[3]) != g_wire.reply || genie_io::le(f.data() + 8, 8) != 0)
+    return n;
+  const char* p = f.data() + kHeader;
+  const char* end = f.data() + f.size();
+  uint64_t got = 0;
+  if (static_cast<uint8_t>(*p++) != 0x94 || !read_uint(p, end, &got) || got != req || p >= end ||
+      static_cast<uint8_t>(*p++) != 0xc0 || p >= end)
+    return n;
+  uint8_t t = static_cast<uint8_t>(*p);
+  Number v;
+  if (t == 0xc2 || t == 0xc3) {
+    v.kind = Number::boolean;
+    v.b = t == 0xc3;
+    ++p;
+  } else if (t < 0x80 || (t >= 0xcc && t <= 0xcf)) {
+    if (!read_uint(p, end, &v.u)) return n;
+    v.kind = Number::unsigned_integer;
+  } else if (t >= 0xe0) {
+    v.kind = Number::integer;
+    v.i = static_cast<int8_t>(t);
+    ++p;
+  } else if (t >= 0xd0 && t <= 0xd3) {
+    int width = 1 << (t - 0xd0);
+    if (end - p < 1 + width) return n;
+    uint64_t raw = genie_io::be(p + 1, width);
+    int shift = 64 - 8 * width;
+    v.kind = Number::integer;
+    v.i = static_cast<int64_t>(raw << shift) >> shift;  // sign-extend
+    p += 1 + width;
+  } else if (t == 0xca || t == 0xcb) {
+    int width = t == 0xca ? 4 : 8;
+    if (end - p < 1 + width) return n;
+    uint64_t raw = genie_io::be(p + 1, width);
+    if (width == 4) {
+      uint32_t bits = static_cast<uint32_t>(raw);
+      float x;
+      std::memcpy(&x, &bits, 4);
+      v.d = x;
+    } else {
+      std::memcpy(&v.d, &raw, 8);
+    }
+    v.kind = Number::real;
+    p += 1 + width;
+  } else {
+    return n;
+  }
+  if (p >= end || static_cast<uint8_t>(*p++) != 0x90 || p != end) return n;
+  return v;
+}
+
+py::object number_object(const Number& v) {
+  switch (v.kind) {
+    case Number::boolean: return py::bool_(v.b);
+    case Number::integer: return py::int_(v.i);
+    case Number::unsigned_integer: return py::int_(v.u);
+    default: return py::float_(v.d);
+  }
+}
+
 // Runs Python's signal handlers after an interrupted wait; a handler's exception ends the session (the
 // reply is still on its way: the stream is out of step) and is raised.
 void check_signals(Queue& q) {
@@ -185,7 +270,12 @@ bool lane_request(const std::shared_ptr<Queue>& q, int device, uint64_t req, con
     conn.attr("_lane_failed")(req, started, taken, device, genie_io::io_text(io, err, reply.frame.empty() ? "sending" : "receiving"));
     throw std::logic_error("genie: the lane's failure was not raised");  // _lane_failed always raises
   }
-  if (reply.resume) {
+  Number number;
+  if (!reply.resume && reply.leftover.empty()) number = number_reply(reply.frame, req);
+  if (number.kind != Number::none) {  // the usual answer: Python only keeps the books
+    result = number_object(number);
+    conn.attr("_lane_done")(taken, started);
+  } else if (reply.resume) {
     result = conn.attr("_lane_resume")(req, started, taken, device, py::bytes(reply.frame), reply.record_kind,
                                        reply.record_len);
   } else {
@@ -209,13 +299,14 @@ void init_lane(py::module_& m, std::shared_ptr<Queue> (*queue_of)(int64_t)) {
         s.q->unlock_session();
         return false;
       });
-  m.def("set_lane_wire", [](int version, int batch, int cmd_free, int inline_record, uint64_t max_body) {
+  m.def("set_lane_wire", [](int version, int batch, int reply, int cmd_free, int inline_record, uint64_t max_body) {
     g_wire.version = static_cast<uint8_t>(version);
     g_wire.batch = static_cast<uint8_t>(batch);
+    g_wire.reply = static_cast<uint8_t>(reply);
     g_wire.cmd_free = static_cast<uint8_t>(cmd_free);
     g_wire.inline_record = static_cast<uint8_t>(inline_record);
     g_wire.max_body = max_body;
-  }, "The wire's numbers the lane frames with: protocol version, BATCH, CMD_FREE, INLINE, the longest body.");
+  }, "The wire's numbers the lane frames with: protocol version, BATCH, REPLY, CMD_FREE, INLINE, the longest body.");
   m.def("queue_lane", [queue_of](int64_t qid, int fd, bool records, py::object conn) {
     auto q = queue_of(qid);
     std::shared_ptr<LaneFd> lane;

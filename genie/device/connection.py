@@ -126,7 +126,8 @@ class NodeConnection:
         stream = native_stream() if native_stream is not None else None
         if stream is not None:
             fd, records = stream
-            _C.set_lane_wire(wf.PROTOCOL_VERSION, int(wf.MsgKind.BATCH), wm.CMD_FREE, INLINE, wf.MAX_BODY_BYTES)
+            _C.set_lane_wire(wf.PROTOCOL_VERSION, int(wf.MsgKind.BATCH), int(wf.MsgKind.REPLY), wm.CMD_FREE, INLINE,
+                             wf.MAX_BODY_BYTES)
             _C.queue_lane(self.qid, fd, records, self)
             self._lane = True
 
@@ -433,6 +434,20 @@ class NodeConnection:
         self.stats["batches"] += 1
         STATS.batch_sent()  # stats
         self.last_send = time.monotonic()
+
+    def _lane_done(self, taken: int, started: float) -> None:
+        """The lane's ``.item()`` was answered with a number and nothing else (lane.cpp checked the reply as
+        _finish would): its bookkeeping, as _lane_sent and _finish keep it."""
+        stats = self.stats
+        stats["ops"] += taken
+        stats["batches"] += 1
+        stats["round_trips"] += 1
+        STATS.item_answered(taken, started)  # stats
+        now = time.perf_counter()
+        self.last_send = time.monotonic()
+        small = self.flush_policy.interval_done(stats["ops"], now) == "small"
+        self.flush_at = MIN_BATCH_CMDS if small else MAX_BATCH_CMDS
+        self._room()
 
     def _lane_reply(self, req: int, started: float, taken: int, device: int, head: bytes, body: bytes | None,
                     leftover: bytes) -> Any:

@@ -82,6 +82,10 @@ def _format_place(place: Any) -> str:
     return f"{os.path.basename(code.co_filename)}:{_line_of(code, offset)} ({code.co_name})"
 
 
+#: The reason of an ``.item()`` round trip (command_reason of its CALL).
+_ITEM = "aten::_local_scalar_dense"
+
+
 def command_reason(command: list[Any]) -> str:
     """What a request command asks for: the op of a CALL, or ``fetch`` / ``sync``."""
     code = command[0] if command else None
@@ -134,8 +138,17 @@ class ClientStats:
 
     def round_trip(self, command: list[Any], started: float, bytes_down: int) -> None:
         """One blocking request answered: ``started`` is its ``time.perf_counter()`` at the start."""
+        self._answered(command_reason(command), started, bytes_down)
+
+    def item_answered(self, ops: int, started: float) -> None:
+        """An ``.item()`` genie._C's lane answered: its batch (with ``ops`` queued commands) and round trip."""
+        self.ops_queued += ops
+        self.batches += 1
+        self._answered(_ITEM, started, 0)
+
+    def _answered(self, reason: str, started: float, bytes_down: int) -> None:
         seconds = time.perf_counter() - started
-        key = (caller_place(), command_reason(command))
+        key = (caller_place(), reason)
         with self._lock:
             self.round_trips += 1
             self.bytes_down += bytes_down

@@ -108,3 +108,21 @@ def test_a_node_gone_mid_item_is_a_lost_device(session: NodeProcess) -> None:
     with pytest.raises(RemoteDeviceLost):
         for _ in range(50):  # the lane's send or receive fails, or the failure detector got there first
             y.item()
+
+
+NUMBERS = [0, 7, 127, 128, -1, -32, -33, -200, -70000, -2**40, 2**40, 2**63 - 1, -2**63, True, False, 1.5, 1 / 3,
+           -0.0, float("inf")]
+
+
+def test_every_number_form_comes_back_as_cpu_gives_it(session: NodeProcess) -> None:
+    """Each msgpack form of a number the node may answer (fixints, 8 to 64-bit ints, bools, floats), parsed by
+    the lane, equals the CPU tensor's .item(): value and Python type."""
+    for value in NUMBERS:
+        dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.float64
+        cpu = torch.tensor(value, dtype=dtype)
+        t = cpu.to(D0)
+        before = _C.fast_counts()[0]
+        got = [t.item() for _ in range(3)]  # the first sends the upload through Python's path; the rest the lane
+        assert _C.fast_counts()[0] - before >= 2, value
+        for item in got:
+            assert item == cpu.item() and type(item) is type(cpu.item()), (value, item)
