@@ -126,3 +126,28 @@ def test_every_number_form_comes_back_as_cpu_gives_it(session: NodeProcess) -> N
         assert _C.fast_counts()[0] - before >= 2, value
         for item in got:
             assert item == cpu.item() and type(item) is type(cpu.item()), (value, item)
+
+
+def test_threads_sharing_a_session_each_get_their_own_answers(session: NodeProcess) -> None:
+    """Four threads queue ops and call .item() on one session at once: the lane (which only tries the
+    session lock) and Python's path (which waits for it, the GIL released) take turns; no reply goes to
+    the wrong thread and nothing deadlocks."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            x = torch.full((16,), float(k), device=D0)
+            for i in range(150):
+                assert (x + i).sum().item() == 16.0 * (k + i)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a thread is stuck"
+    assert not errors, errors
