@@ -729,15 +729,22 @@ void init_fastpath(py::module_& m) {
     for (size_t i = 0; i < cmds.size(); ++i) out[i] = py::bytes(cmds[i]);
     return out;
   }, "The commands queued natively since the last call, in order (None when there are none).");
-  m.def("queue_room", [](int64_t id, int64_t cmds, int64_t bytes, bool clean) {
+  m.def("queue_room", [](int64_t id, int64_t cmds, int64_t bytes, bool clean, int64_t book_ops_left,
+                          int64_t book_ops_after_sync, int64_t after_sync_cmds, int64_t after_sync_bytes) {
     auto q = queue_of(id);
     std::lock_guard<std::mutex> g(q->mu);
     q->room_cmds = static_cast<size_t>(std::max<int64_t>(cmds, 0));
     q->room_bytes = static_cast<size_t>(std::max<int64_t>(bytes, 0));
     q->clean = clean;
-  }, py::arg("id"), py::arg("cmds"), py::arg("bytes"), py::arg("clean") = false,
+    q->book_ops_left = clean ? book_ops_left : -1;
+    q->book_ops_after_sync = book_ops_after_sync;
+    q->after_sync_cmds = static_cast<size_t>(std::max<int64_t>(after_sync_cmds, 0));
+    q->after_sync_bytes = static_cast<size_t>(std::max<int64_t>(after_sync_bytes, 0));
+  }, py::arg("id"), py::arg("cmds"), py::arg("bytes"), py::arg("clean") = false, py::arg("book_ops_left") = -1,
+     py::arg("book_ops_after_sync") = -1, py::arg("after_sync_cmds") = 0, py::arg("after_sync_bytes") = 0,
      "How many commands and bytes may wait natively before the batch must be sent (0: none), and whether "
-     "Python holds nothing else for it (then the lane may send it: queue.h).");
+     "Python holds nothing else for it (then the lane may send it); how many ops a lane round trip may take "
+     "and keep its own books, and the room and allowance after one (queue.h).");
   m.def("queue_frees", [](int64_t id) {
     auto q = queue_of(id);
     return take_frees(*q);

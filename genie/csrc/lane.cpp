@@ -201,6 +201,71 @@ py::object number_object(const Number& v) {
   }
 }
 
+// genie.device.stats: the cache of code objects outside genie and torch, and what fills it for a new one.
+PyObject* g_outside = nullptr;   // dict, borrowed for the process's life (the module keeps it)
+PyObject* g_classify = nullptr;  // genie.device.stats.is_outside (a strong reference, leaked)
+
+// The first frame outside genie and torch, as genie.device.stats.caller_place finds it (with the GIL):
+// (a strong reference to its code, its instruction offset); (nullptr, 0) when none.
+std::pair<PyObject*, int> caller_place() {
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed
+  Py_XINCREF(frame);
+  while (frame != nullptr) {
+    PyObject* code = reinterpret_cast<PyObject*>(PyFrame_GetCode(frame));  // new reference
+    PyObject* known = PyDict_GetItemWithError(g_outside, code);            // borrowed
+    int outside = 0;
+    if (known != nullptr) {
+      outside = known == Py_True;
+    } else {
+      PyObject* got = PyErr_Occurred() ? nullptr : PyObject_CallOneArg(g_classify, code);
+      outside = got != nullptr && PyObject_IsTrue(got) == 1;
+      Py_XDECREF(got);
+      PyErr_Clear();
+    }
+    if (outside) {
+      int offset = PyFrame_GetLasti(frame);
+      Py_DECREF(frame);
+      return {code, offset};
+    }
+    Py_DECREF(code);
+    PyFrameObject* back = PyFrame_GetBack(frame);  // new reference
+    Py_DECREF(frame);
+    frame = back;
+  }
+  return {nullptr, 0};
+}
+
+// An .item() answered with a number, its books kept here (with the GIL and the session lock); false: the
+// interval since the last sync point is one the batching policy measures, or the node is lost: Python's.
+bool book_natively(Queue& q, size_t taken, double started) {
+  if (g_outside == nullptr || q.book_ops_left < 0 || taken > static_cast<size_t>(q.book_ops_left)) return false;
+  {
+    std::lock_guard<std::mutex> g(q.mu);
+    if (q.room_bytes == 0) return false;  // lost meanwhile (mark_lost): every op goes to Python now
+    q.room_cmds = q.after_sync_cmds;
+    q.room_bytes = q.after_sync_bytes;
+    q.clean = true;  // nothing of Python's changed under the session lock; the frame was read to its end
+    q.book_ops_left = q.book_ops_after_sync;
+  }
+  double now = monotonic();
+  auto& b = q.books;
+  b.trips += 1;
+  b.ops += taken;
+  b.wait += now - started;
+  b.last_end = now;
+  auto place = caller_place();
+  for (auto& entry : b.places) {
+    if (entry.first == place) {
+      entry.second.first += 1;
+      entry.second.second += now - started;
+      Py_XDECREF(place.first);
+      return true;
+    }
+  }
+  b.places.push_back({place, {1, now - started}});  // keeps the code's reference
+  return true;
+}
+
 // Runs Python's signal handlers after an interrupted wait; a handler's exception ends the session (the
 // reply is still on its way: the stream is out of step) and is raised.
 void check_signals(Queue& q) {
@@ -274,7 +339,7 @@ bool lane_request(const std::shared_ptr<Queue>& q, int device, uint64_t req, con
   if (!reply.resume && reply.leftover.empty()) number = number_reply(reply.frame, req);
   if (number.kind != Number::none) {  // the usual answer: Python only keeps the books
     result = number_object(number);
-    conn.attr("_lane_done")(taken, started);
+    if (!book_natively(*q, taken, started)) conn.attr("_lane_done")(taken, started);
   } else if (reply.resume) {
     result = conn.attr("_lane_resume")(req, started, taken, device, py::bytes(reply.frame), reply.record_kind,
                                        reply.record_len);
@@ -307,6 +372,29 @@ void init_lane(py::module_& m, std::shared_ptr<Queue> (*queue_of)(int64_t)) {
     g_wire.inline_record = static_cast<uint8_t>(inline_record);
     g_wire.max_body = max_body;
   }, "The wire's numbers the lane frames with: protocol version, BATCH, REPLY, CMD_FREE, INLINE, the longest body.");
+  m.def("set_lane_places", [](py::dict outside, py::object classify) {
+    g_outside = outside.ptr();
+    Py_INCREF(g_outside);
+    g_classify = classify.inc_ref().ptr();
+  }, "genie.device.stats' cache of code objects outside genie and torch, and the function that classifies one.");
+  m.def("queue_books", [queue_of](int64_t qid) -> py::object {
+    auto q = queue_of(qid);
+    {
+      py::gil_scoped_release nogil;
+      q->lock_session();
+    }
+    Queue::Books books;
+    std::swap(books, q->books);
+    q->unlock_session();
+    if (books.trips == 0) return py::none();
+    py::list places;
+    for (auto& [place, tally] : books.places) {
+      py::object code = place.first ? py::reinterpret_steal<py::object>(place.first) : py::none();
+      places.append(py::make_tuple(code, place.second, tally.first, tally.second));
+    }
+    return py::make_tuple(books.trips, books.ops, books.wait, books.last_end, places);
+  }, "The round trips the lane kept the books of since the last call: (round trips, ops their batches took, "
+     "seconds waited, when the last ended, [(code, offset, round trips, seconds), ...]), or None.");
   m.def("queue_lane", [queue_of](int64_t qid, int fd, bool records, py::object conn) {
     auto q = queue_of(qid);
     std::shared_ptr<LaneFd> lane;

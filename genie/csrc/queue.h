@@ -38,6 +38,14 @@ struct Queue {
   // own) and its channel is at rest: a native sync point may send this queue's commands alone.
   bool clean = false;
   std::vector<uint64_t> frees;  // storages of this session freed in this process, not yet sent
+  // The lane keeps the books of an .item() itself while its batch's ops keep the interval since the last
+  // sync point unmeasured (genie.device.flushing: the batching policy learns nothing from it): at most
+  // `book_ops_left` ops (-1: Python books each). Then the room is `after_sync_*`, what Python sets after a
+  // sync point, and the next interval may take `book_ops_after_sync`.
+  int64_t book_ops_left = -1;
+  int64_t book_ops_after_sync = -1;
+  size_t after_sync_cmds = 0;
+  size_t after_sync_bytes = 0;
 
   // The session lock (NodeConnection.lock): every send and receive of the session holds it.
   std::recursive_mutex session;
@@ -51,6 +59,14 @@ struct Queue {
   bool lane_records = false;  // frames travel inside INLINE records (genie.transport.record)
   std::atomic<bool> lane_on{false};  // `lane` is set (read without the lock: a hint, checked again under it)
   PyObject* conn = nullptr;
+  // Round trips booked here, not yet folded into Python's books (under `session`; lane.cpp queue_books).
+  struct Books {
+    uint64_t trips = 0;
+    uint64_t ops = 0;
+    double wait = 0;
+    double last_end = 0;
+    std::vector<std::pair<std::pair<PyObject*, int>, std::pair<uint64_t, double>>> places;  // (code, offset)
+  } books;
 
   bool held_here() const { return owner.load() == std::this_thread::get_id(); }
   bool try_lock_session();

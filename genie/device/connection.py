@@ -23,7 +23,8 @@ import msgpack
 import torch
 
 from genie import _C
-from genie.device.flushing import FlushChooser
+from genie.device import stats as stats_module
+from genie.device.flushing import MEASURED_OPS, FlushChooser
 from genie.device.stats import STATS
 from genie.device.transfers import ClientCache
 from genie.errors import (
@@ -128,8 +129,10 @@ class NodeConnection:
             fd, records = stream
             _C.set_lane_wire(wf.PROTOCOL_VERSION, int(wf.MsgKind.BATCH), int(wf.MsgKind.REPLY), wm.CMD_FREE, INLINE,
                              wf.MAX_BODY_BYTES)
+            _C.set_lane_places(stats_module._outside, stats_module.is_outside)
             _C.queue_lane(self.qid, fd, records, self)
             self._lane = True
+            STATS.add_folder(self.fold_books)
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -262,7 +265,10 @@ class NodeConnection:
             self._room()
 
     def _pull(self) -> None:
-        """Take the commands genie._C queued for this session (in order: before anything Python queues now)."""
+        """Take the commands genie._C queued for this session (in order: before anything Python queues now),
+        after the books its lane kept."""
+        if self._lane:
+            self._fold_books()
         native = _C.queue_take(self.qid)
         if native is not None:
             self._cmds.extend(native)
@@ -272,10 +278,39 @@ class NodeConnection:
 
     def _room(self) -> None:
         """Tell genie._C how many commands may still join the batch natively before it must be sent, and
-        whether its lane may send the batch (nothing of Python's waits for it, the channel is at rest)."""
+        whether its lane may send the batch (nothing of Python's waits for it, the channel is at rest) and
+        keep the books of its round trip itself (see fold_books)."""
         if self._lost is None:
+            if not self._lane:
+                _C.queue_room(self.qid, self.flush_at - len(self._cmds) - 1, MAX_BATCH_BYTES - self._cmd_bytes)
+                return
+            policy = self.flush_policy
+            after_sync = MIN_BATCH_CMDS if policy.choice == "small" else MAX_BATCH_CMDS
             _C.queue_room(self.qid, self.flush_at - len(self._cmds) - 1, MAX_BATCH_BYTES - self._cmd_bytes,
-                          self._lane and self._clean())
+                          self._clean(), policy.unmeasured_left(self.stats["ops"]), MEASURED_OPS - 1, after_sync - 1,
+                          MAX_BATCH_BYTES)
+
+    def fold_books(self) -> None:
+        """Fold in the books of the round trips genie._C's lane kept itself (``.item()`` sync points that end
+        intervals the batching policy does not measure): this session's counts, the process's statistics
+        (with each one's line), the policy's last sync point, the next batch's bound."""
+        with self.lock:
+            if self._lane:
+                self._fold_books()
+
+    def _fold_books(self) -> None:
+        books = _C.queue_books(self.qid)
+        if books is None:
+            return
+        trips, ops, seconds, last_end, places = books
+        stats = self.stats
+        stats["ops"] += ops
+        stats["batches"] += trips
+        stats["round_trips"] += trips
+        STATS.lane_books(ops, trips, seconds, places)  # stats
+        self.flush_policy.restarted(last_end, stats["ops"])
+        self.flush_at = MIN_BATCH_CMDS if self.flush_policy.choice == "small" else MAX_BATCH_CMDS
+        self.last_send = max(self.last_send, last_end)
 
     def _clean(self) -> bool:
         content = self.content
@@ -394,6 +429,8 @@ class NodeConnection:
         """The reply to request ``req`` came (its header read, ``body`` its body; under the lock): its
         payload into ``payload_into``'s tensor, the statistics, the next batch's bound, the node's errors
         raised; returns the result (or the tensor the payload went to)."""
+        if self._lane:
+            self._fold_books()
         try:
             if kind != wf.MsgKind.REPLY:
                 self._refused(kind, body, device)
@@ -438,6 +475,7 @@ class NodeConnection:
     def _lane_done(self, taken: int, started: float) -> None:
         """The lane's ``.item()`` was answered with a number and nothing else (lane.cpp checked the reply as
         _finish would): its bookkeeping, as _lane_sent and _finish keep it."""
+        self._fold_books()
         stats = self.stats
         stats["ops"] += taken
         stats["batches"] += 1
@@ -570,6 +608,7 @@ class NodeConnection:
                     pass
             self._lost = self._lost or "closed by this client"
             if self._lane:
+                self._fold_books()
                 _C.queue_lane(self.qid, -1, False, None)
                 self._lane = False
             _C.queue_drop(self.qid)

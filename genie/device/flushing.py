@@ -88,6 +88,17 @@ class FlushChooser:
         self._start, self._ops = now, ops_total
         return self.choice
 
+    def unmeasured_left(self, ops_total: int) -> int:
+        """How many more ops the interval running since the last sync point may take and still not be
+        measured (``ops_total``: the connection's ops so far); genie._C's lane keeps the books of such
+        sync points itself (genie/csrc/lane.cpp) and tells :meth:`restarted` later."""
+        return MEASURED_OPS - 1 - (ops_total - self._ops)
+
+    def restarted(self, now: float, ops_total: int) -> None:
+        """Sync points that ended intervals too short to measure happened, the last at ``now`` with
+        ``ops_total`` ops queued: what :meth:`interval_done` would have recorded for them."""
+        self._start, self._ops = now, ops_total
+
     def medians(self) -> dict[str, float | None]:
         """Seconds per op each choice measured in the size class of the last measured interval (median of
         its recent samples; None before any)."""

@@ -19,7 +19,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 import attrs
@@ -61,11 +62,18 @@ def caller_place() -> tuple[Any, int] | None:
         code = frame.f_code
         known = outside.get(code)
         if known is None:
-            known = outside[code] = not code.co_filename.startswith(_skip_dirs())
+            known = is_outside(code)
         if known:
             return code, frame.f_lasti
         frame = frame.f_back  # type: ignore[assignment]
     return None
+
+
+def is_outside(code: Any) -> bool:
+    """Whether ``code`` is user code (outside genie and torch), remembered in ``_outside`` (genie._C's lane
+    finds its callers' lines through both)."""
+    known = _outside[code] = not code.co_filename.startswith(_skip_dirs())
+    return known
 
 
 def _line_of(code: Any, offset: int) -> int | None:
@@ -113,7 +121,20 @@ class ClientStats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        #: what keeps books elsewhere and folds them in here before they are read (genie._C's lanes)
+        self._folders: list[weakref.WeakMethod[Callable[[], None]]] = []
         self.reset()
+
+    def add_folder(self, fold: Callable[[], None]) -> None:
+        """Call the bound method ``fold`` before the counters are read (kept while its object lives)."""
+        self._folders = [f for f in self._folders if f() is not None]
+        self._folders.append(weakref.WeakMethod(fold))  # type: ignore[arg-type]
+
+    def _fold(self) -> None:
+        for ref in list(self._folders):
+            fold = ref()
+            if fold is not None:
+                fold()
 
     def reset(self) -> None:
         """Start counting from zero."""
@@ -146,6 +167,23 @@ class ClientStats:
         self.batches += 1
         self._answered(_ITEM, started, 0)
 
+    def lane_books(self, ops: int, trips: int, seconds: float, places: list[tuple[Any, int, int, float]]) -> None:
+        """``trips`` ``.item()`` round trips genie._C's lane kept the books of: ``places`` are their
+        (code, offset, round trips, seconds) as caller_place finds them (code None: no caller outside)."""
+        with self._lock:
+            self.ops_queued += ops
+            self.batches += trips
+            self.round_trips += trips
+            self.wait_seconds += seconds
+            for code, offset, count, secs in places:
+                key = ((code, offset) if code is not None else None, _ITEM)
+                entry = self._sync.get(key)
+                if entry is None:
+                    self._sync[key] = [count, secs]
+                else:
+                    entry[0] += count
+                    entry[1] += secs
+
     def _answered(self, reason: str, started: float, bytes_down: int) -> None:
         seconds = time.perf_counter() - started
         key = (caller_place(), reason)
@@ -164,6 +202,7 @@ class ClientStats:
     def sync_points(self) -> list[SyncPoint]:
         """Every (line, reason) that caused round trips, most round trips first."""
         merged: dict[tuple[str, str], list[float]] = {}
+        self._fold()
         with self._lock:
             for (place, reason), (c, s) in self._sync.items():  # one line may hold several call sites
                 entry = merged.setdefault((_format_place(place), reason), [0, 0.0])
@@ -174,6 +213,7 @@ class ClientStats:
 
     def snapshot(self) -> dict[str, Any]:
         """The counters as a plain map (what :func:`genie.stats` returns)."""
+        self._fold()
         with self._lock:
             out: dict[str, Any] = {
                 "ops_queued": self.ops_queued, "round_trips": self.round_trips, "batches": self.batches,
