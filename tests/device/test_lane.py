@@ -45,7 +45,7 @@ def lane_items(n: int, y: torch.Tensor) -> int:
     return _C.fast_counts()[0] - before
 
 
-def test_item_takes_the_lane_and_counts_as_a_round_trip_of_its_line(session: NodeProcess) -> None:
+def check_item_takes_the_lane_and_counts_as_a_round_trip_of_its_line() -> None:
     conn = registry.table().devices[0].connection
     assert conn._lane, "plain TCP and upgraded shared memory both offer their socket"
     y = torch.ones(16, device=D0).sum()
@@ -60,7 +60,7 @@ def test_item_takes_the_lane_and_counts_as_a_round_trip_of_its_line(session: Nod
         assert (x + 1).sum().item() == 48.0
 
 
-def test_python_work_waiting_for_the_batch_takes_python_path_first(session: NodeProcess) -> None:
+def check_python_work_waiting_for_the_batch_takes_python_path_first() -> None:
     y = torch.ones(16, device=D0).sum()
     assert lane_items(2, y) == 2
     conn = registry.table().devices[0].connection
@@ -74,7 +74,7 @@ def test_python_work_waiting_for_the_batch_takes_python_path_first(session: Node
     assert lane_items(3, y) == 3
 
 
-def test_node_errors_come_through_the_lane_as_through_python(session: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+def check_node_errors_come_through_the_lane_as_through_python(monkeypatch: pytest.MonkeyPatch) -> None:
     """Errors deferred from queued ops reach the item: Python's errors, and the session goes on. 300 failing
     gathers (long shapes, long indices in their messages) make a reply of 256 deferred records, over 64 KiB:
     on shared memory more than an INLINE record holds, so it goes on in a ring record that the channel reads
@@ -114,7 +114,7 @@ NUMBERS = [0, 7, 127, 128, -1, -32, -33, -200, -70000, -2**40, 2**40, 2**63 - 1,
            -0.0, float("inf")]
 
 
-def test_every_number_form_comes_back_as_cpu_gives_it(session: NodeProcess) -> None:
+def check_every_number_form_comes_back_as_cpu_gives_it() -> None:
     """Each msgpack form of a number the node may answer (fixints, 8 to 64-bit ints, bools, floats), parsed by
     the lane, equals the CPU tensor's .item(): value and Python type."""
     for value in NUMBERS:
@@ -128,7 +128,7 @@ def test_every_number_form_comes_back_as_cpu_gives_it(session: NodeProcess) -> N
             assert item == cpu.item() and type(item) is type(cpu.item()), (value, item)
 
 
-def test_threads_sharing_a_session_each_get_their_own_answers(session: NodeProcess) -> None:
+def check_threads_sharing_a_session_each_get_their_own_answers() -> None:
     """Four threads queue ops and call .item() on one session at once: the lane (which only tries the
     session lock) and Python's path (which waits for it, the GIL released) take turns; no reply goes to
     the wrong thread and nothing deadlocks."""
@@ -151,3 +151,14 @@ def test_threads_sharing_a_session_each_get_their_own_answers(session: NodeProce
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads), "a thread is stuck"
     assert not errors, errors
+
+
+def test_the_lane_end_to_end(session: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks above on one node per backend (a node start costs seconds; each check leaves the session
+    usable for the next)."""
+    check_item_takes_the_lane_and_counts_as_a_round_trip_of_its_line()
+    check_python_work_waiting_for_the_batch_takes_python_path_first()
+    check_every_number_form_comes_back_as_cpu_gives_it()
+    check_threads_sharing_a_session_each_get_their_own_answers()
+    check_node_errors_come_through_the_lane_as_through_python(monkeypatch)
+    check_item_takes_the_lane_and_counts_as_a_round_trip_of_its_line()
