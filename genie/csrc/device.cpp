@@ -684,8 +684,10 @@ std::vector<std::pair<int, uint64_t>> take_freed_all() {
 void pack_array_header(std::string& out, size_t n) {
   if (n < 16) {
     out.push_back(static_cast<char>(0x90 | n));
-  } else {
+  } else if (n <= 0xffff) {
     pack_tagged(out, 0xdc, n, 2);
+  } else {
+    pack_tagged(out, 0xdd, n, 4);
   }
 }
 

@@ -161,6 +161,11 @@ inline Io read_frame(int fd, bool records, const Wire& w, Frame* r, int* err,
   return Io::ok;
 }
 
+// Whether read_frame read `frame`'s body (false: a header its checks refused, the read ended after it).
+inline bool whole(const std::string& frame) {
+  return frame.size() >= kHeader && frame.size() == kHeader + le(frame.data() + 4, 4);
+}
+
 inline uint64_t be(const char* p, int bytes) {
   uint64_t v = 0;
   for (int i = 0; i < bytes; ++i) v = (v << 8) | static_cast<uint8_t>(p[i]);

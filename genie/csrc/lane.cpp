@@ -89,22 +89,13 @@ std::string batch_frame(const std::vector<std::string>& cmds, const std::vector<
   pack_str(body, "uploads");
   body.push_back(static_cast<char>(0x90));
   pack_str(body, "cmds");
-  size_t n = cmds.size() + (frees.empty() ? 0 : 1) + 1;
-  if (n <= 0xffff) {
-    pack_array_header(body, n);
-  } else {
-    pack_tagged(body, 0xdd, n, 4);
-  }
+  pack_array_header(body, cmds.size() + (frees.empty() ? 0 : 1) + 1);
   for (const auto& c : cmds) pack_bin(body, c);
   if (!frees.empty()) {
     std::string free_cmd;
     free_cmd.push_back(static_cast<char>(0x92));
     pack_uint(free_cmd, g_wire.cmd_free);
-    if (frees.size() <= 0xffff) {
-      pack_array_header(free_cmd, frees.size());
-    } else {
-      pack_tagged(free_cmd, 0xdd, frees.size(), 4);
-    }
+    pack_array_header(free_cmd, frees.size());
     for (auto sid : frees) pack_uint(free_cmd, sid);
     pack_bin(body, free_cmd);
   }
@@ -202,8 +193,8 @@ py::object number_object(const Number& v) {
 }
 
 // genie.device.stats: the cache of code objects outside genie and torch, and what fills it for a new one.
-PyObject* g_outside = nullptr;   // dict, borrowed for the process's life (the module keeps it)
-PyObject* g_classify = nullptr;  // genie.device.stats.is_outside (a strong reference, leaked)
+PyObject* g_outside = nullptr;   // genie.device.stats._outside (a strong reference)
+PyObject* g_classify = nullptr;  // genie.device.stats.is_outside (a strong reference)
 
 // The first frame outside genie and torch, as genie.device.stats.caller_place finds it (with the GIL):
 // (a strong reference to its code, its instruction offset); (nullptr, 0) when none.
@@ -344,9 +335,8 @@ bool lane_request(const std::shared_ptr<Queue>& q, int device, uint64_t req, con
     result = conn.attr("_lane_resume")(req, started, taken, device, py::bytes(reply.frame), reply.record_kind,
                                        reply.record_len);
   } else {
-    py::object body = py::none();
-    if (reply.frame.size() > kHeader) body = py::bytes(reply.frame.data() + kHeader, reply.frame.size() - kHeader);
-    else if (reply.frame.size() == kHeader && genie_io::le(reply.frame.data() + 4, 4) == 0) body = py::bytes("", 0);
+    const std::string& f = reply.frame;
+    py::object body = genie_io::whole(f) ? py::object(py::bytes(f.data() + kHeader, f.size() - kHeader)) : py::none();
     result = conn.attr("_lane_reply")(req, started, taken, device, py::bytes(reply.frame.data(), kHeader), body,
                                       py::bytes(reply.leftover));
   }
@@ -372,10 +362,13 @@ void init_lane(py::module_& m, std::shared_ptr<Queue> (*queue_of)(int64_t)) {
     g_wire.inline_record = static_cast<uint8_t>(inline_record);
     g_wire.max_body = max_body;
   }, "The wire's numbers the lane frames with: protocol version, BATCH, REPLY, CMD_FREE, INLINE, the longest body.");
-  m.def("set_lane_places", [](py::dict outside, py::object classify) {
-    g_outside = outside.ptr();
-    Py_INCREF(g_outside);
+  m.def("set_lane_places", [](py::dict outside, py::object classify) {  // each session start: the same objects
+    PyObject* old_outside = g_outside;
+    PyObject* old_classify = g_classify;
+    g_outside = outside.inc_ref().ptr();
     g_classify = classify.inc_ref().ptr();
+    Py_XDECREF(old_outside);
+    Py_XDECREF(old_classify);
   }, "genie.device.stats' cache of code objects outside genie and torch, and the function that classifies one.");
   m.def("queue_books", [queue_of](int64_t qid) -> py::object {
     auto q = queue_of(qid);

@@ -339,8 +339,8 @@ class Runner {
     }
     if (frame.resume) return py::make_tuple("resume", py::bytes(frame.frame), frame.record_kind, frame.record_len);
     const std::string& f = frame.frame;
-    size_t body_len = f.size() >= kHeader ? genie_io::le(f.data() + 4, 4) : 0;
-    bool whole = f.size() == kHeader + body_len;  // else the header failed read_frame's checks: Python names why
+    bool whole = genie_io::whole(f);  // else the header failed read_frame's checks: Python names why
+    size_t body_len = whole ? f.size() - kHeader : 0;
     std::vector<std::pair<size_t, size_t>> spans;
     if (!whole || static_cast<uint8_t>(f[3]) != wire_.batch || genie_io::le(f.data() + 8, 8) != 0 ||
         !frame.leftover.empty() || !genie_io::batch_commands(f.data() + kHeader, body_len, &spans) ||

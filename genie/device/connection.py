@@ -444,12 +444,7 @@ class NodeConnection:
         except (ConnectionClosedError, TimeoutError, OSError, FrameError) as exc:
             self.mark_lost(f"no answer: {exc}")
             raise self._device_lost(device) from exc
-        stats = self.stats
-        stats["round_trips"] += 1
-        # Everything sent has run: the server is idle again. Start small (or full, where that measured faster).
-        small = self.flush_policy.interval_done(stats["ops"], time.perf_counter()) == "small"
-        self.flush_at = MIN_BATCH_CMDS if small else MAX_BATCH_CMDS
-        STATS.round_trip(command, started, payload_len)  # stats
+        self._replied(command, started, payload_len)
         if self._early_deferred:
             deferred, self._early_deferred = [*self._early_deferred, *deferred], []
         self._room()
@@ -459,13 +454,24 @@ class NodeConnection:
             raise _execution_error(error)
         return out if payload_into is not None else result
 
+    def _replied(self, command: list[Any], started: float, payload_len: int) -> None:
+        """A request's reply came: the round trip's statistics and the next batch's bound."""
+        stats = self.stats
+        stats["round_trips"] += 1
+        # Everything sent has run: the server is idle again. Start small (or full, where that measured faster).
+        small = self.flush_policy.interval_done(stats["ops"], time.perf_counter()) == "small"
+        self.flush_at = MIN_BATCH_CMDS if small else MAX_BATCH_CMDS
+        STATS.round_trip(command, started, payload_len)  # stats
+
     # -- the lane's replies (genie/csrc/lane.cpp calls these with the session lock held) -----------------
     def _lane_channel(self) -> Any:
         """The channel, with the lane's optional methods (genie.transport.base.Channel)."""
         return self.channel
 
     def _lane_sent(self, taken: int) -> None:
-        """What a flush records, for the batch the lane sent with ``taken`` commands genie._C had queued."""
+        """What a flush records, for the batch the lane sent with ``taken`` commands genie._C had queued
+        (after the books of the round trips the lane kept before it, so the policy's interval counts them)."""
+        self._fold_books()
         self.stats["ops"] += taken
         STATS.op_queued(taken)  # stats
         self.stats["batches"] += 1
@@ -474,17 +480,9 @@ class NodeConnection:
 
     def _lane_done(self, taken: int, started: float) -> None:
         """The lane's ``.item()`` was answered with a number and nothing else (lane.cpp checked the reply as
-        _finish would): its bookkeeping, as _lane_sent and _finish keep it."""
-        self._fold_books()
-        stats = self.stats
-        stats["ops"] += taken
-        stats["batches"] += 1
-        stats["round_trips"] += 1
-        STATS.item_answered(taken, started)  # stats
-        now = time.perf_counter()
-        self.last_send = time.monotonic()
-        small = self.flush_policy.interval_done(stats["ops"], now) == "small"
-        self.flush_at = MIN_BATCH_CMDS if small else MAX_BATCH_CMDS
+        _finish would), in an interval the batching policy measures: its bookkeeping, as _finish keeps it."""
+        self._lane_sent(taken)
+        self._replied(_lane_command(0), started, 0)
         self._room()
 
     def _lane_reply(self, req: int, started: float, taken: int, device: int, head: bytes, body: bytes | None,

@@ -159,13 +159,13 @@ class ClientStats:
 
     def round_trip(self, command: list[Any], started: float, bytes_down: int) -> None:
         """One blocking request answered: ``started`` is its ``time.perf_counter()`` at the start."""
-        self._answered(command_reason(command), started, bytes_down)
-
-    def item_answered(self, ops: int, started: float) -> None:
-        """An ``.item()`` genie._C's lane answered: its batch (with ``ops`` queued commands) and round trip."""
-        self.ops_queued += ops
-        self.batches += 1
-        self._answered(_ITEM, started, 0)
+        seconds = time.perf_counter() - started
+        key = (caller_place(), command_reason(command))
+        with self._lock:
+            self.round_trips += 1
+            self.bytes_down += bytes_down
+            self.wait_seconds += seconds
+            self._tally(key, 1, seconds)
 
     def lane_books(self, ops: int, trips: int, seconds: float, places: list[tuple[Any, int, int, float]]) -> None:
         """``trips`` ``.item()`` round trips genie._C's lane kept the books of: ``places`` are their
@@ -176,27 +176,16 @@ class ClientStats:
             self.round_trips += trips
             self.wait_seconds += seconds
             for code, offset, count, secs in places:
-                key = ((code, offset) if code is not None else None, _ITEM)
-                entry = self._sync.get(key)
-                if entry is None:
-                    self._sync[key] = [count, secs]
-                else:
-                    entry[0] += count
-                    entry[1] += secs
+                self._tally(((code, offset) if code is not None else None, _ITEM), count, secs)
 
-    def _answered(self, reason: str, started: float, bytes_down: int) -> None:
-        seconds = time.perf_counter() - started
-        key = (caller_place(), reason)
-        with self._lock:
-            self.round_trips += 1
-            self.bytes_down += bytes_down
-            self.wait_seconds += seconds
-            entry = self._sync.get(key)
-            if entry is None:
-                self._sync[key] = [1, seconds]
-            else:
-                entry[0] += 1
-                entry[1] += seconds
+    def _tally(self, key: tuple[Any, str], count: int, seconds: float) -> None:
+        """Add round trips to a (caller place, reason)'s entry (under the lock)."""
+        entry = self._sync.get(key)
+        if entry is None:
+            self._sync[key] = [count, seconds]
+        else:
+            entry[0] += count
+            entry[1] += seconds
 
     # -- reading --------------------------------------------------------------------------------
     def sync_points(self) -> list[SyncPoint]:

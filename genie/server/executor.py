@@ -211,10 +211,8 @@ class Executor:
         it natively where the runner can (genie._C_plans.Runner.serve): None once the frame was handled;
         else ("frame", ...), ("resume", ...) or ("io", ...), which the session takes on."""
         assert self.native is not None
-        pool = self.transfers.pool
         metrics = self.metrics if self.metrics is not NULL_SESSION_METRICS else None
-        got = self.native.serve(fd, records, self.store, self.max_op_elements, metrics,
-                                0 if pool.skip else pool.min_bytes, not self.deferred and not self.dropped,
+        got = self.native.serve(fd, records, self.store, self.max_op_elements, metrics, *self._runner_state(),
                                 min(MAX_COMMANDS, self.max_inflight))
         if got[0] == "done":
             self._natively_ran(got[1], got[2], None)
@@ -267,11 +265,10 @@ class Executor:
         finished here, the index then past it). Freed storages the staging pool may take stay with Python,
         which offers them to it. ``ran_before``: the runner's result from ``index`` (serve_native ran it)."""
         assert self.native is not None
-        pool = self.transfers.pool
         start = index
         if ran_before is None:
             ran_before = self.native.run(cmds, index, self.store, self.max_op_elements, metrics,
-                                         0 if pool.skip else pool.min_bytes, not self.deferred and not self.dropped)
+                                         *self._runner_state())
         index, ran, outcome = ran_before
         self._natively_ran(index - start, ran, outcome)
         if outcome is None:
@@ -284,6 +281,13 @@ class Executor:
         else:
             plans.finish_native(self, self.plans[outcome[1]], outcome)
         return index + 1, None, True
+
+    def _runner_state(self) -> tuple[int, bool]:
+        """The native runner's view of the session: the smallest freed storage the staging pool takes (0:
+        none, so every FREE of a live storage is the runner's), and whether no deferred error waits (a CALL
+        may then be answered there)."""
+        pool = self.transfers.pool
+        return (0 if pool.skip else pool.min_bytes), not self.deferred and not self.dropped
 
     def _natively_ran(self, advanced: int, ran: int, outcome: Any) -> None:
         """Count what the native runner did: ``advanced`` commands finished, ``ran`` ops run."""
