@@ -74,9 +74,16 @@ def path_fingerprint(paths: Iterable[str | os.PathLike[str]]) -> list[list[Any]]
 
 
 def library_dirs() -> list[str]:
-    """``LD_LIBRARY_PATH`` entries, then the usual system library directories."""
+    """``LD_LIBRARY_PATH`` entries, then the system library directories.
+
+    The system directories are :data:`LIBRARY_DIRS` unless ``GENIE_SYSTEM_LIBRARY_DIRS`` is set (a
+    path list; empty means none): for a site whose libraries live elsewhere, and for checking what a
+    machine without the system packages sees (tests/test_first_contact.py).
+    """
     extra = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if d]
-    return extra + [d for d in LIBRARY_DIRS if d not in extra]
+    given = os.environ.get("GENIE_SYSTEM_LIBRARY_DIRS")
+    system = LIBRARY_DIRS if given is None else tuple(d for d in given.split(os.pathsep) if d)
+    return extra + [d for d in system if d not in extra]
 
 
 def find_library_file(*names: str) -> str | None:

@@ -2,7 +2,7 @@
 
 Real DPDK: one EAL in the test process, a memif server and a memif client port per
 channel pair, the shim's polling thread running while channels are open. Needs
-Debian's DPDK and the shim built at install (libdpdk-dev); skips naming what is missing.
+Debian's DPDK and the shim built at install (libdpdk-dev); every class skips naming what is missing.
 """
 
 from __future__ import annotations
@@ -24,8 +24,13 @@ class TestDpdkMemifConformance(TransportConformance):
     bulk_bytes = 4 << 20  # each frame is copied four times on two shared cores: keep the suite quick
 
 
+@requires_shim
 class TestDpdkBeforeHandshakeConformance(TransportConformance):
-    """Before the handshake: records on the TCP stream only (no DPDK port opened yet)."""
+    """Before the handshake: records on the TCP stream only (no DPDK port opened yet).
+
+    Needs the shim all the same: ``connect`` and ``listen`` refuse without it (BackendUnavailableError naming
+    the fix), since a dpdk channel whose data path cannot exist is no channel to hand out.
+    """
 
     transport_class = DpdkTransport
     complete_handshake = False

@@ -59,11 +59,10 @@ def probe_blocking(timeout: float, name: str = "dpdk_gpudev", priority: int = PR
     """Check every piece in order; the reason code is the first missing one, the text names all."""
     libs = eal.find_libraries()
     details: dict[str, Any] = {"libs": libs, "data_path": False, "data_path_note": NO_DATA_PATH}
-    if not libs["eal"] or not libs["ethdev"]:
-        return ProbeResult(name, False, "library_missing", f"DPDK library not found: {INSTALL_HINT}",
-                           priority=priority, details=details)
     missing: list[tuple[str, str]] = []
-    if not libs["gpudev"]:
+    if not libs["eal"] or not libs["ethdev"]:
+        missing.append(("library_missing", f"DPDK library not found: {INSTALL_HINT}"))
+    elif not libs["gpudev"]:
         missing.append(("library_missing", f"librte_gpudev.so.{eal.ABI} not found: install librte-gpudev{eal.ABI} "
                                            "(Debian; part of the dpdk package)"))
     cuda_ok, cuda_why = cuda_state()
