@@ -27,6 +27,7 @@ Servers and clusters (real processes on loopback, always stopped, even when a te
 
 Helpers: :func:`wait_until` (poll a predicate), :func:`wait_until_async` (the same on an event
 loop), :func:`refused_port` (a port where connections are refused for as long as it is held),
+:class:`~genie.testing.link.LinkEmulator` (a proxy that adds delay, caps bandwidth, cuts and stalls),
 :func:`announce_node` (a ``node_joined`` event on demand, to see that a subscription is live),
 :class:`NodeProcess` (one node process).
 
@@ -66,6 +67,7 @@ from genie.cluster.launch import NodeProcess
 from genie.errors import GenieError
 from genie.plugins import PluginManager, get_plugin_manager
 from genie.security import ClientSecurity
+from genie.testing.link import LinkEmulator
 from genie.types import ClusterEvent, EventType
 
 if TYPE_CHECKING:
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EventRecorder",
+    "LinkEmulator",
     "LocalCluster",
     "NodeProcess",
     "ServerProcess",
