@@ -72,6 +72,21 @@ def _positive(value: float) -> bool:
     return value > 0
 
 
+def _port_map_or_none(text: str) -> dict[str, int] | None:
+    """``advertise_ports`` read: ``{}`` (empty), ``{"": port}`` (the data port), ``{backend: port}``; None if malformed."""
+    text = text.strip()
+    if not text:
+        return {}
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, port = part.strip().rpartition("=")
+        if (sep and not re.fullmatch(r"[a-z][a-z0-9_]{0,63}", name)) or not port.isdigit() \
+                or not 0 < int(port) <= 65535 or name in out or (not sep and text.count(",")):
+            return None
+        out[name] = int(port)
+    return out
+
+
 _PORT_TEXT = "an integer port from 1 to 65535 (0: any free port, for the master itself only)"
 
 # name -> (type, default, validator or None, allowed text)
@@ -85,6 +100,11 @@ _OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
     "backend": (str, "auto", None, "see BackendSpec"),
     "bind_addr": (str, "127.0.0.1", lambda v: bool(v.strip()), "an address to listen on"),
     "data_port": (int, 0, lambda v: 0 <= v <= 65535, "0 (any free port) or a port up to 65535"),
+    # behind NAT or a container's port mapping (docs/network.md)
+    "advertise_host": (str, "", lambda v: v == v.strip() and " " not in v,
+                       "a host name or IP address others reach this node at, or empty (the bind address)"),
+    "advertise_ports": (str, "", lambda v: _port_map_or_none(v) is not None,
+                        "empty, a port (the data port others reach), or backend=port pairs like 'tcp=7000,shm=7001'"),
     "metrics_port": (int, 0, lambda v: 0 <= v <= 65535,
                      "0 (no metrics endpoint) or the port for /metrics, /healthz and /readyz"),
     "devices": (str, "auto", lambda v: re.fullmatch(r"auto|(cpu|cuda(:\d+)?)(,(cpu|cuda(:\d+)?))*", v) is not None,
@@ -180,6 +200,8 @@ class ClusterConfig:
     backend: BackendSpec
     bind_addr: str
     data_port: int
+    advertise_host: str
+    advertise_ports: str
     metrics_port: int
     devices: str
     heartbeat_interval: float
@@ -272,6 +294,26 @@ class ClusterConfig:
     @property
     def log_level_number(self) -> int:
         return int(logging.getLevelName(self.log_level))
+
+    def announced_endpoint(self, data_port: int, data_ports: Mapping[str, int],
+                           primary: str) -> tuple[str, int, dict[str, int]]:
+        """Where others reach this node's data plane: ``(host, data_port, data_ports)`` after ``advertise_*``.
+
+        ``data_port``/``data_ports`` are the ports bound (``primary`` is the backend on ``data_port``).
+        ``advertise_host`` replaces the bind address; ``advertise_ports`` a bare port replaces the data
+        port (and the primary backend's), ``backend=port`` pairs replace those backends' ports.
+        """
+        mapping = _port_map_or_none(self.advertise_ports) or {}
+        ports = dict(data_ports)
+        port = data_port
+        for name, advertised in mapping.items():
+            if name in ("", primary):
+                port = advertised
+                if primary in ports:
+                    ports[primary] = advertised
+            else:
+                ports[name] = advertised
+        return self.advertise_host or self.bind_addr, port, ports
 
     def replace(self, **changes: Any) -> ClusterConfig:
         """A copy with some options changed, validated again as arguments."""

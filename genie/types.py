@@ -86,6 +86,8 @@ class NodeInfo:
     status: NodeStatus = NodeStatus.CONNECTED
     #: the port serving each backend (a node serves every backend available on it); ``data_port`` for the rest
     data_ports: dict[str, int] = attrs.field(factory=dict)
+    #: ``address`` was set by the operator (``--advertise-host``): peers use it even for the master
+    advertised: bool = False
 
     def port_for(self, backend: str) -> int:
         """The data port that serves ``backend``."""
@@ -102,6 +104,7 @@ class NodeInfo:
             "backends": list(self.backends),
             "status": self.status.value,
             "data_ports": dict(self.data_ports),
+            "advertised": self.advertised,
         }
 
     @classmethod
@@ -116,6 +119,7 @@ class NodeInfo:
             backends=tuple(str(b) for b in data.get("backends", ("tcp",))),
             status=NodeStatus(data.get("status", NodeStatus.CONNECTED.value)),
             data_ports=parse_data_ports(data.get("data_ports")),
+            advertised=data.get("advertised") is True,
         )
 
 

@@ -30,6 +30,12 @@ STATE_FILE_ENV = "GENIE_STATE_FILE"
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; GENIE_BIND_ADDR)")
     p.add_argument("--data-port", type=int, default=None, help="data-plane port (default: any free port)")
+    p.add_argument("--advertise-host", default=None,
+                   help="the address others reach this node at, when it differs from --host (NAT, containers; "
+                        "GENIE_ADVERTISE_HOST)")
+    p.add_argument("--advertise-ports", default=None,
+                   help="the data port others reach (a port), or per backend 'tcp=7000,shm=7001', when a port "
+                        "mapping differs from what is bound (GENIE_ADVERTISE_PORTS)")
     p.add_argument("--backend", default=None, help="auto, a backend name, a list 'rdma,tcp' or exclusions '^dpdk'")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve /metrics (Prometheus), /healthz and /readyz on this port (default: off)")
@@ -61,6 +67,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     """What ``genie serve`` and ``genie worker`` add to the session options (genie.cli.options)."""
     return {
         "bind_addr": args.host, "data_port": args.data_port, "backend": args.backend,
+        "advertise_host": args.advertise_host, "advertise_ports": args.advertise_ports,
         "heartbeat_interval": args.heartbeat_interval, "heartbeat_timeout": args.heartbeat_timeout,
         "metrics_port": args.metrics_port, "gpu_poll_interval": args.gpu_poll_interval,
         "health_check_interval": args.health_check_interval,
@@ -95,6 +102,8 @@ def ready_line(role: str, config: ClusterConfig, state: ClusterState) -> str:
     metrics_port = state.stats.get("metrics_port")
     if metrics_port:
         line += f" metrics={metrics_port}"
+    if config.advertise_host or config.advertise_ports:
+        line += f" advertised={state.local_node.address}:{state.local_node.data_port}"
     log.info("%s", line)
     return line
 

@@ -40,10 +40,11 @@ def node_endpoint(node: Mapping[str, Any], config: ClusterConfig) -> tuple[str, 
     """Where to reach ``node``'s data plane: its address, and the port of each backend it serves.
 
     The master's own devices (role ``server``, or an unspecified address) are reached where the
-    master was; a backend the node announces no port for uses its ``data_port``.
+    master was, unless its operator set the address it announces (``advertise_host``); a backend the
+    node announces no port for uses its ``data_port``.
     """
     address = str(node["address"])
-    if address in ("", "0.0.0.0", "::") or node.get("role") == "server":
+    if address in ("", "0.0.0.0", "::") or (node.get("role") == "server" and node.get("advertised") is not True):
         address = config.master_addr
     try:
         ports = parse_data_ports(node.get("data_ports"))

@@ -242,11 +242,12 @@ class Runtime:
                                              cfg.replace(node_id=state.local_node.node_id),
                                              security=self.server_security, also=also)
             await anyio.to_thread.run_sync(self.dataplane.start)
-            state.data_port = port = self.dataplane.port
-            ports = self.dataplane.data_ports
-            state.local_node = NodeInfo(state.local_node.node_id, state.local_node.hostname, role, cfg.bind_addr,
+            state.data_port = self.dataplane.port
+            host, port, ports = cfg.announced_endpoint(self.dataplane.port, self.dataplane.data_ports,
+                                                       primary=selection.names[0])
+            state.local_node = NodeInfo(state.local_node.node_id, state.local_node.hostname, role, host,
                                         port, state.local_node.gpus, tuple(n for n in selection.names if n in ports),
-                                        data_ports=ports)
+                                        data_ports=ports, advertised=bool(cfg.advertise_host))
             self._make_monitors(state)
             supervisor = self.dataplane.supervisor
             if supervisor is not None:
