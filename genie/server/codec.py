@@ -24,7 +24,16 @@ import torch
 from genie.errors import FrameError, ProtocolError
 from genie.server.store import StorageError
 from genie.wire.frame import unpack_body
-from genie.wire.values import DTYPES, dtype_code, dtype_from_code, encode_common, make_ext_hook, unpack_descriptor
+from genie.wire.values import (
+    DTYPES,
+    EXT_INLINE_TENSOR,
+    MAX_INLINE_TENSOR_BYTES,
+    dtype_code,
+    dtype_from_code,
+    encode_common,
+    make_ext_hook,
+    unpack_descriptor,
+)
 
 #: Most dimensions a shape or stride may have.
 MAX_DIMS = 64
@@ -201,7 +210,40 @@ def _tensor_from_bytes(data: bytes) -> Descriptor | None:
     return layout.with_id(storage_id)
 
 
-_EXT_HOOK = make_ext_hook(_tensor_tag, DeviceRef, GeneratorRef, _tensor_from_bytes)
+_WIRE_HOOK = make_ext_hook(_tensor_tag, DeviceRef, GeneratorRef, _tensor_from_bytes)
+#: Bounds on an inline tensor's msgpack ``[dtype, shape, raw]``: a shape of at most 64 sizes, the bytes the
+#: protocol allows inline (:data:`~genie.wire.values.MAX_INLINE_TENSOR_BYTES`).
+_INLINE_LIMITS = {"max_array_len": MAX_DIMS, "max_map_len": 0, "max_str_len": 0,
+                  "max_bin_len": MAX_INLINE_TENSOR_BYTES, "max_ext_len": 0}
+
+
+def check_inline(data: bytes) -> None:
+    """FrameError unless an inline tensor's payload keeps the bounds of every other tensor: at most 64 dimensions,
+    sizes of at most 2**62 (an empty one too: torch refuses more than 2**63 elements even when one size is 0),
+    at most :data:`~genie.wire.values.MAX_INLINE_TENSOR_BYTES` bytes. One of 500,001 dimensions was accepted
+    (issue 28); the decoder itself bounds only its bytes."""
+    try:
+        value = msgpack.unpackb(data, raw=False, **_INLINE_LIMITS)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage, ValueError past a limit
+        raise FrameError(f"malformed inline tensor (at most {MAX_DIMS} dimensions and {MAX_INLINE_TENSOR_BYTES} "
+                         f"bytes): {type(exc).__name__}: {exc}") from None
+    if type(value) is not list or len(value) != 3 or not _valid_ints(value[1]):
+        raise FrameError(f"an inline tensor must be [dtype code, shape of at most {MAX_DIMS} sizes, raw bytes], got "
+                         f"{_preview(value)}")
+    extent = 1
+    for size in value[1]:
+        extent *= size or 1
+    if extent > MAX_NBYTES:
+        raise FrameError(f"inline tensor of shape {value[1]} has more than 2**62 elements")
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code == EXT_INLINE_TENSOR:
+        check_inline(data)
+    return _WIRE_HOOK(code, data)
+
+
+_EXT_HOOK = _ext_hook
 
 
 #: Types resolve() must look into or replace.

@@ -44,7 +44,7 @@ def schema_args(name: str, overload: str = "default") -> tuple[str, ...]:
     return tuple(a.name for a in getattr(getattr(torch.ops.aten, name), overload)._schema.arguments)
 
 
-def _in_range(label: str, name: str, t: torch.Tensor, low: int, high: int) -> None:
+def in_range(label: str, name: str, t: torch.Tensor, low: int, high: int) -> None:
     """Every element of the integer tensor ``t`` in [low, high)."""
     if t.dtype not in _INTEGER:
         raise refuse(label, f"{name} must be an integer tensor, got {t.dtype}")
@@ -69,7 +69,7 @@ def check_pool_indices(label: str, args: list[Any], kwargs: dict[str, Any]) -> N
         raise refuse(label, f"grad_output {list(grad.shape)} does not pool input {list(x.shape)} over its last "
                      f"{spatial} dims")
     plane = math.prod(x.shape[-spatial:])
-    _in_range(label, "indices", indices, 0 if "adaptive" in label else -1, plane)
+    in_range(label, "indices", indices, 0 if "adaptive" in label else -1, plane)
 
 
 _CTC_ARGS = schema_args("_ctc_loss")
@@ -106,12 +106,12 @@ def check_ctc(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
                          f"as long as its target length ({len(target_lengths)} lengths, the longest "
                          f"{max(target_lengths, default=0)})")
         used = torch.arange(width) < torch.tensor(target_lengths).unsqueeze(1)
-        _in_range(label, "targets", targets[: len(target_lengths)][used], 0, classes)
+        in_range(label, "targets", targets[: len(target_lengths)][used], 0, classes)
     elif targets.dim() == 1:
         total = sum(target_lengths)
         if total > targets.numel():
             raise refuse(label, f"target_lengths add up to {total}, more than the {targets.numel()} targets")
-        _in_range(label, "targets", targets[:total], 0, classes)
+        in_range(label, "targets", targets[:total], 0, classes)
     else:
         raise refuse(label, f"targets must be 1-d (concatenated) or 2-d (padded), got shape {list(targets.shape)}")
     if backward:
@@ -153,7 +153,7 @@ def check_segment_reduce_backward(label: str, args: list[Any], kwargs: dict[str,
         raise refuse(label, f"{name} of shape {list(segments.shape)} for data {list(data.shape)} along axis {axis}: "
                      "one row of segments per position of the dims before the axis")
     size = data.size(axis)
-    _in_range(label, name, segments, 0, size + 1)
+    in_range(label, name, segments, 0, size + 1)
     if name == "lengths":
         count = segments.size(-1)
         if segments.numel() and not bool((segments.sum(-1) <= size).all()):

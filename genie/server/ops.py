@@ -23,6 +23,7 @@ rename in a new torch release is noticed instead of silently re-allowing it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -146,11 +147,80 @@ def _record(name: str) -> None:
 
 #: A heap address: 0x and at least 8 hex digits (torch puts raw pointers in some error messages).
 _POINTER = re.compile(r"0x[0-9a-fA-F]{8,}")
+#: A bare hex word of 12 to 16 digits, letters and digits both (an address printed without its 0x).
+_BARE_HEX = re.compile(r"(?<![\w.])(?=[0-9a-fA-F]*[a-fA-F])(?=[0-9a-fA-F]*[0-9])[0-9a-fA-F]{12,16}(?![\w.])")
+#: A decimal integer of 4 or more digits (not part of a name or of a float's digits): a word read from memory
+#: prints as one. Digits from which a number the call did not give is withheld, when its numbers are known.
+_DECIMAL = re.compile(r"(?<![\w.])\d{4,}(?!\w|\.\d)")
+#: One of 13 or more digits: withheld when nothing says what the call's own numbers are, 10**12 and up (a
+#: user-space address is 14 or 15 digits; a size a client gives, 2**40 included, is shorter).
+_LONG_DECIMAL = re.compile(r"(?<![\w.])\d{13,}(?!\w|\.\d)")
+#: Characters of a kernel's error text kept before it is scrubbed (a record keeps fewer still: records.py).
+_MAX_TEXT = 16000
+WITHHELD = "…"
 
 
-def scrub(message: str) -> str:
-    """``message`` with every heap address replaced by ``0x…``: error text sent to clients carries no raw memory."""
-    return _POINTER.sub("0x…", message)
+def scrub(message: str, known: frozenset[int] | set[int] | None = None) -> str:
+    """``message`` with memory contents taken out: error text sent to clients carries no word a kernel read.
+
+    Every heap address (``0x`` and 8 or more hex digits) becomes ``0x…``, a bare hex word of 12 to 16 digits
+    ``…``. Decimal integers go too, as a word read from memory prints in decimal (issue 28: ``_embedding_bag``
+    echoed the 8-byte word before its buffer): with ``known`` (the call's own argument values, sizes, strides
+    and element counts: :func:`known_numbers`) every number of 4 or more digits that is not one of them;
+    without it, every number of 13 or more digits. Shapes, indices and sizes the client gave stay readable.
+    """
+    message = _POINTER.sub("0x…", message)
+    message = _BARE_HEX.sub(WITHHELD, message)
+    if known is None:
+        return _LONG_DECIMAL.sub(WITHHELD, message)
+    return _DECIMAL.sub(lambda m: m.group() if int(m.group()) in known else WITHHELD, message)
+
+
+#: Most elements of an integer tensor whose values count as the call's own numbers (all of them), and most
+#: whose min and max do; larger ones add their shape only.
+_VALUES_OF = 1 << 12
+_EXTREMES_OF = 1 << 20
+
+
+def known_numbers(args: Any, kwargs: dict[str, Any]) -> set[int]:
+    """The numbers a call gave (for :func:`scrub`): integer arguments and list elements, each tensor's sizes,
+    strides, offset, element and byte counts, the products of its leading and trailing sizes, and the values of
+    small integer tensors (min and max of larger ones). Called on the error path only."""
+    known: set[int] = set()
+    stack: list[Any] = [args, list(kwargs.values())]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int):
+            known.add(abs(value))
+        elif isinstance(value, float) and value.is_integer():
+            known.add(abs(int(value)))
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif isinstance(value, torch.Tensor):
+            _tensor_numbers(value, known)
+    return known
+
+
+def _tensor_numbers(t: torch.Tensor, known: set[int]) -> None:
+    sizes = list(t.shape)
+    known.update(sizes)
+    if t.layout == torch.strided:
+        known.update(abs(s) for s in t.stride())
+    known.update((t.dim(), t.numel(), t.numel() * t.element_size(), int(t.storage_offset())))
+    lead = trail = 1
+    for a, b in zip(sizes, reversed(sizes), strict=True):
+        lead, trail = lead * a, trail * b
+        known.update((lead, trail))
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or t.device.type == "meta" \
+            or t.layout != torch.strided or not t.numel():
+        return
+    with contextlib.suppress(RuntimeError):
+        if t.numel() <= _VALUES_OF:
+            known.update(abs(int(v)) for v in t.reshape(-1).tolist())
+        elif t.numel() <= _EXTREMES_OF:
+            known.update((abs(int(t.min())), abs(int(t.max()))))
 
 
 def _preview(value: object) -> str:
@@ -201,6 +271,17 @@ def _run_or_decompose(op: torch._ops.OpOverload, args: Any, kwargs: dict[str, An
         return result
 
 
+_NO_RULE = object()
+_out_rules: dict[torch._ops.OpOverload, Any] = {}
+
+
+def _out_rule(op: torch._ops.OpOverload) -> Any:
+    from genie.server.validators import out_dtype_check  # validators import records, which imports this module
+
+    _out_rules[op] = rule = out_dtype_check(op)
+    return rule
+
+
 def run_op(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> Any:
     """Run ``op``; when the server's device has no kernel for it, run its registered decomposition instead.
 
@@ -208,5 +289,25 @@ def run_op(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -
     per op, so it is entered only once a kernel turned out to be missing. The
     decomposition's outputs are checked against the client's like any other op's
     (the executor's mismatch rule): a disagreement is reported, never stored.
+
+    An out form whose out dtypes only its kernel could check (:func:`genie.server.validators.out_dtype_check`)
+    is checked here too: the executor runs the out form of an op whose functional result did not fit the
+    client's outputs without a pre-flight of its own. A kernel's error leaves with :func:`scrub` applied
+    against the call's own numbers.
     """
-    return _run_or_decompose(op, args, kwargs)
+    rule = _out_rules.get(op, _NO_RULE)
+    if rule is _NO_RULE:
+        rule = _out_rule(op)
+    if rule is not None:
+        rule(op.name(), args, kwargs)
+    try:
+        return _run_or_decompose(op, args, kwargs)
+    except Exception as exc:
+        text = str(exc)
+        if len(text) > _MAX_TEXT:  # torch prints whole tensors in some messages (meshgrid's: 9.4 MB)
+            text = f"{text[:_MAX_TEXT]} ... ({len(text) - _MAX_TEXT} more characters)"
+        if _DECIMAL.search(text) or _BARE_HEX.search(text):
+            text = scrub(text, known_numbers(args, kwargs))
+        if text != str(exc):
+            exc.args = (text,)
+        raise

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from genie.server import index_checks
+from genie.server import index_checks, shape_checks
 from genie.server.index_checks import given_args, schema_args
 from genie.server.index_checks import refuse as _fail
+from genie.server.outputs import functional_of
 
 Check = Callable[[str, list[Any], dict[str, Any]], None]
 
@@ -123,7 +124,8 @@ def check_embedding(label: str, args: list[Any], kwargs: dict[str, Any]) -> None
     """The embedding ops' CPU kernels read their index tensors as flat arrays and trust ``mode``: an expanded
     (stride 0) offsets of 2**20 elements over one element read past its storage, a float offsets or a mode
     of 2**62 killed the process (found by tests/security/fuzz_ops.py). So: index tensors integer and
-    contiguous, per-sample weights contiguous, ``mode`` 0 (sum), 1 (mean) or 2 (max); and with
+    contiguous (an argument that is not is served as a contiguous copy, as CUDA's kernels take any layout),
+    per-sample weights contiguous likewise, ``mode`` 0 (sum), 1 (mean) or 2 (max); and with
     ``include_last_offset`` at least two offsets (one offset makes no bag and the kernel wrote past its
     empty output); 1-d indices with no offsets at all are refused too (with a weight that is not contiguous,
     or in max mode, the kernel wrote past its empty output: SIGSEGV)."""
@@ -137,9 +139,8 @@ def check_embedding(label: str, args: list[Any], kwargs: dict[str, Any]) -> None
             continue
         if name != "per_sample_weights" and t.dtype not in (torch.int32, torch.int64):
             raise _fail(label, f"{name} must be int32 or int64, got {t.dtype}")
-        if not t.is_contiguous():
-            raise _fail(label, f"{name} must be contiguous (strides {list(t.stride())} for shape {list(t.shape)}); "
-                        "call .contiguous() first")
+        if not t.is_contiguous():  # the kernels read it as a flat array; CUDA's take any layout
+            _contiguous_arg(names, name, args, kwargs)
     mode = given.get("mode")
     if mode is not None and mode not in (0, 1, 2):
         raise _fail(label, f"mode {mode!r} is none of 0 (sum), 1 (mean), 2 (max)")
@@ -152,6 +153,23 @@ def check_embedding(label: str, args: list[Any], kwargs: dict[str, Any]) -> None
     if indices.dim() == 1 and not offsets.numel():
         raise _fail(label, f"{indices.numel()} indices and no offsets make no bag; give the offset where each bag "
                     "starts, beginning with 0")
+    if indices.dim() == 1 and offsets.dim() == 1:
+        _check_offsets(label, offsets, indices.numel())
+    weight = given.get("weight")
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        index_checks.in_range(label, "indices", indices, 0, weight.size(0))
+    elif isinstance(given.get("num_weights"), int):
+        index_checks.in_range(label, "indices", indices, 0, given["num_weights"])
+
+
+def _check_offsets(label: str, offsets: torch.Tensor, n: int) -> None:
+    """Offsets of bags over ``n`` indices: from 0, never decreasing, at most ``n``. The CPU kernel reads
+    ``indices`` at each offset unchecked: a negative offset read the word before its buffer and printed it in its
+    error message (issue 28: an 8-byte heap word, in decimal), a decreasing one walked past the bag."""
+    if int(offsets[0]) != 0 or int(offsets.min()) < 0 or int(offsets.max()) > n:
+        raise _fail(label, f"offsets must start at 0 and lie in [0, {n}] (the bags of {n} indices)")
+    if offsets.numel() > 1 and not bool((offsets.diff() >= 0).all()):
+        raise _fail(label, "offsets must not decrease (each is where a bag starts)")
 
 
 def check_index_put_impl(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
@@ -236,14 +254,117 @@ def check_median_dim(label: str, args: list[Any], kwargs: dict[str, Any]) -> Non
     """``median.dim`` / ``nanmedian.dim`` (and their out forms): the CPU kernel walks the reduced dimension as if
     its elements were distinct, so an expanded input (stride 0 along that dim) read past its storage: garbage
     values from the worker's heap for 100 elements over 12, a SIGSEGV for 2**26 (found by the fuzzer). Such an
-    input is refused; ``.contiguous()`` first gives the right answer."""
+    input is served as a contiguous copy (what CUDA's kernel takes as it is)."""
     given = given_args(("self", "dim", "keepdim"), args, kwargs)
     x, dim = given.get("self"), given.get("dim")
     if not isinstance(x, torch.Tensor) or not isinstance(dim, int) or not -x.dim() <= dim < max(x.dim(), 1):
         return  # the full reduction, or the kernel's own dim check answers
-    if x.dim() and x.stride(dim) == 0 and x.size(dim) > 1:
-        raise _fail(label, f"its input is expanded along dim {dim} (stride 0 for {x.size(dim)} elements), which "
-                    "the CPU kernel reads past its storage; call .contiguous() first")
+    if x.dim() and x.stride(dim) == 0 and x.size(dim) > 1:  # CUDA's kernel takes it: served as a copy
+        _contiguous_arg(("self", "dim", "keepdim"), "self", args, kwargs)
+
+
+#: Out forms whose kernel has no meta twin but checks its out dtypes itself (tests/security/test_kernel_bounds.py
+#: proves each refuses a mismatching one), and whose outputs do not all take the input's dtype: the rule below
+#: would refuse every call of theirs (a rank is int64, a reserve uint8).
+KERNEL_CHECKS_OUT_DTYPES = frozenset({"aten::linalg_lstsq.out", "aten::_batch_norm_with_update.out",
+                                      "aten::_native_batch_norm_legit.out"})
+_META = torch.device("meta")
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=_META)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, torch.device):
+        return _META
+    if isinstance(value, torch.Generator):
+        return None
+    return value
+
+
+def _computed_dtypes(functional: Any, args: list[Any], kwargs: dict[str, Any]) -> list[torch.dtype | None] | None:
+    """The dtypes of ``functional``'s results on meta copies of the arguments, or None when it has no meta
+    kernel or refuses them (the kernel's own checks then answer)."""
+    if functional is None:
+        return None
+    try:
+        result = functional(*_to_meta(args), **{k: _to_meta(v) for k, v in kwargs.items()})
+    except Exception:  # noqa: BLE001 - no meta kernel (NotImplementedError), or the arguments fail its checks
+        return None
+    results = result if isinstance(result, (list, tuple)) else [result]
+    return [t.dtype if isinstance(t, torch.Tensor) else None for t in results]
+
+
+def _unchecked_out_form(op: torch._ops.OpOverload) -> bool:
+    """Whether ``op`` is an out form that only a backend kernel implements: no meta kernel (the pre-flight's meta
+    run checks the out dtypes of every structured op and Python meta registration), no composite one (the
+    generated out forms copy a functional result into ``out``, casting; CompositeImplicit ones call out forms
+    checked in turn)."""
+    name = op.name()
+    if not any(a.is_out for a in op._schema.arguments) or name in KERNEL_CHECKS_OUT_DTYPES:
+        return False
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return not any(has(name, key) for key in ("Meta", "CompositeImplicitAutograd", "CompositeExplicitAutograd",
+                                              "CompositeExplicitAutogradNonFunctional"))
+
+
+def out_dtype_check(op: torch._ops.OpOverload) -> Check | None:
+    """The out-dtype rule of ``op`` (None for every op it does not cover; cached): see :func:`check_out_dtypes`."""
+    try:
+        return _out_rules[op]
+    except KeyError:
+        pass
+    found: Check | None = None
+    if _unchecked_out_form(op):
+        out_names = [a.name for a in op._schema.arguments if a.is_out]
+        names = tuple(a.name for a in op._schema.arguments if not a.is_out)
+        functional = functional_of(op)[1]
+
+        def found(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+            check_out_dtypes(label, args, kwargs, names=names, out_names=out_names, functional=functional)
+
+    _out_rules[op] = found
+    return found
+
+
+_out_rules: dict[torch._ops.OpOverload, Check | None] = {}
+
+
+def check_out_dtypes(label: str, args: list[Any], kwargs: dict[str, Any], *, names: tuple[str, ...],
+                     out_names: list[str], functional: Any) -> None:
+    """An out form that only a backend kernel implements (no meta or composite kernel checks its out dtypes) may
+    write what it computes into ``out`` as its own dtype, whatever ``out``'s: ``_logcumsumexp.out`` with a float
+    input and a uint8 out wrote 96 bytes into a 24-byte buffer (issue 28; the worker aborted). So each out
+    tensor must have the dtype the op computes: its functional form's, worked out on meta tensors, or, where
+    that has no meta kernel, the first tensor input's (every such kernel dispatches on it)."""
+    given = dict(zip(names, args, strict=False))
+    outs = [kwargs.get(n) for n in out_names]
+    if not all(isinstance(t, torch.Tensor) for t in outs):
+        return  # the schema check refuses it
+    inputs = {k: v for k, v in kwargs.items() if k not in out_names}
+    expected: list[torch.dtype | None] | None = _computed_dtypes(functional, args, inputs)
+    if expected is None or len(expected) != len(outs):
+        first = next((v for v in [*given.values(), *inputs.values()] if isinstance(v, torch.Tensor)), None)
+        if first is None:
+            return  # a factory: its kernel writes in the out's dtype
+        expected = [first.dtype] * len(outs)
+    for name, out, dtype in zip(out_names, outs, expected, strict=True):
+        assert isinstance(out, torch.Tensor)
+        if dtype is not None and out.dtype != dtype:
+            raise _fail(label, f"out argument {name!r} is {out.dtype} but the op computes {dtype}, and this op's "
+                        f"kernel does not convert; pass a {dtype} {name} (and convert the result afterwards)")
+
+
+def _contiguous_arg(names: tuple[str, ...], name: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """Replace the input argument ``name`` by a contiguous copy, in the call's own argument lists (a plan's are
+    copies per call: genie.server.plans._arguments). Only for inputs a kernel reads: an output must stay the
+    session's tensor. The copy has the input's elements, which the pre-flight's element cap bounds."""
+    if name in kwargs:
+        kwargs[name] = kwargs[name].contiguous()
+    else:
+        position = names.index(name)
+        args[position] = args[position].contiguous()
 
 
 #: Checks that must run before the pre-flight's meta run (they read no data): the meta run itself would fail.
@@ -277,6 +398,7 @@ _BY_PACKET: dict[str, Check] = {
     "aten::_batch_norm_no_update": check_batch_norm,
     "aten::batch_norm_backward": check_batch_norm,
     **index_checks.BY_PACKET,
+    **shape_checks.BY_PACKET,
 }
 _cache: dict[torch._ops.OpOverload, Check | None] = {}
 
@@ -288,8 +410,18 @@ def check_for(op: torch._ops.OpOverload) -> Check | None:
     except KeyError:
         packet = op.name().split(".", 1)[0]
         found = _BY_PACKET.get(packet) or (check_foreach if packet.startswith("aten::_foreach_") else None)
+        out_rule = out_dtype_check(op)
+        if out_rule is not None:
+            found = out_rule if found is None else _both(found, out_rule)
         _cache[op] = found
         return found
+
+
+def _both(first: Check, second: Check) -> Check:
+    def check(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+        first(label, args, kwargs)
+        second(label, args, kwargs)
+    return check
 
 
 def pre_check_for(op: torch._ops.OpOverload) -> Check | None:

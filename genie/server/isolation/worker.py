@@ -198,15 +198,45 @@ def _prewarm() -> None:
     torch.zeros(1).add_(1).sum().item()
     # The first pre-flight imports about 800 modules (torch's meta and decomposition tables, sympy):
     # about 1.1 s of an idle core, which every session's first op paid. A thread pays it while the
-    # spare waits, so the spare takes a session at once; a first op that comes early waits on the
-    # import lock for what is left, never for more.
-    threading.Thread(target=_warm_preflight, name="genie-worker-warm", daemon=True).start()
+    # spare waits, so the spare takes a session at once; a first op that comes early waits for what is
+    # left before its op clock starts (_AfterWarmUp), so the import never counts against its deadline.
+    _warming.append(threading.Thread(target=_warm_preflight, name="genie-worker-warm", daemon=True))
+    _warming[0].start()
+
+
+#: Set once the pre-flight's imports are done (or failed): the op clock starts after them (:class:`_AfterWarmUp`).
+_warmed = threading.Event()
+_warming: list[threading.Thread] = []  #: the warm-up thread, once :func:`_prewarm` started it
+#: Longest a first op waits for the warm-up outside its deadline (then its clock starts anyway).
+WARM_UP_WAIT = 120.0
 
 
 def _warm_preflight() -> None:
-    with contextlib.suppress(Exception):  # a warm-up only: the first real op would pay it instead
-        preflight.check(torch.ops.aten.add.Tensor, "aten::add.Tensor", [torch.zeros(4), 1], {},
-                        max_elements=0, remaining_bytes=None)
+    try:
+        with contextlib.suppress(Exception):  # a warm-up only: the first real op would pay it instead
+            preflight.check(torch.ops.aten.add.Tensor, "aten::add.Tensor", [torch.zeros(4), 1], {},
+                            max_elements=0, remaining_bytes=None)
+    finally:
+        _warmed.set()
+
+
+class _AfterWarmUp:
+    """The op clock of a session whose worker may still be importing the pre-flight's modules: the first op
+    waits for that warm-up before its clock starts, then the executor gets the real clock. On a loaded node the
+    import took 1 to 5 s, which the first op's deadline paid (issue 28); it is the node's work, not the op's."""
+
+    def __init__(self, clock: OpClock, executor: Executor) -> None:
+        self._clock = clock
+        self._executor = executor
+        self.address = clock.address
+
+    def begin(self, label: str) -> None:
+        _warmed.wait(WARM_UP_WAIT)
+        self._executor.clock = self._clock
+        self._clock.begin(label)
+
+    def end(self) -> None:
+        self._clock.end()
 
 
 class _NoChannel:
@@ -241,7 +271,8 @@ def serve_session(spec: WorkerSpec, sock: socket.socket, conn: Connection, clock
     node_metrics = ServerMetrics(enabled=True, devices=spec.devices)
     metrics = node_metrics.open_session(spec.session_id, session)
     session.executor.metrics = metrics
-    session.executor.clock = clock
+    warming = bool(_warming) and not _warmed.is_set()
+    session.executor.clock = _AfterWarmUp(clock, session.executor) if warming else clock  # type: ignore[assignment]
     session.executor.max_op_elements = spec.config.max_op_elements
     if spec.cache is not None:
         control.cache = WorkerCache(spec.cache, conn, control._send_lock)
