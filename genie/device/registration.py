@@ -21,6 +21,7 @@ from genie import _C
 from genie.compile import inductor as _inductor
 from genie.device import copies as _copies  # noqa: F401 - fills dispatch.SPECIAL
 from genie.device import dispatch, module
+from genie.device import rnn_cells as _rnn_cells  # noqa: F401 - fills dispatch.SPECIAL (fused RNN cells)
 from genie.errors import DeviceError
 from genie.wire.values import DTYPES
 
