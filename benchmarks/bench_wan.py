@@ -1,0 +1,199 @@
+"""genie across a slow link: ms per step and round trips per step at several round-trip times.
+
+A remote GPU is rarely on loopback. This benchmark puts genie.testing's LinkEmulator in front of
+a real node's control and data ports (the node advertises the emulator's ports, as a node behind
+NAT would) and runs real models built from configs (random weights, no downloads) at each RTT:
+
+- a nanoGPT-style training step (2 causal transformer layers, AdamW), ``loss.item()`` each step;
+- HF GPT-2 training steps (no attention mask given), with the batch on the device and with a fresh
+  CPU batch uploaded each step;
+- HF BERT training step (sequence classification, no attention mask given);
+- HF GPT-2 eval forward + ``logits.cpu()``;
+- HF GPT-2 greedy ``generate``, per new token.
+
+For each workload it prints the median ms/step at every RTT, the round trips per step (from
+``genie.stats()``) and, against the target ``step(RTT) <= step(0) + 1.1 * RTT`` (per token for
+generate), the excess in round trips: ``(step(RTT) - step(0)) / RTT``. Where round trips remain, the
+lines of code that caused them (the sync-point table) are printed, so each one can be traced.
+
+    .venv/bin/python benchmarks/bench_wan.py                 # RTT 0, 2 and 30 ms
+    .venv/bin/python benchmarks/bench_wan.py --rtt 0,30 --steps 5 --json out.json
+
+The node computes on the CPU of this machine; client and node share it, so absolute step times
+are this machine's, and the ratios are what to compare between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from genie.cluster.launch import NodeProcess  # noqa: E402
+from genie.testing import LinkEmulator  # noqa: E402
+
+#: Runs in a fresh client process per RTT: prints one JSON line per workload.
+CLIENT = r'''
+import json, statistics, sys, time
+import torch, genie
+from genie.device.stats import diff
+
+steps, warmup = int(sys.argv[1]), int(sys.argv[2])
+genie.init_sync(master_addr="127.0.0.1", master_port=int(sys.argv[3]), timeout=60)
+dev = "remote_accelerator:0"
+torch.manual_seed(0)
+
+def measure(name, make, step, per=1):
+    state = make()
+    for _ in range(warmup):
+        step(state)
+    before = genie.stats()
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step(state)
+        walls.append((time.perf_counter() - t0) / per)
+    d = diff(genie.stats(), before)
+    print(json.dumps({"name": name, "ms": statistics.median(walls) * 1e3,
+                      "trips": d["round_trips"] / (steps * per),
+                      "lines": [[p["line"], p["reason"], p["count"] / steps] for p in d["sync_points"][:4]]}),
+          flush=True)
+
+from torch import nn
+class Block(nn.Module):
+    def __init__(s, d=64, h=4, t=32):
+        super().__init__()
+        s.attn = nn.MultiheadAttention(d, h, batch_first=True); s.mlp = nn.Sequential(nn.Linear(d, 4*d), nn.GELU(), nn.Linear(4*d, d))
+        s.l1, s.l2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        s.register_buffer("mask", torch.triu(torch.full((t, t), float("-inf")), 1))
+    def forward(s, x):
+        h = s.l1(x); x = x + s.attn(h, h, h, attn_mask=s.mask, need_weights=False)[0]
+        return x + s.mlp(s.l2(x))
+class NanoGPT(nn.Module):
+    def __init__(s, v=256, d=64, t=32):
+        super().__init__(); s.tok = nn.Embedding(v, d); s.pos = nn.Embedding(t, d)
+        s.blocks = nn.Sequential(Block(d), Block(d)); s.head = nn.Linear(d, v)
+    def forward(s, idx, targets):
+        x = s.tok(idx) + s.pos(torch.arange(idx.shape[1], device=idx.device))
+        logits = s.head(s.blocks(x))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+def nano():
+    m = NanoGPT().to(dev); opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    idx = torch.randint(0, 256, (8, 32)).to(dev)
+    return m, opt, idx
+def nano_step(s):
+    m, opt, idx = s
+    opt.zero_grad(set_to_none=True); loss = m(idx, idx); loss.backward(); opt.step(); loss.item()
+measure("nanoGPT train step, loss.item()", nano, nano_step)
+
+from transformers import GPT2Config, GPT2LMHeadModel, BertConfig, BertForSequenceClassification
+from transformers.utils import logging as hf_logging
+hf_logging.set_verbosity_error()
+gcfg = GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=2)
+def gpt2(fresh=False):
+    def make():
+        m = GPT2LMHeadModel(gcfg).to(dev); opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+        ids = torch.randint(0, 512, (4, 32))
+        return m, opt, ids if fresh else ids.to(dev)
+    def step(s):
+        m, opt, ids = s
+        ids = ids.to(dev)
+        opt.zero_grad(set_to_none=True); loss = m(input_ids=ids, labels=ids).loss; loss.backward(); opt.step(); loss.item()
+    return make, step
+measure("HF GPT-2 train step (batch on device)", *gpt2())
+measure("HF GPT-2 train step (fresh CPU batch)", *gpt2(fresh=True))
+
+bcfg = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                  max_position_embeddings=64)
+def bert():
+    m = BertForSequenceClassification(bcfg).to(dev); opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    return m, opt, torch.randint(0, 512, (4, 32)).to(dev), torch.randint(0, 2, (4,)).to(dev)
+def bert_step(s):
+    m, opt, ids, y = s
+    opt.zero_grad(set_to_none=True); loss = m(input_ids=ids, labels=y).loss; loss.backward(); opt.step(); loss.item()
+measure("HF BERT train step", bert, bert_step)
+
+def gen_model():
+    m = GPT2LMHeadModel(gcfg).to(dev).eval()
+    return m, torch.randint(0, 512, (1, 8)).to(dev)
+def evalfwd(s):
+    m, ids = s
+    with torch.no_grad():
+        m(input_ids=ids).logits.cpu()
+measure("HF GPT-2 eval forward + logits.cpu()", gen_model, evalfwd)
+NEW = 8
+def generate(s):
+    m, ids = s
+    with torch.no_grad():
+        m.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+measure("HF GPT-2 greedy generate (per token)", gen_model, generate, per=NEW)
+genie.shutdown_sync()
+'''
+
+
+def run_at(rtt_ms: float, steps: int, warmup: int) -> list[dict[str, Any]]:
+    """One node behind two emulated links (control and data), one client process; the workloads' results."""
+    delay = rtt_ms / 2e3
+    with LinkEmulator(("127.0.0.1", 1), delay=delay) as control, LinkEmulator(("127.0.0.1", 1), delay=delay) as data:
+        env = {"GENIE_BACKEND": "tcp", "GENIE_LOG_LEVEL": "WARNING"}
+        with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--advertise-ports", str(data.port),
+                         env=env, ready_timeout=120) as node:
+            control.target = ("127.0.0.1", node.control_port)
+            data.target = ("127.0.0.1", node.data_port)
+            done = subprocess.run([sys.executable, "-c", CLIENT, str(steps), str(warmup), str(control.port)],
+                                  capture_output=True, text=True, timeout=1800,
+                                  env={**os.environ, **env})
+    if done.returncode != 0:
+        raise SystemExit(f"client at RTT {rtt_ms} ms failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rtt", default="0,2,30", help="round-trip times in ms, comma-separated (first is the baseline)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    rtts = [float(r) for r in args.rtt.split(",")]
+    results: dict[float, list[dict[str, Any]]] = {}
+    for rtt in rtts:
+        started = time.perf_counter()
+        results[rtt] = run_at(rtt, args.steps, args.warmup)
+        print(f"# RTT {rtt:g} ms done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    base = rtts[0]
+    header = ["workload", "trips/step"] + [f"ms @ {r:g}" for r in rtts] + \
+             [f"excess RTTs @ {r:g}" for r in rtts[1:]]
+    print(" | ".join(header))
+    print(" | ".join("---" for _ in header))
+    for i, row in enumerate(results[base]):
+        cells = [row["name"], "/".join(f"{results[r][i]['trips']:.2f}" for r in rtts)]
+        cells += [f"{results[r][i]['ms']:.1f}" for r in rtts]
+        for r in rtts[1:]:
+            excess = (results[r][i]["ms"] - row["ms"]) / r
+            cells.append(f"{excess:.2f} ({'met' if excess <= 1.1 else 'missed'})")
+        print(" | ".join(cells))
+    worst = rtts[-1]
+    print(f"\nsync points at RTT {worst:g} ms (line, reason, per step):")
+    for row in results[worst]:
+        for line, reason, count in row["lines"]:
+            print(f"  {row['name']}: {count:.2f} x {reason} at {line}")
+    print(textwrap.dedent("""
+        target: step(RTT) <= step(0) + 1.1 RTT (the issue's bound); 'excess RTTs' is (step(RTT) - step(0)) / RTT."""))
+    if args.json:
+        Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
