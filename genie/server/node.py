@@ -43,11 +43,11 @@ import torch
 from genie._version import __version__
 from genie.config import ClusterConfig
 from genie.errors import ConfigError, ConnectionClosedError
-from genie.security import ServerSecurity, check_bind
+from genie.security import REFUSALS, ServerSecurity, check_bind
 from genie.server.content import ContentCache
 from genie.server.isolation.supervisor import Supervisor, WorkerSession
 from genie.server.metrics import ServerMetrics
-from genie.server.preauth import PreAuthGate, Ticket
+from genie.server.preauth import PreAuthGate, Ticket, authenticate, reject
 from genie.server.session import Session
 from genie.transport.base import Listener, Transport
 from genie.wire.frame import MAX_BODY_BYTES, MAX_ECHO_BYTES, PROTOCOL_VERSION
@@ -56,6 +56,8 @@ from genie.wire.values import MAX_INLINE_TENSOR_BYTES
 log = logging.getLogger("genie.server")
 
 _ACCEPT_POLL = 0.2
+#: Longest pause of an accept loop after a failure (EMFILE, a thread that cannot start).
+_MAX_BACKOFF = 1.0
 
 
 def parse_devices(spec: str, *, source: str = "argument devices") -> list[torch.device]:
@@ -164,6 +166,7 @@ class DataPlaneServer:
         #: connections still in their handshake
         self._pending: dict[int, tuple[Session | WorkerSession, Ticket]] = {}
         self._gate: PreAuthGate | None = None
+        self._reserved = 0  #: sessions authenticated and counted whose worker is being assigned
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._ids = itertools.count(1)
@@ -180,8 +183,7 @@ class DataPlaneServer:
         self.supervisor: Supervisor | None = None
         if config.isolation == "process":
             self.supervisor = Supervisor(config, self.devices, self.security, self.hello_timeout,
-                                         on_open=self._session_opened, on_end=self._session_ended,
-                                         cache=self.cache)
+                                         on_end=self._session_ended, cache=self.cache)
             self.metrics.refresh = self.supervisor.refresh
 
     @property
@@ -240,6 +242,10 @@ class DataPlaneServer:
             except Exception as exc:  # one backend that cannot listen must not keep the node from serving
                 log.warning("data plane of node %s does not serve %s: listening failed: %s",
                             self.node_id, transport.name, exc)
+        for listener in [self._listener, *self._more.values()]:
+            set_limits = getattr(listener, "set_limits", None)  # a listener that sniffs applies the caps too
+            if set_limits is not None:
+                set_limits(per_source=self.config.max_preauth_per_source, total=self.config.max_preauth)
         for name, listener in [("main", self._listener), *self._more.items()]:
             thread = threading.Thread(target=self._accept_loop, args=(listener,), name=f"genie-accept-{name}",
                                       daemon=True)
@@ -299,20 +305,31 @@ class DataPlaneServer:
     # -- internals --------------------------------------------------------------------------
 
     def _accept_loop(self, listener: Listener) -> None:
+        """Accept until the node stops; nothing a peer or the host does ends it (EMFILE, no threads left)."""
+        backoff = 0.0
         while not self._stopping.is_set():
             try:
                 channel = listener.accept(timeout=_ACCEPT_POLL)
+                self._start_session(channel)
+                backoff = 0.0
+                continue
             except TimeoutError:
                 continue
-            except ConnectionClosedError:
-                break
-            except Exception:
-                log.exception("accept failed; the data plane keeps listening")
-                time.sleep(_ACCEPT_POLL)
-                continue
-            self._start_session(channel)
+            except ConnectionClosedError as exc:
+                if self._stopping.is_set():
+                    break
+                REFUSALS.warning("accept failed: %s; the data plane backs off and keeps listening", exc)
+            except Exception as exc:  # RuntimeError: a thread could not start; rate-limited, floods may cause it
+                REFUSALS.warning("accept failed: %s; the data plane backs off and keeps listening", exc)
+                log.debug("accept failure", exc_info=True)
+            backoff = min(_MAX_BACKOFF, backoff * 2 or 0.05)
+            self._stopping.wait(backoff)
 
     def _start_session(self, channel: Any) -> None:
+        """Admit ``channel`` (the pre-authentication caps) and start its handshake on a thread of its own.
+
+        Raises when that thread cannot start (the accept loop backs off); the connection is closed then.
+        """
         assert self._gate is not None
         if self._stopping.is_set():
             channel.close()
@@ -321,7 +338,12 @@ class DataPlaneServer:
         if ticket is None:
             return
         if self.supervisor is not None and self._can_hand_over(channel):
-            self._start_worker(channel, ticket)
+            session_id = next(self._ids)
+            thread = threading.Thread(target=self._preauth, args=(channel, ticket, session_id),
+                                      name=f"genie-preauth-{session_id}", daemon=True)
+            with self._lock:
+                self.sessions_served += 1
+            self._start_thread(thread, channel, ticket)
             return
         session = Session(
             channel,
@@ -346,7 +368,22 @@ class DataPlaneServer:
         with self._lock:
             self._pending[session.session_id] = (session, ticket)
             self.sessions_served += 1
-        session.thread.start()
+        try:
+            self._start_thread(session.thread, channel, ticket)
+        except BaseException:
+            with self._lock:
+                self._pending.pop(session.session_id, None)
+            self.metrics.end_session(session.session_id)  # metrics
+            raise
+
+    def _start_thread(self, thread: threading.Thread, channel: Any, ticket: Ticket) -> None:
+        try:
+            thread.start()
+        except BaseException:  # "can't start new thread": this connection goes, the node goes on
+            assert self._gate is not None
+            self._gate.release(ticket)
+            channel.close()
+            raise
 
     def _can_hand_over(self, channel: Any) -> bool:
         handover = getattr(channel, "handover_socket", None)
@@ -356,29 +393,59 @@ class DataPlaneServer:
                  getattr(channel, "peer", "?"), type(channel).__name__)
         return False
 
-    def _start_worker(self, channel: Any, ticket: Ticket) -> None:
-        assert self.supervisor is not None
-        session_id = next(self._ids)
-        with self._lock:
-            self.sessions_served += 1
+    def _preauth(self, channel: Any, ticket: Ticket, session_id: int) -> None:
+        """The handshake of a connection bound for a session worker, run here, so a worker is assigned
+        (and the spare replaced: a fork) only for a client that authenticated and fits ``max_sessions``."""
+        assert self._gate is not None and self.supervisor is not None
+        admitted = authenticate(channel, token=self.security.token, tls=self.security.tls, timeout=self.hello_timeout)
+        refusal = None if admitted is None else self._reserve(ticket)
+        if admitted is None or refusal is not None:
+            self._gate.release(ticket)
+            if refusal is not None:
+                reject(channel, "busy", refusal)
+            channel.close()
+            return
+        assert admitted is not None
         try:
-            session = self.supervisor.spawn(channel, session_id, self.welcome(),
-                                            before_start=lambda s: self._track_pending(s, ticket))
+            session = self.supervisor.spawn(channel, session_id, self.welcome(), admitted,
+                                            before_start=self._track_worker)
         except Exception:
-            log.exception("cannot start a worker for %s; closing the connection", channel.peer)
             with self._lock:
-                self._pending.pop(session_id, None)
+                if self._sessions.pop(session_id, None) is None:
+                    self._reserved -= 1
             self.metrics.end_session(session_id)  # metrics
-            if self._gate is not None:
-                self._gate.release(ticket)
+            if not self._stopping.is_set():
+                log.exception("cannot start a worker for %s; closing the connection", channel.peer)
             channel.close()
             return
         log.debug("session %d of %s served by worker %d", session_id, session.peer, session.pid)
 
-    def _track_pending(self, session: WorkerSession, ticket: Ticket) -> None:
+    def _reserve(self, ticket: Ticket) -> str | None:
+        """The handshake passed: release its pre-auth ticket and count a session, or say why not."""
+        assert self._gate is not None
+        with self._lock:
+            in_time = self._gate.release(ticket)
+            if not in_time:
+                return f"handshake not finished within {self.hello_timeout:g} s"
+            if self._stopping.is_set():
+                return "this node is stopping"
+            if len(self._sessions) + self._reserved >= self.max_sessions:
+                return self._busy(ticket.channel.peer)
+            self._reserved += 1
+            return None
+
+    def _busy(self, peer: str) -> str:
+        log.warning("refusing %s: %d sessions already (max_sessions)", peer, self.max_sessions)
+        return (f"this node serves {self.max_sessions} sessions already (max_sessions); "
+                "try again later or raise GENIE_MAX_SESSIONS on the node")
+
+    def _track_worker(self, session: WorkerSession) -> None:
         session.metrics = self.metrics.open_session(session.session_id, session)  # metrics
         with self._lock:
-            self._pending[session.session_id] = (session, ticket)
+            self._reserved -= 1
+            self._sessions[session.session_id] = session
+        log.info("session %d opened for %s (node %r)", session.session_id, session.peer,
+                 session.client.get("node_id"))
 
     def _session_opened(self, session: Session | WorkerSession) -> str | None:
         """The handshake succeeded: count it as a session, or say why not (the client gets REJECT busy)."""
@@ -391,10 +458,8 @@ class DataPlaneServer:
             if self.context_lost is not None:
                 return (f"this node's CUDA context is lost ({self.context_lost}); sessions in the node's process "
                         "share it, so the node must be restarted (process isolation keeps it to one session)")
-            if len(self._sessions) >= self.max_sessions:
-                log.warning("refusing %s: %d sessions already (max_sessions)", session.peer, self.max_sessions)
-                return (f"this node serves {self.max_sessions} sessions already (max_sessions); "
-                        "try again later or raise GENIE_MAX_SESSIONS on the node")
+            if len(self._sessions) + self._reserved >= self.max_sessions:
+                return self._busy(session.peer)
             self._sessions[session.session_id] = session
             return None
 

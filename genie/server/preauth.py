@@ -17,13 +17,27 @@ from __future__ import annotations
 
 import itertools
 import logging
+import ssl
 import threading
 import time
 from typing import Any
 
 import attrs
+import torch
 
+from genie.errors import ConnectionClosedError, FrameError, GenieError
 from genie.security import REFUSALS, RefusalLog
+from genie.wire.frame import (
+    MAX_HANDSHAKE_BODY_BYTES,
+    PROTOCOL_VERSION,
+    MsgKind,
+    pack_body,
+    recv_header_and_body,
+    send_frame,
+    unpack_body,
+)
+from genie.wire.handshake import secure_server_channel, server_challenge
+from genie.wire.messages import torch_compatible
 
 log = logging.getLogger("genie.server")
 
@@ -134,3 +148,90 @@ class PreAuthGate:
                 self._refusals.warning("closing %s: handshake not finished within %g s (handshake_timeout)",
                                        ticket.channel.peer, self.deadline)
                 ticket.channel.close()
+
+
+# -- the handshake itself: run by the node before any session worker is assigned --------------------
+
+@attrs.frozen
+class Admitted:
+    """A client that finished TLS, HELLO, the token's challenge and the version checks."""
+
+    client: dict[str, Any]  #: HELLO's ``node_id``, ``role``, ``genie``, ``torch``
+    auth: dict[str, Any] | None = None  #: WELCOME's ``auth`` entry (the server's proof), None without a token
+
+
+def authenticate(channel: Any, *, token: bytes, tls: ssl.SSLContext | None, timeout: float,
+                 refusals: RefusalLog = REFUSALS) -> Admitted | None:
+    """Run the server's side of the handshake up to (not including) WELCOME; None once refused.
+
+    TLS first when ``tls`` is set, then HELLO (at most
+    :data:`~genie.wire.frame.MAX_HANDSHAKE_BODY_BYTES`), the protocol version, a data-plane
+    HELLO, the token's CHALLENGE/AUTH when ``token`` is set, and a torch release with the same
+    major.minor. Every refusal is answered (REJECT with its code) where the connection still
+    works and logged through ``refusals`` (rate-limited: strangers may send floods); a peer that
+    leaves before HELLO is logged at debug only. Never raises for what the peer does.
+    """
+    peer = str(getattr(channel, "peer", "?"))
+    try:
+        if tls is not None and not secure_server_channel(channel, tls, timeout=timeout, peer=peer,
+                                                         refusals=refusals):
+            return None
+        channel.settimeout(timeout)
+        try:
+            header, body = recv_header_and_body(channel, max_payload=0, max_body=MAX_HANDSHAKE_BODY_BYTES)
+        except ConnectionClosedError as exc:
+            log.debug("connection from %s closed before HELLO: %s", peer, exc)  # probes connect and leave
+            return None
+        except FrameError as exc:
+            return _reject(channel, peer, "frame", str(exc), refusals)
+        if header.kind != MsgKind.HELLO:
+            return _reject(channel, peer, "frame", f"the first frame must be HELLO, got {header.kind.name}", refusals)
+        hello = unpack_body(body)
+        if not isinstance(hello, dict):
+            return _reject(channel, peer, "frame", "HELLO body must be a map", refusals)
+        protocol, theirs = hello.get("protocol"), hello.get("torch")
+        if protocol != PROTOCOL_VERSION:
+            return _reject(channel, peer, "protocol",
+                           f"client speaks genie protocol {protocol!r}, this server speaks {PROTOCOL_VERSION}; "
+                           "install matching genie versions", refusals)
+        if "torch" not in hello and "backends" not in hello:  # a control-plane HELLO (genie.init, genie status)
+            return _reject(channel, peer, "protocol",
+                           "this port serves a genie node's device sessions (a data port), not a master; point "
+                           "genie.init's master_addr/master_port at the master (`genie serve` prints its control "
+                           "address)", refusals)
+        auth = None
+        if token:
+            auth = server_challenge(channel, body, hello, token=token, peer=peer, refusals=refusals)
+            if auth is None:
+                return None
+        if not isinstance(theirs, str) or not torch_compatible(torch.__version__, theirs):
+            return _reject(channel, peer, "torch_version",
+                           f"client runs torch {theirs!r}, this server runs torch {torch.__version__}; "
+                           "op schemas differ between releases, so both sides need the same major.minor", refusals)
+    except ConnectionClosedError as exc:  # the deadline closed it, or the peer left mid-handshake
+        log.debug("handshake with %s ended: %s", peer, exc)
+        return None
+    except GenieError as exc:  # a frame that breaks the rules (an oversized AUTH, garbage)
+        refusals.warning("refusing %s: %s", peer, exc)
+        _answer(channel, MsgKind.REJECT, {"code": "frame", "reason": str(exc)})
+        return None
+    return Admitted({k: hello.get(k) for k in ("node_id", "role", "genie", "torch")}, auth)
+
+
+def reject(channel: Any, code: str, reason: str, refusals: RefusalLog = REFUSALS) -> None:
+    """Log (rate-limited) and answer REJECT ``{"code", "reason"}``; the caller closes."""
+    _reject(channel, str(getattr(channel, "peer", "?")), code, reason, refusals)
+
+
+def _reject(channel: Any, peer: str, code: str, reason: str, refusals: RefusalLog) -> Admitted | None:
+    """Refuse: log (rate-limited), answer REJECT; None, what :func:`authenticate` returns then."""
+    refusals.warning("rejecting %s: %s", peer, reason)
+    _answer(channel, MsgKind.REJECT, {"code": code, "reason": reason})
+    return None
+
+
+def _answer(channel: Any, kind: MsgKind, body: dict[str, Any]) -> None:
+    try:
+        send_frame(channel, kind, pack_body(body))
+    except (GenieError, OSError):
+        pass  # the peer is already gone; the log line says why

@@ -11,8 +11,11 @@ its :class:`~genie.server.executor.Executor`. Its life:
    HMAC challenge (:func:`genie.wire.handshake.server_challenge`; the token never
    crosses the wire), then for a torch release with the same major.minor. The
    answer is WELCOME, or REJECT ``{"code", "reason"}`` naming both sides'
-   versions, after which the connection closes. Only then does ``on_open`` count it as a
-   session (it may refuse with REJECT ``{"code": "busy"}`` when ``max_sessions`` are open).
+   versions, after which the connection closes (:func:`genie.server.preauth.authenticate`, which a
+   node with session workers runs itself before it assigns one: such a session starts ``admitted``,
+   at WELCOME). Only then does ``on_open`` count it as a session (it may refuse with REJECT
+   ``{"code": "busy"}`` when ``max_sessions`` are open). A backend's channel upgrade (shared
+   memory) is allowed only once WELCOME is sent.
 2. Then BATCH frames, each run to completion in order (and ECHO frames, whose payload of at most
    :data:`~genie.wire.frame.MAX_ECHO_BYTES` goes straight back: clients measure a backend's
    path with them), until GOODBYE, the peer
@@ -44,27 +47,21 @@ from genie.errors import (
     QuotaExceededError,
     RemoteDeviceLost,
 )
-from genie.security import REFUSALS
 from genie.server import graphs as _graphs  # noqa: F401 - registers CMD_GRAPH and CMD_REPLAY with the executor
 from genie.server.executor import Executor
+from genie.server.preauth import Admitted, authenticate, reject
 from genie.server.store import StorageStore
 from genie.transport.base import Channel
 from genie.wire.frame import (
     HEADER,
     MAX_ECHO_BYTES,
-    MAX_HANDSHAKE_BODY_BYTES,
-    PROTOCOL_VERSION,
     FrameHeader,
     MsgKind,
     check_header,
     pack_body,
     recv_frame,
-    recv_header_and_body,
     send_frame,
-    unpack_body,
 )
-from genie.wire.handshake import secure_server_channel, server_challenge
-from genie.wire.messages import torch_compatible
 
 log = logging.getLogger("genie.server")
 
@@ -89,6 +86,7 @@ class Session:
         max_inflight: int = 0,
         on_end: Callable[[Session], None] = lambda s: None,
         on_open: Callable[[Session], str | None] = lambda s: None,
+        admitted: Admitted | None = None,
     ) -> None:
         self.channel = channel
         self.session_id = session_id
@@ -106,6 +104,7 @@ class Session:
         self._hello_timeout = hello_timeout
         self._on_end = on_end
         self._on_open = on_open
+        self._admitted = admitted  #: the node ran the handshake already (a session worker): WELCOME is next
         self.thread: threading.Thread | None = None
         self.closing = False
         self.serving = False
@@ -130,7 +129,7 @@ class Session:
     def run(self) -> None:
         """Serve the connection until it ends; never raises."""
         try:
-            if self._secure() and self._handshake():
+            if self._handshake():
                 self._serve()
         except ConnectionClosedError as exc:
             if self.serving and isinstance(exc.__cause__, TimeoutError) and self.idle_timeout:
@@ -160,58 +159,27 @@ class Session:
 
     # -- phases -------------------------------------------------------------------------------
 
-    def _secure(self) -> bool:
-        if self._tls is None:
-            return True
-        if secure_server_channel(self.channel, self._tls, timeout=self._hello_timeout, peer=self.peer):
-            return True
-        self.closing = True  # refused and logged (rate-limited) already
-        return False
-
     def _handshake(self) -> bool:
-        self.channel.settimeout(self._hello_timeout)
-        try:
-            header, body = recv_header_and_body(self.channel, max_payload=0, max_body=MAX_HANDSHAKE_BODY_BYTES)
-        except ConnectionClosedError as exc:
-            # Probes connect and leave without a word: not worth a warning.
-            log.debug("connection from %s closed before HELLO: %s", self.peer, exc)
-            self.closing = True
-            return False
-        except FrameError as exc:
-            REFUSALS.warning("refusing %s: %s", self.peer, exc)  # rate-limited: garbage may come in floods
-            self._send_quietly(MsgKind.REJECT, {"code": "frame", "reason": str(exc)})
-            return False
-        if header.kind != MsgKind.HELLO:
-            return self._reject("frame", f"the first frame must be HELLO, got {header.kind.name}")
-        hello = unpack_body(body)
-        if not isinstance(hello, dict):
-            return self._reject("frame", "HELLO body must be a map")
-        protocol, theirs = hello.get("protocol"), hello.get("torch")
-        if protocol != PROTOCOL_VERSION:
-            return self._reject(
-                "protocol", f"client speaks genie protocol {protocol!r}, this server speaks {PROTOCOL_VERSION}; "
-                "install matching genie versions")
-        if "torch" not in hello and "backends" not in hello:  # a control-plane HELLO (genie.init, genie status)
-            return self._reject(
-                "protocol", "this port serves a genie node's device sessions (a data port), not a master; point "
-                "genie.init's master_addr/master_port at the master (`genie serve` prints its control address)")
-        welcome = {**self._welcome(), "cache": self.executor.transfers.offer()}
-        if self._auth_token:
-            proof = server_challenge(self.channel, body, hello, token=self._auth_token, peer=self.peer)
-            if proof is None:
-                self.closing = True
+        """TLS, HELLO and the token's challenge (unless the node ran them: ``admitted``), then WELCOME."""
+        admitted = self._admitted
+        if admitted is None:
+            admitted = authenticate(self.channel, token=self._auth_token, tls=self._tls, timeout=self._hello_timeout)
+            if admitted is None:
+                self.closing = True  # refused and logged (rate-limited) already
                 return False
-            welcome = {**welcome, "auth": proof}
-        if not isinstance(theirs, str) or not torch_compatible(torch.__version__, theirs):
-            return self._reject(
-                "torch_version", f"client runs torch {theirs!r}, this server runs torch {torch.__version__}; "
-                "op schemas differ between releases, so both sides need the same major.minor")
-        self.client = {k: hello.get(k) for k in ("node_id", "role", "genie", "torch")}
-        refusal = self._on_open(self)
-        if refusal is not None:
-            return self._reject("busy", refusal)
+            self.client = dict(admitted.client)
+            refusal = self._on_open(self)
+            if refusal is not None:
+                return self._reject("busy", refusal)
+        self.client = dict(admitted.client)
+        welcome = {**self._welcome(), "cache": self.executor.transfers.offer()}
+        if admitted.auth is not None:
+            welcome["auth"] = admitted.auth
         self.channel.settimeout(self.idle_timeout or None)
         send_frame(self.channel, MsgKind.WELCOME, pack_body(welcome))
+        allow_upgrade = getattr(self.channel, "allow_upgrade", None)
+        if allow_upgrade is not None:
+            allow_upgrade()  # a backend's UPGRADE is served only after WELCOME (genie.transport.record)
         self.serving = True
         log.info("session %d opened for %s (node %r)", self.session_id, self.peer, self.client.get("node_id"))
         return True
@@ -286,8 +254,7 @@ class Session:
     # -- helpers ------------------------------------------------------------------------------
 
     def _reject(self, code: str, reason: str) -> bool:
-        REFUSALS.warning("rejecting %s: %s", self.peer, reason)
-        self._send_quietly(MsgKind.REJECT, {"code": code, "reason": reason})
+        reject(self.channel, code, reason)
         return False
 
     def _send_quietly(self, kind: MsgKind, body: dict[str, Any]) -> None:

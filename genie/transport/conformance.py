@@ -121,6 +121,9 @@ class TransportConformance:
         if self.complete_handshake:
             # The server must be reading while the client finishes (a backend may switch paths then).
             marker = _Worker(lambda: _recv(server, 1))
+            allow_upgrade = getattr(server, "allow_upgrade", None)
+            if allow_upgrade is not None:  # the server sent WELCOME: a record backend may upgrade now
+                allow_upgrade()
             try:
                 handshake_complete(client, {})
                 client.sendv([b"!"])

@@ -10,7 +10,11 @@ length) and ``length`` bytes of body:
   (the body, if any, is the backend's: an RDMA descriptor; nothing for DPDK);
 - ``UPGRADE`` / ``UPGRADE_OK`` / ``UPGRADE_NO``: the client, once the peers'
   handshake is done, asks the server to switch to the backend's path; the server
-  answers with its side's parameters or the reason it cannot.
+  answers with its side's parameters or the reason it cannot. A server serves
+  ``UPGRADE`` only after it sent WELCOME (:meth:`RecordChannel.allow_upgrade`, which
+  the session calls then) and only once per connection: an ``UPGRADE`` before that,
+  or a second one, closes the connection (:meth:`RecordChannel._upgrade_permitted`),
+  so a peer that has not authenticated makes the server reach for nothing.
 
 :class:`RecordChannel` is the common base: sending inline records, reading the
 control records of the upgrade (keeping stream bytes that arrive before the
@@ -29,6 +33,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from genie.errors import ConnectionClosedError, TransportError
+from genie.security import REFUSALS
 from genie.transport.base import ChannelLifecycle, MemoryRegion, host_view, region_view
 
 if TYPE_CHECKING:
@@ -82,6 +87,8 @@ class RecordChannel(ChannelLifecycle):
         self.peer = inner.peer
         self.server_side = server_side
         self.upgraded = False
+        self._upgrade_allowed = False  # server side: set once WELCOME went out
+        self._upgrade_tried = False  # server side: one UPGRADE per connection
         self._timeout: float | None = None
         self._init_lifecycle()
         self._send_lock = threading.Lock()
@@ -137,6 +144,23 @@ class RecordChannel(ChannelLifecycle):
     def _send_control(self, kind: int, body: bytes = b"") -> None:
         """A control record; the caller holds ``_send_lock`` or knows nobody else sends."""
         self.inner.sendv([RECORD.pack(kind, len(body)), body] if body else [RECORD.pack(kind, 0)])
+
+    def allow_upgrade(self) -> None:
+        """Server side: WELCOME was sent (the client authenticated), so one ``UPGRADE`` may be served."""
+        self._upgrade_allowed = True
+
+    def _upgrade_permitted(self, length: int) -> None:
+        """Server side, at an ``UPGRADE`` record: raise (closing the channel) unless WELCOME went out and
+        no upgrade was tried on this connection yet."""
+        why = ""
+        if not self._upgrade_allowed:
+            why = f"UPGRADE ({length} bytes) before the handshake ended; it is served only after WELCOME"
+        elif self._upgrade_tried:
+            why = "a second UPGRADE; one is served per connection"
+        if why:
+            REFUSALS.warning("closing the %s connection of %s: it sent %s", self._protocol, self.peer, why)
+            raise self._failed(f"{self.peer} sent {self._protocol} {why}")
+        self._upgrade_tried = True
 
     def _refuse_upgrade(self, reason: str) -> None:
         """Server side: answer UPGRADE_NO with ``reason`` (the stream stays usable)."""

@@ -34,6 +34,7 @@ import multiprocessing
 import os
 import select
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -50,9 +51,11 @@ from genie.server.content import ContentCache
 from genie.server.isolation.cache import adopt_upload, answer_lookup, offer_of
 from genie.server.isolation.cgroups import Cgroups, probe
 from genie.server.isolation.clock import OpClock
+from genie.server.isolation.relay import TlsRelay, loopback_pair, tls_stream
 from genie.server.isolation.worker import KILLED_EXIT, WorkerSpec, worker_main
 from genie.server.isolation.zygote import WorkerProcess
 from genie.server.metrics import NULL_SESSION_METRICS, Latency, SessionMetrics, Tally
+from genie.server.preauth import Admitted
 from genie.wire.frame import MsgKind, pack_body, send_frame, unpack_body
 
 log = logging.getLogger("genie.server.isolation")
@@ -135,19 +138,21 @@ class WorkerSession:
     interface the node and its metrics use: ``session_id``, ``peer``, ``client``, ``serving``, ``store``,
     ``thread``, :meth:`stats`, :meth:`close`)."""
 
-    def __init__(self, supervisor: Supervisor, session_id: int, channel: Any) -> None:
+    def __init__(self, supervisor: Supervisor, session_id: int, channel: Any, sock: Any, watch: int) -> None:
         self.supervisor = supervisor
         self.session_id = session_id
         self.channel = channel
         self.peer = str(getattr(channel, "peer", "?"))
         self.client: dict[str, Any] = {}
-        self.serving = False
+        self.serving = True  #: authenticated and counted before a worker was assigned
         self.closing = False
         self.store = StoreView()
         self.ops_run = 0
         self.metrics: SessionMetrics = NULL_SESSION_METRICS
         self.thread: threading.Thread | None = None
-        self.sock = channel.handover_socket()
+        self.sock = sock  #: the socket the worker serves (the client's, or its end of a TLS relay)
+        self._watch_fd = watch  #: the client's socket, polled for its hang-up
+        self.relay: TlsRelay | None = None
         self.pid = 0
         self.cgroup: Path | None = None
         self.reason = ""  #: why the node killed the worker ("" while it did not)
@@ -233,7 +238,7 @@ class WorkerSession:
         poller = select.poll()
         poller.register(conn.fileno(), select.POLLIN)
         poller.register(proc.sentinel, select.POLLIN)
-        sock_fd = self.sock.fileno()
+        sock_fd = self._watch_fd
         poller.register(sock_fd, _POLLRDHUP)
         gone_at: float | None = None
         while True:
@@ -269,9 +274,7 @@ class WorkerSession:
                 return False
             message = unpack_body(conn.recv_bytes(1 << 20))
             kind = message[0]
-            if kind == "open":
-                self._on_open(message[1])
-            elif kind in ("stats", "end"):
+            if kind in ("stats", "end"):
                 self._apply(message[2])
                 self._stats_event.set()
             elif kind == "log":
@@ -289,14 +292,6 @@ class WorkerSession:
             log.warning("session %d: bad message from its worker (%s); killing it", self.session_id, exc)
             self.kill("session worker killed: it broke the control protocol")
             return False
-
-    def _on_open(self, client: Any) -> None:
-        if not isinstance(client, dict):
-            raise ValueError("open needs a map")
-        self.client = {str(k): v for k, v in client.items() if isinstance(v, (str, int, type(None)))}
-        refusal = self.supervisor.on_open(self)
-        self.serving = refusal is None
-        self._send(["open", refusal])
 
     def _apply(self, snap: Any) -> None:
         store = snap["store"]
@@ -353,19 +348,17 @@ class WorkerSession:
 class Supervisor:
     """Starts and watches the session workers of one node; see the module docstring.
 
-    :param on_open: the node's check when a worker's handshake passed (a refusal text, or None).
     :param on_end: called once a session's worker is gone and its socket closed.
     """
 
     def __init__(self, config: ClusterConfig, devices: list[torch.device], security: ServerSecurity,
-                 hello_timeout: float, *, on_open: Callable[[WorkerSession], str | None],
-                 on_end: Callable[[WorkerSession], None], cache: ContentCache | None = None) -> None:
+                 hello_timeout: float, *, on_end: Callable[[WorkerSession], None],
+                 cache: ContentCache | None = None) -> None:
         self.config = config
         self.devices = devices
         self.security = security
         self.hello_timeout = hello_timeout
         self.op_deadline = config.op_deadline
-        self.on_open = on_open
         self.on_end = on_end
         self.cache = cache  #: the node's weight cache, which workers reach through their pipes
         memory = config.max_session_bytes + config.worker_memory_overhead if config.max_session_bytes else 0
@@ -402,31 +395,61 @@ class Supervisor:
         starting.join(timeout)
         return not starting.is_alive()
 
-    def spawn(self, channel: Any, session_id: int, welcome: dict[str, Any],
+    def spawn(self, channel: Any, session_id: int, welcome: dict[str, Any], admitted: Admitted,
               before_start: Callable[[WorkerSession], None] = lambda s: None) -> WorkerSession:
-        """Start a worker serving ``channel`` (a channel whose socket can be handed over);
-        ``before_start`` sees the session before its worker can ask anything."""
-        session = WorkerSession(self, session_id, channel)
+        """Hand ``channel``, whose client the node authenticated already (``admitted``), to a worker;
+        ``before_start`` sees the session before its worker can ask anything.
+
+        A plain channel's socket goes to the worker itself; a TLS channel's plaintext is relayed
+        (:mod:`~genie.server.isolation.relay`). Runs on the node's pre-authentication thread of that
+        connection, never on an accept loop: taking the spare may mean waiting for a fork.
+        """
+        sock, watch, ours = self._handover(channel)
+        session = WorkerSession(self, session_id, channel, sock, watch)
+        session.client = dict(admitted.client)
         before_start(session)
         make, kwargs = channel.handover_factory()
         spec = WorkerSpec(session_id=session_id, peer=session.peer, make_channel=make, channel_kwargs=kwargs,
-                          devices=self.devices, config=self.config, welcome=welcome, token=self.security.token,
-                          tls=self.security.tls is not None, hello_timeout=self.hello_timeout,
+                          devices=self.devices, config=self.config, welcome=welcome, admitted=admitted,
                           log_level=logging.getLogger("genie").getEffectiveLevel(), cache=offer_of(self.cache))
-        for attempt in (1, 2):
-            proc, ours, clock = self._take_spare()
-            try:
-                ours.send(spec)
-                reduction.send_handle(ours, session.sock.fileno(), proc.pid)
-                break
-            except OSError:  # the spare died meanwhile: once more with a fresh one
-                self._discard((proc, ours, clock))
-                if attempt == 2:
-                    raise
+        try:
+            for attempt in (1, 2):
+                proc, conn, clock = self._take_spare()
+                try:
+                    conn.send(spec)
+                    reduction.send_handle(conn, sock.fileno(), proc.pid)
+                    break
+                except OSError:  # the spare died meanwhile: once more with a fresh one
+                    self._discard((proc, conn, clock))
+                    if attempt == 2:
+                        raise
+        except BaseException:
+            if ours is not None:
+                sock.close()
+                ours.close()
+            raise
+        if ours is not None:
+            sock.close()  # the worker has its own copy now
+            session.relay = TlsRelay(tls_stream(channel), ours, f"genie-session-{session_id}")
+            session.relay.start()
         with self._lock:
             self._live[session_id] = session
-        session.start(proc, ours, clock)
+        session.start(proc, conn, clock)
         return session
+
+    @staticmethod
+    def _handover(channel: Any) -> tuple[socket.socket, int, socket.socket | None]:
+        """(the socket for the worker, the descriptor to watch for the client's hang-up, the node's end of a
+        TLS relay or None)."""
+        sock = channel.handover_socket()
+        if sock is not None:
+            return sock, sock.fileno(), None
+        stream = tls_stream(channel)
+        if stream is None:
+            raise GenieError(f"the {type(channel).__name__} of {channel.peer} can neither be handed to a session "
+                             "worker nor relayed")
+        ours, theirs = loopback_pair()
+        return theirs, stream.fileno(), ours
 
     # -- spare workers: forked ahead, so a session's start is the hand-over only --------------
 

@@ -1,17 +1,19 @@
 """The body of a session worker process: one client's session, over a socket the node handed over.
 
-The node accepted the connection and started this process from its zygote (the
-forkserver, which imported torch once) with the connected socket among its file
-descriptors, so the data path has no extra hop: the worker reads and writes the
-client's socket itself. It runs the ordinary :class:`~genie.server.session.Session`
-(TLS, HELLO, the token's challenge, then batches) and talks to the node over its
-control pipe with msgpack messages, never pickles (the node must not trust a worker
-that ran hostile ops):
+The node accepted the connection, ran the whole handshake (TLS, HELLO, the token's
+challenge: :func:`genie.server.preauth.authenticate`) and counted the session before it
+handed the connected socket to this process, forked from its zygote (the forkserver,
+which imported torch once): a peer that has not authenticated never costs a worker, and
+a worker never holds the cluster token. The data path has no extra hop: the worker reads
+and writes the client's socket itself (a TLS session's plaintext comes through the node,
+:mod:`~genie.server.isolation.relay`). It runs the ordinary
+:class:`~genie.server.session.Session` from WELCOME on (``admitted``) and talks to the node
+over its control pipe with msgpack messages, never pickles (the node must not trust a
+worker that ran hostile ops):
 
 ========================  ===============================================================
 worker → node             meaning
 ========================  ===============================================================
-``["open", client]``      the handshake passed; may the session open? (``client``: HELLO's map)
 ``["stats", seq, snap]``  the answer to ``["stats", seq]``: a :func:`snapshot`
 ``["end", 0, snap]``      the session ended; the last snapshot
 ``["log", level, name, text]``  a log record, logged by the node under ``name`` (answered ``["logged"]``)
@@ -19,7 +21,7 @@ worker → node             meaning
 ``["cache_keep", ...]``   ditto
 ========================  ===============================================================
 
-The node answers ``["open", refusal]`` (``None``: open), asks ``["stats", seq]``, and sends
+The node asks ``["stats", seq]``, and sends
 ``["kill", reason]`` before it kills a worker: the worker's control thread then tells the client
 why in the channel's own framing and exits (the node sends SIGKILL anyway after a moment).
 When the control pipe closes (the node is gone) the worker exits at once.
@@ -41,12 +43,12 @@ import attrs
 import torch
 
 from genie.config import ClusterConfig
-from genie.security import server_tls_context
 from genie.server import preflight
 from genie.server.executor import Executor
 from genie.server.isolation.cache import WorkerCache
 from genie.server.isolation.clock import OpClock
 from genie.server.metrics import ServerMetrics, SessionMetrics
+from genie.server.preauth import Admitted
 from genie.server.session import Session
 from genie.server.store import StorageStore
 from genie.wire.frame import MsgKind, pack_body, send_frame, unpack_body
@@ -70,9 +72,7 @@ class WorkerSpec:
     devices: list[torch.device]
     config: ClusterConfig
     welcome: dict[str, Any]
-    token: bytes = attrs.field(repr=False)
-    tls: bool
-    hello_timeout: float
+    admitted: Admitted  #: what the node's handshake found (HELLO's map, WELCOME's proof)
     log_level: int
     cache: dict[str, Any] | None = None  #: :func:`~genie.server.isolation.cache.offer_of` the node's weight cache
 
@@ -113,9 +113,7 @@ class _Control:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self._send_lock = threading.Lock()
-        self._opened = threading.Event()
         self._logged = threading.Event()
-        self._refusal: str | None = None
         self.session: Session | None = None
         self.metrics: SessionMetrics | None = None
         self.cache: WorkerCache | None = None
@@ -130,13 +128,6 @@ class _Control:
         self._logged.clear()
         self.send(message)
         self._logged.wait(LOG_ACK_WAIT)
-
-    def ask_open(self, session: Session) -> str | None:
-        """The session's ``on_open``: ask the node (which counts sessions) and wait for its answer."""
-        self.send(["open", {k: v for k, v in session.client.items() if isinstance(v, (str, int, type(None)))}])
-        if not self._opened.wait(60.0):
-            return "the node did not answer in time"
-        return self._refusal
 
     def _die(self, reason: str) -> None:
         """The node is about to kill this worker (a deadline, a departed client): tell the client why, in
@@ -154,10 +145,7 @@ class _Control:
         try:
             while True:
                 message = unpack_body(self.conn.recv_bytes())
-                if message[0] == "open":
-                    self._refusal = message[1]
-                    self._opened.set()
-                elif message[0] == "stats" and self.session is not None and self.metrics is not None:
+                if message[0] == "stats" and self.session is not None and self.metrics is not None:
                     self.send(["stats", message[1], snapshot(self.session, self.metrics)])
                 elif message[0] == "logged":
                     self._logged.set()
@@ -261,12 +249,9 @@ def serve_session(spec: WorkerSpec, sock: socket.socket, conn: Connection, clock
         max_storages=spec.config.max_session_handles,
         max_bytes=spec.config.max_session_bytes,
         max_payload=spec.config.max_frame_bytes,
-        auth_token=spec.token,
-        tls_context=server_tls_context(spec.config) if spec.tls else None,
         idle_timeout=spec.config.session_idle_timeout,
         max_inflight=spec.config.max_session_inflight,
-        hello_timeout=spec.hello_timeout,
-        on_open=control.ask_open,
+        admitted=spec.admitted,
     )
     node_metrics = ServerMetrics(enabled=True, devices=spec.devices)
     metrics = node_metrics.open_session(spec.session_id, session)

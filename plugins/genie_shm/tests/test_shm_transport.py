@@ -119,6 +119,7 @@ def test_segments_are_handed_over_only_after_the_handshake(listener):
 
         reader = threading.Thread(target=lambda: server.recv_into(memoryview(bytearray(1))))
         reader.start()
+        server.allow_upgrade()  # what the session does once WELCOME is sent
         handshake_complete(client, {"node_id": "n"})
         client.sendv([b"!"])
         reader.join(10)
@@ -136,6 +137,7 @@ def test_an_upgrade_naming_a_foreign_socket_is_refused_and_the_stream_goes_on(li
     try:
         server.settimeout(5)
         client.settimeout(5)
+        server.allow_upgrade()
         body = struct.pack("<42s16sQ", b"not-a-genie-socket".ljust(42, b"x"), bytes(16), 1 << 20)
         client.inner.sendv([RECORD.pack(UPGRADE, len(body)), body, RECORD.pack(1, 2), b"ok"])
         got = bytearray(2)
@@ -232,6 +234,7 @@ def test_tls_wraps_the_stream_then_the_rings_take_over_after_the_handshake(liste
         assert got == b"HELLO"
         reader = threading.Thread(target=lambda: server.recv_into(memoryview(bytearray(4 << 20))))
         reader.start()
+        server.allow_upgrade()
         handshake_complete(client, {})
         client.sendv([bytes(4 << 20)])
         reader.join(10)

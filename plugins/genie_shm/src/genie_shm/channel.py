@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from genie_tcp.transport import sendmsg_all
 
 from genie.errors import ConnectionClosedError, TransportError
+from genie.security import REFUSALS
 from genie.transport.base import (
     Buffer,
     Capabilities,
@@ -185,9 +186,10 @@ class ShmChannel(RecordChannel):
         self.inner.start_tls(context, server_side=server_side, server_hostname=server_hostname)
 
     def handover_socket(self) -> socket.socket | None:
-        """The TCP socket, for a session worker process to serve; only a server-side channel that has not
-        read or upgraded yet can move (its whole state is then the socket), None otherwise."""
-        if not self.server_side or self.upgraded or self._rec_type or self._pending or self._closed:
+        """The TCP socket, for a session worker process to serve; only a server-side channel between records
+        that has not upgraded can move (its whole state is then the socket: the node reads the handshake's
+        records whole, and the client sends nothing more before WELCOME), None otherwise."""
+        if not self.server_side or self.upgraded or self._rec_left or self._pending or self._closed:
             return None
         return self.inner.handover_socket()
 
@@ -296,8 +298,8 @@ class ShmChannel(RecordChannel):
             if hmac.compare_digest(proof, secret):
                 conn.settimeout(None)
                 return conn
-            log.warning("a local process that did not know the secret connected to the shm hand-over socket "
-                        "for %s; ignored", self.peer)
+            REFUSALS.warning("a local process that did not know the secret connected to the shm hand-over "
+                             "socket for %s; ignored", self.peer)
             conn.close()
 
     @staticmethod
@@ -348,7 +350,7 @@ class ShmChannel(RecordChannel):
             if unix is not None:
                 unix.close()
             reason = f"{exc}"
-            log.warning("shared-memory upgrade requested by %s failed: %s", self.peer, reason)
+            REFUSALS.warning("shared-memory upgrade requested by %s failed: %s", self.peer, reason)
             self._refuse_upgrade(reason)
             return
         with self._send_lock:
@@ -466,6 +468,7 @@ class ShmChannel(RecordChannel):
                 raise self._failed(f"{self.peer} sent a ring record outside its ring ({length} bytes at {at})")
             self._rec_type, self._rec_left, self._rx_record_len = RING, length, length
         elif kind == UPGRADE and self.server_side and not self.upgraded and self._reader is None:
+            self._upgrade_permitted(length)
             self._serve_upgrade(length)
         else:
             raise self._unexpected(kind, length)

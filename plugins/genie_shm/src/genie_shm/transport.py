@@ -8,9 +8,11 @@ any other peer (plain genie over TCP, TLS) gets a plain
 :class:`~genie_tcp.TcpChannel`. So a node that selects shm still serves remote
 clients, which connect with ``tcp``.
 
-The preamble is read by a short-lived thread per connection (bounded by
-``PREAMBLE_TIMEOUT``; see :class:`genie_tcp.sniff.SniffingListener`), never by the
-accept loop: a peer that connects and says nothing cannot stall it.
+The listener waits for each peer's preamble without a thread (one selector, within
+``PREAMBLE_TIMEOUT`` of the accept, after the pre-authentication caps; see
+:class:`genie_tcp.sniff.SniffingListener`): a peer that connects and says nothing
+cannot stall it nor cost a thread. Shared memory is offered only after the
+session's WELCOME (:meth:`~genie.transport.record.RecordChannel.allow_upgrade`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from genie_tcp import TcpChannel
 from genie_tcp.sniff import SniffingListener, answer_preamble, connect_with_preamble
 
 from genie.errors import BackendUnavailableError
+from genie.security import REFUSALS
 from genie.transport.base import PRIORITY_SHM, ProbeTarget, Transport
 from genie.types import Figure, ProbeResult
 from genie_shm.channel import ShmChannel
@@ -43,7 +46,8 @@ class ShmListener(SniffingListener):
 
     def __init__(self, host: str, port: int, ring_bytes: int) -> None:
         self._ring_bytes = ring_bytes
-        super().__init__(host, port, MAGIC, self._greet_shm, greet_timeout=PREAMBLE_TIMEOUT, name="shm")
+        super().__init__(host, port, MAGIC, self._greet_shm, greet_timeout=PREAMBLE_TIMEOUT, name="shm",
+                         preamble_bytes=PREAMBLE.size)
 
     def _greet_shm(self, tcp: TcpChannel) -> ShmChannel | None:
         """Read the shm preamble, check the peer shares our kernel and network namespace, answer."""
@@ -53,7 +57,7 @@ class ShmListener(SniffingListener):
         reason = _refusal(version, boot, netns)
         answer_preamble(tcp, reason)
         if reason:
-            log.info("refused shm peer %s: %s", tcp.peer, reason)
+            REFUSALS.warning("refused shm peer %s: %s", tcp.peer, reason)
             return None
         return ShmChannel(tcp, server_side=True, ring_bytes=self._ring_bytes)
 

@@ -167,6 +167,27 @@ class TcpChannel(ChannelLifecycle):
                 raise ConnectionClosedError(f"connection to {self.peer} was closed on this side") from exc
             raise self._failed(f"connection to {self.peer} failed while receiving: {exc}") from exc
 
+    def recv_some(self, view: memoryview) -> int:
+        """Receive at least one and at most ``view.nbytes`` bytes into ``view``; 0 once the peer closed.
+
+        For relays (a node carrying a TLS session's plaintext to the session worker), which must not
+        wait for a whole buffer; errors as :meth:`recv_into`.
+        """
+        self._check_open("receive from")
+        try:
+            return self._sock.recv_into(view, view.nbytes)
+        except (TimeoutError, BlockingIOError) as exc:
+            cause = exc if isinstance(exc, TimeoutError) else TimeoutError(*exc.args)
+            raise self._failed(f"receive from {self.peer} timed out after {self._timeout:g} s") from cause
+        except (OSError, ValueError) as exc:
+            if self._closed:
+                raise ConnectionClosedError(f"connection to {self.peer} was closed on this side") from exc
+            raise self._failed(f"connection to {self.peer} failed while receiving: {exc}") from exc
+
+    def fileno(self) -> int:
+        """The socket's descriptor (-1 once closed), for polling it; TLS or not, never read it directly."""
+        return -1 if self._closed else self._sock.fileno()
+
     def peek(self, nbytes: int) -> bytes:
         """Up to ``nbytes`` the peer sent, left in the stream (fewer only if it closed first; b"" then)."""
         self._check_open("receive from")
