@@ -121,8 +121,10 @@ class RefusalLog:
     line per interval says how many more were refused.
     """
 
-    def __init__(self, logger: logging.Logger, *, burst: int = 5, interval: float = 10.0) -> None:
+    def __init__(self, logger: logging.Logger, *, burst: int = 5, interval: float = 10.0,
+                 what: str = "refused connections") -> None:
         self.logger = logger
+        self.what = what  #: what the summary line counts
         self.burst = burst
         self.interval = interval
         self.total = 0
@@ -151,7 +153,7 @@ class RefusalLog:
             else:
                 self._suppressed += 1
         if summary:
-            self.logger.warning("%d more refused connections were not logged in the last %g s", summary,
+            self.logger.warning("%d more %s were not logged in the last %g s", summary, self.what,
                                 self.interval)
         if emit:
             self.logger.warning(msg, *args)

@@ -100,6 +100,8 @@ class NodeConnection:
         self._cached: list[list[Any]] = []
         self._early_deferred: list[Any] = []  # errors a CMD_HAVE reply carried, raised at the next sync point
         self._head = memoryview(bytearray(wf.HEADER.size))  # each reply's frame header (under the lock)
+        #: torch's settings the node was told last (genie._C.session_options: deterministic algorithms, warn only)
+        self._options = 0
 
     # -- handshake ---------------------------------------------------------------------------
     def handshake(self, hello: dict[str, Any], timeout: float, *, token: bytes = b"") -> dict[str, Any]:
@@ -275,6 +277,19 @@ class NodeConnection:
             self._cmd_bytes += sum(map(len, native))
             self.stats["ops"] += len(native)
             STATS.op_queued(len(native))  # stats
+        options = _C.session_options()
+        if options != self._options:
+            self._tell_options(options)
+
+    def _tell_options(self, options: int) -> None:
+        """Tell the node torch's settings changed (``torch.use_deterministic_algorithms``): a CMD_OPTIONS after
+        the commands queued under the old ones, before any queued under the new. genie._C queues ops natively
+        only while torch's settings equal what the node was told, so none can slip past this."""
+        cmd = msgpack.packb([wm.CMD_OPTIONS, {"deterministic": bool(options & 1), "warn_only": bool(options & 2)}])
+        self._cmds.append(cmd)
+        self._cmd_bytes += len(cmd)
+        self._options = options
+        _C.queue_options(self.qid, options)
 
     def _room(self) -> None:
         """Tell genie._C how many commands may still join the batch natively before it must be sent, and
@@ -576,7 +591,7 @@ class NodeConnection:
                 self._cached.append(entry)
                 self.stats["bytes_cached"] += candidate.view.nbytes
                 continue
-            self._uploads.append(entry)
+            self._uploads.append([*entry, candidate.possession])  # the node keeps the bytes under key, possession
             self._payload.append(candidate.view)
             self._keepalive.append(candidate.src)
             self.stats["bytes_up"] += candidate.view.nbytes

@@ -4,12 +4,15 @@ A node that keeps a weight cache says so in WELCOME (``cache``: scope, threshold
 upload of at least ``min_bytes`` that the policy picks (``upload_cache``: ``params``, the
 default, takes parameters and tensors that require grad, which is what ``model.to(device)``
 moves; ``all`` takes every upload; ``off`` none) is hashed here and held back. At the next
-flush one ``CMD_HAVE`` round trip asks about every held-back upload; a hit is sent as a
-``cached`` entry (no bytes), a miss as an ordinary upload that also names its key, so the
-node keeps its bytes for the next session. One round trip for a whole ``model.to(device)``.
+flush one ``CMD_HAVE`` round trip asks about every held-back upload (at most
+:data:`~genie.wire.content.MAX_HAVE_ENTRIES`) with a proof of possession for each; a hit is sent
+as a ``cached`` entry (no bytes), a miss as an ordinary upload that also names its key and
+possession secret, so the node keeps its bytes for the next session. One round trip for a
+whole ``model.to(device)``.
 
-The key of the identity scope is an HMAC under this user's secret (:func:`identity_secret`),
-so a node never hands one client's entries to another (docs/SECURITY.md).
+The key and possession secret of the identity scope derive from this user's secret
+(:func:`identity_secret`), so a node never hands one client's entries to another, and nobody
+else can put other bytes under this user's keys (docs/SECURITY.md).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ log = logging.getLogger("genie.device.transfers")
 
 #: Held-back bytes (the sources stay alive until the flush) that force a flush.
 MAX_PENDING_BYTES = 1 << 30
-#: Held-back uploads that force a flush.
-MAX_PENDING = 4096
+#: Held-back uploads that force a flush (one CMD_HAVE asks about them all).
+MAX_PENDING = wc.MAX_HAVE_ENTRIES
 #: The file of :func:`identity_secret`, under genie's cache directory.
 IDENTITY_FILE = "upload-identity"
 
@@ -90,7 +93,8 @@ class Candidate:
     src: torch.Tensor  #: keeps ``view``'s memory alive
     view: memoryview
     key: bytes
-    proof: bytes | None
+    possession: bytes  #: the node keeps it with a miss's bytes; never sent in a HAVE
+    proof: bytes  #: :func:`genie.wire.content.possession_proof` for this session
 
 
 @attrs.define
@@ -111,7 +115,7 @@ class ClientCache:
         if policy == "off" or not isinstance(offer, dict) or offer.get("enabled") is not True:
             return None
         min_bytes, shared, nonce = offer.get("min_bytes"), offer.get("shared") is True, offer.get("nonce", b"")
-        if not isinstance(min_bytes, int) or min_bytes < 0 or not isinstance(nonce, bytes) or (shared and not nonce):
+        if not isinstance(min_bytes, int) or min_bytes < 0 or not isinstance(nonce, bytes) or len(nonce) < 16:
             log.warning("ignoring a malformed weight cache offer: %r", offer)
             return None
         return cls(policy, max(min_bytes, 1), shared, nonce, b"" if shared else identity_secret())
@@ -124,12 +128,10 @@ class ClientCache:
 
     def hold(self, storage_id: int, device: int, src: torch.Tensor, view: memoryview) -> Candidate:
         """Hash ``view`` (no lock held: hashlib releases the GIL) into a candidate for :meth:`add`."""
-        if self.shared:
-            key = wc.shared_key(view)
-            proof: bytes | None = wc.possession_proof(self.nonce, key, view)
-        else:
-            key, proof = wc.identity_key(self.secret, view), None
-        return Candidate(storage_id, device, src, view, key, proof)
+        fp = wc.fingerprint(view)
+        key, possession = wc.shared_claim(fp) if self.shared else wc.identity_claim(self.secret, fp)
+        proof = wc.possession_proof(possession, self.nonce, key, view.nbytes)
+        return Candidate(storage_id, device, src, view, key, possession, proof)
 
     def add(self, candidate: Candidate) -> bool:
         """Hold ``candidate`` back; True when enough is held back that the caller should flush."""

@@ -7,9 +7,11 @@ The executor calls in here for a BATCH's ``uploads`` and ``cached`` lists and fo
   comes from the session's :class:`StagingPool` when a storage of the same size was freed
   before (pages already faulted in: a 64 MiB receive into fresh pages takes 16,385 page faults,
   more time than the copy), else it is new and prefaulted in one system call.
-- **The weight cache** (:mod:`genie.server.content`): ``CMD_HAVE`` looks content keys up and
-  reserves the hits for the next batch, whose ``cached`` entries then become storages copied
-  from the cache; an upload that names a key is added to the cache after it lands.
+- **The weight cache** (:mod:`genie.server.content`): ``CMD_HAVE`` looks content keys up (within
+  the session's :class:`~genie.server.content.HaveBudget`) and reserves the hits for the next
+  batch, whose ``cached`` entries then become storages copied from the cache; an upload that
+  names a key lands in a memfd that is sealed, once its writable mapping is gone, and offered
+  to the cache.
 - **Fetches** send a storage's bytes from its own memory (a contiguous CPU tensor) or from a
   contiguous CPU copy.
 """
@@ -26,13 +28,13 @@ import torch
 from genie.errors import FrameError, ProtocolError, QuotaExceededError, RemoteExecutionError
 from genie.server import codec
 from genie.server.codec import MAX_NBYTES, Descriptor, DeviceRef, check_id, is_int
-from genie.server.content import ContentCache, Receiver
+from genie.server.content import REFUSALS, ContentCache, HaveBudget, Receiver
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
 from genie.server.store import StorageError
 from genie.wire.buffers import prefault, tensor_bytes
-from genie.wire.content import KEY_BYTES, NONCE_BYTES
+from genie.wire.content import KEY_BYTES, MAX_HAVE_ENTRIES, NONCE_BYTES
 from genie.wire.frame import FrameHeader, discard_payload, recv_payload
 
 if TYPE_CHECKING:
@@ -47,7 +49,7 @@ POOL_MAX_BYTES = 512 << 20
 #: Python references to a storage StorageStore.free hands to StagingPool.give when nothing else holds it.
 _PY_REFS = 3
 #: Most content keys one CMD_HAVE may ask about.
-MAX_HAVE_KEYS = 1 << 16
+MAX_HAVE_KEYS = MAX_HAVE_ENTRIES
 
 
 class StagingPool:
@@ -108,6 +110,8 @@ class SessionTransfers:
         self.pool = StagingPool()
         self.cache = cache
         self.nonce = os.urandom(NONCE_BYTES)
+        #: HAVE entries this session may still have looked up
+        self.have_budget = HaveBudget()
         #: hits of the last CMD_HAVE, (key, nbytes) -> a private mapping of the bytes, for the next batch's ``cached``
         self.reserved: dict[tuple[bytes, int], torch.Tensor] = {}
 
@@ -125,9 +129,13 @@ class SessionTransfers:
         return {"enabled": False} if self.cache is None else self.cache.offer(self.nonce)
 
 
-def _parse_upload(ex: Executor, up: Any, cached: bool) -> tuple[int, torch.device, int, bytes | None]:
-    if not isinstance(up, list) or len(up) not in ((4,) if cached else (3, 4)):
-        shape = "[storage_id, device, nbytes, key]" if cached else "[storage_id, device, nbytes(, key)]"
+#: An upload as parsed: storage id, device, byte count, content key, possession secret (both None: not keyed).
+Upload = tuple[int, torch.device, int, bytes | None, bytes | None]
+
+
+def _parse_upload(ex: Executor, up: Any, cached: bool) -> Upload:
+    if not isinstance(up, list) or len(up) not in ((4,) if cached else (3, 4, 5)):
+        shape = "[storage_id, device, nbytes, key]" if cached else "[storage_id, device, nbytes(, key, possession)]"
         raise FrameError(f"an {'cached ' if cached else ''}upload must be {shape}, got {codec._preview(up)}")
     storage_id = check_id(up[0], "upload storage id")
     index = up[1].index if isinstance(up[1], DeviceRef) else up[1]
@@ -138,10 +146,13 @@ def _parse_upload(ex: Executor, up: Any, cached: bool) -> tuple[int, torch.devic
         raise FrameError(f"upload {storage_id} has a bad byte count {codec._preview(nbytes)}")
     if storage_id == 0:
         raise FrameError("an upload cannot target storage 0 (the empty storage)")
-    key = up[3] if len(up) == 4 else None
+    key = up[3] if len(up) >= 4 else None
     if key is not None and (not isinstance(key, bytes) or len(key) != KEY_BYTES):
         raise FrameError(f"upload {storage_id} names a content key that is not {KEY_BYTES} bytes")
-    return storage_id, ex.devices[index], nbytes, key
+    possession = up[4] if len(up) == 5 else None
+    if possession is not None and (not isinstance(possession, bytes) or len(possession) != KEY_BYTES):
+        raise FrameError(f"upload {storage_id} names a possession secret that is not {KEY_BYTES} bytes")
+    return storage_id, ex.devices[index], nbytes, key, possession
 
 
 def receive(ex: Executor, header: FrameHeader, msg: dict[str, Any]) -> None:
@@ -162,16 +173,15 @@ def receive(ex: Executor, header: FrameHeader, msg: dict[str, Any]) -> None:
         _adopt_cached(ex, hits)
 
 
-def _refused_all(ex: Executor, specs: list[tuple[int, torch.device, int, bytes | None]], exc: Exception) -> None:
+def _refused_all(ex: Executor, specs: list[Upload], exc: Exception) -> None:
 
     for storage_id, *_ in specs:
         ex.store.poison(storage_id, str(exc))
     ex._defer(_error("upload", [[s[2]] for s in specs], "quota", str(exc), [s[0] for s in specs]))
 
 
-def _receive_sent(ex: Executor, header: FrameHeader, specs: list[tuple[int, torch.device, int, bytes | None]],
-                  total: int) -> None:
-    new = [(s, n) for s, _, n, _ in specs if s not in ex.store]
+def _receive_sent(ex: Executor, header: FrameHeader, specs: list[Upload], total: int) -> None:
+    new = [(s, n) for s, _, n, _, _ in specs if s not in ex.store]
     try:
         ex.store.check_room(len(new), sum(n for _, n in new))
     except QuotaExceededError as exc:
@@ -182,21 +192,25 @@ def _receive_sent(ex: Executor, header: FrameHeader, specs: list[tuple[int, torc
     cache = transfers.cache
     # A keyed upload the cache may keep lands in a new memfd; the rest in pooled or prefaulted memory.
     receivers = [Receiver(nbytes) if key is not None and cache is not None and cache.wants(nbytes) else None
-                 for _, _, nbytes, key in specs]
+                 for _, _, nbytes, key, _ in specs]
     try:
         buffers = [r.buffer if r is not None else transfers.pool.take(nbytes)
-                   for r, (*_, nbytes, _) in zip(receivers, specs, strict=True)]
+                   for r, (_, _, nbytes, _, _) in zip(receivers, specs, strict=True)]
         for r in receivers:
             if r is not None:
                 prefault(r.buffer)
         recv_payload(ex.channel, header.payload_len, [tensor_bytes(b) for b in buffers])
-        for (storage_id, device, nbytes, key), raw, received in zip(specs, buffers, receivers, strict=True):
-            ex.metrics.record_bytes("in", nbytes, device)  # metrics
-            if received is not None and key is not None and cache is not None:
-                # The session gets a private (copy-on-write) mapping; the cache keeps the file.
-                raw = transfers.mapped(received.private(), device)
+        for i, received in enumerate(receivers):
+            if received is not None:
+                # The session gets a private (copy-on-write) mapping. The writable one goes first, here
+                # as in the receiver: sealing against writes fails while any writable mapping is alive.
+                buffers[i] = transfers.mapped(received.private(), specs[i][1])
                 received.release()
-                cache.keep(key, received)
+        for (storage_id, device, nbytes, key, possession), raw, received in zip(specs, buffers, receivers,
+                                                                               strict=True):
+            ex.metrics.record_bytes("in", nbytes, device)  # metrics
+            if received is not None and key is not None and cache is not None and received.seal():
+                cache.keep(key, possession, received)  # the cache keeps the sealed file
             _apply_checked(ex, storage_id, device, raw)
     finally:
         for r in receivers:
@@ -236,10 +250,10 @@ def apply_upload(ex: Executor, storage_id: int, device: torch.device, raw: torch
     torch.empty(0, dtype=torch.uint8, device=existing.device).set_(existing).copy_(raw)
 
 
-def _adopt_cached(ex: Executor, hits: list[tuple[int, torch.device, int, bytes | None]]) -> None:
+def _adopt_cached(ex: Executor, hits: list[Upload]) -> None:
 
     reserved = ex.transfers.reserved
-    for storage_id, device, nbytes, key in hits:
+    for storage_id, device, nbytes, key, _ in hits:
         data = reserved.pop((key, nbytes), None) if key is not None else None
         if data is None:
             message = (f"cached upload {storage_id} names content that this session's last CMD_HAVE did not "
@@ -253,21 +267,34 @@ def _adopt_cached(ex: Executor, hits: list[tuple[int, torch.device, int, bytes |
 
 
 def have(ex: Executor, cmd: list[Any]) -> None:
-    """``[CMD_HAVE, req, [[key, nbytes, proof or None], ...]]``: reply with one bool per key; reserve the hits."""
+    """``[CMD_HAVE, req, [[key, nbytes, proof or None], ...]]``: reply with one bool per key; reserve the hits.
+
+    The first entries the session's budget allows are looked up (one round trip to the node's
+    cache for all of them), the rest are answered as misses: the client sends their bytes.
+    """
     if len(cmd) != 3 or not isinstance(cmd[2], list) or len(cmd[2]) > MAX_HAVE_KEYS:
         raise FrameError(f"HAVE must be [CMD_HAVE, req, [[key, nbytes, proof], ...]] with at most {MAX_HAVE_KEYS} keys")
     transfers = ex.transfers
     transfers.reserved = {}  # reservations last one batch: a client that never used them holds nothing
-    answers = []
+    entries: list[tuple[bytes, int, bytes | None]] = []
     for entry in cmd[2]:
         if (not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[0], bytes)
                 or len(entry[0]) != KEY_BYTES or not is_int(entry[1]) or not 0 <= entry[1] <= MAX_NBYTES
                 or not (entry[2] is None or isinstance(entry[2], bytes))):
             raise FrameError(f"a HAVE entry must be [key ({KEY_BYTES} bytes), nbytes, proof or None], "
                              f"got {codec._preview(entry)}")
-        key, nbytes, proof = entry
-        data = None if transfers.cache is None else transfers.cache.lookup(key, nbytes, nonce=transfers.nonce,
-                                                                           proof=proof)
+        entries.append((entry[0], int(entry[1]), entry[2]))
+    asked = [e for e in entries if e[1] > 0] if transfers.cache is not None else []
+    granted = transfers.have_budget.take(len(asked))
+    if granted < len(asked):
+        REFUSALS.warning("a session asked about %d content keys beyond its budget (%d at once, %g per second); "
+                         "answered as misses", len(asked) - granted, transfers.have_budget.burst,
+                         transfers.have_budget.rate)
+    found = dict(zip(asked[:granted], transfers.cache.have(asked[:granted], transfers.nonce), strict=True)) \
+        if transfers.cache is not None and granted else {}
+    answers = []
+    for key, nbytes, proof in entries:
+        data = found.get((key, nbytes, proof))
         if data is not None:
             transfers.reserved[(key, nbytes)] = transfers.mapped(data)
         answers.append(data is not None)

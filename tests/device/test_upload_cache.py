@@ -102,10 +102,11 @@ def test_a_new_session_moves_an_already_uploaded_model_without_sending_its_weigh
 def test_the_policy_picks_parameters_by_default_every_upload_with_all_and_nothing_when_off(tmp_path: Path) -> None:
     from genie.device.transfers import ClientCache
 
-    offer = {"enabled": True, "shared": False, "min_bytes": 64 << 10, "nonce": b""}
+    offer = {"enabled": True, "shared": False, "min_bytes": 64 << 10, "nonce": b"n" * 32}
     assert ClientCache.from_welcome(offer, "off") is None
     assert ClientCache.from_welcome({"enabled": False}, "params") is None
-    assert ClientCache.from_welcome({"enabled": True, "shared": True, "min_bytes": 1, "nonce": b""}, "all") is None
+    for scope in (True, False):  # proofs of possession need the session's nonce, in either scope
+        assert ClientCache.from_welcome({"enabled": True, "shared": scope, "min_bytes": 1, "nonce": b""}, "all") is None
     params, every = ClientCache.from_welcome(offer, "params"), ClientCache.from_welcome(offer, "all")
     assert params is not None and every is not None
     weight, data = torch.nn.Parameter(torch.zeros(1 << 15)), torch.zeros(1 << 15)

@@ -14,7 +14,7 @@ from genie.server.content import ContentCache, Receiver
 from genie.server.transfers import StagingPool
 from genie.testing import wait_until
 from genie.wire.buffers import tensor_bytes
-from genie.wire.content import identity_key, possession_proof, shared_key
+from genie.wire.content import fingerprint, identity_claim, possession_proof, shared_claim
 from genie.wire.frame import MsgKind
 from tests.raw_client import RawClient, T, desc, fetch, have, op
 
@@ -27,8 +27,17 @@ def _weights(seed: int = 0) -> torch.Tensor:
     return torch.randn(NBYTES // 4, generator=torch.Generator().manual_seed(seed))
 
 
+def _claim(t: torch.Tensor, secret: bytes = SECRET) -> tuple[bytes, bytes]:
+    """(key, possession) of ``t``'s bytes in the identity scope of ``secret``."""
+    return identity_claim(secret, fingerprint(tensor_bytes(t)))
+
+
 def _key(t: torch.Tensor, secret: bytes = SECRET) -> bytes:
-    return identity_key(secret, tensor_bytes(t))
+    return _claim(t, secret)[0]
+
+
+def _possession(t: torch.Tensor, secret: bytes = SECRET) -> bytes:
+    return _claim(t, secret)[1]
 
 
 def _client(server: DataPlaneServer) -> RawClient:
@@ -37,12 +46,25 @@ def _client(server: DataPlaneServer) -> RawClient:
     return client
 
 
-def _upload_named(server: DataPlaneServer, t: torch.Tensor, key: bytes, storage_id: int = 1) -> None:
+def _upload_named(server: DataPlaneServer, t: torch.Tensor, key: bytes, possession: bytes | None = None,
+                  storage_id: int = 1, *, kept: bool = True) -> None:
+    """Upload ``t`` named ``key`` (``possession``: the identity claim's, by default) in a session of its own;
+    with ``kept``, wait until the node's cache has checked and kept it (a session worker hands it over)."""
+    if possession is None:
+        possession = _possession(t)
+    inserted = server.cache.stats()["inserted"] if server.cache is not None else 0
     with _client(server) as a:
-        assert a.request([fetch(a.next_req(), desc(storage_id, t))], uploads=[(storage_id, 0, t, key)]).error is None
+        up = (storage_id, 0, t, key, possession)
+        assert a.request([fetch(a.next_req(), desc(storage_id, t))], uploads=[up]).error is None
+    if kept and server.cache is not None:
+        wait_until(lambda: server.cache.stats()["inserted"] > inserted, 5)  # type: ignore[union-attr]
 
 
-def _ask(client: RawClient, key: bytes, nbytes: int, proof: bytes | None = None) -> bool:
+def _ask(client: RawClient, key: bytes, nbytes: int, possession: bytes | None = None, *,
+         proof: bytes | None = None) -> bool:
+    """HAVE one key: with ``possession`` the proof for this session is made from it, else ``proof`` is sent."""
+    if possession is not None:
+        proof = possession_proof(possession, client.welcome["cache"]["nonce"], key, nbytes)
     reply = client.request([have(client.next_req(), [[key, nbytes, proof]])])
     assert reply.error is None and reply.deferred == []
     return bool(reply.result[0])
@@ -55,7 +77,7 @@ def test_bytes_one_session_uploaded_are_taken_from_the_cache_by_a_later_session_
     _upload_named(server, w, _key(w))
     with _client(server) as b:
         assert b.welcome["cache"]["enabled"] is True and b.welcome["cache"]["shared"] is False
-        assert _ask(b, _key(w), NBYTES)
+        assert _ask(b, _key(w), NBYTES, _possession(w))
         b.send_batch([], cached=[[7, 0, NBYTES, _key(w)]])
         assert torch.equal(b.fetch(7, w), w)
     stats = server.cache.stats()  # type: ignore[union-attr]
@@ -68,9 +90,11 @@ def test_another_identity_naming_other_bytes_or_the_plain_hash_gets_nothing(inpr
     w = _weights()
     _upload_named(server, w, _key(w))
     with _client(server) as b:
-        assert not _ask(b, _key(w, os.urandom(32)), NBYTES)  # another client's secret: another key
-        assert not _ask(b, shared_key(tensor_bytes(w)), NBYTES)  # the hash alone names nothing
-        assert not _ask(b, _key(w), NBYTES - 4)  # the size is part of the name
+        other = os.urandom(32)
+        assert not _ask(b, _key(w, other), NBYTES, _possession(w, other))  # another client's secret: another key
+        root, secret = shared_claim(fingerprint(tensor_bytes(w)))
+        assert not _ask(b, root, NBYTES, secret)  # the content's own hashes name nothing in this scope
+        assert not _ask(b, _key(w), NBYTES - 4, _possession(w))  # the size is part of the name
     assert server.cache.stats()["misses"] == 3  # type: ignore[union-attr]
 
 
@@ -79,11 +103,11 @@ def test_a_hit_is_a_copy_in_place_writes_reach_neither_the_cache_nor_other_sessi
     w = _weights()
     _upload_named(server, w, _key(w))
     with _client(server) as b:
-        assert _ask(b, _key(w), NBYTES)
+        assert _ask(b, _key(w), NBYTES, _possession(w))
         b.send_batch([op("aten::add_.Scalar", [T(3, w), 1.0], outs=[desc(3, w)])], cached=[[3, 0, NBYTES, _key(w)]])
         assert torch.equal(b.fetch(3, w), w + 1)
         with _client(server) as c:  # b's session still open: its writes must not show here
-            assert _ask(c, _key(w), NBYTES)
+            assert _ask(c, _key(w), NBYTES, _possession(w))
             c.send_batch([], cached=[[3, 0, NBYTES, _key(w)]])
             assert torch.equal(c.fetch(3, w), w)
 
@@ -92,10 +116,12 @@ def test_the_uploading_sessions_own_writes_do_not_reach_the_cache(inproc_server:
     server = inproc_server()
     w = _weights()
     with _client(server) as a:
-        a.send_batch([op("aten::mul_.Scalar", [T(1, w), 0.0], outs=[desc(1, w)])], uploads=[(1, 0, w, _key(w))])
+        a.send_batch([op("aten::mul_.Scalar", [T(1, w), 0.0], outs=[desc(1, w)])],
+                     uploads=[(1, 0, w, _key(w), _possession(w))])
         assert torch.count_nonzero(a.fetch(1, w)) == 0
+        wait_until(lambda: server.cache.stats()["inserted"] == 1, 5)  # type: ignore[union-attr]
         with _client(server) as b:
-            assert _ask(b, _key(w), NBYTES)
+            assert _ask(b, _key(w), NBYTES, _possession(w))
             b.send_batch([], cached=[[1, 0, NBYTES, _key(w)]])
             assert torch.equal(b.fetch(1, w), w)
 
@@ -108,7 +134,7 @@ def test_a_cached_upload_without_a_have_hit_poisons_its_storage_and_names_the_fi
         reply = b.request([fetch(b.next_req(), desc(5, w))], cached=[[5, 0, NBYTES, _key(w)]])
         assert reply.deferred[0]["kind"] == "protocol" and "CMD_HAVE" in reply.deferred[0]["message"]
         assert reply.error is not None and "CMD_HAVE" in reply.error["message"]
-        assert _ask(b, _key(w), NBYTES)  # the session goes on
+        assert _ask(b, _key(w), NBYTES, _possession(w))  # the session goes on
 
 
 def test_a_malformed_have_closes_only_that_session(inproc_server: Start) -> None:
@@ -118,26 +144,23 @@ def test_a_malformed_have_closes_only_that_session(inproc_server: Start) -> None
         kind, body, _ = bad.recv()
         assert kind == MsgKind.ERROR and "HAVE entry" in body["reason"]
     with _client(server) as good:
-        assert not _ask(good, os.urandom(32), NBYTES)
-
-
-def _shared_view(t: torch.Tensor) -> memoryview:
-    return tensor_bytes(t)
+        assert not _ask(good, os.urandom(32), NBYTES, os.urandom(32))
 
 
 def test_shared_scope_serves_every_client_only_with_a_proof_of_possession(inproc_server: Start) -> None:
     server = inproc_server(share_cache=True)
     w = _weights()
-    key = shared_key(_shared_view(w))
-    _upload_named(server, w, key)
+    key, secret = shared_claim(fingerprint(tensor_bytes(w)))
+    _upload_named(server, w, key, secret)
     with _client(server) as b:
         nonce = b.welcome["cache"]["nonce"]
         assert b.welcome["cache"]["shared"] is True and len(nonce) == 32
-        assert not _ask(b, key, NBYTES)  # knows the hash only
-        assert not _ask(b, key, NBYTES, os.urandom(32))
+        assert not _ask(b, key, NBYTES)  # knows the key only
+        assert not _ask(b, key, NBYTES, proof=os.urandom(32))
         with _client(server) as other:  # a proof made for another session's nonce does not carry over
-            assert not _ask(b, key, NBYTES, possession_proof(other.welcome["cache"]["nonce"], key, _shared_view(w)))
-        assert _ask(b, key, NBYTES, possession_proof(nonce, key, _shared_view(w)))
+            assert not _ask(b, key, NBYTES, proof=possession_proof(secret, other.welcome["cache"]["nonce"], key,
+                                                                   NBYTES))
+        assert _ask(b, key, NBYTES, secret)
     stats = server.cache.stats()  # type: ignore[union-attr]
     assert stats["refused"] == 3 and stats["hits"] == 1
 
@@ -145,8 +168,8 @@ def test_shared_scope_serves_every_client_only_with_a_proof_of_possession(inproc
 def test_shared_scope_keeps_no_bytes_under_a_key_they_do_not_hash_to(inproc_server: Start) -> None:
     server = inproc_server(share_cache=True)
     w, forged = _weights(0), _weights(1)
-    key = shared_key(_shared_view(w))
-    _upload_named(server, forged, key)  # a client trying to plant other bytes under the victim's key
+    key, secret = shared_claim(fingerprint(tensor_bytes(w)))
+    _upload_named(server, forged, key, secret, kept=False)  # a client trying to plant other bytes under the key
     # a session worker hands its uploads to the node's cache over its pipe: the node judges them a moment later
     wait_until(lambda: server.cache.stats()["refused"] == 1, 5)  # type: ignore[union-attr]
     assert server.cache.stats()["entries"] == 0  # type: ignore[union-attr]
@@ -158,36 +181,41 @@ def test_no_cache_when_cache_bytes_is_zero(inproc_server: Start) -> None:
     _upload_named(server, w, _key(w))  # a key on an upload is harmless without a cache
     with _client(server) as b:
         assert b.welcome["cache"] == {"enabled": False}
-        assert not _ask(b, _key(w), NBYTES)
+        reply = b.request([have(b.next_req(), [[_key(w), NBYTES, None]])])
+        assert reply.error is None and reply.result == [False]
     assert server.cache is None
 
 
-def _keep(cache: ContentCache, key: bytes, t: torch.Tensor) -> bool:
+def _keep(cache: ContentCache, t: torch.Tensor, claim: tuple[bytes, bytes] | None = None) -> bool:
+    key, possession = claim if claim is not None else _claim(t)
     received = Receiver(t.numel())
     received.buffer.copy_(t)
-    received.release()
     try:
-        return cache.keep(key, received)
+        return received.seal() and cache.keep(key, possession, received)
     finally:
         received.close()
+
+
+def _lookup(cache: ContentCache, t: torch.Tensor, nonce: bytes = b"n" * 32) -> Any:
+    key, possession = _claim(t)
+    return cache.lookup(key, t.numel(), nonce=nonce, proof=possession_proof(possession, nonce, key, t.numel()))
 
 
 def test_the_cache_is_bounded_and_evicts_the_least_recently_used() -> None:
     cache = ContentCache(3 * NBYTES)
     tensors = [_weights(i).view(torch.uint8) for i in range(4)]
-    keys = [_key(t) for t in tensors]
-    for k, t in zip(keys[:3], tensors[:3], strict=True):
-        assert _keep(cache, k, t)
-    assert cache.lookup(keys[0], NBYTES) is not None  # 0 is now the most recently used
-    assert _keep(cache, keys[3], tensors[3])
-    assert cache.lookup(keys[1], NBYTES) is None  # evicted
-    for k, t in ((keys[0], tensors[0]), (keys[2], tensors[2]), (keys[3], tensors[3])):
-        storage = cache.lookup(k, NBYTES)
+    for t in tensors[:3]:
+        assert _keep(cache, t)
+    assert _lookup(cache, tensors[0]) is not None  # 0 is now the most recently used
+    assert _keep(cache, tensors[3])
+    assert _lookup(cache, tensors[1]) is None  # evicted
+    for t in (tensors[0], tensors[2], tensors[3]):
+        storage = _lookup(cache, t)
         assert storage is not None and torch.equal(torch.empty(0, dtype=torch.uint8).set_(storage), t)
     stats = cache.stats()
     assert stats["bytes"] == 3 * NBYTES and stats["evicted"] == 1 and stats["entries"] == 3
-    assert not _keep(cache, os.urandom(32), torch.zeros(4 * NBYTES, dtype=torch.uint8))  # larger than the cache
-    assert not _keep(cache, os.urandom(32), torch.zeros(1024, dtype=torch.uint8))  # below the threshold
+    assert not _keep(cache, torch.zeros(4 * NBYTES, dtype=torch.uint8))  # larger than the cache
+    assert not _keep(cache, torch.zeros(1024, dtype=torch.uint8))  # below the threshold
     cache.clear()
     assert cache.stats()["entries"] == 0
 
@@ -195,11 +223,11 @@ def test_the_cache_is_bounded_and_evicts_the_least_recently_used() -> None:
 def test_a_hit_is_a_private_mapping_whose_writes_copy_pages_and_leave_the_entry_whole() -> None:
     cache = ContentCache(4 * NBYTES)
     w = _weights().view(torch.uint8)
-    assert _keep(cache, _key(w), w)
-    mine = cache.lookup(_key(w), NBYTES)
+    assert _keep(cache, w)
+    mine = _lookup(cache, w)
     assert mine is not None
     torch.empty(0, dtype=torch.uint8).set_(mine).fill_(0)
-    theirs = cache.lookup(_key(w), NBYTES)
+    theirs = _lookup(cache, w)
     assert theirs is not None and torch.equal(torch.empty(0, dtype=torch.uint8).set_(theirs), w)
 
 

@@ -4,34 +4,48 @@ The cache (:class:`~genie.server.content.ContentCache`) must outlive sessions, s
 the node's process; a session worker reaches it over its control pipe and memory crosses as
 file descriptors (``SCM_RIGHTS``), never as bytes:
 
-=====================================================  ==========================================
-worker → node                                          node → worker
-=====================================================  ==========================================
-``["cache_get", seq, key, nbytes, nonce, proof]``      ``["cache_got", seq, hit]``, then on a hit
-                                                       the entry's sealed memfd
-``["cache_keep", key, nbytes]``, then the memfd the    nothing (the node keeps it, or not)
-worker received the upload into
-=====================================================  ==========================================
+=========================================================  ======================================
+worker → node                                              node → worker
+=========================================================  ======================================
+``["cache_get", seq, nonce, [[key, nbytes, proof], ...]]`` ``["cache_got", seq, [hit, ...]]``, then
+(one per HAVE, at most                                     each hit's sealed memfd, in order
+:data:`~genie.wire.content.MAX_HAVE_ENTRIES` entries)
+``["cache_keep", key, nbytes, possession]``, then the      nothing (the node keeps it, or not)
+sealed memfd the worker received the upload into
+=========================================================  ======================================
 
-A hit becomes the session's private (copy-on-write) mapping of the file, exactly as with
-sessions in threads. The node trusts nothing a worker sends: a kept descriptor must be a memfd
-of exactly ``nbytes`` (:func:`adopt_upload`), keys are checked by the cache as for any upload,
-and a worker that breaks these rules is killed like any worker that breaks the control protocol.
+The worker parses the client's HAVE, applies the session's :class:`~genie.server.content.HaveBudget`
+and maps the hits; the node does only what needs its secrets: one HMAC per entry, the same for
+held and missing keys (:meth:`~genie.server.content.ContentCache.have_fds`). A hit becomes the
+session's private (copy-on-write) mapping of the file, exactly as with sessions in threads.
+
+The node trusts nothing a worker sends: it applies a budget of its own per worker pipe, a kept
+descriptor must be a memfd of exactly ``nbytes`` sealed against writes, shrinking and growing
+(an unsealed one is refused, :func:`adopt_upload`), and its bytes are hashed against their key
+on the cache's checker thread, off this pipe's watcher. A worker that breaks the message rules
+is killed like any worker that breaks the control protocol.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import weakref
 from multiprocessing import reduction
 from typing import Any
 
-from genie.server.content import ContentCache, Receiver, private_mapping
+import torch
+
+from genie.server.content import ContentCache, HaveBudget, Receiver, private_mapping, seals_of
+from genie.wire.content import KEY_BYTES, MAX_HAVE_ENTRIES
 from genie.wire.frame import pack_body
 
-#: Seconds a worker waits for the node's answer to a lookup (then it is a miss).
+#: Seconds a worker waits for the node's answer to a HAVE (then every entry is a miss).
 LOOKUP_WAIT = 10.0
-_GET_SEALS = 1034  # fcntl.F_GET_SEALS: fails on anything but a memfd
+
+#: The node's own budget per worker pipe (a worker that skips its budget gets no further).
+_budgets: weakref.WeakKeyDictionary[Any, HaveBudget] = weakref.WeakKeyDictionary()
+_budgets_lock = threading.Lock()
 
 
 def offer_of(cache: ContentCache | None) -> dict[str, Any] | None:
@@ -43,7 +57,7 @@ def offer_of(cache: ContentCache | None) -> dict[str, Any] | None:
 
 class WorkerCache:
     """The worker's stand-in for the node's cache: :class:`~genie.server.content.ContentCache`'s
-    ``offer``/``wants``/``lookup``/``keep``, answered by the node over the control pipe.
+    ``offer``/``wants``/``have``/``keep``, answered by the node over the control pipe.
 
     ``conn`` is the pipe, ``send_lock`` the lock every sender on it holds; the worker's control
     thread hands the node's answers to :meth:`answered`.
@@ -56,80 +70,113 @@ class WorkerCache:
         self._conn = conn
         self._send_lock = send_lock
         self._seq = 0
-        self._answers: dict[int, int | None] = {}
+        self._asked: dict[int, list[int]] = {}  #: seq -> the byte counts asked about, while someone waits
+        self._answers: dict[int, list[torch.UntypedStorage | None]] = {}
         self._cond = threading.Condition()
 
     def offer(self, nonce: bytes) -> dict[str, Any]:
-        return {"enabled": True, "shared": self.shared, "min_bytes": self.min_bytes,
-                "nonce": nonce if self.shared else b""}
+        return {"enabled": True, "shared": self.shared, "min_bytes": self.min_bytes, "nonce": nonce}
 
     def wants(self, nbytes: int) -> bool:
         return self.min_bytes <= nbytes <= self.max_bytes
 
-    def lookup(self, key: bytes, nbytes: int, *, nonce: bytes = b"", proof: bytes | None = None) -> Any:
-        """A private mapping of the node's entry, or None (a miss, or no answer in time)."""
+    def have(self, entries: list[tuple[bytes, int, bytes | None]], nonce: bytes) -> list[torch.UntypedStorage | None]:
+        """Private mappings of the node's entries for ``entries`` (None: a miss, or no answer in time)."""
+        if not entries:
+            return []
         with self._cond:
             self._seq += 1
             seq = self._seq
+            self._asked[seq] = [nbytes for _, nbytes, _ in entries]
         with self._send_lock:
-            self._conn.send_bytes(pack_body(["cache_get", seq, key, nbytes, nonce, proof]))
+            self._conn.send_bytes(pack_body(["cache_get", seq, nonce, [list(e) for e in entries]]))
         with self._cond:
             self._cond.wait_for(lambda: seq in self._answers, LOOKUP_WAIT)
-            fd = self._answers.pop(seq, None)
-        return private_mapping(fd, nbytes)
+            self._asked.pop(seq, None)
+            answers = self._answers.pop(seq, None)
+        return answers if answers is not None else [None] * len(entries)
 
-    def answered(self, seq: Any, hit: Any) -> None:
-        """The control thread read ``["cache_got", seq, hit]``; on a hit the descriptor follows on the pipe."""
-        fd = reduction.recv_handle(self._conn) if hit else None
+    def answered(self, seq: Any, hits: Any) -> None:
+        """The control thread read ``["cache_got", seq, [hit, ...]]``; each hit's descriptor follows on the pipe."""
+        fds = [reduction.recv_handle(self._conn) if hit is True else None for hit in hits]
         with self._cond:
-            self._answers[int(seq)] = fd
+            asked = self._asked.get(int(seq))
+            if asked is None or len(asked) != len(fds):  # nobody waits any more: drop the descriptors
+                for fd in fds:
+                    if fd is not None:
+                        os.close(fd)
+                return
+            # Mapped here, one at a time: a HAVE's thousands of hits never hold thousands of descriptors.
+            self._answers[int(seq)] = [private_mapping(fd, n) for fd, n in zip(fds, asked, strict=True)]
             self._cond.notify_all()
 
-    def keep(self, key: bytes, received: Receiver) -> bool:
-        """Hand the memfd the upload landed in to the node, which may keep it."""
+    def keep(self, key: bytes, possession: bytes | None, received: Receiver) -> bool:
+        """Hand the sealed memfd the upload landed in to the node, which may keep it."""
         if not self.wants(received.nbytes):
             return False
         with self._send_lock:
-            self._conn.send_bytes(pack_body(["cache_keep", key, received.nbytes]))
+            self._conn.send_bytes(pack_body(["cache_keep", key, received.nbytes, possession]))
             reduction.send_handle(self._conn, received.fd, os.getppid())
         return True
 
 
+def _budget(conn: Any) -> HaveBudget:
+    with _budgets_lock:
+        budget = _budgets.get(conn)
+        if budget is None:
+            budget = _budgets[conn] = HaveBudget()
+        return budget
+
+
+def _entries(raw: Any) -> list[tuple[bytes, int, bytes | None]]:
+    if not isinstance(raw, list) or len(raw) > MAX_HAVE_ENTRIES:
+        raise ValueError(f"cache_get needs a list of at most {MAX_HAVE_ENTRIES} entries")
+    entries = []
+    for e in raw:
+        if (not isinstance(e, list) or len(e) != 3 or not isinstance(e[0], bytes) or len(e[0]) != KEY_BYTES
+                or not isinstance(e[1], int) or e[1] <= 0 or not (e[2] is None or isinstance(e[2], bytes))):
+            raise ValueError("a cache_get entry must be [key (32 bytes), nbytes > 0, proof bytes or None]")
+        entries.append((e[0], e[1], e[2]))
+    return entries
+
+
 def answer_lookup(cache: ContentCache | None, conn: Any, send_lock: threading.Lock, message: list[Any]) -> None:
-    """The node's side of ``["cache_get", seq, key, nbytes, nonce, proof]``."""
-    _, seq, key, nbytes, nonce, proof = message
-    if not isinstance(seq, int) or not isinstance(key, bytes) or not isinstance(nbytes, int) \
-            or not isinstance(nonce, bytes) or not (proof is None or isinstance(proof, bytes)):
-        raise ValueError("cache_get needs [seq, key bytes, nbytes, nonce bytes, proof bytes or None]")
-    fd = cache.lookup_fd(key, nbytes, nonce=nonce, proof=proof) if cache is not None and nbytes > 0 else None
+    """The node's side of ``["cache_get", seq, nonce, entries]``: one bool per entry, then the hits' memfds."""
+    _, seq, nonce, raw = message
+    if not isinstance(seq, int) or not isinstance(nonce, bytes):
+        raise ValueError("cache_get needs [seq, nonce bytes, entries]")
+    entries = _entries(raw)
+    granted = _budget(conn).take(len(entries)) if cache is not None else 0
+    fds: list[int | None] = cache.have_fds(entries[:granted], nonce) if cache is not None else []
+    fds += [None] * (len(entries) - len(fds))
     try:
         with send_lock:
-            conn.send_bytes(pack_body(["cache_got", seq, fd is not None]))
-            if fd is not None:
-                reduction.send_handle(conn, fd, 0)
+            conn.send_bytes(pack_body(["cache_got", seq, [fd is not None for fd in fds]]))
+            for fd in fds:
+                if fd is not None:
+                    reduction.send_handle(conn, fd, 0)
     finally:
-        if fd is not None:
-            os.close(fd)
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
 
 
 def adopt_upload(cache: ContentCache | None, conn: Any, message: list[Any]) -> None:
-    """The node's side of ``["cache_keep", key, nbytes]`` and the descriptor after it."""
+    """The node's side of ``["cache_keep", key, nbytes, possession]`` and the descriptor after it."""
     fd = reduction.recv_handle(conn)
-    received = Receiver.adopt(fd, 0)
     try:
-        _, key, nbytes = message
-        if not isinstance(key, bytes) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise ValueError("cache_keep needs [key bytes, nbytes > 0]")
-        try:
-            import fcntl
-
-            fcntl.fcntl(fd, _GET_SEALS)
-        except OSError:
-            raise ValueError("cache_keep's descriptor is not a memfd") from None
+        _, key, nbytes, possession = message
+        if (not isinstance(key, bytes) or not isinstance(nbytes, int) or nbytes <= 0
+                or not (possession is None or isinstance(possession, bytes))):
+            raise ValueError("cache_keep needs [key bytes, nbytes > 0, possession bytes or None]")
+        if seals_of(fd) is None:
+            raise ValueError("cache_keep's descriptor is not a memfd")
         if os.fstat(fd).st_size != nbytes:
             raise ValueError(f"cache_keep's memfd does not hold {nbytes} bytes")
-        received.nbytes = nbytes
-        if cache is not None:
-            cache.keep(key, received)
-    finally:
-        received.close()
+    except BaseException:
+        os.close(fd)
+        raise
+    if cache is None:
+        os.close(fd)
+        return
+    cache.keep_later(key, nbytes, possession, fd)  # an unsealed memfd is refused there at once
