@@ -10,7 +10,11 @@ connections are not sessions: ``max_sessions`` counts authenticated ones only,
 so a flood of strangers cannot take the slots of clients with the token.
 
 One watchdog thread per gate enforces the deadlines; closing a channel wakes
-the session thread blocked on it, which then ends quietly.
+the thread blocked on it, which then ends quietly.
+
+:func:`authenticate` is the server's handshake up to WELCOME. A node with session
+workers runs it on its own thread per admitted connection before it assigns a
+worker, so a peer that has not authenticated never costs a fork (issue 28).
 """
 
 from __future__ import annotations

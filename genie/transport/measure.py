@@ -189,6 +189,9 @@ def local_echo(opener: Opener, budget: float) -> Iterator[Echo]:
 
         thread = threading.Thread(target=serve, name="genie-measure-echo", daemon=True)
         thread.start()
+        allow_upgrade = getattr(server, "allow_upgrade", None)
+        if allow_upgrade is not None:  # both ends are ours: the server side may take the upgrade at once
+            allow_upgrade()
         handshake_complete(client, {})
 
         def echo(data: Buffer, out: memoryview) -> None:

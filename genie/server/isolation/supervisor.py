@@ -22,8 +22,10 @@ its :class:`~genie.server.isolation.clock.OpClock`. It kills the worker (SIGKILL
 When a worker dies any other way (SIGSEGV, SIGABRT, the cgroup's OOM kill) the client
 gets an ERROR frame ``{"code": "lost", "reason": "session worker killed: SIGSEGV"}``
 before the connection closes; the client raises :class:`~genie.errors.RemoteDeviceLost`
-with that reason. The node's own copy of the socket is what makes that possible, and
-what the pre-authentication deadline closes (``shutdown`` reaches the worker's copy).
+with that reason. The node's own copy of the socket is what makes that possible.
+
+A worker is assigned only to a client the node authenticated itself
+(:func:`genie.server.preauth.authenticate`): a stranger never costs a fork.
 """
 
 from __future__ import annotations
