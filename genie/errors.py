@@ -24,6 +24,7 @@ translated at the boundary where they happen, so callers only ever catch these::
     ├── RemoteExecutionError          an op failed on the server; names the op and its input shapes
     ├── RemoteDeviceLost              the node that held a device died or became unreachable
     └── DeviceError                   misuse of the remote_accelerator device (mixed devices, numpy() ...)
+        └── UnsupportedFeatureError   a torch.cuda feature the device cannot honour (also an AttributeError)
 """
 
 from __future__ import annotations
@@ -134,3 +135,8 @@ class RemoteDeviceLost(GenieError, RuntimeError):
 
 class DeviceError(GenieError, RuntimeError):
     """The remote_accelerator device was used in a way it does not support."""
+
+
+class UnsupportedFeatureError(DeviceError, AttributeError):
+    """A ``torch.cuda`` attribute that ``torch.remote_accelerator`` cannot honour; the message says why and what
+    to use instead. An AttributeError too, so ``hasattr(torch.remote_accelerator, name)`` stays False."""

@@ -22,6 +22,7 @@
 #include <ATen/ops/view_as_real_native.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Generator.h>
@@ -98,29 +99,50 @@ struct CurrentDevice {
 };
 thread_local CurrentDevice tl_device;
 
-struct Stats {
-  int64_t allocated = 0;
-  int64_t peak = 0;
-  int64_t count = 0;
-};
+// What torch.accelerator's memory API reads (c10::CachingDeviceAllocator::DeviceStats), kept per device
+// for the storages this client holds. No caching here: every storage is one allocation, one segment and
+// one active block, and what is reserved is what is allocated. Pools split at 1 MiB as CUDA's do.
+using c10::CachingAllocator::Stat;
+using c10::CachingAllocator::StatType;
+using c10::CachingDeviceAllocator::DeviceStats;
+constexpr int64_t kSmallPoolBytes = 1 << 20;
+
+void count_storage(DeviceStats& s, int64_t nbytes, bool added, bool counted = true) {
+  const size_t pool = static_cast<size_t>(nbytes < kSmallPoolBytes ? StatType::SMALL_POOL : StatType::LARGE_POOL);
+  for (size_t i : {static_cast<size_t>(StatType::AGGREGATE), pool}) {
+    for (auto* bytes : {&s.allocated_bytes, &s.reserved_bytes, &s.active_bytes, &s.requested_bytes}) {
+      if (added) {
+        (*bytes)[i].increase(static_cast<size_t>(nbytes));
+      } else {
+        (*bytes)[i].decrease(static_cast<size_t>(nbytes));
+      }
+    }
+    if (!counted && i == static_cast<size_t>(StatType::AGGREGATE)) continue;  // a resize: one block still
+    for (auto* blocks : {&s.allocation, &s.segment, &s.active}) {
+      if (added) {
+        (*blocks)[i].increase(1);
+      } else {
+        (*blocks)[i].decrease(1);
+      }
+    }
+  }
+  if (counted) (added ? s.num_device_alloc : s.num_device_free) += 1;
+}
 
 struct Book {
   std::mutex mu;
   std::unordered_map<uint64_t, std::pair<int64_t, DeviceIndex>> live;  // sid -> (nbytes, device)
-  std::vector<Stats> stats;
+  std::vector<DeviceStats> stats;
   std::vector<std::pair<int, uint64_t>> freed;
 
-  Stats& at(DeviceIndex d) {
+  DeviceStats& at(DeviceIndex d) {
     if (static_cast<size_t>(d) >= stats.size()) stats.resize(d + 1);
     return stats[d];
   }
   void add(uint64_t sid, int64_t nbytes, DeviceIndex d) {
     std::lock_guard<std::mutex> g(mu);
     live[sid] = {nbytes, d};
-    auto& s = at(d);
-    s.allocated += nbytes;
-    s.count += 1;
-    if (s.allocated > s.peak) s.peak = s.allocated;
+    count_storage(at(d), nbytes, true);
   }
 };
 
@@ -143,9 +165,7 @@ void delete_storage(void* ctx) {
   if (it == b.live.end()) return;
   auto [nbytes, d] = it->second;
   b.live.erase(it);
-  auto& s = b.at(d);
-  s.allocated -= nbytes;
-  s.count -= 1;
+  count_storage(b.at(d), nbytes, false);
   b.freed.emplace_back(static_cast<int>(d), sid);
 }
 
@@ -158,7 +178,11 @@ c10::DataPtr data_ptr_for(uint64_t sid, int64_t nbytes, DeviceIndex d) {
   return c10::DataPtr(pointer_of(sid), reinterpret_cast<void*>(sid), &delete_storage, device);
 }
 
-struct RemoteAllocator final : c10::Allocator {
+void call_empty_cache_hook();
+
+// A c10::DeviceAllocator, so torch.accelerator's memory API (memory_allocated, max_memory_allocated,
+// memory_stats, reset_peak_memory_stats, empty_cache) works on the device as on CUDA.
+struct RemoteAllocator final : c10::DeviceAllocator {
   c10::DataPtr allocate(size_t nbytes) override {
     DeviceIndex d = tl_device;
     if (nbytes == 0) return data_ptr_for(0, 0, d);
@@ -168,6 +192,41 @@ struct RemoteAllocator final : c10::Allocator {
   void copy_data(void*, const void*, std::size_t) const override {
     TORCH_CHECK(false, "genie: remote_accelerator storages hold no local bytes; copy tensors with .copy_()");
   }
+  bool initialized() override { return true; }
+  // Nothing is cached on the device side: send the frees waiting (Python) and give back the host pool.
+  void emptyCache(c10::MempoolId_t) override { call_empty_cache_hook(); }
+  void recordStream(const c10::DataPtr&, c10::Stream) override {}  // one ordered stream per device
+  DeviceStats getDeviceStats(DeviceIndex d) override {
+    auto& b = book();
+    std::lock_guard<std::mutex> g(b.mu);
+    return b.at(checked(d));
+  }
+  void resetAccumulatedStats(DeviceIndex d) override {
+    auto& b = book();
+    std::lock_guard<std::mutex> g(b.mu);
+    auto& s = b.at(checked(d));
+    for (auto* a : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes, &s.reserved_bytes,
+                    &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes}) {
+      for (auto& stat : *a) stat.reset_accumulated();
+    }
+    s.oversize_allocations.reset_accumulated();
+    s.oversize_segments.reset_accumulated();
+    s.num_alloc_retries = s.num_ooms = s.num_sync_all_streams = s.num_device_alloc = s.num_device_free = 0;
+  }
+  void resetPeakStats(DeviceIndex d) override {
+    auto& b = book();
+    std::lock_guard<std::mutex> g(b.mu);
+    auto& s = b.at(checked(d));
+    for (auto* a : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes, &s.reserved_bytes,
+                    &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes}) {
+      for (auto& stat : *a) stat.reset_peak();
+    }
+    s.oversize_allocations.reset_peak();
+    s.oversize_segments.reset_peak();
+  }
+
+ private:
+  static DeviceIndex checked(DeviceIndex d) { return d < 0 ? static_cast<DeviceIndex>(tl_device) : d; }
 };
 
 RemoteAllocator g_allocator;
@@ -229,6 +288,23 @@ void call_sync_hook(int device) {
     hook = *g_sync_hook;
   }
   hook(device);
+}
+
+py::object* g_empty_cache_hook = nullptr;
+
+// torch.accelerator.empty_cache(): Python sends the frees waiting and clears the host pool.
+void call_empty_cache_hook() {
+  {
+    std::lock_guard<std::mutex> g(g_hook_mu);
+    if (g_empty_cache_hook == nullptr) return;
+  }
+  py::gil_scoped_acquire gil;
+  py::object hook;
+  {
+    std::lock_guard<std::mutex> g(g_hook_mu);
+    hook = *g_empty_cache_hook;
+  }
+  hook();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -574,30 +650,56 @@ void resize_storage(const at::Tensor& t, int64_t nbytes) {
     auto it = b.live.find(sid);
     TORCH_CHECK(it != b.live.end(), "genie: unknown storage");
     auto& s = b.at(it->second.second);
-    s.allocated += nbytes - it->second.first;
-    if (s.allocated > s.peak) s.peak = s.allocated;
+    count_storage(s, it->second.first, false, false);
+    count_storage(s, nbytes, true, false);
     it->second.first = nbytes;
   }
   storage.unsafeGetStorageImpl()->set_nbytes(static_cast<size_t>(nbytes));
 }
 
 
+// torch.cuda.memory_stats' flat form: "allocated_bytes.all.current", "active.large_pool.peak", ...
 py::dict memory_stats(int device) {
-  auto& b = book();
-  std::lock_guard<std::mutex> g(b.mu);
-  auto s = b.at(static_cast<DeviceIndex>(device));
+  TORCH_CHECK(device >= 0 && device < 127, "genie: bad device index ", device);
+  auto s = g_allocator.getDeviceStats(static_cast<DeviceIndex>(device));
   py::dict d;
-  d["allocated_bytes.all.current"] = s.allocated;
-  d["allocated_bytes.all.peak"] = s.peak;
-  d["num_storages.current"] = s.count;
+  const char* pools[] = {"all", "small_pool", "large_pool"};
+  auto put = [&](const std::string& name, const c10::CachingAllocator::StatArray& a) {
+    for (size_t i = 0; i < a.size(); ++i) {
+      std::string prefix = name + "." + pools[i] + ".";
+      d[py::str(prefix + "current")] = a[i].current;
+      d[py::str(prefix + "peak")] = a[i].peak;
+      d[py::str(prefix + "allocated")] = a[i].allocated;
+      d[py::str(prefix + "freed")] = a[i].freed;
+    }
+  };
+  put("allocation", s.allocation);
+  put("segment", s.segment);
+  put("active", s.active);
+  put("inactive_split", s.inactive_split);
+  put("allocated_bytes", s.allocated_bytes);
+  put("reserved_bytes", s.reserved_bytes);
+  put("active_bytes", s.active_bytes);
+  put("inactive_split_bytes", s.inactive_split_bytes);
+  put("requested_bytes", s.requested_bytes);
+  d["num_alloc_retries"] = s.num_alloc_retries;
+  d["num_ooms"] = s.num_ooms;
+  d["num_sync_all_streams"] = s.num_sync_all_streams;
+  d["num_device_alloc"] = s.num_device_alloc;
+  d["num_device_free"] = s.num_device_free;
+  d["max_split_size"] = s.max_split_size;
+  d["num_storages.current"] = s.allocation[0].current;
   return d;
 }
 
 void reset_peak(int device) {
-  auto& b = book();
-  std::lock_guard<std::mutex> g(b.mu);
-  auto& s = b.at(static_cast<DeviceIndex>(device));
-  s.peak = s.allocated;
+  TORCH_CHECK(device >= 0 && device < 127, "genie: bad device index ", device);
+  g_allocator.resetPeakStats(static_cast<DeviceIndex>(device));
+}
+
+void reset_accumulated(int device) {
+  TORCH_CHECK(device >= 0 && device < 127, "genie: bad device index ", device);
+  g_allocator.resetAccumulatedStats(static_cast<DeviceIndex>(device));
 }
 
 }  // namespace
@@ -777,6 +879,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("resize_storage", &resize_storage);
   m.def("memory_stats", &memory_stats);
   m.def("reset_peak_memory_stats", &reset_peak);
+  m.def("reset_accumulated_memory_stats", &reset_accumulated);
+  m.def("set_empty_cache_hook", [](py::object hook) {
+    std::lock_guard<std::mutex> g(g_hook_mu);
+    if (g_empty_cache_hook == nullptr) g_empty_cache_hook = new py::object();  // leaked, as the sync hook
+    *g_empty_cache_hook = std::move(hook);
+  });
   m.def("set_sync_hook", [](py::object hook) {
     std::lock_guard<std::mutex> g(g_hook_mu);
     if (g_sync_hook == nullptr) g_sync_hook = new py::object();  // leaked: outlives interpreter teardown order

@@ -387,6 +387,12 @@ uint8_t g_cmd_call = 5;  // genie.wire.messages.CMD_CALL, likewise
 // while a tensor may be made or dropped: dropping one with a Python object takes the GIL, and Python
 // threads hold the GIL while they take a queue's lock. The room is a soft bound (a batch may end a few
 // commands over it when threads race); a lost node's room is 0 before its first failed op returns.
+// torch's settings a session's node must share (Queue::options): deterministic algorithms, warn only.
+int session_options() {
+  auto& ctx = at::globalContext();
+  return (ctx.deterministicAlgorithms() ? 1 : 0) | (ctx.deterministicAlgorithmsWarnOnly() ? 2 : 0);
+}
+
 bool queue_for(int device, size_t bytes, std::shared_ptr<Queue>* q, int* local) {
   {
     std::lock_guard<std::mutex> g(g_mu);
@@ -394,6 +400,7 @@ bool queue_for(int device, size_t bytes, std::shared_ptr<Queue>* q, int* local) 
     *q = g_routes[device].queue;
     *local = g_routes[device].local;
   }
+  if ((*q)->options.load(std::memory_order_relaxed) != session_options()) return false;
   std::lock_guard<std::mutex> g((*q)->mu);
   return (*q)->cmds.size() < (*q)->room_cmds && (*q)->bytes + bytes + 64 < (*q)->room_bytes;
 }
@@ -752,6 +759,10 @@ void init_fastpath(py::module_& m) {
      "sessions' queues).");
   m.def("queue_request_id", [](int64_t id) { return queue_of(id)->next_request.fetch_add(1); },
         "The next request id of this session (shared with the lane).");
+  m.def("queue_options", [](int64_t id, int options) { queue_of(id)->options.store(options); },
+        "The session options the node was told last (bit 0 deterministic algorithms, bit 1 warn only): ops are "
+        "queued natively only while torch's settings equal them.");
+  m.def("session_options", &session_options, "torch's settings a node must share, as queue_options takes them.");
   m.def("queue_count", [](int64_t id) {
     auto q = queue_of(id);
     std::lock_guard<std::mutex> g(q->mu);

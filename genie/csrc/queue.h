@@ -46,6 +46,10 @@ struct Queue {
   int64_t book_ops_after_sync = -1;
   size_t after_sync_cmds = 0;
   size_t after_sync_bytes = 0;
+  // The session options the node was last told (genie.device.connection: CMD_OPTIONS, bit 0 deterministic
+  // algorithms, bit 1 warn only). While torch's own differ, every op goes to Python, which tells the node
+  // first: an op queued after torch.use_deterministic_algorithms() runs under it.
+  std::atomic<int> options{0};
 
   // The session lock (NodeConnection.lock): every send and receive of the session holds it.
   std::recursive_mutex session;

@@ -24,8 +24,8 @@ import torch
 from torch.utils._pytree import tree_map, tree_unflatten
 
 from genie import _C
+from genie.device import arguments, registry
 from genie.device import meta as dmeta
-from genie.device import registry
 from genie.device.registry import RemoteDevice, table
 from genie.errors import DeviceError
 from genie.wire import messages as wm
@@ -67,8 +67,9 @@ class OpInfo:
         schema = func._schema
         self.name: str = func.name()
         self.arg_names = tuple(a.name for a in schema.arguments)
-        #: its own rule (genie.device.copies), or None
-        self.special = SPECIAL.get(func)
+        #: its own rule (genie.device.copies; genie.device.arguments for numbers where a Tensor goes, CPU
+        #: indices, sparse and quantized layouts), or None
+        self.special = SPECIAL.get(func) or arguments.special_for(self.name, schema)
         #: only the server can answer it (numbers, data-dependent shapes): a round trip
         self.server = func in SERVER_OPS
         #: metadata rules by the server device's kind (KIND_FIXUPS), or None: the meta cache keys on the kind then
@@ -278,8 +279,9 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
     except TypeError:  # an unhashable argument: no caching
         key, cached = None, None
     if cached is None:
+        arguments.check_layouts(info.name, args, kwargs)
         try:
-            metas, spec, flat = dmeta.run_meta(func, args, kwargs, _to_meta_arg)
+            metas, spec, flat = _run_meta(func, args, kwargs)
         except dmeta.NeedsServer:
             return call_on_server(func, args, kwargs, device)
         values = [None if isinstance(o, torch.Tensor) else o for o in flat]
@@ -336,6 +338,18 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
     if leaf:
         return outs[0]
     return tree_unflatten(outs, spec)
+
+
+def _run_meta(func: Any, args: Any, kwargs: Any) -> tuple[list[Any], Any, list[Any]]:
+    """The op on meta tensors; once more with its 0-dim CPU tensors as meta ones where a meta kernel took the
+    first argument's device for the output (``torch.tensor(2.0) * x``: CUDA takes such a CPU scalar)."""
+    try:
+        return dmeta.run_meta(func, args, kwargs, _to_meta_arg)
+    except RuntimeError as exc:
+        if "device" not in str(exc) or not arguments.has_cpu_scalar(args, kwargs):
+            raise
+        return dmeta.run_meta(func, args, kwargs, functools.partial(arguments.meta_with_scalars,
+                                                                    remote_to_meta=_to_meta_arg))
 
 
 def _teach(info: OpInfo, metas: list[Any], values: list[Any], conform: list[bool], kinds: list[Any]) -> None:
@@ -446,7 +460,31 @@ def call_on_server(func: Any, args: Any, kwargs: Any, device: RemoteDevice) -> A
     ids = [_C.new_storage_id() for _ in range(count)]
     result = device.connection.call(device.local_index, info.name, args, kwargs, ids, encoder_for(device),
                                     device=device.label)
-    return _decode_call_result(info, result, device)
+    decoded = _decode_call_result(info, result, device)
+    if info.list_return or not any(kind == "inplace" for kind, _ in info.returns):
+        return decoded
+    return _into_targets(info, args, kwargs, decoded)
+
+
+def _into_targets(info: OpInfo, args: Any, kwargs: Any, decoded: Any) -> Any:
+    """An in-place/``out=`` op's results as its target arguments, as torch returns them.
+
+    The server ran the op into the targets' storages and keeps each result (a copy) under a new id. A target
+    whose layout the op kept holds the result already; one the op resized (``linalg_lstsq.out``'s empty
+    outs) takes the result's storage (a metadata change here, no command)."""
+    single = len(info.returns) == 1
+    results = [decoded] if single else list(decoded)
+    for i, (kind, pos) in enumerate(info.returns):
+        if kind != "inplace" or i >= len(results):
+            continue
+        target, got = _arg(info, pos, args, kwargs), results[i]
+        if not isinstance(target, torch.Tensor) or not isinstance(got, torch.Tensor) or got.dtype != target.dtype:
+            continue
+        if got.shape != target.shape or got.stride() != target.stride():
+            _aten.set_.source_Storage_storage_offset(target, got.untyped_storage(), got.storage_offset(),
+                                                     list(got.shape), list(got.stride()))
+        results[i] = target
+    return results[0] if single else tuple(results)
 
 
 def _local_scalar(func: Any, args: Any, kwargs: Any) -> Any:

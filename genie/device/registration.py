@@ -19,8 +19,8 @@ import torch
 
 from genie import _C
 from genie.compile import inductor as _inductor
+from genie.device import arguments, dispatch, module
 from genie.device import copies as _copies  # noqa: F401 - fills dispatch.SPECIAL
-from genie.device import dispatch, module
 from genie.device import rnn_cells as _rnn_cells  # noqa: F401 - fills dispatch.SPECIAL (fused RNN cells)
 from genie.errors import DeviceError
 from genie.wire.values import DTYPES
@@ -110,6 +110,12 @@ def ensure_registered() -> None:
         for op_name in WHOLE_OPS:
             aten.impl(op_name, _whole(getattr(torch.ops.aten, op_name).default), "PrivateUse1")
         _libraries.append(aten)
+        # Sparse and quantized tensors of the device (and factories asking for them) fail with a GenieError
+        # naming the layout instead of torch's "Could not run ... 'Sparseremote_accelerator' backend".
+        refusals = torch.library.Library("_", "IMPL")  # noqa: TOR901
+        for key in arguments.UNSUPPORTED_KEYS:
+            refusals.fallback(arguments.refuse_dispatch_key(key), dispatch_key=key)
+        _libraries.append(refusals)
         _C.set_sync_hook(module._sync_hook)
         _inductor.install()  # torch.compile's default backend hands remote graphs to backend="genie"
         _done = True

@@ -1,4 +1,4 @@
-"""The session's control commands: SYNC, SEED and RESIZE (see :mod:`genie.wire.messages`).
+"""The session's control commands: SYNC, SEED, RESIZE and OPTIONS (see :mod:`genie.wire.messages`).
 
 They run on the session's thread through the executor's public interface, in the order the
 client sent them; the op path (ops, calls, fetches, frees) stays in :mod:`genie.server.executor`.
@@ -16,6 +16,7 @@ from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
 from genie.server.store import zero_from
+from genie.wire.messages import SESSION_OPTIONS
 
 if TYPE_CHECKING:
     from genie.server.executor import Executor
@@ -70,3 +71,18 @@ def resize(ex: Executor, cmd: list[Any]) -> None:
     except Exception as exc:
         ex.store.poison(storage_id, f"resize: {_message(exc)}")
         ex.defer(_error("resize", [[new]], _kind_of(exc), _message(exc), [storage_id]))
+
+
+def options(ex: Executor, cmd: list[Any]) -> None:
+    """``[CMD_OPTIONS, {"deterministic": bool, "warn_only": bool}]``: the client's
+    ``torch.use_deterministic_algorithms`` for the session's later commands.
+
+    torch keeps the setting per process: a session worker (the default isolation) has it to itself; with
+    ``--isolation none`` the node's sessions share it (docs/device.md). Only these two booleans are read.
+    """
+    if len(cmd) != 2 or not isinstance(cmd[1], dict) or set(cmd[1]) - set(SESSION_OPTIONS) \
+            or not all(type(v) is bool for v in cmd[1].values()):
+        raise FrameError(f"OPTIONS must be [CMD_OPTIONS, a map of {', '.join(SESSION_OPTIONS)} to booleans]")
+    deterministic = cmd[1].get("deterministic", False)
+    torch.use_deterministic_algorithms(deterministic, warn_only=deterministic and cmd[1].get("warn_only", False))
+

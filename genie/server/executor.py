@@ -49,7 +49,17 @@ from genie.server.rng import GENERATORLESS, SessionGenerators, generator_arg
 from genie.server.store import StorageStore, zero_from, zeroed_storage
 from genie.transport.base import Channel
 from genie.wire.frame import FrameHeader, MsgKind, send_frame
-from genie.wire.messages import CMD_CALL, CMD_FETCH, CMD_FREE, CMD_HAVE, CMD_OP, CMD_RESIZE, CMD_SEED, CMD_SYNC
+from genie.wire.messages import (
+    CMD_CALL,
+    CMD_FETCH,
+    CMD_FREE,
+    CMD_HAVE,
+    CMD_OP,
+    CMD_OPTIONS,
+    CMD_RESIZE,
+    CMD_SEED,
+    CMD_SYNC,
+)
 
 log = logging.getLogger("genie.server.executor")
 
@@ -328,6 +338,8 @@ class Executor:
             controls.resize(self, cmd)
         elif code == CMD_HAVE:
             transfers.have(self, cmd)
+        elif code == CMD_OPTIONS:
+            controls.options(self, cmd)
         elif code in COMMAND_HOOKS:  # graphs hook: genie/server/graphs.py registers CMD_GRAPH and CMD_REPLAY
             COMMAND_HOOKS[code](self, cmd)
         else:

@@ -42,6 +42,9 @@ a device index on the receiving node:
   (torch.compile's ``backend="genie"``), validated op by op like single ops; and
   ``[CMD_REPLAY, device, graph_id, inputs, outs]`` runs it fire-and-forget. Their
   schema is :mod:`genie.wire.graph`.
+- ``[CMD_OPTIONS, {"deterministic": bool, "warn_only": bool}]`` sets the torch
+  settings the session's later commands run under (``torch.use_deterministic_algorithms``
+  on the client); the client sends it before the first command after a change.
 
 A storage the session has not seen yet, named by an argument, a FETCH or a
 RESIZE, is made on the command's device, zero-filled (the client's allocator
@@ -103,6 +106,10 @@ CMD_RESIZE = 8
 CMD_HAVE = 9
 CMD_GRAPH = 10
 CMD_REPLAY = 11
+CMD_OPTIONS = 12
+
+#: The keys of CMD_OPTIONS' map; each value is a bool.
+SESSION_OPTIONS = ("deterministic", "warn_only")
 
 
 def hello_body(*, node_id: str, role: str, backends: list[str], extra: dict[str, Any] | None = None) -> dict[str, Any]:
