@@ -1,0 +1,407 @@
+"""genie on a GPU against native CUDA on the same host, in one run: how much slower is my model remotely?
+
+Each workload runs three ways, each in its own client process: **native** (the model on ``cuda:0``
+in the client), and through genie with the client on the same host over **shm** and **tcp**
+(``genie serve --devices cuda:0``, process isolation as shipped). Ratios are genie / native from
+the same run:
+
+- GPT-2 small (124M, from a config) training step, bf16 autocast, fused AdamW, batch 8x512;
+- ResNet-50 training step, batch 64, channels_last, bf16 autocast (torchvision, else timm);
+- BERT-base inference, batch 32x128;
+- GPT-2 small greedy decode with its KV cache, tokens/s;
+- the GPT-2 step and BERT inference again under ``torch.compile`` (``backend="genie"`` remotely,
+  inductor natively);
+- 1 GiB upload and download (pageable host memory, as a user's tensor) against ``cudaMemcpy`` from
+  pinned memory natively, and against the raw channel (a loopback TCP echo of the same bytes);
+- session start (``genie.init`` and the first op) and the GPU memory a session adds (its worker's
+  CUDA context and caches, read with nvidia-smi).
+
+``--quick`` (what scripts/gpu-check runs) takes fewer steps and smaller transfers; ``--tiny --device
+cpu`` runs the same code with tiny models against a CPU server, to check the script on a machine
+without a GPU before spending GPU time on it (about 4 minutes here; its figures mean nothing).
+Results: a table on stdout and, with ``--json``, every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import _common as c  # noqa: E402
+
+#: Targets (issue 33), genie / native.
+TARGETS = {"gpt2_train": 1.15, "gpt2_train_compiled": 1.05, "resnet50_train": 1.10, "bert_infer": 1.10,
+           "bert_infer_compiled": 1.10}
+DECODE_TARGET = 0.85  # tokens/s, genie / native
+TRANSFER_TARGET = 0.9  # against the raw channel
+
+
+# -- workloads (run in a client process; ``dev`` is cuda:0, cpu or remote_accelerator:0) ---------------------
+
+def _autocast(dev: str) -> Any:
+    import torch
+
+    return torch.autocast(device_type=torch.device(dev).type, dtype=torch.bfloat16)
+
+
+def _timed(step: Any, steps: int, warmup: int) -> dict[str, Any]:
+    for _ in range(warmup):
+        step()
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        walls.append(time.perf_counter() - t0)
+    return {"seconds": statistics.median(walls), "samples": walls}
+
+
+def _gpt2_config(tiny: bool) -> Any:
+    from transformers import GPT2Config
+
+    if tiny:
+        return GPT2Config(vocab_size=512, n_positions=128, n_embd=64, n_layer=2, n_head=2)
+    return GPT2Config()  # 124M
+
+
+def gpt2_train(dev: str, a: argparse.Namespace, compiled: bool = False) -> dict[str, Any]:
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = _gpt2_config(a.tiny)
+    model: Any = GPT2LMHeadModel(cfg).to(dev)  # type: ignore[arg-type]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    batch, seq = (2, 64) if a.tiny else (8, 512)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq)).to(dev)
+    run = _compile(model, dev, a) if compiled else model
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with _autocast(dev):
+            loss = run(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        loss.item()
+
+    return _timed(step, a.steps, a.warmup + (2 if compiled else 0))
+
+
+def resnet50_train(dev: str, a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    try:
+        import torchvision
+
+        model = (torchvision.models.resnet18 if a.tiny else torchvision.models.resnet50)()
+    except ImportError:
+        import timm
+
+        model = timm.create_model("resnet18" if a.tiny else "resnet50", pretrained=False)
+    model = model.to(dev).to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    shape = (4, 3, 64, 64) if a.tiny else (64, 3, 224, 224)
+    x = torch.randn(shape).to(dev).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (shape[0],)).to(dev)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with _autocast(dev):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        loss.item()
+
+    return _timed(step, a.steps, a.warmup)
+
+
+def bert_infer(dev: str, a: argparse.Namespace, compiled: bool = False) -> dict[str, Any]:
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = (BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=128) if a.tiny else BertConfig())
+    model: Any = BertModel(cfg).to(dev).eval()  # type: ignore[arg-type]
+    batch, seq = (4, 32) if a.tiny else (32, 128)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq)).to(dev)
+    run = _compile(model, dev, a) if compiled else model
+
+    def step() -> None:
+        with torch.no_grad():
+            run(input_ids=ids).last_hidden_state.sum().item()
+
+    return _timed(step, a.steps, a.warmup + (2 if compiled else 0))
+
+
+def decode(dev: str, a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = _gpt2_config(a.tiny)
+    model: Any = GPT2LMHeadModel(cfg).to(dev).eval()  # type: ignore[arg-type]
+    ids = torch.randint(0, cfg.vocab_size, (1, 32)).to(dev)
+    new = 16 if a.quick or a.tiny else 64
+
+    def step() -> None:
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        out[0, -1].item()
+
+    timed = _timed(step, max(2, a.steps // 2), 1)
+    timed["tokens_per_s"] = new / timed["seconds"]
+    return timed
+
+
+def transfer(dev: str, a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    nbytes = (64 << 20) if a.tiny else ((256 << 20) if a.quick else (1 << 30))
+    host = torch.empty(nbytes, dtype=torch.uint8).random_()
+    pinned = host.pin_memory() if dev.startswith("cuda") else host
+    sync = (lambda: torch.cuda.synchronize()) if dev.startswith("cuda") else (lambda: None)
+    ups, downs = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        on = pinned.to(dev, non_blocking=True)
+        sync()
+        on.view(-1)[-1].item()  # remotely: the upload is done when the node answers
+        t1 = time.perf_counter()
+        back = on.cpu()
+        t2 = time.perf_counter()
+        ups.append(t1 - t0)
+        downs.append(t2 - t1)
+        del on
+    assert torch.equal(back[-4096:], host[-4096:])
+    return {"bytes": nbytes, "up_s": statistics.median(ups), "down_s": statistics.median(downs),
+            "pinned": dev.startswith("cuda")}
+
+
+def _compile(model: Any, dev: str, a: argparse.Namespace) -> Any:
+    import torch
+
+    return torch.compile(model, backend="genie" if dev.startswith("remote_accelerator") else "inductor")
+
+
+WORKLOADS: dict[str, Any] = {
+    "gpt2_train": gpt2_train,
+    "gpt2_train_compiled": lambda dev, a: gpt2_train(dev, a, compiled=True),
+    "resnet50_train": resnet50_train,
+    "bert_infer": bert_infer,
+    "bert_infer_compiled": lambda dev, a: bert_infer(dev, a, compiled=True),
+    "decode": decode,
+    "transfer": transfer,
+}
+
+
+def run_client(a: argparse.Namespace) -> int:
+    """One client process: native on ``--device`` or genie against ``--port``; one RESULT line per workload."""
+    import torch
+
+    dev = a.device
+    if a.mode == "genie":
+        import genie
+
+        t0 = time.perf_counter()
+        genie.init_sync(master_addr="127.0.0.1", master_port=a.port, timeout=120)
+        t1 = time.perf_counter()
+        dev = "remote_accelerator:0"
+        torch.ones(4, device=dev).sum().item()
+        c.emit({"name": "session", "init_s": t1 - t0, "first_op_s": time.perf_counter() - t1})
+    for name in a.workloads.split(","):
+        try:
+            result = WORKLOADS[name](dev, a)
+            result.pop("samples", None)
+            c.emit({"name": name, "ok": True, **result})
+        except Exception as exc:  # a failure is a result: report it and go on with the others
+            c.emit({"name": name, "ok": False, "error": f"{type(exc).__name__}: {str(exc)[:600]}"})
+    if a.mode == "genie":
+        import genie
+
+        c.emit({"name": "stats", **{k: v for k, v in genie.stats().items() if k != "sync_points"}})
+        genie.shutdown_sync()
+    c.emit({"name": "done"})
+    return 0
+
+
+# -- the parent ---------------------------------------------------------------------------------------------
+
+def gpu_memory_used_mib() -> float | None:
+    """GPU 0's used memory in MiB (nvidia-smi), or None where there is no NVIDIA GPU."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    with contextlib.suppress(subprocess.SubprocessError, ValueError, OSError):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=20).stdout
+        return float(out.split()[0])
+    return None
+
+
+def raw_tcp_rate(nbytes: int) -> float:
+    """Bytes per second of ``nbytes`` up and back over a loopback TCP echo (the raw channel under tcp)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    chunk = 8 << 20
+
+    def echo() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            buf = bytearray(chunk)
+            view = memoryview(buf)
+            while True:
+                n = conn.recv_into(view)
+                if not n:
+                    return
+                conn.sendall(view[:n])
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    data = memoryview(bytearray(os.urandom(1 << 20)) * (chunk >> 20))
+    back = memoryview(bytearray(chunk))
+    with socket.create_connection(listener.getsockname()[:2]) as sock:
+        t0 = time.perf_counter()
+        for _ in range(max(1, nbytes // chunk)):
+            sock.sendall(data)
+            got = 0
+            while got < chunk:
+                got += sock.recv_into(back[got:])
+        elapsed = time.perf_counter() - t0
+    listener.close()
+    return 2 * max(1, nbytes // chunk) * chunk / elapsed
+
+
+def run_mode(kids: c.Children, a: argparse.Namespace, mode: str, port: int = 0,
+             env: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    argv = [sys.executable, os.path.abspath(__file__), "--role", "client", "--mode", mode, "--port", str(port),
+            "--device", a.device, "--workloads", a.workloads, "--steps", str(a.steps), "--warmup", str(a.warmup)]
+    argv += ["--quick"] * a.quick + ["--tiny"] * a.tiny
+    proc = kids.start(argv, env=env)
+    results: dict[str, dict[str, Any]] = {}
+    while True:
+        got = c.read_json_line(proc, a.client_timeout)
+        if got["name"] == "done":
+            break
+        if got["name"] == "session":  # the session's worker holds its CUDA context now
+            got["gpu_memory_mib"] = gpu_memory_used_mib()
+        results[got.pop("name")] = got
+    kids.stop(proc)
+    return results
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--role", default="parent", choices=("parent", "client"))
+    p.add_argument("--mode", default="native", choices=("native", "genie"))
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--device", default="cuda:0", help="cuda:0 (the GPU), or cpu to check the script on a CPU host")
+    p.add_argument("--backends", default="shm,tcp")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--quick", action="store_true", help="fewer steps, smaller transfers (scripts/gpu-check)")
+    p.add_argument("--tiny", action="store_true", help="tiny models (checking the script, not measuring)")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--client-timeout", type=float, default=600.0)
+    p.add_argument("--json", default=None, help="write every figure here")
+    a = p.parse_args()
+    a.steps = a.steps or (3 if a.tiny else 5 if a.quick else 20)
+    a.warmup = a.warmup if a.warmup is not None else (1 if a.tiny else 2 if a.quick else 3)
+    if a.role == "client":
+        return run_client(a)
+    return run_parent(a)
+
+
+def run_parent(a: argparse.Namespace) -> int:
+    import torch
+
+    from genie.cluster.launch import NodeProcess
+
+    info = {"torch": torch.__version__, "device": a.device, "cuda": torch.version.cuda,
+            "gpu": torch.cuda.get_device_name(0) if a.device.startswith("cuda") and torch.cuda.is_available() else None,
+            "quick": a.quick, "tiny": a.tiny, "steps": a.steps}
+    print(f"bench_gpu: {info}", flush=True)
+    report: dict[str, Any] = {"info": info, "runs": {}}
+    with c.Children() as kids:
+        report["runs"]["native"] = run_mode(kids, a, "native")
+        print("native done", flush=True)
+        for backend in a.backends.split(","):
+            env = {"GENIE_BACKEND": backend, "GENIE_LOG_LEVEL": "WARNING"}
+            before = gpu_memory_used_mib()
+            with NodeProcess("serve", "--port", "0", "--devices", a.device, env=env, ready_timeout=300) as node:
+                idle = gpu_memory_used_mib()
+                runs = run_mode(kids, a, "genie", node.control_port, env=env)
+                runs["gpu_memory_mib"] = {"before_node": before, "node_idle": idle}
+                report["runs"][backend] = runs
+            print(f"genie over {backend} done", flush=True)
+    report["raw_tcp_bytes_per_s"] = raw_tcp_rate((64 << 20) if a.tiny else (256 << 20))
+    report["table"] = summarise(report, a)
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+def summarise(report: dict[str, Any], a: argparse.Namespace) -> list[list[str]]:
+    """Print the ratio table (genie / native per backend, with targets); return its rows."""
+    native = report["runs"]["native"]
+    rows: list[list[str]] = []
+    table = c.Table()
+    for backend in a.backends.split(","):
+        runs = report["runs"].get(backend, {})
+        for name, target in TARGETS.items():
+            n, g = native.get(name, {}), runs.get(name, {})
+            if not (n.get("ok") and g.get("ok")):
+                why = g.get("error") or n.get("error") or "not run"
+                table.add(f"{name} [{backend}]", "failed", "-", "-", f"<= {target}x", False if g else None)
+                rows.append([name, backend, "failed", why])
+                continue
+            ratio = g["seconds"] / n["seconds"]
+            table.add(f"{name} [{backend}]", c.fmt_ms(g["seconds"]), f"native {c.fmt_ms(n['seconds'])}",
+                      f"{ratio:.2f}x", f"<= {target}x", ratio <= target)
+            rows.append([name, backend, f"{ratio:.3f}", ""])
+        n, g = native.get("decode", {}), runs.get("decode", {})
+        if n.get("ok") and g.get("ok"):
+            ratio = g["tokens_per_s"] / n["tokens_per_s"]
+            table.add(f"decode tokens/s [{backend}]", f"{g['tokens_per_s']:.1f}", f"native {n['tokens_per_s']:.1f}",
+                      f"{ratio:.2f}x", f">= {DECODE_TARGET}x", ratio >= DECODE_TARGET)
+            rows.append(["decode", backend, f"{ratio:.3f}", ""])
+        n, g = native.get("transfer", {}), runs.get("transfer", {})
+        if n.get("ok") and g.get("ok"):
+            raw = report.get("raw_tcp_bytes_per_s") or 0.0
+            for way in ("up", "down"):
+                rate, native_rate = g["bytes"] / g[f"{way}_s"], n["bytes"] / n[f"{way}_s"]
+                table.add(f"{g['bytes'] >> 20} MiB {way}load [{backend}]",
+                          c.fmt_rate(rate), f"native {c.fmt_rate(native_rate)}", f"{rate / native_rate:.2f}x",
+                          "-", None)
+                if backend == "tcp" and raw:
+                    table.add(f"{way}load vs raw TCP [{backend}]", c.fmt_rate(rate), f"raw {c.fmt_rate(raw)}",
+                              f"{rate / raw:.2f}x", f">= {TRANSFER_TARGET}x", rate / raw >= TRANSFER_TARGET)
+        session, mem = runs.get("session", {}), runs.get("gpu_memory_mib", {})
+        if session:
+            table.add(f"session start [{backend}]", c.fmt_ms(session["init_s"] + session["first_op_s"]),
+                      f"init {c.fmt_ms(session['init_s'])}", "-", "-", None)
+        if mem.get("node_idle") is not None and mem.get("before_node") is not None:
+            table.add(f"node idle GPU memory [{backend}]", f"{mem['node_idle'] - mem['before_node']:.0f} MiB", "-",
+                      "-", "-", None)
+            if session.get("gpu_memory_mib") is not None:
+                table.add(f"one session's GPU memory [{backend}]",
+                          f"{session['gpu_memory_mib'] - mem['node_idle']:.0f} MiB", "-", "-", "-", None)
+    table.print(f"bench_gpu ({report['info']['device']}, torch {report['info']['torch']})")
+    return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
