@@ -111,8 +111,12 @@ def set_rng_state_all(states: list[torch.Tensor]) -> None:
 # same): the storages this client holds on the device. Nothing is cached here, so reserved equals allocated.
 def memory_stats(device: Any = None) -> dict[str, int]:
     """``torch.cuda.memory_stats``' flat dictionary (``allocated_bytes.all.current``, ``.peak``, ...) for the
-    storages this client holds on the device."""
-    return dict(sorted(_C.memory_stats(_index(device)).items()))
+    storages this client holds on the device, and ``num_storages.current``."""
+    stats = _C.memory_stats(_index(device))
+    for name in ("oversize_allocations", "oversize_segments"):  # CUDA's blocks past max_split_size: none here
+        for kind in ("current", "peak", "allocated", "freed"):
+            stats[f"{name}.{kind}"] = 0
+    return dict(sorted(stats.items()))
 
 
 def memory_stats_as_nested_dict(device: Any = None) -> dict[str, Any]:
