@@ -242,6 +242,16 @@ def plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> 
     return Plan(new_bytes=new_bytes, max_elements=max_elements, max_input=max_input, input_shape=input_shape)
 
 
+def signature(values: Any) -> tuple[Any, ...] | None:
+    """The key :func:`cached_plan` uses for these values (tensors by shape, strides and dtype; plain values as
+    they are), or None when one cannot be keyed: what the pre-flight's answers depend on, for callers that
+    cache them over several ops (a replayed graph's inputs, :mod:`genie.server.graphs`)."""
+    try:
+        return _sig(values)
+    except _Unhashable:
+        return None
+
+
 def cached_plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> Plan:
     """:func:`plan`, cached by the op and the arguments' signature."""
     try:
@@ -308,6 +318,32 @@ def _too_many(label: str, what: str, count: int, limit: int) -> ForbiddenOpError
         f"this server's limit of {limit} elements per op (max_op_elements); split the work into smaller ops")
 
 
+def over_quota(label: str, new_bytes: int, remaining_bytes: int) -> QuotaExceededError:
+    """The refusal of an op that would allocate ``new_bytes`` with ``remaining_bytes`` left of the session's quota."""
+    return QuotaExceededError(
+        f"{label} refused before running: it would allocate {new_bytes} bytes, more than the "
+        f"{remaining_bytes} bytes left of this session's limit (max_session_bytes)")
+
+
+def _check_arguments(op: torch._ops.OpOverload, extras: _Extras, label: str, args: list[Any],
+                     kwargs: dict[str, Any]) -> None:
+    if extras[0]:
+        _check_enums(op, label, args, kwargs)
+    if extras[2]:
+        count = _list_outputs(op, args, kwargs)
+        if count > MAX_LIST_OUTPUTS:
+            raise ForbiddenOpError(f"{label} refused before running: it would return {count} tensors, more than "
+                                   f"{MAX_LIST_OUTPUTS}")
+
+
+def check_arguments(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """The refusals of :func:`check` that need no tensor: dtype, layout and memory-format arguments of their own
+    types, strided layouts, ``pin_memory`` false, split-like ops returning at most :data:`MAX_LIST_OUTPUTS`
+    tensors (as far as the plain values say). A graph definition's nodes pass them before it is kept; what
+    depends on the tensors is checked at replay, by :func:`check`."""
+    _check_arguments(op, _extras.get(op) or _extras_of(op), label, args, kwargs)
+
+
 def check(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[str, Any], *,
           max_elements: int, remaining_bytes: int | None) -> Plan:
     """Refuse ``op`` on these resolved arguments before it runs (see the module docstring); returns the meta
@@ -317,15 +353,9 @@ def check(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[s
     ``max_elements`` the per-op element cap (0: unbounded).
     """
     extras = _extras.get(op) or _extras_of(op)
-    if extras[0]:
-        _check_enums(op, label, args, kwargs)
+    _check_arguments(op, extras, label, args, kwargs)
     if extras[3] is not None:
         extras[3](label, args, kwargs)
-    if extras[2]:
-        count = _list_outputs(op, args, kwargs)
-        if count > MAX_LIST_OUTPUTS:
-            raise ForbiddenOpError(f"{label} refused before running: it would return {count} tensors, more than "
-                                   f"{MAX_LIST_OUTPUTS}")
     found = cached_plan(op, args, kwargs)
     if max_elements and found.max_input > max_elements:
         raise _too_many(label, f"an input of shape {list(found.input_shape)}", found.max_input, max_elements)
@@ -341,7 +371,5 @@ def check(op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[s
     if max_elements and found.max_elements > max_elements:
         raise _too_many(label, "an output", found.max_elements, max_elements)
     if remaining_bytes is not None and found.new_bytes > remaining_bytes:
-        raise QuotaExceededError(
-            f"{label} refused before running: it would allocate {found.new_bytes} bytes, more than the "
-            f"{remaining_bytes} bytes left of this session's limit (max_session_bytes)")
+        raise over_quota(label, found.new_bytes, remaining_bytes)
     return found

@@ -167,12 +167,25 @@ class StorageStore:
         return storage
 
     def resized(self, storage_id: int) -> None:
-        """Account for a storage that changed size in place (``resize_``); the quota is not enforced here."""
+        """Account for a storage that changed size in place (``resize_``, ``set_``, an ``out=`` argument).
+
+        Growth past ``max_bytes`` is refused here too, whatever path grew it (the pre-flight refuses it before
+        an op runs; this is the store's own bound): the storage is poisoned, so the session holds neither it
+        nor its memory once the command's tensors are gone, and QuotaExceededError is raised.
+        """
         storage = self._storages.get(storage_id)
-        if storage is not None:
-            now = storage.nbytes()
-            self._bytes += now - self._sizes[storage_id]
-            self._sizes[storage_id] = now
+        if storage is None:
+            return
+        now = storage.nbytes()
+        grown = now - self._sizes[storage_id]
+        if grown > 0 and self.max_bytes and self._bytes + grown > self.max_bytes:
+            message = (f"storage {storage_id} grew in place by {grown} bytes to {now}, past this session's limit: "
+                       f"{self._bytes} bytes were in use, limit {self.max_bytes} (max_session_bytes); free tensors "
+                       "you no longer need")
+            self.poison(storage_id, message)
+            raise QuotaExceededError(message)
+        self._bytes += grown
+        self._sizes[storage_id] = now
 
     def poison(self, storage_id: int, cause: str) -> None:
         """Mark ``storage_id`` as the output of a failed command; later uses report ``cause``.
