@@ -7,12 +7,11 @@ definition is checked whole before it is kept:
 - every node's op goes through :func:`genie.server.ops.resolve_op`, the same resolution, deny
   list and namespace rules as a single ``CMD_OP`` (a graph can never run an op the op path
   refuses); Device-typed arguments through :func:`genie.server.devargs.check_device_args`;
-- every reference names an earlier slot (no cycles, no forward references), outputs too.
-
 - every node's arguments pass the pre-flight's refusals that need no tensor
   (:func:`genie.server.preflight.check_arguments`: dtype, layout and memory-format arguments of
   their own types, strided layouts, no ``pin_memory``, split counts), so such a graph is refused
-  when it is defined.
+  when it is defined;
+- every reference names an earlier slot (no cycles, no forward references), outputs too.
 
 A replay resolves its inputs like an op's arguments (bounds-checked descriptors over the
 session's storages), runs the nodes in order with the op path's runner (decompositions for
@@ -22,21 +21,14 @@ the outputs by the output rule of ``CMD_OP`` (:func:`genie.server.outputs.store_
 client's descriptors are checked, never trusted. A failure is a deferred error naming the graph,
 the node and its op, and poisons the replay's output storages, exactly as a failed op does.
 
-The replay gate: a replay is one gate for all its nodes, the op path's. The first replay of an
-input signature (the inputs' shapes, strides, dtypes and plain values:
-:func:`genie.server.preflight.signature`) runs every node through
-:func:`genie.server.preflight.check` on its actual arguments, before it runs, with what is left
-of the session's byte quota after the intermediates alive at that point (followed storage by
-storage: a view keeps its base's bytes alive). What that replay found (each node's bytes before
-and new, their peak) is the signature's :class:`_Gate`. A later replay of the signature compares
-the peak with what the quota leaves (a refusal names the node that would have crossed it) and runs
-only the checks that read data (the validators and index checks) before each node that has one:
-everything else the pre-flight decides depends on the signature alone. A signature with a node the
-pre-flight cannot plan (no meta kernel, a data-dependent output) is never cached: each of its
-replays is checked in full, and such a node's intermediates are measured after it ran. The op
-clock runs from the first check to the last node, so a replay past ``op_deadline`` ends the
-session as an op would; storages a node grew count against the quota
-(:meth:`genie.server.store.StorageStore.resized` refuses growth past it).
+The replay gate (:mod:`genie.server.graph_gate`): every node passes the op path's pre-flight
+(:func:`genie.server.preflight.check`) on its actual arguments, in full on the first replay of an
+input signature (the inputs' shapes, strides, dtypes and plain values), whose findings then admit
+later replays of that signature by one comparison with the quota left, plus the checks that read
+data (validators, index checks) before each node that has one. The op clock runs from the first
+check to the last node, so a replay past ``op_deadline`` ends the session as an op would; storages
+a node grew count against the quota (:meth:`genie.server.store.StorageStore.resized` refuses growth
+past it).
 """
 
 from __future__ import annotations
@@ -58,6 +50,7 @@ from genie.server.executor import (
     Executor,
     hands_out_uninitialised,
 )
+from genie.server.graph_gate import CheckedReplay, Gate
 from genie.server.ops import resolve_op, run_op
 from genie.server.outputs import OutputMismatch
 from genie.server.plans import serial_size, use_serial
@@ -150,99 +143,11 @@ class Graph:
         self.outputs = outputs
         #: whether a node may change a storage's size: only then does a replay look for storages that grew
         self.resizes = any(node.resizes for node in nodes)
-        #: what the checked replay of each input signature found (see _Gate)
-        self.gates: dict[tuple[Any, ...], _Gate] = {}
+        #: what the checked replay of each input signature found (genie.server.graph_gate)
+        self.gates: dict[Any, Gate] = {}
         #: replays, and those of them checked node by node in full (books for tests and tools)
         self.replays = 0
         self.checked_runs = 0
-
-
-class _Gate:
-    """What the checked replay of one input signature found: per node, the intermediate bytes alive before it
-    (and what nodes grew of the inputs) and the bytes it allocates, as the pre-flight counted them."""
-
-    __slots__ = ("before", "new", "peak")
-
-    def __init__(self, before: list[int], new: list[int]) -> None:
-        self.before = before
-        self.new = new
-        self.peak = max((b + n for b, n in zip(before, new, strict=True)), default=0)
-
-    def admit(self, graph: Graph, label: str, remaining: int | None) -> None:
-        """Refuse, naming the node, a replay that would cross the quota (``remaining``: bytes left, None: none)."""
-        if remaining is None or self.peak <= remaining:
-            return
-        for i, (before, new) in enumerate(zip(self.before, self.new, strict=True)):
-            if before + new > remaining:
-                node = graph.nodes[i]
-                raise CommandFailed(_error(f"{label} node {i} ({node.label})", [], "quota", _message(
-                    preflight.over_quota(node.label, new, max(0, remaining - before)))))
-
-
-class _Checked:
-    """A replay checked in full: each node through the op path's pre-flight before it runs, the intermediates'
-    bytes followed storage by storage (inputs' storages are the store's: counted there)."""
-
-    def __init__(self, ex: Executor, remaining: int | None) -> None:
-        self.ex = ex
-        self.remaining = remaining
-        self.inputs = {s._cdata for s in ex.used_storages().values()}
-        self.sizes: dict[int, int] = {}  # intermediate storage -> its bytes
-        self.holders: dict[int, int] = {}  # intermediate storage -> slots alive that hold it
-        self.slots: dict[int, set[int]] = {}  # slot -> the intermediate storages it holds
-        self.alive = 0  # bytes of the intermediate storages alive
-        self.grown = 0  # bytes nodes grew the inputs' storages by (and non-strided results): kept to the end
-        self.before: list[int] = []
-        self.new: list[int] = []
-        self.cacheable = True
-
-    def check(self, node: _Node, args: Any, kwargs: Any) -> None:
-        held = self.alive + self.grown
-        left = None if self.remaining is None else max(0, self.remaining - held)
-        found = preflight.check(node.op, node.label, args, kwargs, max_elements=self.ex.max_op_elements,
-                                remaining_bytes=left)
-        self.cacheable = self.cacheable and found.planned
-        self.before.append(held)
-        self.new.append(found.new_bytes)
-
-    def ran(self, node: _Node, slot: int, result: Any) -> None:
-        keys: set[int] = set()
-        for t in tensor_leaves(result):
-            if t.layout != torch.strided:
-                self.grown += t.numel() * t.element_size()
-                continue
-            storage = t.untyped_storage()
-            key = storage._cdata
-            if key in self.inputs:
-                continue
-            nbytes = storage.nbytes()
-            self.alive += nbytes - self.sizes.get(key, 0)
-            self.sizes[key] = nbytes
-            keys.add(key)
-        for key in keys:
-            self.holders[key] = self.holders.get(key, 0) + 1
-        if keys:
-            self.slots[slot] = keys
-        if node.resizes:
-            store = self.ex.store
-            self.grown = sum(max(0, s.nbytes() - store.nbytes(i)) for i, s in self.ex.used_storages().items()
-                             if i in store)
-        if self.remaining is not None and self.alive + self.grown > self.remaining:
-            # A node the pre-flight could not plan (or one that made more than planned): measured after it ran.
-            raise QuotaExceededError(
-                f"{node.label} left {self.alive + self.grown} bytes of intermediates alive, more than the "
-                f"{self.remaining} bytes left of this session's limit (max_session_bytes)")
-
-    def release(self, slot: int) -> None:
-        for key in self.slots.pop(slot, ()):
-            self.holders[key] -= 1
-            if not self.holders[key]:
-                del self.holders[key]
-                self.alive -= self.sizes.pop(key)
-
-    def gate(self) -> _Gate | None:
-        """What a later replay of the signature needs, or None when it must be checked in full again."""
-        return _Gate(self.before, self.new) if self.cacheable else None
 
 
 class SessionGraphs:
@@ -381,7 +286,7 @@ _NESTED = (Ref, list)
 
 
 def _run_nodes(ex: Executor, graph: Graph, env: list[Any], held: set[int], label: str,
-               storage_ids: list[int], checked: _Checked | None) -> None:
+               storage_ids: list[int], checked: CheckedReplay | None) -> None:
     """Run the graph's nodes over ``env`` (inputs, then one slot per node); CommandFailed names a failing node.
 
     ``checked``: each node goes through the full pre-flight (a signature's first replay); else only the
@@ -407,7 +312,7 @@ def _run_nodes(ex: Executor, graph: Graph, env: list[Any], held: set[int], label
                 for key, template in node.kw_refs:
                     kwargs[key] = _build(template, env)
             if checked is not None:
-                checked.check(node, args, kwargs)
+                checked.check(node.op, node.label, args, kwargs)
             elif node.validator is not None:  # it may read data: every replay
                 node.validator(node.label, args, kwargs)
             if cpu:  # the op path's rule, over every input tensor (lists too): the same bits on either path
@@ -424,7 +329,7 @@ def _run_nodes(ex: Executor, graph: Graph, env: list[Any], held: set[int], label
                         zero_from(t.untyped_storage(), 0)
             env[slot] = result
             if checked is not None:
-                checked.ran(node, slot, result)
+                checked.ran(node.label, node.resizes, slot, result)
             slot += 1
             for dead in node.release:
                 env[dead] = None
@@ -459,22 +364,30 @@ def _replay(ex: Executor, cmd: list[Any]) -> None:
             ex.precheck_outputs(label, storage_ids, outs)
         except (GenieError, IndexError, RuntimeError) as exc:
             raise CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
+        used = ex.used_storages()
         key = preflight.signature(env)
+        if key is not None and graph.resizes:
+            # What a node grows an input by depends on the storage's size too (the pre-flight counts from the
+            # smallest storage the input fits): the sizes of the storages, in the order the inputs name them.
+            key = (key, tuple(s.nbytes() for s in used.values()))
         gate = graph.gates.get(key) if key is not None else None
         remaining = ex.store.max_bytes - ex.store.bytes_used if ex.store.max_bytes else None
         env.extend([None] * len(graph.nodes))
-        used = ex.used_storages()
         held = ex.held_keys()
         graph.replays += 1
         started = time.perf_counter()  # metrics
         ex.clock.begin(f"{label} (replay)")  # isolation: the whole replay, checks included, is one op's time
         try:
             if gate is not None:
-                gate.admit(graph, label, remaining)
+                over = gate.over(remaining)
+                if over is not None:
+                    node = graph.nodes[over[0]]
+                    raise CommandFailed(_error(f"{label} node {over[0]} ({node.label})", [], "quota", _message(
+                        preflight.over_quota(node.label, over[1], over[2])), storage_ids))
                 _run_nodes(ex, graph, env, held, label, storage_ids, None)
             else:
                 graph.checked_runs += 1
-                checked = _Checked(ex, remaining)
+                checked = CheckedReplay(ex, remaining)
                 _run_nodes(ex, graph, env, held, label, storage_ids, checked)
                 gate = checked.gate()
                 if key is not None and gate is not None:

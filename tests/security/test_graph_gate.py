@@ -81,8 +81,13 @@ def bystander(server: Any) -> Iterator[Bystander]:
 
 @pytest.fixture
 def client(server: Any, bystander: Bystander) -> Iterator[RawClient]:
+    """The attacker's session, warmed: a fresh worker's first pre-flight loads torch's meta kernels (tens of MiB,
+    a second or more), which is no part of what an attack costs."""
     c = RawClient(server.port, timeout=60)
     c.handshake()
+    assert op_error(c, "aten::ones", [[2**28]], {"dtype": torch.float32, "device": Dev(0)}) is not None
+    assert run_graph(c, [["aten::ones", [[4]], {"dtype": torch.float32, "device": Dev(0)}],
+                         ["aten::sum", [Ref(0)], {}]], outputs=[Ref(1)], outs=[desc(1, torch.ones(()))]) is None
     yield c
     c.close()
     assert server.alive(), server.log()[-3000:]
