@@ -171,6 +171,23 @@ def check_fractional_pool_backward(label: str, args: list[Any], kwargs: dict[str
         raise refuse(label, f"indices hold values outside [0, {plane}), the input plane")
 
 
+def check_fractional_pool_backward_lists(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """The same ops before their meta run (a pre-check): ``kernel_size`` and ``output_size`` must hold one int
+    per pooled dim, as their schemas say (``int[2]``/``int[3]``, which the dispatcher does not enforce); the
+    meta kernel read past an empty ``output_size`` and the process died (SIGSEGV, found by the fuzzer)."""
+    spatial = 3 if "3d" in label else 2
+    given = given_args(("grad_output", "self", "kernel_size", "output_size", "indices"), args, kwargs)
+    for name in ("kernel_size", "output_size"):
+        value = given.get(name)
+        if not isinstance(value, (list, tuple)) or len(value) != spatial \
+                or not all(isinstance(v, int) and v > 0 for v in value):
+            raise refuse(label, f"{name} must be {spatial} positive ints, got {value!r}")
+    for name in ("grad_output", "self", "indices"):
+        t = given.get(name)
+        if isinstance(t, torch.Tensor) and t.dim() not in (spatial + 1, spatial + 2):
+            raise refuse(label, f"{name} must be {spatial + 1}-d or {spatial + 2}-d, got shape {_shape(t)}")
+
+
 # -- nonzero_static --------------------------------------------------------------------------------------
 def check_nonzero_static(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
     """``nonzero_static(self, size, fill_value)``: its output has ``size`` rows whatever the data; a 0-d input
@@ -195,6 +212,17 @@ def check_random_bounds(label: str, args: list[Any], kwargs: dict[str, Any]) -> 
         return
     if isinstance(low, int) and isinstance(high, int) and high <= low:
         raise refuse(label, f"random_ draws from [from, to): from {low} must be less than to {high}")
+    x = given.get("self")
+    if high is None and isinstance(low, int) and isinstance(x, torch.Tensor) and x.is_floating_point():
+        # to None on a floating tensor: up to 2**digits, which torch checks after a loop that never ended for
+        # from = 2**63 - 1 (its from + 1 overflows; found by the fuzzer)
+        top = 1 << _MANTISSA_DIGITS.get(x.dtype, 53)
+        if low > top:
+            raise refuse(label, f"from {low} is above {top}, the largest integer a {x.dtype} tensor holds exactly")
+
+
+#: Binary digits of each floating dtype's significand (std::numeric_limits<T>::digits, torch's bound).
+_MANTISSA_DIGITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
 
 
 # -- GradScaler (torch.amp) --------------------------------------------------------------------------------
@@ -223,6 +251,31 @@ def check_amp_update_scale(label: str, args: list[Any], kwargs: dict[str, Any]) 
     _one_element(label, "the scale", given.get("self"), torch.float32)
     _one_element(label, "growth_tracker", given.get("growth_tracker"), torch.int32)
     _one_element(label, "found_inf", given.get("found_inf"), torch.float32)
+
+
+# -- round(x, decimals=n) -------------------------------------------------------------------------------
+#: Most decimals ``round.decimals`` may be asked for, either way. Past about 330 every float rounds to itself
+#: or NaN (10**n is infinite or zero in float64); 10**n as an exact Python integer, which torch's reference
+#: (the pre-flight's meta run of ``round.decimals_out``) computes, took minutes for n = 2**62.
+MAX_ROUND_DECIMALS = 4096
+
+
+def check_round_decimals(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """``round.decimals`` / ``round_.decimals`` / ``round.decimals_out``: ``decimals`` within
+    :data:`MAX_ROUND_DECIMALS` (a pre-check: the meta run itself would take minutes)."""
+    decimals = kwargs.get("decimals", args[1] if len(args) > 1 else None)  # keyword-only; positional is refused later
+    if isinstance(decimals, int) and abs(decimals) > MAX_ROUND_DECIMALS:
+        raise refuse(label, f"decimals {decimals} is outside [-{MAX_ROUND_DECIMALS}, {MAX_ROUND_DECIMALS}] (past "
+                     "about 330 a float rounds to itself or NaN)")
+
+
+#: Checks that run before the pre-flight's meta run, for :data:`genie.server.validators.PRE_CHECKS`.
+PRE_CHECKS = {
+    "aten::round": check_round_decimals,
+    "aten::round_": check_round_decimals,
+    "aten::fractional_max_pool2d_backward": check_fractional_pool_backward_lists,
+    "aten::fractional_max_pool3d_backward": check_fractional_pool_backward_lists,
+}
 
 
 #: The checks of this module by op packet name, for :mod:`genie.server.validators`.

@@ -368,7 +368,7 @@ def _contiguous_arg(names: tuple[str, ...], name: str, args: list[Any], kwargs: 
 
 
 #: Checks that must run before the pre-flight's meta run (they read no data): the meta run itself would fail.
-PRE_CHECKS: dict[str, Check] = {"aten::combinations": check_combinations}
+PRE_CHECKS: dict[str, Check] = {"aten::combinations": check_combinations, **shape_checks.PRE_CHECKS}
 
 
 #: Checks by op packet name (``aten::_foreach_add_`` covers all its overloads).

@@ -83,6 +83,16 @@ _IDX_OUT = torch.full((1, 1, 2, 2), 16, dtype=torch.int64)
     ("aten::nonzero_static", [T(10, torch.tensor(1.0))], {"size": 2**40}, [(10, 0, torch.tensor(1.0))],
      "is outside [0, 2147483647]"),
     ("aten::random_.from", [T(10, V3), 5, 5], {}, [(10, 0, V3)], "from 5 must be less than to 5"),
+    # to None on a float tensor: torch's kernel looped forever on from = 2**63 - 1 (found by the fuzzer)
+    ("aten::random_.from", [T(10, V3), 2**63 - 1, None], {}, [(10, 0, V3)], "the largest integer a torch.float32"),
+    # 10**decimals as an exact integer in the pre-flight's meta run took minutes (found by the fuzzer)
+    ("aten::round.decimals_out", [T(10, V3)], {"decimals": -(2**31), "out": T(11, V3)}, [(10, 0, V3), (11, 0, V3)],
+     "decimals -2147483648 is outside"),
+    # an empty output_size: the meta kernel read past it, SIGSEGV (found by the fuzzer)
+    ("aten::fractional_max_pool2d_backward", [T(10, torch.ones(1, 1, 2, 2)), T(11, torch.ones(1, 1, 4, 4)), [2, 2], [],
+                                              T(12, _IDX_OUT)], {},
+     [(10, 0, torch.ones(1, 1, 2, 2)), (11, 0, torch.ones(1, 1, 4, 4)), (12, 0, _IDX_OUT)],
+     "output_size must be 2 positive ints"),
     ("aten::_amp_foreach_non_finite_check_and_unscale_", [[T(10, V3)], T(11, torch.zeros(2)), T(12, ONE)], {},
      [(10, 0, V3), (11, 0, torch.zeros(2)), (12, 0, ONE)], "found_inf must be a one-element torch.float32"),
     ("aten::_amp_update_scale_", [T(10, ONE), T(11, ONE), T(12, ONE), 2.0, 0.5, 2000], {},
