@@ -25,7 +25,7 @@ import torch
 from genie.errors import DeviceError
 
 _aten = torch.ops.aten
-_NUMBERS = (int, float, bool, complex)
+_NUMBERS = frozenset({int, float, bool, complex})
 
 #: Ops whose ``indices`` (argument 1) CUDA accepts on the CPU (ATen's index kernels move them to the device).
 INDEX_OPS = frozenset({
@@ -114,9 +114,14 @@ def refuse_dispatch_key(key: str) -> Any:
 
 
 def _run(func: Any, args: Any, kwargs: Any) -> Any:
-    from genie.device import dispatch
+    return _dispatch().run_op(func, args, kwargs)
 
-    return dispatch.run_op(func, args, kwargs)
+
+@functools.cache
+def _dispatch() -> Any:
+    from genie.device import dispatch  # imports this module: looked up once, at the first op
+
+    return dispatch
 
 
 # -- CPU indices ------------------------------------------------------------------------------------
@@ -132,6 +137,7 @@ def _device_indices(func: Any, args: Any, kwargs: Any) -> Any:
             args = (args[0], moved, *args[2:])
         else:
             kwargs = {**kwargs, "indices": moved}
+        return _dispatch().run_op(func, args, kwargs, teach=False)  # genie._C would send the CPU indices
     return _run(func, args, kwargs)
 
 
@@ -141,17 +147,22 @@ def _on_host(t: Any) -> bool:
 
 # -- numbers where a Tensor goes --------------------------------------------------------------------
 def _numbers_in_tensor_slots(slots: tuple[int, ...], func: Any, args: Any, kwargs: Any) -> Any:
-    numbers = tuple(i for i in slots if i < len(args) and type(args[i]) in _NUMBERS)
-    if not numbers:
-        return _run(func, args, kwargs)
+    count = len(args)
+    for i in slots:  # most calls have none: the common path at once
+        if i < count and type(args[i]) in _NUMBERS:
+            break
+    else:
+        return _dispatch().run_op(func, args, kwargs)
+    numbers = tuple(i for i in slots if i < count and type(args[i]) in _NUMBERS)
     scalar_op = scalar_overload(func, numbers)
     if scalar_op is not None:
         return _run(scalar_op, args, kwargs)
-    # No Scalar overload: a 0-dim CPU tensor (crosses the wire inline, as a CPU scalar does on CUDA).
+    # No Scalar overload: a 0-dim CPU tensor (crosses the wire inline, as a CPU scalar does on CUDA). Not
+    # taught to genie._C: it would send the call it sees, with the number.
     wrapped = list(args)
     for i in numbers:
         wrapped[i] = torch.tensor(args[i])
-    return _run(func, tuple(wrapped), kwargs)
+    return _dispatch().run_op(func, tuple(wrapped), kwargs, teach=False)
 
 
 @functools.cache
@@ -168,7 +179,7 @@ def scalar_overload(func: Any, positions: tuple[int, ...]) -> Any:
                 [str(r.type) for r in other.returns] != [str(r.type) for r in schema.returns]:
             continue
         if all(a.name == b.name and a.kwarg_only == b.kwarg_only
-               and str(b.type) == ("Scalar" if i in positions else str(a.type))
+               and str(b.type) == ("number" if i in positions else str(a.type))  # a Scalar's type prints so
                for i, (a, b) in enumerate(zip(schema.arguments, other.arguments, strict=True))):
             return candidate
     return None

@@ -42,7 +42,7 @@ from genie.transport.record import INLINE
 from genie.wire import frame as wf
 from genie.wire import messages as wm
 from genie.wire.buffers import prefault, tensor_bytes
-from genie.wire.values import tensor_ext
+from genie.wire.values import EXT_COMPLEX, EXT_DTYPE, EXT_LAYOUT, EXT_MEMORY_FORMAT, make_ext_hook, tensor_ext
 
 log = logging.getLogger("genie.device")
 
@@ -57,6 +57,21 @@ MIN_BATCH_CMDS = 16
 
 #: Uploads this large send the frees waiting before them first (genie.server.transfers.POOL_MIN_BYTES).
 POOLED_UPLOAD_BYTES = 1 << 20
+
+def _kept(_: Any) -> Any:
+    raise AssertionError("unreachable: _reply_ext passes these tags on as they are")
+
+
+_values = make_ext_hook(_kept, _kept, _kept)
+
+
+def _reply_ext(code: int, data: bytes) -> Any:
+    """The value tags a reply's result may hold: complex numbers (``.item()`` of a complex tensor), dtypes,
+    layouts, memory formats; any other tag stays an ExtType, as it always did."""
+    if code in (EXT_COMPLEX, EXT_DTYPE, EXT_LAYOUT, EXT_MEMORY_FORMAT):
+        return _values(code, data)
+    return msgpack.ExtType(code, data)
+
 
 class NodeConnection:
     """One client's data-plane session with one node."""
@@ -449,7 +464,7 @@ class NodeConnection:
         try:
             if kind != wf.MsgKind.REPLY:
                 self._refused(kind, body, device)
-            reply = wf.unpack_body(body)
+            reply = wf.unpack_body(body, _reply_ext)
             if type(reply) is not list or len(reply) != 4 or reply[0] != req:
                 raise ProtocolError(f"node {self.node_id} sent a reply out of step: {str(reply)[:200]}")
             _, error, result, deferred = reply

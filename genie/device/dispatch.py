@@ -265,8 +265,10 @@ def fallback(func: Any, *args: Any, **kwargs: Any) -> Any:
     return run_op(func, args, kwargs, info)
 
 
-def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any:
-    """The common path: meta inference (cached), local outputs, one fire-and-forget command."""
+def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None, teach: bool = True) -> Any:
+    """The common path: meta inference (cached), local outputs, one fire-and-forget command.
+
+    ``teach``: genie._C may learn the call (False where the arguments sent are not the ones it was given)."""
     if info is None:
         info = op_info(func)
     sig, index, math_bits = signature_and_device(info.name, args, kwargs, info.float_values_matter)
@@ -333,7 +335,8 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None) -> Any
             targets = {id(o) for o in outs if isinstance(o, torch.Tensor)}
             args, kwargs = tree_map(lambda a: _resolved(a, targets), (args, kwargs))
         device.connection.op(device.local_index, info.name, args, kwargs, wire_outs, encoder_for(device))
-        if key is not None and not (info.random or math_bits or info.list_return) and _C.fast_teaching(info.name):
+        if key is not None and teach and not (info.random or math_bits or info.list_return) \
+                and _C.fast_teaching(info.name):
             _teach(info, metas, values, conform, kinds)
     if leaf:
         return outs[0]
