@@ -27,7 +27,7 @@ from genie.server.allowlist import entries
 from genie.server.ops import registered_op_names, resolve_op
 from genie.server.outputs import functional_of
 from genie.testing import serve_subprocess
-from tests.raw_client import Dev, Gen, RawClient, T, desc, free, op, sync
+from tests.raw_client import Dev, Gen, RawClient, T, free, op, sync
 
 _BYSTANDER = torch.arange(256, dtype=torch.float64) * 0.5
 #: Ops whose results are random: their values are not compared.
@@ -75,7 +75,7 @@ def _candidates(argument: Any) -> list[Any]:
         return [0, 1, 2]
     if kind == "ListType" and argument.real_type.getElementType().kind() in ("IntType", "SymIntType"):
         return [[], [0], [3, 4], [1, 1], [2]]
-    simple = {"FloatType": [0.5], "NumberType": [1, 0.5], "BoolType": [False, True],
+    simple: dict[str, list[Any]] = {"FloatType": [0.5], "NumberType": [1, 0.5], "BoolType": [False, True],
               "StringType": ["mean", "none", "sum", "reflect", "floor", "linear"]}
     if kind in simple:
         return simple[kind]
