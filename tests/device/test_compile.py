@@ -209,6 +209,19 @@ def test_inference_under_no_grad_is_replayed_and_matches_eager() -> None:
     torch.testing.assert_close(first, eager, rtol=1e-5, atol=1e-6)
 
 
+def test_a_graph_with_a_tensor_constant_is_replayed_and_matches_eager() -> None:
+    """torch.tensor(...) inside compiled code becomes aten::lift_fresh_copy of a graph constant (HF GPT-2 does
+    this); the server copies it like clone instead of refusing the graph."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tensor([2.0, 3.0], device=x.device) + torch.tensor(1.0, device=x.device)
+
+    x = torch.randn(4, 2)
+    before = replay.counts["replayed"]
+    got = torch.compile(fn, backend="genie")(x.to(D0)).cpu()
+    assert replay.counts["replayed"] - before == 1
+    torch.testing.assert_close(got, fn(x))
+
+
 def test_default_backend_on_remote_tensors_replays_with_genie_and_says_so(caplog) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).to(D0)
