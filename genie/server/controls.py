@@ -84,5 +84,8 @@ def options(ex: Executor, cmd: list[Any]) -> None:
             or not all(type(v) is bool for v in cmd[1].values()):
         raise FrameError(f"OPTIONS must be [CMD_OPTIONS, a map of {', '.join(SESSION_OPTIONS)} to booleans]")
     deterministic = cmd[1].get("deterministic", False)
-    torch.use_deterministic_algorithms(deterministic, warn_only=deterministic and cmd[1].get("warn_only", False))
+    # torch.use_deterministic_algorithms() would also import torch._inductor to set its config (nothing here
+    # compiles with inductor): an import of a few hundred ms, which deadlocked against the worker's warm-up
+    # thread importing torch._dynamo at the same time.
+    torch._C._set_deterministic_algorithms(deterministic, warn_only=deterministic and cmd[1].get("warn_only", False))
 

@@ -6,6 +6,7 @@ Each case runs the same code on the CPU and on the device of the shared test ser
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +14,9 @@ import torch
 import genie
 from genie.device import registry
 from genie.errors import DeviceError, RemoteExecutionError, UnsupportedFeatureError
+from genie.wire.frame import MsgKind
+from genie.wire.messages import CMD_OPTIONS
+from tests.raw_client import RawClient, pack, sync
 
 D0 = "remote_accelerator:0"
 
@@ -235,3 +239,17 @@ def test_use_deterministic_algorithms_is_honoured_by_the_session() -> None:
     finally:
         torch.use_deterministic_algorithms(False)
     assert torch.equal(put(D0).cpu(), put("cpu"))
+
+
+@pytest.mark.parametrize("options", [{"deterministic": 1}, {"deterministic": True, "benchmark": True},
+                                     {"warn_only": "yes"}, ["deterministic"]])
+def test_a_malformed_options_command_is_a_frame_error(genie_serve: Any, options: Any) -> None:
+    with RawClient(genie_serve.port) as client:
+        client.handshake()
+        client.send_batch([pack([CMD_OPTIONS, options])])
+        kind, body, _ = client.recv()
+        assert kind == MsgKind.ERROR and body["code"] == "frame" and "OPTIONS must be" in body["reason"]
+    with RawClient(genie_serve.port) as client:  # a well-formed one: the session runs on
+        client.handshake()
+        assert client.request([pack([CMD_OPTIONS, {"deterministic": True, "warn_only": True}]),
+                               sync(client.next_req())]).error is None
