@@ -5,6 +5,7 @@ Each case runs the same code on the CPU and on the device of the shared test ser
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -253,3 +254,28 @@ def test_a_malformed_options_command_is_a_frame_error(genie_serve: Any, options:
         client.handshake()
         assert client.request([pack([CMD_OPTIONS, {"deterministic": True, "warn_only": True}]),
                                sync(client.next_req())]).error is None
+
+
+def test_amp_grad_scaler_steps_like_cpus() -> None:
+    ra = torch.remote_accelerator  # type: ignore[attr-defined]
+    torch.manual_seed(0)
+    model, x, y = torch.nn.Linear(8, 4), torch.randn(16, 8), torch.randn(16, 4)
+
+    def train(device: str, scaler: torch.amp.GradScaler, autocast: Any) -> tuple[torch.Tensor, float]:
+        m = copy.deepcopy(model).to(device)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            with autocast:
+                loss = torch.nn.functional.mse_loss(m(x.to(device)), y.to(device))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        return m.weight.detach().cpu(), scaler.get_scale()
+
+    remote = train(D0, ra.amp.GradScaler(init_scale=256.0), ra.amp.autocast(enabled=False))
+    local = train("cpu", torch.amp.GradScaler("cpu", init_scale=256.0), torch.autocast("cpu", enabled=False))
+    torch.testing.assert_close(remote[0], local[0])
+    assert remote[1] == local[1] == 256.0
+    weight, scale = train(D0, ra.amp.GradScaler(init_scale=256.0), ra.amp.autocast())  # fp16 autocast
+    assert scale == 256.0 and bool(torch.isfinite(weight).all())
