@@ -22,6 +22,7 @@ from genie.compile import inductor as _inductor
 from genie.device import arguments, dispatch, module
 from genie.device import copies as _copies  # noqa: F401 - fills dispatch.SPECIAL
 from genie.device import rnn_cells as _rnn_cells  # noqa: F401 - fills dispatch.SPECIAL (fused RNN cells)
+from genie.device import weight_norm as _weight_norm  # noqa: F401 - fills dispatch.SPECIAL (weight norm kernels)
 from genie.errors import DeviceError
 from genie.wire.values import DTYPES
 
