@@ -14,7 +14,8 @@ signature found is that signature's :class:`Gate` (per node, the bytes alive bef
 it allocates), and a later replay only compares the peak with what the quota leaves. The checks that
 read data (validators, index checks) are not the signature's: they run before their node on every
 replay. A node the pre-flight cannot plan (no meta kernel; an output whose size depends on data, and
-so every node after it) makes no gate: each replay of that signature is checked in full, and such a
+so every node after it), or one that returns a number (which may come from data and feed a later
+node's arguments), makes no gate: each replay of that signature is checked in full, and an unplanned
 node's intermediates are measured after it ran (as the op path measures what such an op stored).
 """
 
@@ -84,6 +85,10 @@ class CheckedReplay:
     def ran(self, label: str, resizes: bool, slot: int, result: Any) -> None:
         """The node filling ``slot`` returned ``result``: follow its storages; QuotaExceededError when what is alive
         now is past the quota (a node the pre-flight could not plan is measured here, after it ran)."""
+        if _holds_number(result):
+            # A number may come from data (a node's later arguments then change with the values, not the
+            # signature): this signature gets no gate, and each of its replays is checked in full.
+            self.cacheable = False
         keys: set[int] = set()
         for t in tensor_leaves(result):
             if t.layout != torch.strided:
@@ -121,3 +126,14 @@ class CheckedReplay:
     def gate(self) -> Gate | None:
         """What a later replay of the signature needs, or None when each must be checked in full."""
         return Gate(self.before, self.new) if self.cacheable else None
+
+
+_NUMBERS = (int, float, complex)  # bool is an int
+
+
+def _holds_number(value: Any) -> bool:
+    if isinstance(value, _NUMBERS):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_number(v) for v in value)
+    return False

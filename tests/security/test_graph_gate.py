@@ -440,10 +440,71 @@ def test_a_steady_replay_loop_runs_the_full_check_once_per_signature(genie_inpro
         r = c.request([replay(graph_id, [T(3, y), T(2, x.t().contiguous())], [desc(30, torch.ones(()))]),
                        sync(c.next_req())], [(3, 0, y)])
         assert not r.deferred, r
-        books = [g for g in graphs._sessions.values()][-1].graphs[graph_id]  # noqa: SLF001 - the node's own books
-        assert books.checked_runs == 2 and books.replays == 11, (books.checked_runs, books.replays)
+        assert _books(graphs, graph_id) == (2, 11)
     finally:
         c.close()
+
+
+def _books(graphs: Any, graph_id: int) -> tuple[int, int]:
+    """(checked replays, replays) of graph ``graph_id`` in the in-process node's books."""
+    found = next(g.graphs[graph_id] for g in graphs._sessions.values() if graph_id in g.graphs)  # noqa: SLF001
+    return found.checked_runs, found.replays
+
+
+def test_signatures_whose_nodes_depend_on_data_are_checked_in_full_every_time(genie_inproc_server):
+    """A node whose output size depends on the data (``nonzero``) or that returns a number makes no gate: each
+    replay is checked node by node, and such a node's intermediates are measured after it ran, so two 32 MiB
+    ``nonzero`` results alive at once under a 64 MiB quota are refused at the second."""
+    from genie.server import graphs
+
+    node = genie_inproc_server(1, isolation="none", max_session_bytes=QUOTA)
+    c = RawClient(node.port)
+    c.handshake()
+    try:
+        few = torch.tensor([True, False, True])
+        sized, counted = next(_ids), next(_ids)
+        r = c.request([graph(c.next_req(), sized, 1, [["aten::nonzero", [Ref(0)], {}]], [Ref(1)])], [(1, 0, few)])
+        assert r.error is None, r
+        r = c.request([graph(c.next_req(), counted, 1, [["aten::numel", [Ref(0)], {}],
+                                                        ["aten::logical_not", [Ref(0)], {}]], [Ref(2)])])
+        assert r.error is None, r
+        for i in range(3):
+            r = c.request([replay(sized, [T(1, few)], [desc(10 + i, torch.zeros(2, 1, dtype=torch.int64))]),
+                           replay(counted, [T(1, few)], [desc(20 + i, few)]), sync(c.next_req())])
+            assert not r.deferred, r
+        assert _books(graphs, sized) == (3, 3) and _books(graphs, counted) == (3, 3)
+        assert torch.equal(c.fetch(22, few), ~few)
+        many = torch.ones(1 << 22, dtype=torch.bool)
+        twice = next(_ids)
+        r = c.request([graph(c.next_req(), twice, 1, [["aten::nonzero", [Ref(0)], {}], ["aten::nonzero", [Ref(0)], {}],
+                                                      ["aten::add.Tensor", [Ref(1), Ref(2)], {}],
+                                                      ["aten::sum", [Ref(3)], {}]], [Ref(4)])], [(2, 0, many)])
+        assert r.error is None, r
+        r = c.request([replay(twice, [T(2, many)], [desc(30, torch.zeros((), dtype=torch.int64))]), sync(c.next_req())])
+        assert len(r.deferred) == 1 and r.deferred[0]["kind"] == "quota", r
+        assert "node 1 (aten::nonzero)" in r.deferred[0]["op"] and "intermediates alive" in r.deferred[0]["message"]
+    finally:
+        c.close()
+
+
+def test_a_cached_signature_still_checks_the_data_of_every_replay(server, client):
+    """The validators and index checks read data, so they run on every replay, cached signature or not: indices
+    that passed twice and then hold 10**11 (same shape) are refused with the op path's message."""
+    c, grad, plane = client, torch.ones(1, 1, 1, 1), torch.zeros(1, 1, 2, 2)
+    good, bad = torch.tensor([[[[3]]]]), torch.tensor([[[[10**11]]]])
+    graph_id = next(_ids)
+    r = c.request([graph(c.next_req(), graph_id, 3, [["aten::max_pool2d_with_indices_backward",
+                                                      [Ref(0), Ref(1), [2, 2], [2, 2], [0, 0], [1, 1], False, Ref(2)],
+                                                      {}]], [Ref(3)])],
+                  [(2, 0, grad), (3, 0, plane), (4, 0, good), (5, 0, bad)])
+    assert r.error is None, r
+    for i in range(2):
+        r = c.request([replay(graph_id, [T(2, grad), T(3, plane), T(4, good)], [desc(10 + i, plane)]),
+                       sync(c.next_req())])
+        assert not r.deferred, r
+    assert torch.equal(c.fetch(11, plane), torch.tensor([[[[0.0, 0.0], [0.0, 1.0]]]]))
+    r = c.request([replay(graph_id, [T(2, grad), T(3, plane), T(5, bad)], [desc(12, plane)]), sync(c.next_req())])
+    assert len(r.deferred) == 1 and "indices holds values outside [-1, 4)" in r.deferred[0]["message"], r
 
 
 # -- the fuzzer's refused cases, as graph nodes ----------------------------------------------------
