@@ -76,7 +76,7 @@ def check_python_work_waiting_for_the_batch_takes_python_path_first() -> None:
 
 def check_node_errors_come_through_the_lane_as_through_python(monkeypatch: pytest.MonkeyPatch) -> None:
     """Errors deferred from queued ops reach the item: Python's errors, and the session goes on. 300 failing
-    gathers (long shapes, long indices in their messages) make a reply of 256 deferred records, over 64 KiB:
+    scatters (three 64-dimension shapes in each record) make a reply of 256 deferred records, over 64 KiB:
     on shared memory more than an INLINE record holds, so it goes on in a ring record that the channel reads
     (_lane_resume)."""
     conn = registry.table().devices[0].connection
@@ -88,12 +88,13 @@ def check_node_errors_come_through_the_lane_as_through_python(monkeypatch: pytes
         return real(*args)
 
     monkeypatch.setattr(conn, "_lane_resume", spy)
-    x = torch.ones([8] + [1] * 60, device=D0)
-    index = torch.full([1] * 61, 10**17, dtype=torch.int64, device=D0)
+    x = torch.ones([8] + [1] * 63, device=D0)  # 64 dims, the most a tensor may have: long shapes in each record
+    index = torch.full([1] * 64, 10**17, dtype=torch.int64, device=D0)
     for _ in range(3):
         assert x.sum().item() == 8.0
+    src = torch.ones([1] * 64, device=D0)
     for _ in range(300):
-        torch.gather(x, 0, index)
+        x.scatter_add(0, index, src)
     with pytest.raises(RemoteExecutionError, match="out of bounds") as raised:
         x.sum().item()
     assert "256 more errors" in str(raised.value)
