@@ -214,3 +214,10 @@ class RawClient:
 
     def goodbye(self) -> None:
         send_frame(self.channel, MsgKind.GOODBYE, b"")
+
+
+def only_error(c: RawClient, cmd: bytes, uploads: Any = ()) -> dict[str, Any]:
+    """Send ``cmd`` then a SYNC; the one deferred error it caused (asserts there is exactly one)."""
+    r = c.request([cmd, sync(c.next_req())], uploads)
+    assert len(r.deferred) == 1, r
+    return r.deferred[0]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from genie_tcp import TcpTransport
 
 from genie.config import ClusterConfig
@@ -19,9 +20,34 @@ from genie.server import DataPlaneServer
 from genie.transport.base import Channel
 from genie.wire.handshake import secure_client_channel
 from genie.wire.messages import hello_body
+from tests.raw_client import RawClient, sync
 from tests.security.certs import TestPKI, make_pki
 
 TOKEN = "correct-horse-battery-staple-7f3a9c"
+
+#: What the raw-wire bystander session holds (storage 1 on device 0) while a module's attacks run beside it.
+BYSTANDER_DATA = torch.arange(64, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def bystander(server: Any) -> Iterator[RawClient]:
+    """A second session on the module's own ``server`` fixture, holding :data:`BYSTANDER_DATA`."""
+    c = RawClient(server.port)
+    c.handshake()
+    c.request([sync(c.next_req())], [(1, 0, BYSTANDER_DATA)])
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def client(server: Any, bystander: RawClient) -> Iterator[RawClient]:
+    """A fresh raw session on ``server``; afterwards the server is alive and the bystander's data intact."""
+    c = RawClient(server.port)
+    c.handshake()
+    yield c
+    c.close()
+    assert server.alive(), server.log()[-3000:]
+    assert torch.equal(bystander.fetch(1, BYSTANDER_DATA), BYSTANDER_DATA)
 
 
 @pytest.fixture(autouse=True)

@@ -22,10 +22,9 @@ from genie.testing import serve_subprocess
 from genie.wire.frame import MsgKind
 from genie.wire.messages import CMD_OP
 from genie.wire.values import EXT_INLINE_TENSOR, inline_tensor
-from tests.raw_client import RawClient, T, call, desc, op, pack, sync
+from tests.raw_client import RawClient, T, call, desc, only_error, op, pack, sync
 from tests.security import sweep_out_dtypes
 
-_BYSTANDER = torch.arange(64, dtype=torch.float32) * 3
 _F32 = desc(1, torch.ones(1))[1]
 _U8 = desc(1, torch.ones(1, dtype=torch.uint8))[1]
 aten = torch.ops.aten
@@ -38,29 +37,7 @@ def server():
         yield s
 
 
-@pytest.fixture(scope="module")
-def bystander(server):
-    c = RawClient(server.port)
-    c.handshake()
-    c.request([sync(c.next_req())], [(1, 0, _BYSTANDER)])
-    yield c
-    c.close()
 
-
-@pytest.fixture
-def client(server, bystander):
-    c = RawClient(server.port)
-    c.handshake()
-    yield c
-    c.close()
-    assert server.alive(), server.log()[-3000:]
-    assert torch.equal(bystander.fetch(1, _BYSTANDER), _BYSTANDER)
-
-
-def _only_error(c: RawClient, cmd: bytes, uploads=()) -> dict:
-    r = c.request([cmd, sync(c.next_req())], uploads)
-    assert len(r.deferred) == 1, r
-    return r.deferred[0]
 
 
 def _numbers(text: str) -> set[int]:
@@ -78,7 +55,7 @@ X = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
 def test_logcumsumexp_out_of_another_dtype_is_refused_held_or_fresh(client, fresh, dtype):
     out = T([3, desc(1, torch.ones(1, dtype=dtype))[1], [6, 4], [4, 1], 0, 24 * dtype.itemsize])
     uploads = [(2, 0, X)] + ([] if fresh else [(3, 0, torch.zeros(6, 4, dtype=dtype))])
-    error = _only_error(client, op("aten::_logcumsumexp.out", [T(2, X), 0], {"out": out}, outs=[None]), uploads)
+    error = only_error(client, op("aten::_logcumsumexp.out", [T(2, X), 0], {"out": out}, outs=[None]), uploads)
     assert "refused before running" in error["message"] and "computes torch.float32" in error["message"], error
     assert "pass a torch.float32 out" in error["message"]
 
@@ -147,7 +124,7 @@ def _bag(offsets: list[int], indices: torch.Tensor = INDICES, name: str = "aten:
 def test_embedding_bag_negative_offsets_are_refused_and_echo_no_word(client, offset):
     """Each of 6 negative offsets printed the 8-byte word before the indices' buffer, in decimal."""
     cmd, uploads = _bag([0, offset])
-    error = _only_error(client, cmd, uploads)
+    error = only_error(client, cmd, uploads)
     assert "refused before running" in error["message"] and "offsets must start at 0" in error["message"], error
     assert _numbers(error["message"]) <= {0, 4, 2, 28} | {abs(offset)}, error["message"]
 
@@ -161,7 +138,7 @@ def test_embedding_bag_negative_offsets_are_refused_and_echo_no_word(client, off
 def test_embedding_bag_offsets_and_indices_past_their_tensors_are_refused(client, offsets, indices, expect):
     for name in ("aten::_embedding_bag", "aten::embedding_bag"):
         cmd, uploads = _bag(offsets, indices, name)
-        assert expect in _only_error(client, cmd, uploads)["message"]
+        assert expect in only_error(client, cmd, uploads)["message"]
 
 
 def test_well_formed_embedding_bags_still_compute_the_right_result(client):

@@ -14,12 +14,11 @@ import torch
 
 from genie.server.ops import scrub
 from genie.testing import serve_subprocess
-from tests.raw_client import Dev, RawClient, T, desc, op, sync
+from tests.raw_client import Dev, T, desc, only_error, op, sync
 from tests.raw_client import resize as resize_cmd
 from tests.security.fuzz_ops import run as fuzz_run
 
 _F32 = desc(1, torch.ones(1))[1]
-_BYSTANDER = torch.arange(64, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -29,29 +28,7 @@ def server():
         yield s
 
 
-@pytest.fixture(scope="module")
-def bystander(server):
-    c = RawClient(server.port)
-    c.handshake()
-    c.request([sync(c.next_req())], [(1, 0, _BYSTANDER)])
-    yield c
-    c.close()
 
-
-@pytest.fixture
-def client(server, bystander):
-    c = RawClient(server.port)
-    c.handshake()
-    yield c
-    c.close()
-    assert server.alive(), server.log()[-3000:]
-    assert torch.equal(bystander.fetch(1, _BYSTANDER), _BYSTANDER)
-
-
-def _only_error(c: RawClient, cmd: bytes, uploads=()) -> dict:
-    r = c.request([cmd, sync(c.next_req())], uploads)
-    assert len(r.deferred) == 1, r
-    return r.deferred[0]
 
 
 X = torch.ones(2, 3, 4)
@@ -69,7 +46,7 @@ V3 = torch.ones(3)
     ("aten::_sobol_engine_initialize_state_", [T(2, V3), 1]),
 ])
 def test_crash_ops_are_forbidden_naming_the_op_and_how_to_ask(client, name, args):
-    error = _only_error(client, op(name, args), [(2, 0, V3)])
+    error = only_error(client, op(name, args), [(2, 0, V3)])
     assert error["kind"] == "forbidden", error
     assert name in error["message"] and "allow-list" in error["message"] and "open an issue" in error["message"]
 
@@ -133,7 +110,7 @@ def test_validated_ops_refuse_malformed_arguments_before_running(client, name, a
                   "maximize": False, "is_first_step": False} if "sgd" in name else {
                   "lr": 0.1, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.0, "eps": 1e-8, "amsgrad": False,
                   "maximize": False}
-    error = _only_error(client, op(name, args, kwargs), uploads)
+    error = only_error(client, op(name, args, kwargs), uploads)
     assert expect in error["message"], error
     assert name.split(".")[0] in error["message"] or error["op"].startswith(name.split(".")[0])
 
@@ -160,7 +137,7 @@ def test_well_formed_validated_ops_still_compute_the_right_result(client):
 def test_reduction_over_a_huge_expanded_input_is_refused_at_once(client):
     """``expand(ones(1), [2**40]).sum()`` ran ~20 minutes; the pre-flight refuses it before a kernel starts."""
     huge = T([3, _F32, [2**40], [0], 0, 4])
-    error = _only_error(client, op("aten::sum", [huge], outs=[desc(4, torch.ones(()))]), [(3, 0, ONE)])
+    error = only_error(client, op("aten::sum", [huge], outs=[desc(4, torch.ones(()))]), [(3, 0, ONE)])
     assert error["kind"] == "forbidden" and "2**40" in error["message"] and "max_op_elements" in error["message"]
 
 
@@ -175,7 +152,7 @@ def test_an_output_over_the_quota_is_refused_before_allocating(server, client):
     # The client may lie about the output (here: 4 bytes); the server plans on meta tensors itself.
     lie = [5, _F32, [1], [1], 0, 4]
     for outs in ([desc(5, big)], [lie]):
-        error = _only_error(client, op("aten::ones", [[2**28]], {"dtype": torch.float32, "device": Dev(0)}, outs=outs))
+        error = only_error(client, op("aten::ones", [[2**28]], {"dtype": torch.float32, "device": Dev(0)}, outs=outs))
         assert error["kind"] == "quota", error
         if outs == [lie]:
             assert "1073741824 bytes" in error["message"] and "max_session_bytes" in error["message"]
@@ -184,7 +161,7 @@ def test_an_output_over_the_quota_is_refused_before_allocating(server, client):
 
 def test_an_in_place_resize_over_the_quota_is_refused_before_allocating(server, client):
     before = _rss(server)
-    error = _only_error(client, op("aten::resize_", [T(3, V3), [2**28]], outs=[desc(3, V3)]), [(3, 0, V3)])
+    error = only_error(client, op("aten::resize_", [T(3, V3), [2**28]], outs=[desc(3, V3)]), [(3, 0, V3)])
     assert error["kind"] == "quota" and "aten::resize_" in error["message"], error
     r = client.request([resize_cmd(0, 8, 1 << 30), sync(client.next_req())], [(8, 0, V3)])
     assert r.deferred and r.deferred[0]["kind"] == "quota"
@@ -202,7 +179,7 @@ def test_an_error_message_that_prints_a_whole_tensor_is_cut_and_the_session_goes
     from genie.server.records import MAX_MESSAGE_CHARS
 
     tall = T([3, _F32, [1 << 20, 3], [0, 0], 0, 12])
-    error = _only_error(client, op("aten::meshgrid", [[tall]], outs=[None]), [(3, 0, V3)])
+    error = only_error(client, op("aten::meshgrid", [[tall]], outs=[None]), [(3, 0, V3)])
     assert error["message"].startswith("torch.meshgrid: Expected 0D or 1D tensor"), error["message"][:200]
     assert "more characters)" in error["message"] and len(error["message"]) < MAX_MESSAGE_CHARS + 100
     assert client.sync().error is None  # the session goes on
@@ -225,7 +202,7 @@ def test_fuzzer_short_seeded_run_keeps_the_server_and_a_bystander_alive():
     ("aten::arange", [2**31], {"pin_memory": True, "device": Dev(0)}, "pin_memory=True"),
 ])
 def test_factory_arguments_outside_what_is_served_are_refused(client, name, args, kwargs, expect):
-    error = _only_error(client, op(name, args, kwargs, outs=[None]))
+    error = only_error(client, op(name, args, kwargs, outs=[None]))
     assert error["kind"] == "forbidden" and expect in error["message"], error
 
 
@@ -238,7 +215,7 @@ def test_factory_arguments_outside_what_is_served_are_refused(client, name, args
     ("aten::unbind.int", [T([2, _F32, [2**26], [0], 0, 12])], {}, "it would return 67108864 tensors"),
 ])
 def test_factories_without_a_device_and_huge_splits_are_refused_at_once(client, name, args, kwargs, expect):
-    error = _only_error(client, op(name, args, kwargs, outs=[None]), [(2, 0, V3)])
+    error = only_error(client, op(name, args, kwargs, outs=[None]), [(2, 0, V3)])
     assert error["kind"] == "forbidden" and expect in error["message"], error
 
 
@@ -277,7 +254,7 @@ _G1 = torch.ones(1, 1, 1, 1)
 ])
 def test_ops_that_index_by_client_data_refuse_indices_outside_their_tensors(client, name, args, kwargs, uploads,
                                                                             expect):
-    error = _only_error(client, op(name, args, kwargs, outs=[None]), uploads)
+    error = only_error(client, op(name, args, kwargs, outs=[None]), uploads)
     assert expect in error["message"] and name in error["message"], error
 
 

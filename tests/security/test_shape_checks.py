@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from genie.testing import serve_subprocess
-from tests.raw_client import RawClient, T, desc, op, sync
+from tests.raw_client import T, desc, op, sync
 
 _F32 = desc(1, torch.ones(1))[1]
 _I64 = desc(1, torch.ones(1, dtype=torch.int64))[1]
-_BYSTANDER = torch.arange(64, dtype=torch.float32)
 V3 = torch.ones(3)
 ONE = torch.ones(1)
 
@@ -23,23 +22,6 @@ def server():
         yield s
 
 
-@pytest.fixture(scope="module")
-def bystander(server):
-    c = RawClient(server.port)
-    c.handshake()
-    c.request([sync(c.next_req())], [(1, 0, _BYSTANDER)])
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def client(server, bystander):
-    c = RawClient(server.port)
-    c.handshake()
-    yield c
-    c.close()
-    assert server.alive(), server.log()[-3000:]
-    assert torch.equal(bystander.fetch(1, _BYSTANDER), _BYSTANDER)
 
 
 def _upload(*tensors: torch.Tensor, first: int = 10) -> tuple[list[T], list[tuple[int, int, torch.Tensor]]]:
