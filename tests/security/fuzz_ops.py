@@ -16,6 +16,9 @@ After each call it checks that the server process is alive and, every few
 calls, that a bystander session (another connection holding a known tensor)
 still reads its bytes back unchanged. A dead server is restarted; the op and
 arguments that killed it are reported. The run is deterministic for a seed.
+
+``--graphs`` sends every other call as the one node of a graph (GRAPH, then
+REPLAY), so the replay path's gate is fuzzed with the same draws as the op path.
 """
 
 from __future__ import annotations
@@ -30,13 +33,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import attrs
+import msgpack
 import torch
 
 from genie.errors import GenieError
 from genie.server.allowlist import entries
 from genie.server.ops import registered_op_names, resolve_op
 from genie.testing import serve_subprocess, wait_until
-from tests.raw_client import Dev, Gen, RawClient, T, desc, op, sync
+from genie.wire.graph import Ref, encode_definition
+from genie.wire.messages import CMD_GRAPH, CMD_REPLAY
+from genie.wire.values import EXT_TENSOR, device_ext, encode_common, generator_ext, tensor_ext
+from tests.raw_client import Dev, Gen, RawClient, T, desc, op, pack, sync
 
 #: Storage ids of the fuzzer's own tensors (uploaded once per session), and what each holds.
 _BASE: dict[int, torch.Tensor] = {
@@ -53,6 +60,15 @@ _BASE: dict[int, torch.Tensor] = {
 #: Calls between two fresh attacker sessions.
 FRESH_EVERY = 100
 _POINTER = re.compile(r"0x[0-9a-fA-F]{8,}")
+#: A decimal in the range of user-space heap and mmap addresses on x86-64 Linux (0x5500_0000_0000 and up): a word
+#: read from memory printed in base 10, which no draw of this fuzzer gives.
+_DECIMAL = re.compile(r"(?<![\d.])\d{14,15}(?![\d.])")
+
+
+def leaked_word(text: str) -> bool:
+    """Whether an error text shows a memory address, in hex or in decimal."""
+    return bool(_POINTER.search(text)) or any(0x5500_0000_0000 <= int(m) < 0x8000_0000_0000
+                                              for m in _DECIMAL.findall(text))
 _BYSTANDER = torch.arange(1000, dtype=torch.float64) * 1.5
 
 _INTS = [0, 1, 2, 3, -1, -2, 7, 2**31 - 1, 2**31, -(2**31), 2**40, 2**62, -(2**63), 2**63 - 1]
@@ -101,11 +117,14 @@ class Report:
     #: The slowest calls: (seconds, op).
     slowest: list[tuple[float, str]] = attrs.Factory(list)
     losses: list[str] = attrs.Factory(list)
-    #: Error messages that carried a heap address (0x and 8+ hex digits).
+    #: Error messages that carried a heap address (0x and 8+ hex digits, or a decimal in the address range).
     leaks: list[str] = attrs.Factory(list)
+    #: Calls sent as a one-node graph and its replay (``graphs=True``).
+    graph_calls: int = 0
 
     def summary(self) -> str:
-        return (f"ops tried {len(self.ops)}, calls {self.calls} (refused or failed cleanly: {self.errors}), "
+        return (f"ops tried {len(self.ops)}, calls {self.calls} (as graph nodes: {self.graph_calls}; "
+                f"refused or failed cleanly: {self.errors}), "
                 f"server deaths {len(self.deaths)}, leaked addresses {len(self.leaks)}, sessions lost {self.session_losses}, bystander checks "
                 f"{self.bystander_checks} (failed {len(self.bystander_failures)}), {self.seconds:.1f} s")
 
@@ -187,6 +206,40 @@ def _call(rng: random.Random, name: str, schema: Any) -> bytes:
     return op(name, args, kwargs, outs=[None] * len(schema.returns))
 
 
+def encode_graph_value(obj: Any) -> Any:
+    """The raw client's tagged values (Gen, Dev, T) as graph definitions carry them."""
+    if isinstance(obj, Gen):
+        return generator_ext(obj.value)
+    if isinstance(obj, Dev):
+        return device_ext(obj.value)
+    if isinstance(obj, T):
+        return tensor_ext(obj.value)
+    return encode_common(obj)
+
+
+def graph_inputs(value: Any, inputs: list[Any]) -> Any:
+    """A decoded op argument with every tensor tag made a graph input (appended to ``inputs``, a Ref to its slot)."""
+    if isinstance(value, msgpack.ExtType) and value.code == EXT_TENSOR:
+        inputs.append(value)
+        return Ref(len(inputs) - 1)
+    if isinstance(value, list):
+        return [graph_inputs(v, inputs) for v in value]
+    if isinstance(value, dict):
+        return {k: graph_inputs(v, inputs) for k, v in value.items()}
+    return value
+
+
+def as_graph(cmd: bytes, name: str, req: int, graph_id: int) -> tuple[bytes, bytes]:
+    """The op command ``cmd`` (as :func:`_call` draws it) as the one node of graph ``graph_id``: its GRAPH
+    definition (request ``req``) and the REPLAY that runs it on the same tensors."""
+    _, _, _, args, kwargs, _ = msgpack.unpackb(cmd, strict_map_key=False,
+                                               ext_hook=lambda code, data: msgpack.ExtType(code, data))
+    inputs: list[Any] = []
+    node = [name, graph_inputs(args, inputs), graph_inputs(kwargs, inputs)]
+    define = pack([CMD_GRAPH, req, 0, graph_id, encode_definition(len(inputs), [node], [], encode_graph_value)])
+    return define, pack([CMD_REPLAY, 0, graph_id, inputs, []])
+
+
 class _Session:
     """One raw session with the fuzzer's tensors uploaded."""
 
@@ -207,12 +260,14 @@ def _server(env: dict[str, str]) -> Iterator[Any]:
 
 def run(*, seed: int, seconds: float, max_calls: int = 0, only: list[str] | None = None,
         check_every: int = 20, quota_bytes: int = 256 << 20, op_deadline: float = 5.0, log: Any = None,
-        repeat: bool = False) -> Report:
+        repeat: bool = False, graphs: bool = False) -> Report:
     """Fuzz for ``seconds`` (or ``max_calls``) against a fresh server process; return the report.
 
     ``repeat``: send every command that ran cleanly twice more in one batch, so the session runs it by its
     command plan (natively where the server's runner covers it) over storages the first run may have
     written, resized or freed.
+
+    ``graphs``: send every other call as a one-node graph and its replay (:func:`as_graph`).
 
     ``op_deadline`` is the server's: an op that runs longer (an SVD of a broadcast 8192 x 65536
     matrix within the element limit takes minutes) gets its session's worker killed, which the
@@ -238,14 +293,22 @@ def run(*, seed: int, seconds: float, max_calls: int = 0, only: list[str] | None
                     report.calls += 1
                     began = time.monotonic()
                     try:
-                        reply = attacker.client.request([cmd, sync(attacker.client.next_req())])
+                        c = attacker.client
+                        if graphs and report.calls % 2 == 0:
+                            report.graph_calls += 1
+                            define, run_it = as_graph(cmd, name, c.next_req(), report.calls)
+                            reply = c.request([define])
+                            if reply.error is None:
+                                reply = c.request([run_it, sync(c.next_req())])
+                        else:
+                            reply = c.request([cmd, sync(c.next_req())])
                         report.errors += bool(reply.deferred or reply.error)
                         replies = [reply]
                         if repeat and not (reply.deferred or reply.error):
                             replies.append(attacker.client.request([cmd, cmd, sync(attacker.client.next_req())]))
                             report.calls += 2
                         for record in [r for one in replies for r in [*one.deferred, *([one.error] if one.error else [])]]:
-                            if _POINTER.search(str(record.get("message", ""))):
+                            if leaked_word(str(record.get("message", ""))):
                                 report.leaks.append(f"{name}: {record['message'][:300]}")
                     except (GenieError, OSError, AssertionError) as exc:
                         if not server.alive():
@@ -307,10 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--op", action="append", help="fuzz only this op (repeatable)")
     parser.add_argument("--repeat", action="store_true",
                         help="send each command that ran cleanly twice more, so it runs by its command plan")
+    parser.add_argument("--graphs", action="store_true",
+                        help="send every other call as a one-node graph (GRAPH + REPLAY): fuzz the replay gate too")
     opts = parser.parse_args(argv)
     print(f"seed {opts.seed}", flush=True)
     report = run(seed=opts.seed, seconds=opts.seconds, max_calls=opts.calls, only=opts.op,
-                 log=lambda text: print(text, file=sys.stderr, flush=True), repeat=opts.repeat)
+                 log=lambda text: print(text, file=sys.stderr, flush=True), repeat=opts.repeat, graphs=opts.graphs)
     print(report.summary())
     for death in report.deaths:
         print("DEATH", death)

@@ -19,7 +19,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import psutil
 import pytest
 import torch
@@ -29,8 +28,7 @@ from genie.server.store import StorageStore
 from genie.testing import serve_subprocess
 from genie.wire.graph import Ref, encode_definition
 from genie.wire.messages import CMD_GRAPH, CMD_REPLAY
-from genie.wire.values import EXT_TENSOR, device_ext, encode_common, generator_ext, tensor_ext
-from tests.raw_client import Dev, Gen, RawClient, T, desc, free, op, pack, resize, sync
+from tests.raw_client import Dev, RawClient, T, desc, free, op, pack, resize, sync
 from tests.security import fuzz_ops
 
 QUOTA = 64 << 20
@@ -97,19 +95,9 @@ def client(server: Any, bystander: Bystander) -> Iterator[RawClient]:
 # -- sending graphs on the raw wire ---------------------------------------------------------------
 
 
-def _encode(obj: Any) -> Any:
-    if isinstance(obj, Gen):
-        return generator_ext(obj.value)
-    if isinstance(obj, Dev):
-        return device_ext(obj.value)
-    if isinstance(obj, T):
-        return tensor_ext(obj.value)
-    return encode_common(obj)
-
-
 def graph(req: int, graph_id: int, inputs: int, nodes: list[list[Any]], outputs: list[Any]) -> bytes:
     """``[CMD_GRAPH, req, 0, graph_id, definition]``."""
-    return pack([CMD_GRAPH, req, 0, graph_id, encode_definition(inputs, nodes, outputs, _encode)])
+    return pack([CMD_GRAPH, req, 0, graph_id, encode_definition(inputs, nodes, outputs, fuzz_ops.encode_graph_value)])
 
 
 def replay(graph_id: int, inputs: list[Any], outs: list[Any]) -> bytes:
@@ -563,16 +551,11 @@ def test_every_call_the_fuzzer_gets_refused_on_the_op_path_is_refused_alike_as_a
                     on_graphs.request([cmd, sync(on_graphs.next_req())])
                 continue
             expected = r.deferred[0]
-            _, _, _, args, kwargs, _ = msgpack.unpackb(cmd, strict_map_key=False,
-                                                       ext_hook=lambda code, data: msgpack.ExtType(code, data))
-            inputs: list[Any] = []
-            node = [name, _raw_node(args, inputs), _raw_node(kwargs, inputs)]
-            graph_id = next(_ids)
-            r = on_graphs.request([pack([CMD_GRAPH, on_graphs.next_req(), 0, graph_id,
-                                         encode_definition(len(inputs), [node], [], _encode)])])
+            define, run_it = fuzz_ops.as_graph(cmd, name, on_graphs.next_req(), next(_ids))
+            r = on_graphs.request([define])
             got = r.error
             if got is None:
-                r = on_graphs.request([pack([CMD_REPLAY, 0, graph_id, inputs, []]), sync(on_graphs.next_req())])
+                r = on_graphs.request([run_it, sync(on_graphs.next_req())])
                 got = r.deferred[0] if r.deferred else None
             if expected["kind"] in ("storage", "protocol"):
                 # The command's own framing (a descriptor past its storage, a device the node lacks): a graph
@@ -590,15 +573,3 @@ def test_every_call_the_fuzzer_gets_refused_on_the_op_path_is_refused_alike_as_a
         on_graphs.close()
     print(f"fuzzer's refused calls compared as graph nodes: {compared} of {FUZZ_DRAWS}")
     assert compared >= FUZZ_DRAWS // 3
-
-
-def _raw_node(value: Any, inputs: list[Any]) -> Any:
-    """A decoded op argument with every tensor tag made a graph input (a reference to its slot)."""
-    if isinstance(value, msgpack.ExtType) and value.code == EXT_TENSOR:
-        inputs.append(value)
-        return Ref(len(inputs) - 1)
-    if isinstance(value, list):
-        return [_raw_node(v, inputs) for v in value]
-    if isinstance(value, dict):
-        return {k: _raw_node(v, inputs) for k, v in value.items()}
-    return value
