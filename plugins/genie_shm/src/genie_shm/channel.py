@@ -442,7 +442,9 @@ class ShmChannel(RecordChannel):
         self._rec_left -= n
         if self._rec_type == RING and not self._rec_left:
             self._rx_pos += self._rx_record_len
-            self._credit.sendall(CREDIT.pack(self._rx_record_len))
+            credit = self._credit
+            assert credit is not None  # a RING record arrives only after the upgrade made the credit socket
+            credit.sendall(CREDIT.pack(self._rx_record_len))
         return n
 
     def _next_record(self) -> None:
