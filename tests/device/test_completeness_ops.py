@@ -28,7 +28,8 @@ def _run_both(module: nn.Module, inputs: list[torch.Tensor]) -> list[tuple[list[
         out = m(*xs)
         flat = [o for o in (out if isinstance(out, tuple) else (out,)) for o in (o if isinstance(o, tuple) else (o,))]
         sum((o.float() * (i + 1)).sum() for i, o in enumerate(flat)).backward()
-        grads = [p.grad.cpu() for p in m.parameters()] + [x.grad.cpu() for x in xs if x.grad is not None]
+        grads = [p.grad.cpu() for p in m.parameters() if p.grad is not None] + \
+            [x.grad.cpu() for x in xs if x.grad is not None]
         results.append(([o.detach().cpu() for o in flat], grads))
     return results
 
@@ -146,7 +147,8 @@ class _BertLikeEmbeddings(nn.Module):
         self.register_buffer("token_type_ids", torch.zeros(1, 12, dtype=torch.long), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        types = self.token_type_ids[:, : ids.size(1)].expand(ids.size(0), ids.size(1))
+        buffer: torch.Tensor = self.token_type_ids  # type: ignore[assignment]
+        types = buffer[:, : ids.size(1)].expand(ids.size(0), ids.size(1))
         return self.norm(self.words(ids) + self.token_types(types))
 
 

@@ -76,7 +76,6 @@ def test_a_session_ending_on_a_lost_context_sends_error_lost() -> None:
     channel = RecordingChannel()
     session = Session(channel, session_id=1, welcome=lambda: {}, devices=[torch.device("cpu")], max_storages=8,
                       max_bytes=1 << 20, max_payload=1 << 20)
-    session._secure = lambda: True  # type: ignore[method-assign]
     session._handshake = lambda: True  # type: ignore[method-assign]
 
     def serve() -> None:
