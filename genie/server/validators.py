@@ -47,14 +47,33 @@ def check_foreach(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
             raise _fail(label, f"a list of {len(value)} scalars for {length} tensors")
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``numel`` consecutive slots, in some order of its dimensions."""
+    if t.numel() <= 1:
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def check_fused_optimizer(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
-    """``_fused_adam(w)_`` / ``_fused_sgd_``: the foreach rules, each index the same shape and dtype across
-    the lists (state steps: one element), momentum buffers present when momentum is used, scalar tensors
-    for ``grad_scale`` / ``found_inf`` / a tensor ``lr``."""
+    """``_fused_adam(w)_`` / ``_fused_sgd_`` / ``_fused_adagrad_``: the foreach rules, each index the same
+    shape, dtype and strides across the lists, dense and non-overlapping (the CPU kernels walk each tensor
+    as ``numel`` elements from its data pointer: an expanded parameter was written past its storage and
+    killed the session's worker), state steps of one element, momentum buffers present when momentum is
+    used, scalar tensors for ``grad_scale`` / ``found_inf`` / a tensor ``lr``."""
     check_foreach(label, args, kwargs)
     lists = [v for v in args if isinstance(v, list)]
     params = lists[0] if lists else []
     sgd = "sgd" in label
+    steps_at = 3 if "adagrad" in label else None if sgd else 5
+    for p in params:
+        if isinstance(p, torch.Tensor) and not _dense(p):
+            raise _fail(label, f"a parameter of shape {list(p.shape)} and strides {list(p.stride())} overlaps "
+                        "itself or has gaps; fused optimizers take dense parameters (clone it, or use foreach=True)")
     for i, tensors in enumerate(lists[1:], 1):
         if not tensors:
             if sgd and i == 2 and kwargs.get("momentum", 0) and params:
@@ -62,7 +81,7 @@ def check_fused_optimizer(label: str, args: list[Any], kwargs: dict[str, Any]) -
             continue
         if len(tensors) != len(params):
             raise _fail(label, f"list {i} has {len(tensors)} tensors for {len(params)} parameters")
-        steps = not sgd and i == 5
+        steps = i == steps_at
         for p, t in zip(params, tensors, strict=True):
             if steps:
                 if t.numel() != 1:
@@ -70,6 +89,9 @@ def check_fused_optimizer(label: str, args: list[Any], kwargs: dict[str, Any]) -
             elif t.shape != p.shape or t.dtype != p.dtype:
                 raise _fail(label, f"list {i} holds a {t.dtype} {list(t.shape)} for a {p.dtype} {list(p.shape)} "
                             "parameter")
+            elif t.stride() != p.stride():
+                raise _fail(label, f"list {i} holds a tensor of strides {list(t.stride())} for a parameter of "
+                            f"strides {list(p.stride())}; fused optimizers take every state in its parameter's layout")
     for name in ("grad_scale", "found_inf", "lr"):
         value = kwargs.get(name)
         if isinstance(value, torch.Tensor) and value.numel() != 1:
@@ -376,6 +398,7 @@ _BY_PACKET: dict[str, Check] = {
     "aten::_fused_adam_": check_fused_optimizer,
     "aten::_fused_adamw_": check_fused_optimizer,
     "aten::_fused_sgd_": check_fused_optimizer,
+    "aten::_fused_adagrad_": check_fused_optimizer,
     "aten::_embedding_bag_per_sample_weights_backward": check_embedding_bag_psw_backward,
     "aten::_index_put_impl_": check_index_put_impl,
     "aten::embedding_bag": check_embedding,
