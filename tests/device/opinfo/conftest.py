@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import deny_list
 import opinfo_expected
 import pytest
 from opinfo_cases import Case, mode_from_env, select, server_devices
@@ -40,11 +41,40 @@ class Sweep:
         report = _option(config, "opinfo_report", None) or os.environ.get("GENIE_OPINFO_REPORT")
         self.report_path = Path(report) if report else ROOT / "build" / "opinfo" / f"report-{self.mode}.json"
         self.expected = opinfo_expected.load()
+        self.deny = deny_list.load()
         self.results: dict[Case, dict[str, Any]] = {}
         self.pool = Pool()
         self.all_cases = self.pool.list_cases()
         self.cases = select(self.all_cases, self.mode)
         self.started = time.monotonic()
+
+
+    def judge(self, case: Case) -> None:
+        """Run ``case`` and turn its outcome into the test's verdict: a pass; a skip; a failure listed in
+        expected_failures.toml (xfail) or not (fail); a listed case that passes (fail: the list is
+        stale); every sample refused by deny-list ops (xfail naming them)."""
+        result = self.pool.run(case, self.timeout)
+        self.results[case] = result
+        listed = self.expected.get(case.key)
+        status, reason = result["status"], result.get("reason", "")
+        if status == "skip":
+            pytest.skip(reason)
+        if status == "denied":
+            pytest.xfail(f"{reason} (tests/device/deny_list.toml: "
+                         f"{'; '.join(self.deny.get(op, '?') for op in result.get('denied', []))})")
+        if self.update:
+            if status == "fail":
+                pytest.xfail(f"recorded in the expected list: {reason}")
+            return
+        if status == "pass" and listed is not None:
+            pytest.fail(f"{case.test_id} passes but expected_failures.toml lists it ({listed!r}): the list is "
+                        "stale; remove the entry or regenerate the list with --update-expected")
+        if status == "fail":
+            if listed is not None:
+                pytest.xfail(listed)
+            pytest.fail(f"{case.test_id} differs from CPU: {reason}\n(a new failure: fix the device, or list it "
+                        "in tests/device/opinfo/expected_failures.toml with the reason; a refusal goes in "
+                        "tests/device/deny_list.toml with the reason, if the op is refused on purpose)")
 
 
 def _option(config: pytest.Config, name: str, default: Any) -> Any:
@@ -68,10 +98,16 @@ def _sweep(config: pytest.Config) -> Sweep:
     return config.stash[_SWEEP]
 
 
+#: The fixture each gate's cases parametrize (test_opinfo.py, test_gates.py).
+GATE_FIXTURES = {"opinfo_case": "opinfo", "module_case": "module", "optim_case": "optim",
+                 "random_case": "random", "amp_case": "amp"}
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "opinfo_case" in metafunc.fixturenames:
-        cases = _sweep(metafunc.config).cases
-        metafunc.parametrize("opinfo_case", cases, ids=[c.test_id for c in cases])
+    for fixture, gate in GATE_FIXTURES.items():
+        if fixture in metafunc.fixturenames:
+            cases = [c for c in _sweep(metafunc.config).cases if c.gate == gate]
+            metafunc.parametrize(fixture, cases, ids=[c.test_id for c in cases])
 
 
 @pytest.fixture(scope="session")
@@ -104,6 +140,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         "seconds": round(time.monotonic() - sweep.started, 1),
         "restarts": sweep.pool.restarts,
         "rates": rows,
+        "denied_ops_reached": sorted({op for r in sweep.results.values() for op in r.get("denied", [])}),
         "cases": {c.test_id: r for c, r in sorted(sweep.results.items())},
     }, indent=1) + "\n", encoding="utf-8")
 
@@ -114,6 +151,14 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         return
     for line in opinfo_expected.summary_lines(sweep.mode, opinfo_expected.pass_rates(sweep.results)):
         terminalreporter.write_line(line)
+    reached = {op for r in sweep.results.values() for op in r.get("denied", [])}
+    terminalreporter.write_line(f"genie gates ({sweep.mode}): deny list {len(sweep.deny)} entries, reached: "
+                                f"{', '.join(sorted(reached)) or 'none'}")
+    if sweep.mode == "full":
+        unused = sorted(set(sweep.deny) - reached)
+        if unused:
+            terminalreporter.write_line(f"genie gates (full): deny-list entries no sample reached (remove them if "
+                                        f"the op is allowed now): {', '.join(unused)}")
     restarts = sweep.pool.restarts
     terminalreporter.write_line(f"genie opinfo ({sweep.mode}): {len(sweep.results)} cases, worker restarts "
                                 f"{restarts['worker']}, server restarts {restarts['server']}; report {sweep.report_path}")

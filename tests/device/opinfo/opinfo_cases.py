@@ -17,7 +17,14 @@ import attrs
 FORWARD_DTYPES = ("float32", "float16", "bfloat16", "int64", "bool", "complex64")
 #: Gradients are compared in float32 only.
 BACKWARD_DTYPES = ("float32",)
-KINDS = ("forward", "backward")
+#: forward/backward: OpInfo and ModuleInfo; step: optimizers and AMP; draw: random ops (gates.py).
+KINDS = ("forward", "backward", "step", "draw")
+#: Each gate's cases are named "<gate>:<name>" (OpInfo's are plain op names), in report order.
+GATES = ("opinfo", "module", "optim", "random", "amp")
+#: The CI subset's stride per gate: every N-th (op or module or optimizer, variant); 1 runs them all.
+GATE_STRIDES = {"opinfo": 12, "module": 8, "optim": 1, "random": 1, "amp": 1}
+#: Dtypes the CI subset runs in per gate (all when absent): float64 module cases run in the full sweep.
+GATE_CI_DTYPES = {"module": ("float32",)}
 #: The CI subset takes every CI_STRIDE-th op (sorted by name and variant), all of its dtypes and kinds.
 CI_STRIDE = 12
 #: The op name of the worker's self-test cases (a hang, an abort, a device probe), never an OpInfo.
@@ -38,6 +45,11 @@ class Case:
     @property
     def key(self) -> tuple[str, str, str, str]:
         return (self.op, self.variant, self.dtype, self.kind)
+
+    @property
+    def gate(self) -> str:
+        """``opinfo`` or the prefix of ``op`` (``module``, ``optim``, ``random``, ``amp``)."""
+        return self.op.split(":", 1)[0] if ":" in self.op and not self.op.startswith("genie.") else "opinfo"
 
     @property
     def op_id(self) -> str:
@@ -69,15 +81,18 @@ def mode_from_env(environ: dict[str, str] | None = None) -> str:
     return mode
 
 
-def select(cases: Iterable[Case], mode: str, stride: int = CI_STRIDE) -> list[Case]:
-    """The cases ``mode`` runs, sorted. ``ci``: every ``stride``-th op (by op and variant, a fixed,
-    deterministic choice that does not depend on the machine), with all of its dtypes and kinds."""
+def select(cases: Iterable[Case], mode: str, stride: int | None = None) -> list[Case]:
+    """The cases ``mode`` runs, sorted. ``ci``: per gate, every N-th op (by op and variant, a fixed,
+    deterministic choice that does not depend on the machine; N is ``stride`` or the gate's
+    ``GATE_STRIDES``), with all of its dtypes (``GATE_CI_DTYPES`` narrows a gate's) and kinds."""
     ordered = sorted(set(cases))
     if mode == "full":
         return ordered
-    ops = sorted({(c.op, c.variant) for c in ordered})
-    chosen = set(ops[::stride])
-    return [c for c in ordered if (c.op, c.variant) in chosen]
+    chosen: set[tuple[str, str]] = set()
+    for gate in {c.gate for c in ordered}:
+        ops = sorted({(c.op, c.variant) for c in ordered if c.gate == gate})
+        chosen.update(ops[::stride or GATE_STRIDES.get(gate, CI_STRIDE)])
+    return [c for c in ordered if (c.op, c.variant) in chosen and c.dtype in GATE_CI_DTYPES.get(c.gate, (c.dtype,))]
 
 
 def coverage(cases: Sequence[Case]) -> set[tuple[str, str]]:

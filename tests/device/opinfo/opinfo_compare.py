@@ -8,10 +8,12 @@ through PyTorch's own ``TestCase.assertEqual``). Imported by the worker process 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import attrs
+import deny_list
 import torch
 from torch.testing._internal.common_utils import TestCase
 from torch.utils._pytree import tree_leaves, tree_map
@@ -31,11 +33,14 @@ class _Asserter(TestCase):
 
 @attrs.frozen
 class Outcome:
-    """``status`` is pass, fail or skip; ``reason`` says why (for fail: the error's first line)."""
+    """``status`` is pass, fail, skip or denied (every sample refused by a listed op); ``reason`` says
+    why (for fail: the error's first line)."""
 
     status: str
     reason: str = ""
     samples: int = 0
+    #: the deny-list entries (refused ops) whose samples were left out
+    denied: tuple[str, ...] = ()
 
 
 def first_line(exc: BaseException, limit: int = 240) -> str:
@@ -61,6 +66,7 @@ class Comparer:
         self.device = device
         self.max_samples = max_samples
         self.asserter = _Asserter()
+        self.deny = deny_list.load()
 
     def run(self, op: Any, dtype_name: str, kind: str) -> Outcome:
         dtype = getattr(torch, dtype_name)
@@ -80,23 +86,40 @@ class Comparer:
             samples = list(op.sample_inputs("cpu", dtype, requires_grad=requires_grad))
         except Exception as exc:  # the OpInfo cannot make CPU samples: not the device's fault
             return Outcome("skip", f"sample_inputs on CPU raised {first_line(exc)}")
+        return self.run_samples([(i, functools.partial(check, op, samples[i]))
+                                 for i in spread(len(samples), self.max_samples)])
+
+    def run_samples(self, checks: list[tuple[Any, Callable[[], str | None]]]) -> Outcome:
+        """Run each (label, check) in turn: a check returns None (equal), a mismatch, or raises. The
+        outcome fails at the first failing sample; a sample the server refuses for an op of the deny list
+        (tests/device/deny_list.toml) is left out; one CPU cannot run (``NotComparable``) is skipped."""
         compared = not_comparable = 0
-        for index in spread(len(samples), self.max_samples):
+        denied: set[str] = set()
+        for label, check in checks:
             try:
-                verdict = check(op, samples[index])
-            except _NotComparable:
+                verdict = check()
+            except NotComparable:
                 not_comparable += 1
                 continue
             except Exception as exc:
-                return Outcome("fail", f"sample {index}: {first_line(exc)}", compared)
+                entry = deny_list.denied_by(exc, self.deny)
+                if entry is not None:
+                    denied.add(entry)
+                    continue
+                refused = deny_list.refused_op(exc)
+                why = f" (refused {refused}: not in tests/device/deny_list.toml)" if refused else ""
+                return Outcome("fail", f"sample {label}: {first_line(exc)}{why}", compared, tuple(sorted(denied)))
             if verdict is not None:
-                return Outcome("fail", f"sample {index}: {verdict}", compared)
+                return Outcome("fail", f"sample {label}: {verdict}", compared, tuple(sorted(denied)))
             compared += 1
         if compared == 0:
+            if denied:
+                return Outcome("denied", f"every sample refused: {', '.join(sorted(denied))}", 0,
+                               tuple(sorted(denied)))
             why = f"none of {not_comparable} samples can be compared (CPU raises, or nothing to differentiate)" \
                 if not_comparable else "no samples"
             return Outcome("skip", why)
-        return Outcome("pass", "", compared)
+        return Outcome("pass", "", compared, tuple(sorted(denied)))
 
     def _remote(self, sample: Any, leaves: bool) -> Any:
         def move(t: Any) -> Any:
@@ -107,6 +130,14 @@ class Comparer:
             return t.to(self.device)
 
         return sample.transform(move)
+
+    def compare(self, actual: Any, expected: Any, atol: float = ATOL, rtol: float = RTOL) -> str | None:
+        """None when equal within the tolerances (PyTorch's TestCase.assertEqual), else the mismatch."""
+        try:
+            self.asserter.assertEqual(actual, expected, atol=atol, rtol=rtol)
+        except AssertionError as exc:
+            return f"mismatch: {first_line(exc)}"
+        return None
 
     def _compare(self, actual: Any, expected: Any) -> str | None:
         try:
@@ -119,7 +150,7 @@ class Comparer:
         try:
             expected = sample.output_process_fn_grad(op(sample.input, *sample.args, **sample.kwargs))
         except Exception as exc:
-            raise _cpu_failure(exc) from exc
+            raise cpu_failure(exc) from exc
         remote = self._remote(sample, leaves=False)
         actual = _to_cpu(remote.output_process_fn_grad(op(remote.input, *remote.args, **remote.kwargs)))
         return self._compare(actual, expected)
@@ -127,17 +158,17 @@ class Comparer:
     def _backward(self, op: Any, sample: Any) -> str | None:
         cpu_inputs = _grad_inputs(sample)
         if not cpu_inputs:
-            raise _NotComparable  # nothing to differentiate: does not count as compared
+            raise NotComparable  # nothing to differentiate: does not count as compared
         try:
             cpu_out = _grad_outputs(sample.output_process_fn_grad(op(sample.input, *sample.args, **sample.kwargs)))
             if not cpu_out:
-                raise _NotComparable
+                raise NotComparable
             cotangents = [torch.randn_like(t) for t in cpu_out]
             expected = torch.autograd.grad(cpu_out, cpu_inputs, cotangents, allow_unused=True)
-        except _NotComparable:
+        except NotComparable:
             raise
         except Exception as exc:
-            raise _cpu_failure(exc) from exc
+            raise cpu_failure(exc) from exc
         remote = self._remote(sample, leaves=True)
         remote_inputs = _grad_inputs(remote)
         remote_out = _grad_outputs(remote.output_process_fn_grad(op(remote.input, *remote.args, **remote.kwargs)))
@@ -157,21 +188,21 @@ def spread(count: int, limit: int) -> list[int]:
     return sorted({round(i * (count - 1) / (limit - 1)) for i in range(limit)}) if limit > 1 else [0]
 
 
-class _NotComparable(Exception):
+class NotComparable(Exception):
     """The CPU reference cannot run this sample, or it has nothing to differentiate: skipped, not counted."""
 
 
-def pytorch_skip(op: Any, dtype: torch.dtype) -> str:
+def pytorch_skip(op: Any, dtype: torch.dtype, test_class: str = "TestCommon", test_name: str = "test_compare_cpu") -> str:
     """The reason PyTorch's OpInfo skips ``test_compare_cpu`` for ``op`` whatever the device
     (random ops: "output is non-deterministic"; ``empty``: "not comparable"), or "".
 
     Only device-independent skips count (a DecorateInfo with no device_type): CUDA's own skips and
     expected failures are CUDA's business; this device is judged against CPU alone.
     """
-    for info in getattr(op, "decorators", ()):
+    for info in [*(getattr(op, "decorators", None) or ()), *(getattr(op, "skips", None) or ())]:
         if not hasattr(info, "is_active") or info.device_type is not None:
             continue
-        if not info.is_active("TestCommon", "test_compare_cpu", "privateuse1", dtype, {}):
+        if not info.is_active(test_class, test_name, "privateuse1", dtype, {}):
             continue
         for decorator in info.decorators:
             try:
@@ -183,13 +214,13 @@ def pytorch_skip(op: Any, dtype: torch.dtype) -> str:
     return ""
 
 
-def _cpu_failure(exc: Exception) -> Exception:
+def cpu_failure(exc: Exception) -> Exception:
     """What a CPU-reference error means. Usually the sample is invalid on CPU (a CUDA-only op): not
     comparable. But registering the device can break CPU code too (OpInfo's ``freeze_rng_state``
     asks every registered backend for ``get_rng_state``): that is the device's failure."""
     if "remote_accelerator" in str(exc) or type(exc).__module__.split(".")[0] == "genie":
         return RuntimeError(f"the CPU reference raised because the device is registered: {first_line(exc)}")
-    return _NotComparable()
+    return NotComparable()
 
 
 def _grad_inputs(sample: Any) -> list[torch.Tensor]:

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import tomllib
-from opinfo_cases import BACKWARD_DTYPES, FORWARD_DTYPES, KINDS, Case
+from opinfo_cases import GATES, KINDS, Case
 
+_DTYPE_ORDER = ("float32", "float64", "float16", "bfloat16", "int64", "bool", "complex64")
 EXPECTED_PATH = Path(__file__).resolve().parent / "expected_failures.toml"
 Key = tuple[str, str, str, str]
 
@@ -83,17 +84,18 @@ def save(entries: Mapping[Key, str], path: Path = EXPECTED_PATH) -> None:
 
 
 def pass_rates(results: Mapping[Case, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Per (kind, dtype), in report order: passed, failed, skipped, and the rate over passed + failed."""
-    order = [("forward", d) for d in FORWARD_DTYPES] + [("backward", d) for d in BACKWARD_DTYPES]
+    """Per (gate, kind, dtype), in report order: passed, failed, skipped, denied (every sample refused
+    by a deny-list op), and the rate over passed + failed."""
+    groups = sorted({(c.gate, c.kind, c.dtype) for c in results},
+                    key=lambda g: (GATES.index(g[0]) if g[0] in GATES else len(GATES), KINDS.index(g[1]),
+                                   _DTYPE_ORDER.index(g[2]) if g[2] in _DTYPE_ORDER else len(_DTYPE_ORDER), g[2]))
     rows = []
-    for kind, dtype in order:
-        statuses = [r["status"] for c, r in results.items() if c.kind == kind and c.dtype == dtype]
-        if not statuses:
-            continue
+    for gate, kind, dtype in groups:
+        statuses = [r["status"] for c, r in results.items() if (c.gate, c.kind, c.dtype) == (gate, kind, dtype)]
         passed, failed = statuses.count("pass"), statuses.count("fail")
         total = passed + failed
-        rows.append({"kind": kind, "dtype": dtype, "passed": passed, "failed": failed,
-                     "skipped": statuses.count("skip"), "total": total,
+        rows.append({"gate": gate, "kind": kind, "dtype": dtype, "passed": passed, "failed": failed,
+                     "skipped": statuses.count("skip"), "denied": statuses.count("denied"), "total": total,
                      "rate": round(100.0 * passed / total, 1) if total else None})
     return rows
 
@@ -104,6 +106,7 @@ def summary_lines(mode: str, rows: Iterable[Mapping[str, Any]]) -> list[str]:
     for row in rows:
         rate = f"{row['rate']:.1f}%" if row["rate"] is not None else "n/a"
         skipped = f", {row['skipped']} skipped" if row["skipped"] else ""
-        out.append(f"genie opinfo ({mode}): {row['kind']} {row['dtype']} {row['passed']}/{row['total']} "
-                   f"({rate}){skipped}")
+        denied = f", {row['denied']} denied" if row.get("denied") else ""
+        out.append(f"genie {row.get('gate', 'opinfo')} ({mode}): {row['kind']} {row['dtype']} {row['passed']}/"
+                   f"{row['total']} ({rate}){skipped}{denied}")
     return out

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 DEVICE = "remote_accelerator:0"
 
@@ -44,7 +44,28 @@ def list_cases(op_db: list[Any]) -> list[dict[str, str]]:
                 dtype = getattr(torch, name)
                 if dtype in supported and dtype in backward:
                     cases.append(Case(op.name, op.variant_test_name, name, "backward"))
+    import gates
+
+    loaded = _loaded_gates()
+    cases += gates.module_cases(loaded["module_db"]) + gates.optim_cases(loaded["optim_db"])
+    cases += gates.random_cases() + gates.amp_cases()
     return [c.to_json() for c in sorted(set(cases))]
+
+
+_GATE_DBS: dict[str, Any] = {}
+
+
+def _loaded_gates() -> dict[str, Any]:
+    """module_db and optim_db by name, imported once (each import takes seconds)."""
+    if not _GATE_DBS:
+        from torch.testing._internal.common_modules import module_db
+        from torch.testing._internal.common_optimizers import optim_db
+
+        _GATE_DBS["module_db"] = module_db
+        _GATE_DBS["optim_db"] = optim_db
+        _GATE_DBS["modules"] = {m.name: m for m in module_db}
+        _GATE_DBS["optims"] = {cast(type, o.optim_cls).__name__: o for o in optim_db}
+    return _GATE_DBS
 
 
 def selftest(action: str) -> dict[str, Any]:
@@ -61,11 +82,29 @@ def selftest(action: str) -> dict[str, Any]:
 
 
 def run_case(loaded: dict[str, Any], request: dict[str, str]) -> dict[str, Any]:
-    op = loaded["ops"].get((request["op"], request["variant"]))
-    if op is None:
-        return {"status": "fail", "reason": f"no OpInfo {request['op']!r} variant {request['variant']!r}"}
-    outcome = loaded["comparer"].run(op, request["dtype"], request["kind"])
-    answer: dict[str, Any] = {"status": outcome.status, "reason": outcome.reason, "samples": outcome.samples}
+    import gates
+    from opinfo_cases import Case
+
+    case = Case.from_json(request)
+    comparer = loaded["comparer"]
+    name = case.op.split(":", 1)[-1]
+    if case.gate == "opinfo":
+        op = loaded["ops"].get((case.op, case.variant))
+        if op is None:
+            return {"status": "fail", "reason": f"no OpInfo {case.op!r} variant {case.variant!r}"}
+        outcome = comparer.run(op, case.dtype, case.kind)
+    elif case.gate == "module" and name in _loaded_gates()["modules"]:
+        outcome = gates.run_module(comparer, _loaded_gates()["modules"][name], case)
+    elif case.gate == "optim" and name in _loaded_gates()["optims"]:
+        outcome = gates.run_optim(comparer, _loaded_gates()["optims"][name], case)
+    elif case.gate == "random":
+        outcome = gates.run_random(comparer, case)
+    elif case.gate == "amp":
+        outcome = gates.run_amp(comparer, case)
+    else:
+        return {"status": "fail", "reason": f"no case {case.test_id!r} in any gate"}
+    answer: dict[str, Any] = {"status": outcome.status, "reason": outcome.reason, "samples": outcome.samples,
+                              "denied": list(outcome.denied)}
     if outcome.status == "fail":
         answer["healthy"] = healthy()
     return answer
