@@ -153,6 +153,20 @@ def opinfo(session: nox.Session) -> None:
 
 
 @nox.session
+def completeness(session: nox.Session) -> None:
+    """Issue 29's completeness gates in full: OpInfo (every dtype), ModuleInfo (float32 and float64),
+    optim_db, random ops and AMP (tests/device/opinfo, GENIE_OPINFO=full), then the model zoo
+    (tests/device/test_model_zoo.py). Prints the pass rate per gate, kind and dtype and writes
+    build/opinfo/report-full.json; refusals are judged by tests/device/deny_list.toml.
+    """
+    session.install(BUILD[0], "setuptools>=70.1")
+    session.install(*CORE)
+    session.run("python", "-m", "pytest", "-q", "tests/device/opinfo", *session.posargs,
+                env={"GENIE_OPINFO": "full"})
+    session.run("python", "-m", "pytest", "-q", "tests/device/test_model_zoo.py", "--durations=10")
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """ruff on everything, mypy on the files pyproject's [tool.mypy] names (genie, plugins, tests, benchmarks)."""
     session.install("ruff", "mypy", "types-psutil", *BUILD)
