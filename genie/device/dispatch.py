@@ -538,6 +538,15 @@ def _batch_norm_eval_cpu(metas: list[Any], args: Any, kwargs: Any) -> list[Any]:
     return [metas[0], empty, empty]
 
 
+def _multilabel_margin_cpu(metas: list[Any], args: Any, kwargs: Any) -> list[Any]:
+    """``multilabel_margin_loss_forward`` of a 1-dim input with ``reduction='none'``: the CPU kernel returns a
+    0-dim loss where torch's meta kernel answers [1] (found by the ModuleInfo gate, nn.MultiLabelMarginLoss)."""
+    given = dict(zip(("self", "target", "reduction"), args, strict=False)) | kwargs
+    if given["self"].dim() > 1 or given.get("reduction", 1) != 0:
+        return metas
+    return [(metas[0][0], (), (), 0), *metas[1:]]
+
+
 #: The argument names of _embedding_bag and _embedding_bag_forward_only (one schema).
 _BAG_ARGS = tuple(a.name for a in _aten._embedding_bag.default._schema.arguments)
 
@@ -575,6 +584,7 @@ KIND_FIXUPS: dict[Any, dict[str, Any]] = {
     _aten._native_batch_norm_legit_no_training.default: {
         "cpu": lambda m, a, k: _batch_norm_eval_cpu(m, (*a[:5], False), {})},
     _aten._embedding_bag.default: {"cpu": _embedding_bag_cpu},
+    _aten.multilabel_margin_loss_forward.default: {"cpu": _multilabel_margin_cpu},
     _aten._embedding_bag_forward_only.default: {"cpu": functools.partial(_embedding_bag_cpu, forward_only=True)},
 }
 

@@ -289,3 +289,19 @@ def test_weight_norm_fused_kernels_match_cpu(dtype: torch.dtype) -> None:
         for got, want in zip(remote, leaves, strict=True):
             assert got.grad is not None and want.grad is not None
             torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_multilabel_margin_loss_of_one_sample_matches_cpu(reduction: str) -> None:
+    # Found by the ModuleInfo gate: a 1-dim input's unreduced loss is 0-dim from the CPU kernel, [1] from meta.
+    x = torch.linspace(-1, 1, 10, requires_grad=True)
+    target = torch.tensor([3, 0, -1, 1, 0, 0, 0, 0, 0, 0])
+    want = nn.functional.multilabel_margin_loss(x, target, reduction=reduction)
+    remote = x.detach().to(D0).requires_grad_()
+    got = nn.functional.multilabel_margin_loss(remote, target.to(D0), reduction=reduction)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got.cpu(), want.detach())
+    want.backward()
+    got.backward()
+    assert remote.grad is not None and x.grad is not None
+    torch.testing.assert_close(remote.grad.cpu(), x.grad)
