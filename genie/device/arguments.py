@@ -75,19 +75,22 @@ def unsupported_layout_error(layout: str, op: str) -> DeviceError:
         "keep this tensor on the CPU, or use a dense equivalent (.to_dense(), .dequantize()) before moving it")
 
 
-def special_for(name: str, schema: Any) -> Any:
-    """The rule for op ``name`` (an ``OpInfo.special``), or None: it runs as every other op."""
+def special_for(name: str, schema: Any, run_op: Any) -> Any:
+    """The rule for op ``name`` (an ``OpInfo.special``), or None: it runs as every other op.
+
+    ``run_op(func, args, kwargs, teach=True)`` is genie.device.dispatch's, which calls this: a rule rewrites
+    the call and hands it back there (passed in, so this module never imports its caller)."""
     if name not in _DENSE_ANSWERS:
         for prefix, layout in _UNSUPPORTED_PREFIXES:
             if name.startswith(prefix):
                 return functools.partial(_refuse, layout)
     if name in INDEX_OPS:
-        return _device_indices
+        return functools.partial(_device_indices, run_op)
     if not torch._C._should_allow_numbers_as_tensors(name.split("::", 1)[1].split(".", 1)[0]):
         slots = tuple(i for i, a in enumerate(schema.arguments)
                       if i > 0 and str(a.type) == "Tensor" and a.alias_info is None and not a.kwarg_only)
         if slots:
-            return functools.partial(_numbers_in_tensor_slots, slots)
+            return functools.partial(_numbers_in_tensor_slots, run_op, slots)
     return None
 
 
@@ -113,19 +116,8 @@ def refuse_dispatch_key(key: str) -> Any:
     return fallback
 
 
-def _run(func: Any, args: Any, kwargs: Any) -> Any:
-    return _dispatch().run_op(func, args, kwargs)
-
-
-@functools.cache
-def _dispatch() -> Any:
-    from genie.device import dispatch  # imports this module: looked up once, at the first op
-
-    return dispatch
-
-
 # -- CPU indices ------------------------------------------------------------------------------------
-def _device_indices(func: Any, args: Any, kwargs: Any) -> Any:
+def _device_indices(run_op: Any, func: Any, args: Any, kwargs: Any) -> Any:
     """``index``/``index_put_`` with CPU index tensors: uploaded to ``self``'s device first, as CUDA's kernels do."""
     base = args[0] if args else kwargs.get("self")
     in_args = len(args) > 1
@@ -137,8 +129,8 @@ def _device_indices(func: Any, args: Any, kwargs: Any) -> Any:
             args = (args[0], moved, *args[2:])
         else:
             kwargs = {**kwargs, "indices": moved}
-        return _dispatch().run_op(func, args, kwargs, teach=False)  # genie._C would send the CPU indices
-    return _run(func, args, kwargs)
+        return run_op(func, args, kwargs, teach=False)  # genie._C would send the CPU indices
+    return run_op(func, args, kwargs)
 
 
 def _on_host(t: Any) -> bool:
@@ -146,23 +138,23 @@ def _on_host(t: Any) -> bool:
 
 
 # -- numbers where a Tensor goes --------------------------------------------------------------------
-def _numbers_in_tensor_slots(slots: tuple[int, ...], func: Any, args: Any, kwargs: Any) -> Any:
+def _numbers_in_tensor_slots(run_op: Any, slots: tuple[int, ...], func: Any, args: Any, kwargs: Any) -> Any:
     count = len(args)
     for i in slots:  # most calls have none: the common path at once
         if i < count and type(args[i]) in _NUMBERS:
             break
     else:
-        return _dispatch().run_op(func, args, kwargs)
+        return run_op(func, args, kwargs)
     numbers = tuple(i for i in slots if i < count and type(args[i]) in _NUMBERS)
     scalar_op = scalar_overload(func, numbers)
     if scalar_op is not None:
-        return _run(scalar_op, args, kwargs)
+        return run_op(scalar_op, args, kwargs)
     # No Scalar overload: a 0-dim CPU tensor (crosses the wire inline, as a CPU scalar does on CUDA). Not
     # taught to genie._C: it would send the call it sees, with the number.
     wrapped = list(args)
     for i in numbers:
         wrapped[i] = torch.tensor(args[i])
-    return _dispatch().run_op(func, tuple(wrapped), kwargs, teach=False)
+    return run_op(func, tuple(wrapped), kwargs, teach=False)
 
 
 @functools.cache

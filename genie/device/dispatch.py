@@ -69,7 +69,7 @@ class OpInfo:
         self.arg_names = tuple(a.name for a in schema.arguments)
         #: its own rule (genie.device.copies; genie.device.arguments for numbers where a Tensor goes, CPU
         #: indices, sparse and quantized layouts), or None
-        self.special = SPECIAL.get(func) or arguments.special_for(self.name, schema)
+        self.special = SPECIAL.get(func) or arguments.special_for(self.name, schema, run_op)
         #: only the server can answer it (numbers, data-dependent shapes): a round trip
         self.server = func in SERVER_OPS
         #: metadata rules by the server device's kind (KIND_FIXUPS), or None: the meta cache keys on the kind then

@@ -25,7 +25,7 @@ import torch
 
 from genie.errors import QuotaExceededError, RemoteExecutionError
 from genie.server.store import StorageStore
-from genie.testing import serve_subprocess
+from genie.testing import serve_subprocess, wait_until
 from genie.wire.graph import Ref, encode_definition
 from genie.wire.messages import CMD_GRAPH, CMD_REPLAY
 from tests.raw_client import Dev, RawClient, T, desc, free, op, pack, resize, sync
@@ -168,11 +168,7 @@ def _worker_of(server: Any, c: RawClient) -> psutil.Process:
                 continue
         return None
 
-    deadline = time.monotonic() + 10
-    while (proc := find()) is None:
-        assert time.monotonic() < deadline, "no session worker holds the test's socket"
-        time.sleep(0.05)
-    return proc
+    return wait_until(find, 10, 0.05, what="a session worker holding the test's socket")
 
 
 def _peak(proc: psutil.Process) -> int:

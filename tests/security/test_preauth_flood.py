@@ -107,11 +107,11 @@ def test_64_silent_preauth_sockets_grow_the_node_by_less_than_256_mib_and_fork_n
     with serve_subprocess("--port", "0", "--devices", "cpu", env=TOKEN_ENV) as server, _sockets() as socks:
         _session_seconds(server.port)
         wait_until(lambda: len(_tree(server.pid)) >= 3, 30, what="the zygote and a spare worker")
-        time.sleep(1.0)  # the spare's warm-up
+        time.sleep(1.0)  # not a wait: the spare's warm-up settles, so its memory is in the baseline
         processes, before = len(_tree(server.pid)), _pss(server.pid)
         for i in range(64):
             socks.append(_silent(f"127.0.0.{2 + i % 2}", server.port))
-        time.sleep(2.0)  # what used to fork had forked by now
+        time.sleep(2.0)  # not a wait: nothing may start in this time (what used to fork had forked by now)
         grown = _pss(server.pid) - before
         assert grown < 256 << 20, f"the node grew {grown >> 20} MiB PSS for 64 silent sockets"
         assert len(_tree(server.pid)) <= processes, "a process was started for a peer that did not authenticate"
@@ -225,7 +225,7 @@ def test_per_connection_warnings_are_rate_limited():
                 sock.sendall(b"GENIE-GARBAGE-NOT-A-FRAME-" * 2)
                 _closed_by_peer(sock, 5)
         wait_until(lambda: server.log().count(" WARNING ") > baseline, 5, what="a warning")
-        time.sleep(0.5)
+        time.sleep(0.5)  # not a wait: later warnings would be over the rate limit, so none may come in this time
         warnings = [line for line in server.log().splitlines()[1:] if " WARNING " in line]
         upgrade_lines = [line for line in warnings if re.search("upgrade", line, re.I)]
         assert len(warnings) - baseline <= 12, "\n".join(warnings[-20:])
