@@ -25,6 +25,17 @@ from tests.security.certs import TestPKI, make_pki
 
 TOKEN = "correct-horse-battery-staple-7f3a9c"
 
+@contextlib.contextmanager
+def held_sockets() -> Iterator[list[socket.socket]]:
+    """A list to put sockets in (a flood's silent connections); every one is closed on the way out."""
+    socks: list[socket.socket] = []
+    try:
+        yield socks
+    finally:
+        for s in socks:
+            s.close()
+
+
 #: What the raw-wire bystander session holds (storage 1 on device 0) while a module's attacks run beside it.
 BYSTANDER_DATA = torch.arange(64, dtype=torch.float32)
 

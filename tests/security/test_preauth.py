@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import anyio
 import psutil
@@ -25,7 +24,7 @@ from genie.testing import serve_subprocess, wait_until
 from genie.wire.frame import HEADER, MAX_HANDSHAKE_BODY_BYTES, MsgKind, encode_header, pack_body, unpack_body
 from genie.wire.messages import hello_body
 from tests.raw_client import RawClient
-from tests.security.conftest import TOKEN
+from tests.security.conftest import TOKEN, held_sockets
 
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("GENIE_")}
 HELLO_16M = encode_header(MsgKind.HELLO, 16 << 20, 0)
@@ -59,16 +58,6 @@ def _closed_by_peer(sock: socket.socket, wait: float) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _sockets() -> Iterator[list[socket.socket]]:
-    socks: list[socket.socket] = []
-    try:
-        yield socks
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _authenticated_session_works(port: int) -> None:
     with RawClient(port, timeout=10) as client:
         welcome = client.handshake(token=TOKEN.encode())
@@ -79,7 +68,7 @@ def _authenticated_session_works(port: int) -> None:
 def test_trickling_peer_is_cut_at_the_absolute_handshake_deadline():
     """One header byte every 0.3 s never trips a per-receive timeout; the 1.5 s deadline cuts it anyway."""
     env = {**CLEAN_ENV, "GENIE_HANDSHAKE_TIMEOUT": "1.5"}
-    with serve_subprocess("--port", "0", "--devices", "cpu", env=env) as server, _sockets() as socks:
+    with serve_subprocess("--port", "0", "--devices", "cpu", env=env) as server, held_sockets() as socks:
         socks.append(sock := _socket_from("127.0.0.1", server.port))
         started = time.monotonic()
         closed_after = None
@@ -100,7 +89,7 @@ def test_trickling_peer_is_cut_at_the_absolute_handshake_deadline():
 @pytest.mark.parametrize("token", ["", TOKEN], ids=["no-token", "token"])
 def test_a_big_hello_is_refused_before_its_body_is_read(token):
     env = {**CLEAN_ENV, "GENIE_AUTH_TOKEN": token}
-    with serve_subprocess("--port", "0", "--devices", "cpu", env=env) as server, _sockets() as socks:
+    with serve_subprocess("--port", "0", "--devices", "cpu", env=env) as server, held_sockets() as socks:
         socks.append(sock := _socket_from("127.0.0.1", server.port))
         sock.sendall(HELLO_16M)  # and not one byte of the body
         kind, reply = _read_frame(sock)
@@ -113,7 +102,7 @@ def test_a_big_hello_is_refused_before_its_body_is_read(token):
 
 def test_a_big_auth_is_refused_before_its_body_is_read():
     env = {**CLEAN_ENV, "GENIE_AUTH_TOKEN": TOKEN}
-    with serve_subprocess("--port", "0", "--devices", "cpu", env=env) as server, _sockets() as socks:
+    with serve_subprocess("--port", "0", "--devices", "cpu", env=env) as server, held_sockets() as socks:
         socks.append(sock := _socket_from("127.0.0.1", server.port))
         hello = hello_body(node_id="big-auth", role="client", backends=["tcp"])
         hello["auth"] = {"alg": MAC_ALG, "client_nonce": os.urandom(32)}
@@ -129,7 +118,7 @@ def test_a_big_auth_is_refused_before_its_body_is_read():
 def test_a_preauth_flood_from_one_source_leaves_room_for_an_authenticated_client():
     """200 trickling sockets from 127.0.0.2 against max_sessions=50: they are capped (32) and are not sessions."""
     env = {**CLEAN_ENV, "GENIE_AUTH_TOKEN": TOKEN, "GENIE_MAX_SESSIONS": "50", "GENIE_HANDSHAKE_TIMEOUT": "60"}
-    with serve_subprocess("--port", "0", "--devices", "cpu", env=env) as server, _sockets() as socks:
+    with serve_subprocess("--port", "0", "--devices", "cpu", env=env) as server, held_sockets() as socks:
         for _ in range(200):
             socks.append(_socket_from("127.0.0.2", server.port))
             socks[-1].sendall(HELLO_16M[:1])
@@ -146,7 +135,7 @@ def test_a_preauth_flood_from_one_source_leaves_room_for_an_authenticated_client
 def test_server_memory_stays_bounded_under_120_sockets_announcing_16_mib_hellos():
     """Before the bound, each announced body was allocated at once (1.9 GiB for 120); now each is refused."""
     env = {**CLEAN_ENV, "GENIE_AUTH_TOKEN": TOKEN, "GENIE_HANDSHAKE_TIMEOUT": "60"}
-    with serve_subprocess("--port", "0", "--devices", "cpu", env=env) as server, _sockets() as socks:
+    with serve_subprocess("--port", "0", "--devices", "cpu", env=env) as server, held_sockets() as socks:
         _authenticated_session_works(server.port)  # warm: torch, the executor, the first session
         proc = psutil.Process(server.pid)
         before = proc.memory_info().rss

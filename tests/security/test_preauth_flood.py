@@ -15,7 +15,6 @@ import re
 import select
 import socket
 import time
-from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -26,7 +25,7 @@ from genie.wire.frame import MsgKind, encode_header, pack_body
 from genie.wire.handshake import client_handshake
 from genie.wire.messages import hello_body
 from tests.raw_client import RawClient
-from tests.security.conftest import TOKEN
+from tests.security.conftest import TOKEN, held_sockets
 
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("GENIE_")}
 TOKEN_ENV = {**CLEAN_ENV, "GENIE_AUTH_TOKEN": TOKEN, "GENIE_HANDSHAKE_TIMEOUT": "60"}
@@ -39,16 +38,6 @@ def _silent(source: str, port: int) -> socket.socket:
     sock.settimeout(5)
     sock.connect(("127.0.0.1", port))
     return sock
-
-
-@contextlib.contextmanager
-def _sockets() -> Iterator[list[socket.socket]]:
-    socks: list[socket.socket] = []
-    try:
-        yield socks
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _session_seconds(port: int) -> float:
@@ -89,7 +78,7 @@ def _closed_by_peer(sock: socket.socket, wait: float) -> bool:
 def test_a_token_holder_gets_its_session_during_and_within_5_s_after_a_preauth_flood():
     """Before: 64 silent sockets from two addresses made a token holder wait 29-33 s (a worker forked per
     socket, synchronously in the accept loop). Now the handshake runs in the node first."""
-    with serve_subprocess("--port", "0", "--devices", "cpu", env=TOKEN_ENV) as server, _sockets() as socks:
+    with serve_subprocess("--port", "0", "--devices", "cpu", env=TOKEN_ENV) as server, held_sockets() as socks:
         _session_seconds(server.port)  # warm: the zygote and the first spare exist
         for i in range(128):  # 4 sources x 32: every one within max_preauth_per_source
             socks.append(_silent(f"127.0.0.{2 + i % 4}", server.port))
@@ -104,7 +93,7 @@ def test_a_token_holder_gets_its_session_during_and_within_5_s_after_a_preauth_f
 
 def test_64_silent_preauth_sockets_grow_the_node_by_less_than_256_mib_and_fork_nothing():
     """Before: each silent socket took a session worker (~53 MiB PSS, 0.7 s CPU): 64 cost over 3 GiB."""
-    with serve_subprocess("--port", "0", "--devices", "cpu", env=TOKEN_ENV) as server, _sockets() as socks:
+    with serve_subprocess("--port", "0", "--devices", "cpu", env=TOKEN_ENV) as server, held_sockets() as socks:
         _session_seconds(server.port)
         wait_until(lambda: len(_tree(server.pid)) >= 3, 30, what="the zygote and a spare worker")
         time.sleep(1.0)  # not a wait: the spare's warm-up settles, so its memory is in the baseline
@@ -122,7 +111,7 @@ def test_64_silent_preauth_sockets_grow_the_node_by_less_than_256_mib_and_fork_n
 def test_the_accept_thread_survives_emfile_and_a_token_holder_gets_in_afterwards(backend):
     """Before (shm): the sniffing listener's accept thread returned on EMFILE, silently, for good."""
     with serve_subprocess("--port", "0", "--devices", "cpu", "--backend", backend, env=TOKEN_ENV) as server, \
-            _sockets() as socks:
+            held_sockets() as socks:
         _session_seconds(server.port)
         node = psutil.Process(server.pid)
         limit = node.num_fds() + 16
