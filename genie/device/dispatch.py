@@ -528,14 +528,25 @@ SERVER_OPS = frozenset({
     _aten.unique_dim.default,
 })
 
-def _batch_norm_eval_cpu(metas: list[Any], args: Any, kwargs: Any) -> list[Any]:
-    """Outside training the CPU kernel returns empty saved mean/invstd; the meta kernel answers as the CUDA
-    kernel does (the running mean and invstd, one per channel: torch's decomposition notes the same split)."""
-    training = args[5] if len(args) > 5 else kwargs.get("training")
+def _batch_norm_eval_cpu(metas: list[Any], args: Any, kwargs: Any, training: bool | None = None) -> list[Any]:
+    """The CPU kernel's saved mean/invstd where the meta kernel answers as CUDA's does.
+
+    Outside training the CPU kernel returns them empty (the meta kernel: one per channel, torch's
+    decomposition notes the same split). For a float16/bfloat16 input the CPU kernel keeps them in the
+    input's dtype unless a parameter or running statistic is float32 (its "mixed type"), where CUDA and the
+    meta kernel always use float32 (found by the OpInfo gate: batch_norm in half precision)."""
+    if training is None:
+        training = args[5] if len(args) > 5 else kwargs.get("training")
+    x = args[0] if args else kwargs.get("input")
+    stat = metas[1][0]
+    if isinstance(x, torch.Tensor) and x.dtype in (torch.float16, torch.bfloat16):
+        given = [*args[1:5], *(kwargs.get(k) for k in ("weight", "bias", "running_mean", "running_var"))]
+        mixed = any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in given)
+        stat = torch.float32 if mixed else x.dtype
     if training:
-        return metas
-    empty = (metas[1][0], (0,), (1,), 0)
-    return [metas[0], empty, empty]
+        return [metas[0], (stat, *metas[1][1:]), (stat, *metas[2][1:]), *metas[3:]]
+    empty = (stat, (0,), (1,), 0)
+    return [metas[0], empty, empty, *metas[3:]]
 
 
 def _multilabel_margin_cpu(metas: list[Any], args: Any, kwargs: Any) -> list[Any]:
@@ -582,7 +593,8 @@ KIND_FIXUPS: dict[Any, dict[str, Any]] = {
     # graph branch: AOTAutograd's graphs (torch.compile) call the _legit forms; the same rule holds for them
     _aten._native_batch_norm_legit.default: {"cpu": _batch_norm_eval_cpu},
     _aten._native_batch_norm_legit_no_training.default: {
-        "cpu": lambda m, a, k: _batch_norm_eval_cpu(m, (*a[:5], False), {})},
+        "cpu": functools.partial(_batch_norm_eval_cpu, training=False)},
+    _aten._batch_norm_with_update.default: {"cpu": functools.partial(_batch_norm_eval_cpu, training=True)},
     _aten._embedding_bag.default: {"cpu": _embedding_bag_cpu},
     _aten.multilabel_margin_loss_forward.default: {"cpu": _multilabel_margin_cpu},
     _aten._embedding_bag_forward_only.default: {"cpu": functools.partial(_embedding_bag_cpu, forward_only=True)},
