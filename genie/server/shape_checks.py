@@ -142,6 +142,15 @@ def check_rrelu_with_noise(label: str, args: list[Any], kwargs: dict[str, Any]) 
     if given.get("training") and isinstance(noise, torch.Tensor) and not noise.is_contiguous():
         raise refuse(label, f"noise (strides {list(noise.stride())} for shape {_shape(noise)}) must be contiguous "
                      "in training: the kernel writes it as a flat array")
+    # The .out form: the CPU kernel writes ``out`` as a flat array of self.numel() elements and resizes it only
+    # afterwards, so an empty or smaller out was written past its end (SIGSEGV on plain CPU too; found by the
+    # 15-minute fuzz run of issue 29's ops). The client never sends it; keep it to what cannot go wrong.
+    out, x = kwargs.get("out"), given.get("self")
+    if isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and (
+            _shape(out) != _shape(x) or out.dtype != x.dtype or not out.is_contiguous()):
+        raise refuse(label, f"out (shape {_shape(out)}, {out.dtype}, strides {list(out.stride())}) must have "
+                     f"self's shape {_shape(x)} and dtype {x.dtype} and be contiguous: the kernel writes it as a "
+                     "flat array before resizing it")
 
 
 # -- fractional max pooling backward (nn.FractionalMaxPool2d/3d) ---------------------------------------------

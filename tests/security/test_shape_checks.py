@@ -54,6 +54,10 @@ _IDX_OUT = torch.full((1, 1, 2, 2), 16, dtype=torch.int64)
     # an expanded noise is written as 1000 flat elements over one: free(): invalid next size
     ("aten::rrelu_with_noise", [T(10, -torch.ones(1000)), T([11, _F32, [1000], [0], 0, 4]), 0.1, 0.3, True], {},
      [(10, 0, -torch.ones(1000)), (11, 0, ONE)], "must be contiguous in training"),
+    # the .out form with an empty out: its kernel writes self.numel() elements before resizing (SIGSEGV on CPU)
+    ("aten::rrelu_with_noise.out", [T(10, torch.tensor(2.5)), T(11, torch.tensor(1.0)), 1.5, 3.0, True],
+     {"out": T(12, torch.empty(0))}, [(10, 0, torch.tensor(2.5)), (11, 0, torch.tensor(1.0)), (12, 0, torch.empty(0))],
+     "must have self's shape []"),
     ("aten::fractional_max_pool2d_backward", [T(10, torch.ones(1, 1, 2, 2)), T(11, torch.ones(1, 1, 4, 4)), [2, 2],
                                               [2, 2], T(12, _IDX_OUT)], {},
      [(10, 0, torch.ones(1, 1, 2, 2)), (11, 0, torch.ones(1, 1, 4, 4)), (12, 0, _IDX_OUT)], "outside [0, 16)"),
