@@ -65,7 +65,8 @@ class Gen(Dev):
     """A session generator argument (encoded as the generator tag; 0 is the default)."""
 
 
-def _default(obj: Any) -> Any:
+def encode_value(obj: Any) -> Any:
+    """msgpack's ``default`` for the raw client's tagged values (T, Gen, Dev) and what the wire shares."""
     if isinstance(obj, T):
         return tensor_ext(obj.value)
     if isinstance(obj, Gen):
@@ -80,7 +81,7 @@ def _default(obj: Any) -> Any:
 
 def pack(obj: Any) -> bytes:
     """msgpack with tagged tensors, devices, generators, dtypes."""
-    return msgpack.packb(obj, use_bin_type=True, default=_default)
+    return msgpack.packb(obj, use_bin_type=True, default=encode_value)
 
 
 def op(name: str, args: list[Any], kwargs: dict[str, Any] | None = None, outs: Sequence[Any] = (),

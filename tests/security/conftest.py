@@ -25,6 +25,15 @@ from tests.security.certs import TestPKI, make_pki
 
 TOKEN = "correct-horse-battery-staple-7f3a9c"
 
+def socket_from(source: str, port: int) -> socket.socket:
+    """A TCP connection to 127.0.0.1:``port`` from the loopback address ``source`` (any of 127/8), 5 s timeout."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((source, 0))
+    sock.settimeout(5)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
 @contextlib.contextmanager
 def held_sockets() -> Iterator[list[socket.socket]]:
     """A list to put sockets in (a flood's silent connections); every one is closed on the way out."""

@@ -42,8 +42,8 @@ from genie.server.ops import registered_op_names, resolve_op
 from genie.testing import serve_subprocess, wait_until
 from genie.wire.graph import Ref, encode_definition
 from genie.wire.messages import CMD_GRAPH, CMD_REPLAY
-from genie.wire.values import EXT_TENSOR, device_ext, encode_common, generator_ext, tensor_ext
-from tests.raw_client import Dev, Gen, RawClient, T, desc, op, pack, sync
+from genie.wire.values import EXT_TENSOR
+from tests.raw_client import Dev, Gen, RawClient, T, desc, encode_value, op, pack, sync
 
 #: Storage ids of the fuzzer's own tensors (uploaded once per session), and what each holds.
 _BASE: dict[int, torch.Tensor] = {
@@ -206,26 +206,20 @@ def _call(rng: random.Random, name: str, schema: Any) -> bytes:
     return op(name, args, kwargs, outs=[None] * len(schema.returns))
 
 
-def encode_graph_value(obj: Any) -> Any:
-    """The raw client's tagged values (Gen, Dev, T) as graph definitions carry them."""
-    if isinstance(obj, Gen):
-        return generator_ext(obj.value)
-    if isinstance(obj, Dev):
-        return device_ext(obj.value)
-    if isinstance(obj, T):
-        return tensor_ext(obj.value)
-    return encode_common(obj)
+def _decoded_tensor(value: Any) -> bool:
+    return isinstance(value, msgpack.ExtType) and value.code == EXT_TENSOR
 
 
-def graph_inputs(value: Any, inputs: list[Any]) -> Any:
-    """A decoded op argument with every tensor tag made a graph input (appended to ``inputs``, a Ref to its slot)."""
-    if isinstance(value, msgpack.ExtType) and value.code == EXT_TENSOR:
+def graph_inputs(value: Any, inputs: list[Any], is_tensor: Any = _decoded_tensor) -> Any:
+    """An op argument with every tensor (``is_tensor``: a decoded tensor tag by default) made a graph input:
+    appended to ``inputs``, replaced by a Ref to its slot."""
+    if is_tensor(value):
         inputs.append(value)
         return Ref(len(inputs) - 1)
     if isinstance(value, list):
-        return [graph_inputs(v, inputs) for v in value]
+        return [graph_inputs(v, inputs, is_tensor) for v in value]
     if isinstance(value, dict):
-        return {k: graph_inputs(v, inputs) for k, v in value.items()}
+        return {k: graph_inputs(v, inputs, is_tensor) for k, v in value.items()}
     return value
 
 
@@ -236,7 +230,7 @@ def as_graph(cmd: bytes, name: str, req: int, graph_id: int) -> tuple[bytes, byt
                                                ext_hook=lambda code, data: msgpack.ExtType(code, data))
     inputs: list[Any] = []
     node = [name, graph_inputs(args, inputs), graph_inputs(kwargs, inputs)]
-    define = pack([CMD_GRAPH, req, 0, graph_id, encode_definition(len(inputs), [node], [], encode_graph_value)])
+    define = pack([CMD_GRAPH, req, 0, graph_id, encode_definition(len(inputs), [node], [], encode_value)])
     return define, pack([CMD_REPLAY, 0, graph_id, inputs, []])
 
 

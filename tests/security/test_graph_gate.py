@@ -28,7 +28,7 @@ from genie.server.store import StorageStore
 from genie.testing import serve_subprocess, wait_until
 from genie.wire.graph import Ref, encode_definition
 from genie.wire.messages import CMD_GRAPH, CMD_REPLAY
-from tests.raw_client import Dev, RawClient, T, desc, free, op, pack, resize, sync
+from tests.raw_client import Dev, RawClient, T, desc, encode_value, free, op, pack, resize, sync
 from tests.security import fuzz_ops
 
 QUOTA = 64 << 20
@@ -97,7 +97,7 @@ def client(server: Any, bystander: Bystander) -> Iterator[RawClient]:
 
 def graph(req: int, graph_id: int, inputs: int, nodes: list[list[Any]], outputs: list[Any]) -> bytes:
     """``[CMD_GRAPH, req, 0, graph_id, definition]``."""
-    return pack([CMD_GRAPH, req, 0, graph_id, encode_definition(inputs, nodes, outputs, fuzz_ops.encode_graph_value)])
+    return pack([CMD_GRAPH, req, 0, graph_id, encode_definition(inputs, nodes, outputs, encode_value)])
 
 
 def replay(graph_id: int, inputs: list[Any], outs: list[Any]) -> bytes:
@@ -106,15 +106,8 @@ def replay(graph_id: int, inputs: list[Any], outs: list[Any]) -> bytes:
 
 
 def as_node(args: Any, inputs: list[Any]) -> Any:
-    """``args`` with every tensor argument made a graph input (a reference to its slot)."""
-    if isinstance(args, T):
-        inputs.append(args)
-        return Ref(len(inputs) - 1)
-    if isinstance(args, list):
-        return [as_node(a, inputs) for a in args]
-    if isinstance(args, dict):
-        return {k: as_node(v, inputs) for k, v in args.items()}
-    return args
+    """``args`` with every tensor argument (a raw client T) made a graph input (a reference to its slot)."""
+    return fuzz_ops.graph_inputs(args, inputs, lambda value: isinstance(value, T))
 
 
 def run_graph(c: RawClient, nodes: list[list[Any]], inputs: Sequence[Any] = (), outputs: Sequence[Any] = (),

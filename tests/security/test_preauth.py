@@ -24,19 +24,10 @@ from genie.testing import serve_subprocess, wait_until
 from genie.wire.frame import HEADER, MAX_HANDSHAKE_BODY_BYTES, MsgKind, encode_header, pack_body, unpack_body
 from genie.wire.messages import hello_body
 from tests.raw_client import RawClient
-from tests.security.conftest import TOKEN, held_sockets
+from tests.security.conftest import TOKEN, held_sockets, socket_from
 
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("GENIE_")}
 HELLO_16M = encode_header(MsgKind.HELLO, 16 << 20, 0)
-
-
-def _socket_from(source: str, port: int) -> socket.socket:
-    """A TCP connection to the server on 127.0.0.1 from the loopback address ``source`` (any of 127/8)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((source, 0))
-    sock.settimeout(5)
-    sock.connect(("127.0.0.1", port))
-    return sock
 
 
 def _read_frame(sock: socket.socket) -> tuple[MsgKind, dict]:
@@ -69,7 +60,7 @@ def test_trickling_peer_is_cut_at_the_absolute_handshake_deadline():
     """One header byte every 0.3 s never trips a per-receive timeout; the 1.5 s deadline cuts it anyway."""
     env = {**CLEAN_ENV, "GENIE_HANDSHAKE_TIMEOUT": "1.5"}
     with serve_subprocess("--port", "0", "--devices", "cpu", env=env) as server, held_sockets() as socks:
-        socks.append(sock := _socket_from("127.0.0.1", server.port))
+        socks.append(sock := socket_from("127.0.0.1", server.port))
         started = time.monotonic()
         closed_after = None
         for byte in HELLO_16M[:15]:  # never a whole header: the server has nothing to refuse but the time
@@ -90,7 +81,7 @@ def test_trickling_peer_is_cut_at_the_absolute_handshake_deadline():
 def test_a_big_hello_is_refused_before_its_body_is_read(token):
     env = {**CLEAN_ENV, "GENIE_AUTH_TOKEN": token}
     with serve_subprocess("--port", "0", "--devices", "cpu", env=env) as server, held_sockets() as socks:
-        socks.append(sock := _socket_from("127.0.0.1", server.port))
+        socks.append(sock := socket_from("127.0.0.1", server.port))
         sock.sendall(HELLO_16M)  # and not one byte of the body
         kind, reply = _read_frame(sock)
         assert kind == MsgKind.REJECT and reply["code"] == "frame"
@@ -103,7 +94,7 @@ def test_a_big_hello_is_refused_before_its_body_is_read(token):
 def test_a_big_auth_is_refused_before_its_body_is_read():
     env = {**CLEAN_ENV, "GENIE_AUTH_TOKEN": TOKEN}
     with serve_subprocess("--port", "0", "--devices", "cpu", env=env) as server, held_sockets() as socks:
-        socks.append(sock := _socket_from("127.0.0.1", server.port))
+        socks.append(sock := socket_from("127.0.0.1", server.port))
         hello = hello_body(node_id="big-auth", role="client", backends=["tcp"])
         hello["auth"] = {"alg": MAC_ALG, "client_nonce": os.urandom(32)}
         raw = pack_body(hello)
@@ -120,7 +111,7 @@ def test_a_preauth_flood_from_one_source_leaves_room_for_an_authenticated_client
     env = {**CLEAN_ENV, "GENIE_AUTH_TOKEN": TOKEN, "GENIE_MAX_SESSIONS": "50", "GENIE_HANDSHAKE_TIMEOUT": "60"}
     with serve_subprocess("--port", "0", "--devices", "cpu", env=env) as server, held_sockets() as socks:
         for _ in range(200):
-            socks.append(_socket_from("127.0.0.2", server.port))
+            socks.append(socket_from("127.0.0.2", server.port))
             socks[-1].sendall(HELLO_16M[:1])
         # All but max_preauth_per_source (32) are closed at once; those 32 trickle on, holding nothing else.
         wait_until(lambda: sum(not _closed_by_peer(s, 0) for s in socks) == 32, 10, what="32 sockets left open")
@@ -141,7 +132,7 @@ def test_server_memory_stays_bounded_under_120_sockets_announcing_16_mib_hellos(
         before = proc.memory_info().rss
         peak = before
         for i in range(120):  # 4 sources x 30: under the per-source cap, so every one gets a handshake
-            socks.append(sock := _socket_from(f"127.0.0.{2 + i % 4}", server.port))
+            socks.append(sock := socket_from(f"127.0.0.{2 + i % 4}", server.port))
             sock.sendall(HELLO_16M + b"\x81")  # then trickle the body
             peak = max(peak, proc.memory_info().rss)
         for sock in socks:

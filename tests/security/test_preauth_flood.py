@@ -25,19 +25,10 @@ from genie.wire.frame import MsgKind, encode_header, pack_body
 from genie.wire.handshake import client_handshake
 from genie.wire.messages import hello_body
 from tests.raw_client import RawClient
-from tests.security.conftest import TOKEN, held_sockets
+from tests.security.conftest import TOKEN, held_sockets, socket_from
 
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("GENIE_")}
 TOKEN_ENV = {**CLEAN_ENV, "GENIE_AUTH_TOKEN": TOKEN, "GENIE_HANDSHAKE_TIMEOUT": "60"}
-
-
-def _silent(source: str, port: int) -> socket.socket:
-    """A connection from loopback address ``source`` that never says a word."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((source, 0))
-    sock.settimeout(5)
-    sock.connect(("127.0.0.1", port))
-    return sock
 
 
 def _session_seconds(port: int) -> float:
@@ -81,7 +72,7 @@ def test_a_token_holder_gets_its_session_during_and_within_5_s_after_a_preauth_f
     with serve_subprocess("--port", "0", "--devices", "cpu", env=TOKEN_ENV) as server, held_sockets() as socks:
         _session_seconds(server.port)  # warm: the zygote and the first spare exist
         for i in range(128):  # 4 sources x 32: every one within max_preauth_per_source
-            socks.append(_silent(f"127.0.0.{2 + i % 4}", server.port))
+            socks.append(socket_from(f"127.0.0.{2 + i % 4}", server.port))
         during = _session_seconds(server.port)
         assert during < 5.0, f"a token holder waited {during:.1f} s during the flood"
         for s in socks:
@@ -99,7 +90,7 @@ def test_64_silent_preauth_sockets_grow_the_node_by_less_than_256_mib_and_fork_n
         time.sleep(1.0)  # not a wait: the spare's warm-up settles, so its memory is in the baseline
         processes, before = len(_tree(server.pid)), _pss(server.pid)
         for i in range(64):
-            socks.append(_silent(f"127.0.0.{2 + i % 2}", server.port))
+            socks.append(socket_from(f"127.0.0.{2 + i % 2}", server.port))
         time.sleep(2.0)  # not a wait: nothing may start in this time (what used to fork had forked by now)
         grown = _pss(server.pid) - before
         assert grown < 256 << 20, f"the node grew {grown >> 20} MiB PSS for 64 silent sockets"
@@ -117,7 +108,7 @@ def test_the_accept_thread_survives_emfile_and_a_token_holder_gets_in_afterwards
         limit = node.num_fds() + 16
         node.rlimit(psutil.RLIMIT_NOFILE, (limit, limit))
         for i in range(64):  # more than the node has descriptors left: accept fails with EMFILE
-            socks.append(_silent(f"127.0.0.{2 + i % 4}", server.port))
+            socks.append(socket_from(f"127.0.0.{2 + i % 4}", server.port))
         wait_until(lambda: "Too many open files" in server.log(), 10, what="an EMFILE in the node's log")
         for s in socks:
             s.close()
