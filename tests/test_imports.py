@@ -206,3 +206,48 @@ def test_any_module_imported_first_leaves_torch_importable_and_the_device_regist
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["remote_accelerator", "remote_accelerator:1"]
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The top-level packages ``path`` imports, anywhere in its body except under ``if TYPE_CHECKING``."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                found.update(alias.name.split(".")[0] for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                found.add(child.module.split(".")[0])
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return found
+
+
+def _declared_plugin_dependencies(pyproject: Path) -> set[str]:
+    import tomllib
+
+    deps = tomllib.loads(pyproject.read_text())["project"].get("dependencies", [])
+    return {dep.split("=")[0].split(">")[0].split("<")[0].strip().replace("-", "_") for dep in deps}
+
+
+def test_plugins_build_on_the_core_and_never_import_each_other() -> None:
+    """A transport or monitor plugin imports genie (the core) and itself, never another plugin.
+
+    What several backends share (the stream channel, the sniffing listener, the record layer) lives
+    in ``genie.transport``; a site can install any subset of the plugins. The one exception is a
+    plugin that extends another and declares it as a dependency (genie-gpudev is DPDK with GPU
+    memory: it requires genie-dpdk).
+    """
+    plugins_dir = PACKAGE.parent / "plugins"
+    sources = {p.name: p / "src" / p.name for p in plugins_dir.iterdir() if (p / "src" / p.name).is_dir()}
+    assert {"genie_tcp", "genie_shm", "genie_rdma", "genie_dpdk"} <= set(sources)
+    offending = []
+    for name, src in sorted(sources.items()):
+        for path in sorted(src.rglob("*.py")):
+            declared = _declared_plugin_dependencies(src.parents[1] / "pyproject.toml")
+            for other in sorted(_top_level_imports(path) & (set(sources) - {name} - declared)):
+                offending.append(f"{path.relative_to(plugins_dir)} imports {other}")
+    assert not offending, "plugins must build on genie's core, not on each other:\n" + "\n".join(offending)

@@ -1,10 +1,6 @@
 """Transports: the interface plugins implement, discovery and selection."""
 
 from genie.transport.base import (
-    PRIORITY_DPDK,
-    PRIORITY_DPDK_GPUDEV,
-    PRIORITY_RDMA,
-    PRIORITY_TCP,
     Channel,
     Listener,
     ProbeTarget,
@@ -12,10 +8,6 @@ from genie.transport.base import (
 )
 
 __all__ = [
-    "PRIORITY_DPDK",
-    "PRIORITY_DPDK_GPUDEV",
-    "PRIORITY_RDMA",
-    "PRIORITY_TCP",
     "Channel",
     "Listener",
     "ProbeTarget",

@@ -34,15 +34,6 @@ from genie.types import ProbeResult
 
 Buffer = bytes | bytearray | memoryview
 
-#: Default ranks (higher wins): shm > dpdk_gpudev > rdma > dpdk > tcp. Shared memory
-#: between processes on one host beats any network; its probe refuses other hosts.
-PRIORITY_SHM = 500
-PRIORITY_DPDK_GPUDEV = 400
-PRIORITY_RDMA = 300
-PRIORITY_DPDK = 200
-PRIORITY_TCP = 100
-
-
 @attrs.frozen
 class ProbeTarget:
     """Where a probe looks: the peer (usually the master) and how long it may take.

@@ -121,7 +121,8 @@ def test_the_accept_thread_survives_emfile_and_a_token_holder_gets_in_afterwards
 def _shm_preamble_channel(port: int):  # noqa: ANN202 - a genie_tcp TcpChannel
     from genie_shm.host import host_identity
     from genie_shm.transport import MAGIC, PREAMBLE, VERSION
-    from genie_tcp.sniff import connect_with_preamble
+
+    from genie.transport.sniff import connect_with_preamble
 
     boot, netns = host_identity()
     return connect_with_preamble("127.0.0.1", port, PREAMBLE.pack(MAGIC, VERSION, boot, netns), timeout=5,

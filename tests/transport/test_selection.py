@@ -10,10 +10,13 @@ from transport_fakes import FakePriorityPlugin, FakeTransportPlugin, fake_transp
 
 from genie.config import ClusterConfig
 from genie.errors import BackendUnavailableError, ConfigError, ConnectError
-from genie.transport.base import PRIORITY_DPDK, PRIORITY_DPDK_GPUDEV, PRIORITY_RDMA, PRIORITY_TCP, ProbeTarget
+from genie.transport.base import ProbeTarget
 from genie.transport.discovery import discover_sync
 from genie.transport.selection import advertised_backends, connect_with_fallback, rank, select
 from genie.types import EventType
+
+#: The standard plugins' default ranks (each plugin defines its own: genie_tcp.transport.PRIORITY_TCP, ...).
+PRIORITY_DPDK_GPUDEV, PRIORITY_RDMA, PRIORITY_DPDK, PRIORITY_TCP = 400, 300, 200, 100
 
 
 def fake_standard_backends(*, unavailable: tuple[str, ...] = (), calls: list[str] | None = None,

@@ -10,11 +10,11 @@ from pathlib import Path
 import anyio
 import pytest
 from genie_dpdk import eal, engine
-from genie_dpdk.transport import DpdkTransport
+from genie_dpdk.transport import PRIORITY_DPDK, DpdkTransport
 
 from genie.errors import BackendUnavailableError
 from genie.plugins import PluginManager
-from genie.transport.base import PRIORITY_DPDK, ProbeTarget
+from genie.transport.base import ProbeTarget
 from genie.transport.discovery import discover_sync
 from genie.types import ProbeResult
 

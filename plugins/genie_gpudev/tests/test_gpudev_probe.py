@@ -6,11 +6,11 @@ import anyio
 import pytest
 from genie_dpdk import eal
 from genie_gpudev import transport as gpudev
-from genie_gpudev.transport import GpudevTransport
+from genie_gpudev.transport import PRIORITY_DPDK_GPUDEV, GpudevTransport
 
 from genie.errors import BackendUnavailableError
 from genie.plugins import PluginManager
-from genie.transport.base import PRIORITY_DPDK_GPUDEV, ProbeTarget
+from genie.transport.base import ProbeTarget
 from genie.types import ProbeResult
 
 libs = eal.find_libraries()

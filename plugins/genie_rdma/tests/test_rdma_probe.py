@@ -8,11 +8,11 @@ import sys
 import anyio
 import pytest
 from genie_rdma import verbs
-from genie_rdma.transport import RdmaTransport, result_from_report
+from genie_rdma.transport import PRIORITY_RDMA, RdmaTransport, result_from_report
 
 from genie.errors import BackendUnavailableError
 from genie.plugins import PluginManager
-from genie.transport.base import PRIORITY_RDMA, ProbeTarget
+from genie.transport.base import ProbeTarget
 from genie.types import ProbeResult
 
 interpreter, where = verbs.find_interpreter()

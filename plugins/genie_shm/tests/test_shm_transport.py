@@ -16,12 +16,12 @@ from genie_shm import ShmTransport
 from genie_shm.channel import RECORD, UPGRADE
 from genie_shm.host import host_identity, is_local_address
 from genie_shm.ring import create_ring, map_peer_ring
-from genie_shm.transport import MAGIC, PREAMBLE, VERSION
-from genie_tcp import TcpChannel, TcpTransport
-from genie_tcp.sniff import REPLY
+from genie_shm.transport import MAGIC, PREAMBLE, PRIORITY_SHM, VERSION
 
 from genie.errors import BackendUnavailableError, ConfigError, ConnectionClosedError, TransportError
-from genie.transport.base import PRIORITY_SHM, PRIORITY_TCP, ProbeTarget, capabilities_of, handshake_complete
+from genie.transport.base import ProbeTarget, capabilities_of, handshake_complete
+from genie.transport.sniff import REPLY
+from genie.transport.stream import TcpChannel, connect_stream
 
 #: TEST-NET-1 (RFC 5737): never an address of this host, and nothing is sent to it.
 OTHER_HOST = "192.0.2.1"
@@ -42,7 +42,7 @@ def _ring_maps(pid: int | str = "self") -> int:
 def test_hook_exports_the_transport_ranked_above_every_network():
     assert genie_shm.genie_transports() == [ShmTransport]
     assert ShmTransport.name == "shm"
-    assert ShmTransport.default_priority == PRIORITY_SHM > PRIORITY_TCP
+    assert ShmTransport.default_priority == PRIORITY_SHM == 500
 
 
 def test_probe_is_available_for_this_host_and_refuses_another():
@@ -88,7 +88,7 @@ def test_a_peer_under_another_kernel_is_refused_by_the_listener(listener):
 
 
 def test_plain_tcp_clients_are_served_by_an_shm_listener(listener):
-    client = TcpTransport().connect("127.0.0.1", listener.port, timeout=5)
+    client = connect_stream("127.0.0.1", listener.port, timeout=5)
     try:
         client.sendv([b"GN plain genie"])
         server = listener.accept(timeout=5)

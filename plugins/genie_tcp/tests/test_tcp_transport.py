@@ -10,10 +10,11 @@ import genie_tcp
 import pytest
 import torch
 from genie_tcp import TcpTransport
+from genie_tcp.transport import PRIORITY_TCP
 
 from genie.errors import ConnectError, ConnectionClosedError
 from genie.testing import refused_port
-from genie.transport.base import PRIORITY_TCP, Channel, Listener, ProbeTarget
+from genie.transport.base import Channel, Listener, ProbeTarget
 from genie.wire.buffers import tensor_bytes
 
 

@@ -51,7 +51,7 @@ from genie_dpdk import engine
 from genie_dpdk.engine import Port, Stream
 
 if TYPE_CHECKING:
-    from genie_tcp import TcpChannel
+    from genie.transport.stream import TcpChannel
 
 log = logging.getLogger("genie.transport.dpdk")
 

@@ -21,11 +21,10 @@ import socket
 import struct
 from typing import Any
 
-from genie_tcp import TcpChannel
-from genie_tcp.sniff import SniffingListener, answer_preamble, connect_with_preamble
-
 from genie.errors import BackendUnavailableError
-from genie.transport.base import PRIORITY_DPDK, ProbeOnlyTransport, ProbeTarget, Transport
+from genie.transport.base import ProbeOnlyTransport, ProbeTarget, Transport
+from genie.transport.sniff import SniffingListener, answer_preamble, connect_with_preamble
+from genie.transport.stream import TcpChannel
 from genie.types import Figure, ProbeResult
 from genie_dpdk import eal, engine
 from genie_dpdk.channel import DpdkChannel, interface
@@ -42,6 +41,10 @@ INSTALL_HINT = (
 )
 #: Port names of DPDK's virtual devices (the probe's own net_null0 is one).
 VIRTUAL_PREFIXES = ("net_null", "net_memif", "net_ring", "net_tap", "net_pcap", "net_af_packet")
+
+#: This backend's rank among backends (higher wins; tcp 100, dpdk 200, rdma 300, dpdk_gpudev 400, shm 500):
+#: kernel-bypass packets: above tcp, below rdma.
+PRIORITY_DPDK = 200
 
 
 def declared_figures() -> dict[str, Figure]:

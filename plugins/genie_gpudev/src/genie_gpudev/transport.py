@@ -10,7 +10,7 @@ import importlib_metadata
 from genie_dpdk import eal
 from genie_dpdk.transport import INSTALL_HINT
 
-from genie.transport.base import PRIORITY_DPDK_GPUDEV, ProbeOnlyTransport, ProbeTarget
+from genie.transport.base import ProbeOnlyTransport, ProbeTarget
 from genie.transport.cache import find_library_file, path_fingerprint
 from genie.types import Figure, ProbeResult
 
@@ -21,6 +21,10 @@ NO_DATA_PATH = (
     "rdma (NIXL) reaches GPU memory; use backend=auto or name another backend"
 )
 NVIDIA_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl")
+
+#: This backend's rank among backends (higher wins; tcp 100, dpdk 200, rdma 300, dpdk_gpudev 400, shm 500):
+#: DPDK with payloads landing in GPU memory: above rdma, below shm.
+PRIORITY_DPDK_GPUDEV = 400
 
 
 def cuda_state() -> tuple[bool, str]:

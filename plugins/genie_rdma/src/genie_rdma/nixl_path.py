@@ -57,7 +57,7 @@ from genie.transport.record import (
 )
 
 if TYPE_CHECKING:
-    from genie_tcp import TcpChannel
+    from genie.transport.stream import TcpChannel
 
 log = logging.getLogger("genie.transport.rdma")
 

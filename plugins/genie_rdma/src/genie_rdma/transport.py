@@ -22,11 +22,10 @@ import os
 import struct
 from typing import Any
 
-from genie_tcp import TcpChannel
-from genie_tcp.sniff import SniffingListener, answer_preamble, connect_with_preamble
-
 from genie.errors import BackendUnavailableError
-from genie.transport.base import PRIORITY_RDMA, ProbeOnlyTransport, ProbeTarget, Transport
+from genie.transport.base import ProbeOnlyTransport, ProbeTarget, Transport
+from genie.transport.sniff import SniffingListener, answer_preamble, connect_with_preamble
+from genie.transport.stream import TcpChannel
 from genie.types import Figure, ProbeResult
 from genie_rdma import verbs
 from genie_rdma.nixl_path import INSTALL_HINT, Agent, RdmaChannel
@@ -37,6 +36,10 @@ INSTALL_PYVERBS = "install python3-pyverbs and rdma-core (Debian: apt install py
 MAGIC = b"GRDM"
 PREAMBLE = struct.Struct("<4sB")
 VERSION = 1
+
+#: This backend's rank among backends (higher wins; tcp 100, dpdk 200, rdma 300, dpdk_gpudev 400, shm 500):
+#: kernel bypass with one-sided writes: above dpdk, below shm and dpdk_gpudev.
+PRIORITY_RDMA = 300
 
 
 def declared_figures() -> dict[str, Figure]:

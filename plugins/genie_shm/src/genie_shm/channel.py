@@ -44,8 +44,6 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from genie_tcp.transport import sendmsg_all
-
 from genie.errors import ConnectionClosedError, TransportError
 from genie.security import REFUSALS
 from genie.transport.base import (
@@ -54,11 +52,12 @@ from genie.transport.base import (
     flat_views,
 )
 from genie.transport.record import DATA, INLINE, MAX_IOV, RECORD, UPGRADE, UPGRADE_NO, UPGRADE_OK, RecordChannel
+from genie.transport.stream import sendmsg_all
 from genie_shm.ring import create_ring, map_peer_ring
 from genie_shm.sockets import Reader, recv_fd, recv_fds, shut
 
 if TYPE_CHECKING:
-    from genie_tcp import TcpChannel
+    from genie.transport.stream import TcpChannel
 
 log = logging.getLogger("genie.transport.shm")
 
@@ -105,7 +104,7 @@ class ShmChannel(RecordChannel):
     # -- Channel -----------------------------------------------------------------------------
     def settimeout(self, seconds: float | None) -> None:
         """Bound each blocking send or receive (None: forever); applies to every socket underneath."""
-        from genie_tcp.transport import kernel_timeouts
+        from genie.transport.stream import kernel_timeouts
 
         self._timeout = seconds
         if self._closed:
@@ -478,6 +477,6 @@ class ShmChannel(RecordChannel):
 
 def adopt_server_channel(sock: socket.socket, peer: str, *, ring_bytes: int) -> ShmChannel:
     """A server-side channel over a socket handed to a session worker (see :meth:`ShmChannel.handover_socket`)."""
-    from genie_tcp import TcpChannel
+    from genie.transport.stream import TcpChannel
 
     return ShmChannel(TcpChannel(sock, peer), server_side=True, ring_bytes=ring_bytes)

@@ -21,12 +21,11 @@ import logging
 import struct
 from typing import Any
 
-from genie_tcp import TcpChannel
-from genie_tcp.sniff import SniffingListener, answer_preamble, connect_with_preamble
-
 from genie.errors import BackendUnavailableError
 from genie.security import REFUSALS
-from genie.transport.base import PRIORITY_SHM, ProbeTarget, Transport
+from genie.transport.base import ProbeTarget, Transport
+from genie.transport.sniff import SniffingListener, answer_preamble, connect_with_preamble
+from genie.transport.stream import TcpChannel
 from genie.types import Figure, ProbeResult
 from genie_shm.channel import ShmChannel
 from genie_shm.host import host_identity, is_local_address
@@ -39,6 +38,10 @@ MAGIC = b"GSHM"
 VERSION = 1
 #: How long an accepted connection has to say what it is.
 PREAMBLE_TIMEOUT = 10.0
+
+#: This backend's rank among backends (higher wins; tcp 100, dpdk 200, rdma 300, dpdk_gpudev 400, shm 500):
+#: shared memory between processes on one host beats any network (its probe refuses other hosts).
+PRIORITY_SHM = 500
 
 
 class ShmListener(SniffingListener):

@@ -14,7 +14,8 @@ Writing a transport plugin
        x = "genie_x"
 
 2. Subclass :class:`genie.transport.base.Transport`, set ``name`` (unique across
-   plugins) and ``default_priority`` (see ``genie.transport.base.PRIORITY_*``),
+   plugins) and ``default_priority`` (an integer, higher wins: tcp 100, dpdk 200, rdma 300,
+   dpdk_gpudev 400, shm 500; define it in your package as ``PRIORITY_<X>``),
    and implement three methods:
 
    - ``async probe(target) -> ProbeResult``: never raise for "no". Import native

@@ -5,7 +5,7 @@ Backends that keep TCP as their control stream (shm, rdma) listen with
 is handed to the backend's ``greet`` function (which reads the rest of its
 preamble, answers it, and returns the backend's channel or None to drop it);
 any other peer (plain genie over TCP, TLS) gets a plain
-:class:`~genie_tcp.TcpChannel`. So a node that listens with a faster backend
+:class:`~genie.transport.stream.TcpChannel`. So a node that listens with a faster backend
 still serves clients that connect with ``tcp``.
 
 Nothing here spends a thread on a peer that has not spoken. One accept thread
@@ -39,7 +39,7 @@ import attrs
 
 from genie.errors import ConnectionClosedError
 from genie.security import REFUSALS, RefusalLog
-from genie_tcp.transport import TcpChannel, TcpListener, _describe
+from genie.transport.stream import TcpChannel, TcpListener, connect_stream, describe_address
 
 log = logging.getLogger("genie.transport.tcp")
 
@@ -228,7 +228,7 @@ class SniffingListener:
                     self._held[source] = held + 1
             if full:
                 self.refused += 1
-                where = _describe(source, address[1])
+                where = describe_address(source, address[1])
                 if held >= self.max_per_source:
                     self._refusals.warning("refusing %s: %d connections from %s have not authenticated yet "
                                            "(max_preauth_per_source)", where, held, source)
@@ -240,7 +240,7 @@ class SniffingListener:
                 continue
             try:
                 conn.setblocking(True)
-                tcp = TcpChannel(conn, _describe(source, address[1]))
+                tcp = TcpChannel(conn, describe_address(source, address[1]))
             except OSError:
                 conn.close()
                 self._release(source)
@@ -355,9 +355,8 @@ def connect_with_preamble(host: str, port: int, preamble: bytes, *, timeout: flo
     :raises BackendUnavailableError: the listener refused; the message carries its reason.
     """
     from genie.errors import BackendUnavailableError, ConnectError
-    from genie_tcp.transport import TcpTransport
 
-    tcp = TcpTransport().connect(host, port, timeout=timeout)
+    tcp = connect_stream(host, port, timeout=timeout)
     try:
         tcp.settimeout(timeout)
         tcp.sendv([preamble])
