@@ -150,6 +150,13 @@ _OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
     "share_cache": (bool, False, None, "true or false (one weight cache scope for every client of the token)"),
     "upload_cache": (str, "params", lambda v: v in ("off", "params", "all"),
                      "off, params (parameters and tensors that require grad) or all"),
+    # compression where the link is slow (see docs/network.md and genie/device/compression.py)
+    "compression": (str, "auto", lambda v: v in ("auto", "off", "zstd"),
+                    "auto (compress large transfers when the link measures below compression_below_mbit), off, or "
+                    "zstd (always; needs the zstandard package on both ends)"),
+    "compression_below_mbit": (float, 300.0, _positive, "a positive link bandwidth in Mbit/s below which auto "
+                               "compresses"),
+    "compression_min_bytes": (int, 256 << 10, lambda v: v >= 0, "a byte count from which a transfer is compressed"),
     # session isolation (see docs/SECURITY.md and genie/server/isolation/)
     "isolation": (str, "process", lambda v: v in ("process", "none"),
                   "process (each session in its own worker process) or none (sessions in threads, one trusted user)"),
@@ -238,6 +245,9 @@ class ClusterConfig:
     cache_bytes: int
     share_cache: bool
     upload_cache: str
+    compression: str
+    compression_below_mbit: float
+    compression_min_bytes: int
     isolation: str
     op_deadline: float
     worker_memory_overhead: int

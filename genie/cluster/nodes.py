@@ -16,6 +16,7 @@ import torch
 
 from genie.cluster.linkfigures import node_endpoint, with_cached_figures
 from genie.config import ClusterConfig
+from genie.device.compression import CompressionPolicy
 from genie.device.connection import NodeConnection
 from genie.device.registry import DeviceTable, RemoteDevice
 from genie.errors import ConnectError
@@ -63,6 +64,7 @@ def _open_session(pm: PluginManager, config: ClusterConfig, security: ClientSecu
                           op_timeout=config.op_timeout)
     conn.backend = outcome.backend
     conn.upload_cache = config.upload_cache
+    conn.compression_policy = CompressionPolicy.from_config(config)
     started = time.perf_counter()
     try:
         conn.handshake(hello_body(node_id=client_id, role="client", backends=[outcome.backend]),

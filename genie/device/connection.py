@@ -24,6 +24,7 @@ import torch
 
 from genie import _C
 from genie.device import stats as stats_module
+from genie.device.compression import OFF, CompressionPolicy, SessionCompression, negotiate
 from genie.device.flushing import MEASURED_OPS, FlushChooser
 from genie.device.stats import STATS
 from genie.device.transfers import ClientCache
@@ -39,6 +40,7 @@ from genie.errors import (
 )
 from genie.transport.base import Channel
 from genie.transport.record import INLINE
+from genie.wire import compress
 from genie.wire import frame as wf
 from genie.wire import messages as wm
 from genie.wire.buffers import prefault, tensor_bytes
@@ -108,11 +110,16 @@ class NodeConnection:
         self.flush_policy = FlushChooser()
         self._packer: msgpack.Packer | None = None
         self._packer_default: Callable[[Any], Any] | None = None
-        self.stats = {"ops": 0, "bytes_up": 0, "bytes_down": 0, "round_trips": 0, "batches": 0, "bytes_cached": 0}
+        self.stats = {"ops": 0, "bytes_up": 0, "bytes_down": 0, "round_trips": 0, "batches": 0, "bytes_cached": 0,
+                      "bytes_packed": 0, "bytes_packed_wire": 0}
         #: the weight cache policy (``upload_cache``) and, after the handshake, the node's cache (or None)
         self.upload_cache = "params"
         self.content: ClientCache | None = None
         self._cached: list[list[Any]] = []
+        #: compression (genie.device.compression): the configuration's policy; after the handshake, the session's
+        self.compression_policy = CompressionPolicy()
+        self.compression: SessionCompression = OFF
+        self._reply_codec: str | None = None  # the codec a fetch's reply may come in, while its batch is sent
         self._early_deferred: list[Any] = []  # errors a CMD_HAVE reply carried, raised at the next sync point
         self._head = memoryview(bytearray(wf.HEADER.size))  # each reply's frame header (under the lock)
         #: torch's settings the node was told last (genie._C.session_options: deterministic algorithms, warn only)
@@ -133,6 +140,8 @@ class NodeConnection:
             self.limits = dict(reply.get("limits", {}))
             self.node_id = str(reply.get("node_id", self.node_id))
             self.content = ClientCache.from_welcome(reply.get("cache"), self.upload_cache)
+            self.compression = negotiate(self.compression_policy, reply, channel=self.channel, backend=self.backend,
+                                         address=self.address, where=f"node {self.node_id} at {self.address}")
             self.channel.settimeout(self.op_timeout)
             self._start_lane()
             return reply
@@ -246,6 +255,7 @@ class NodeConnection:
                 else:
                     self._room()  # the held-back upload goes with the next batch: never without it
             return
+        packed = self.compression.pack(src, view.nbytes)  # before the lock: compressing takes a while
         with self.lock:
             self.check_alive()
             self._pull()
@@ -257,16 +267,26 @@ class NodeConnection:
                 self.frees.extend(_C.queue_frees(self.qid))
                 if self.frees:
                     self._flush_locked()
-            self._uploads.append([storage_id, device, view.nbytes])
-            self._payload.append(view)
+            if packed is None:
+                self._uploads.append([storage_id, device, view.nbytes])
+                self._payload.append(view)
+            else:
+                self._uploads.append([storage_id, device, view.nbytes, None, None, packed[1].to_wire()])
+                self._payload.append(memoryview(packed[0]))
+                self._packed(view.nbytes, packed[1].wire_nbytes)
             self._keepalive.append(src)
             self.stats["bytes_up"] += view.nbytes
             STATS.uploaded(view.nbytes)  # stats
-            self._cmd_bytes += view.nbytes
+            self._cmd_bytes += view.nbytes if packed is None else packed[1].wire_nbytes
             if self._cmd_bytes >= MAX_BATCH_BYTES:
                 self._flush_locked()
             else:
                 self._room()
+
+    def _packed(self, nbytes: int, wire_nbytes: int) -> None:
+        """A transfer of ``nbytes`` went compressed, as ``wire_nbytes``."""
+        self.stats["bytes_packed"] += nbytes
+        self.stats["bytes_packed_wire"] += wire_nbytes
 
     def _writes_pending(self, storage_id: int) -> bool:
         """Whether a queued or held-back upload writes ``storage_id`` (a later one must not overtake it)."""
@@ -411,6 +431,8 @@ class NodeConnection:
         batch: dict[str, Any] = {"uploads": self._uploads, "cmds": self._cmds}
         if self._cached:
             batch["cached"] = self._cached
+        if self._reply_codec is not None and request is not None:  # the request is a fetch whose reply may compress
+            batch["reply_codec"] = self._reply_codec
         body = msgpack.packb(batch, use_bin_type=True)
         payload = self._payload
         try:
@@ -430,8 +452,10 @@ class NodeConnection:
 
     # -- sync points ---------------------------------------------------------------------------
     def _request(self, command: list[Any], default: Callable[[Any], Any] | None = None,
-                 payload_into: Callable[[Any], torch.Tensor | None] | None = None, device: str = "") -> Any:
-        """Send the batch with ``command`` last (its second element becomes the request id) and read the reply.
+                 payload_into: Callable[[Any], torch.Tensor | None] | None = None, device: str = "",
+                 reply_codec: str | None = None) -> Any:
+        """Send the batch with ``command`` last (its second element becomes the request id) and read the reply
+        (``reply_codec``: a fetch's reply may come compressed with it).
 
         This is every sync point's path but ``.item()``'s, which genie._C's lane takes while it can (see
         _start_lane); kept to the few steps a round trip needs (docs/benchmarks.md, where the tiny round
@@ -443,10 +467,11 @@ class NodeConnection:
             req = command[1] = _C.queue_request_id(self.qid)
             started = time.perf_counter()  # stats
             self._request_cmd = msgpack.packb(command, use_bin_type=True, default=default)
+            self._reply_codec = reply_codec
             try:
                 self._flush_locked()
             finally:
-                self._request_cmd = None
+                self._request_cmd = self._reply_codec = None
             try:
                 kind, body, payload_len = wf.recv_frame(self.channel, self._head)
             except (ConnectionClosedError, TimeoutError, OSError, FrameError) as exc:
@@ -573,8 +598,20 @@ class NodeConnection:
             wf.discard_payload(self.channel, nbytes)
             return None
         prefault(out)  # usually fresh memory (.cpu()'s result): one call, not a fault per page
-        wf.recv_payload(self.channel, nbytes, [tensor_bytes(out)])
-        self.stats["bytes_down"] += nbytes
+        packing = result[2] if isinstance(result, list) and len(result) == 3 else None
+        if packing is None:
+            wf.recv_payload(self.channel, nbytes, [tensor_bytes(out)])
+            self.stats["bytes_down"] += nbytes
+            return out
+        wire = bytearray(nbytes)
+        wf.recv_payload(self.channel, nbytes, [memoryview(wire)])  # all of it first: the stream stays in step
+        what = f"node {self.node_id}'s compressed fetch reply"
+        packed = compress.parse_packing(packing, out.nbytes, what)
+        if packed.wire_nbytes != nbytes:
+            raise ProtocolError(f"{what} says {packed.wire_nbytes} bytes but its payload has {nbytes}")
+        compress.unpack_into(wire, packed, out.detach().reshape(-1).view(torch.uint8), what)
+        self._packed(out.nbytes, nbytes)
+        self.stats["bytes_down"] += out.nbytes
         return out
 
     def _ask_cache(self) -> None:
@@ -606,15 +643,23 @@ class NodeConnection:
                 self._cached.append(entry)
                 self.stats["bytes_cached"] += candidate.view.nbytes
                 continue
-            self._uploads.append([*entry, candidate.possession])  # the node keeps the bytes under key, possession
-            self._payload.append(candidate.view)
+            packed = self.compression.pack(candidate.src, candidate.view.nbytes)
+            if packed is None:
+                self._uploads.append([*entry, candidate.possession])  # the node keeps the bytes under key, possession
+                self._payload.append(candidate.view)
+            else:
+                self._uploads.append([*entry, candidate.possession, packed[1].to_wire()])
+                self._payload.append(memoryview(packed[0]))
+                self._packed(candidate.view.nbytes, packed[1].wire_nbytes)
             self._keepalive.append(candidate.src)
             self.stats["bytes_up"] += candidate.view.nbytes
             STATS.uploaded(candidate.view.nbytes)  # stats
 
     def fetch(self, local: int, desc: list[Any], out: torch.Tensor, device: str = "") -> torch.Tensor:
         """Download the described tensor's values into ``out`` (a contiguous CPU tensor of its dtype and shape)."""
-        return self._request([wm.CMD_FETCH, 0, local, tensor_ext(desc)], payload_into=lambda _: out, device=device)
+        codec = self.compression.codec if self.compression.wants(out.nbytes) else None
+        return self._request([wm.CMD_FETCH, 0, local, tensor_ext(desc)], payload_into=lambda _: out, device=device,
+                             reply_codec=codec)
 
     def call(self, local: int, name: str, args: Any, kwargs: Any, out_ids: list[int],
              default: Callable[[Any], Any], device: str = "") -> Any:

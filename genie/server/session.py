@@ -52,6 +52,7 @@ from genie.server.executor import Executor
 from genie.server.preauth import Admitted, authenticate, reject
 from genie.server.store import StorageStore
 from genie.transport.base import Channel
+from genie.wire.compress import available_codecs
 from genie.wire.frame import (
     HEADER,
     MAX_ECHO_BYTES,
@@ -172,7 +173,8 @@ class Session:
             if refusal is not None:
                 return self._reject("busy", refusal)
         self.client = dict(admitted.client)
-        welcome = {**self._welcome(), "cache": self.executor.transfers.offer()}
+        # codecs: what this node decompresses uploads with and compresses fetch replies with (genie.wire.compress)
+        welcome = {**self._welcome(), "cache": self.executor.transfers.offer(), "codecs": list(available_codecs())}
         if admitted.auth is not None:
             welcome["auth"] = admitted.auth
         self.channel.settimeout(self.idle_timeout or None)

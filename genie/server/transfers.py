@@ -14,6 +14,11 @@ The executor calls in here for a BATCH's ``uploads`` and ``cached`` lists and fo
   to the cache.
 - **Fetches** send a storage's bytes from its own memory (a contiguous CPU tensor) or from a
   contiguous CPU copy.
+- **Compression** (:mod:`genie.wire.compress`): an upload may arrive compressed (its entry's
+  packing); it is received whole, then decompressed into the storage's memory, never past the
+  byte count it declared, which was checked against the quotas (and an existing storage's size)
+  before anything was decompressed. A batch whose ``reply_codec`` names a codec gets its fetch
+  reply compressed with it, when the bytes compress.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from genie.server.content import REFUSALS, ContentCache, HaveBudget, Receiver
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
+from genie.server.staging import staging_for
 from genie.server.store import StorageError
+from genie.wire import compress
 from genie.wire.buffers import prefault, tensor_bytes
 from genie.wire.content import KEY_BYTES, MAX_HAVE_ENTRIES, NONCE_BYTES
 from genie.wire.frame import FrameHeader, discard_payload, recv_payload
@@ -114,6 +121,8 @@ class SessionTransfers:
         self.have_budget = HaveBudget()
         #: hits of the last CMD_HAVE, (key, nbytes) -> a private mapping of the bytes, for the next batch's ``cached``
         self.reserved: dict[tuple[bytes, int], torch.Tensor] = {}
+        #: the codec the current batch's fetch reply may be compressed with (its ``reply_codec``), taken by fetch()
+        self.reply_codec: str | None = None
 
     def mapped(self, storage: torch.UntypedStorage, device: torch.device | None = None) -> torch.Tensor:
         """A uint8 tensor over a cache mapping; the pool never reuses such memory (a write to it copies pages).
@@ -129,13 +138,21 @@ class SessionTransfers:
         return {"enabled": False} if self.cache is None else self.cache.offer(self.nonce)
 
 
-#: An upload as parsed: storage id, device, byte count, content key, possession secret (both None: not keyed).
-Upload = tuple[int, torch.device, int, bytes | None, bytes | None]
+#: An upload as parsed: storage id, device, byte count, content key, possession secret (both None: not keyed),
+#: packing (None: sent as it is).
+Upload = tuple[int, torch.device, int, bytes | None, bytes | None, compress.Packing | None]
+
+
+def _receive_buffer(transfers: SessionTransfers, device: torch.device, nbytes: int) -> torch.Tensor:
+    """Where an upload's bytes are received: pinned staging for a CUDA device, else the session's pool."""
+    staging = staging_for(transfers, device)
+    return staging.receive_buffer(nbytes) if staging is not None else transfers.pool.take(nbytes)
 
 
 def _parse_upload(ex: Executor, up: Any, cached: bool) -> Upload:
-    if not isinstance(up, list) or len(up) not in ((4,) if cached else (3, 4, 5)):
-        shape = "[storage_id, device, nbytes, key]" if cached else "[storage_id, device, nbytes(, key, possession)]"
+    if not isinstance(up, list) or len(up) not in ((4,) if cached else (3, 4, 5, 6)):
+        shape = "[storage_id, device, nbytes, key]" if cached else \
+            "[storage_id, device, nbytes(, key, possession(, packing))]"
         raise FrameError(f"an {'cached ' if cached else ''}upload must be {shape}, got {codec._preview(up)}")
     storage_id = check_id(up[0], "upload storage id")
     index = up[1].index if isinstance(up[1], DeviceRef) else up[1]
@@ -149,10 +166,16 @@ def _parse_upload(ex: Executor, up: Any, cached: bool) -> Upload:
     key = up[3] if len(up) >= 4 else None
     if key is not None and (not isinstance(key, bytes) or len(key) != KEY_BYTES):
         raise FrameError(f"upload {storage_id} names a content key that is not {KEY_BYTES} bytes")
-    possession = up[4] if len(up) == 5 else None
+    possession = up[4] if len(up) >= 5 else None
     if possession is not None and (not isinstance(possession, bytes) or len(possession) != KEY_BYTES):
         raise FrameError(f"upload {storage_id} names a possession secret that is not {KEY_BYTES} bytes")
-    return storage_id, ex.devices[index], nbytes, key, possession
+    packing = compress.parse_packing(up[5], nbytes, f"upload {storage_id}") if len(up) == 6 else None
+    return storage_id, ex.devices[index], nbytes, key, possession, packing
+
+
+def _wire_nbytes(spec: Upload) -> int:
+    """The payload bytes an upload takes: its compressed size when packed."""
+    return spec[5].wire_nbytes if spec[5] is not None else spec[2]
 
 
 def receive(ex: Executor, header: FrameHeader, msg: dict[str, Any]) -> None:
@@ -160,11 +183,17 @@ def receive(ex: Executor, header: FrameHeader, msg: dict[str, Any]) -> None:
     uploads, cached = msg.get("uploads", []), msg.get("cached", [])
     if not isinstance(cached, list):
         raise FrameError("a BATCH's 'cached' must be a list")
+    reply_codec = msg.get("reply_codec")
+    if reply_codec is not None and reply_codec not in compress.CODECS:
+        raise FrameError(f"a BATCH's 'reply_codec' must be one of {list(compress.CODECS)}, got "
+                         f"{str(reply_codec)[:40]!r}")
+    # Only a codec this end has: a client asks for one the WELCOME listed, so another is sent uncompressed.
+    ex.transfers.reply_codec = reply_codec if reply_codec in compress.available_codecs() else None
     if not (uploads or cached or header.payload_len):  # most batches: commands only
         return
     specs = [_parse_upload(ex, up, False) for up in uploads]
     hits = [_parse_upload(ex, up, True) for up in cached]
-    total = sum(s[2] for s in specs)
+    total = sum(map(_wire_nbytes, specs))
     if total != header.payload_len:
         raise FrameError(f"uploads describe {total} payload bytes but the header says {header.payload_len}")
     if specs:
@@ -181,7 +210,7 @@ def _refused_all(ex: Executor, specs: list[Upload], exc: Exception) -> None:
 
 
 def _receive_sent(ex: Executor, header: FrameHeader, specs: list[Upload], total: int) -> None:
-    new = [(s, n) for s, _, n, _, _ in specs if s not in ex.store]
+    new = [(s, n) for s, _, n, _, _, _ in specs if s not in ex.store]
     try:
         ex.store.check_room(len(new), sum(n for _, n in new))
     except QuotaExceededError as exc:
@@ -192,23 +221,30 @@ def _receive_sent(ex: Executor, header: FrameHeader, specs: list[Upload], total:
     cache = transfers.cache
     # A keyed upload the cache may keep lands in a new memfd; the rest in pooled or prefaulted memory.
     receivers = [Receiver(nbytes) if key is not None and cache is not None and cache.wants(nbytes) else None
-                 for _, _, nbytes, key, _ in specs]
+                 for _, _, nbytes, key, _, _ in specs]
     try:
-        buffers = [r.buffer if r is not None else transfers.pool.take(nbytes)
-                   for r, (_, _, nbytes, _, _) in zip(receivers, specs, strict=True)]
+        # An upload to a CUDA device lands in page-locked staging (genie/server/staging.py).
+        buffers = [r.buffer if r is not None else _receive_buffer(transfers, device, nbytes)
+                   for r, (_, device, nbytes, _, _, _) in zip(receivers, specs, strict=True)]
         for r in receivers:
             if r is not None:
                 prefault(r.buffer)
-        recv_payload(ex.channel, header.payload_len, [tensor_bytes(b) for b in buffers])
+        # A packed upload's bytes land in a buffer of their own, decompressed into the storage's memory after.
+        wire = [torch.empty(s[5].wire_nbytes, dtype=torch.uint8) if s[5] is not None else b
+                for s, b in zip(specs, buffers, strict=True)]
+        recv_payload(ex.channel, header.payload_len, [tensor_bytes(b) for b in wire])
+        refused = _unpacked(ex, specs, wire, buffers)
         for i, received in enumerate(receivers):
             if received is not None:
                 # The session gets a private (copy-on-write) mapping. The writable one goes first, here
                 # as in the receiver: sealing against writes fails while any writable mapping is alive.
                 buffers[i] = transfers.mapped(received.private(), specs[i][1])
                 received.release()
-        for (storage_id, device, nbytes, key, possession), raw, received in zip(specs, buffers, receivers,
-                                                                               strict=True):
+        for (storage_id, device, nbytes, key, possession, _), raw, received in zip(specs, buffers, receivers,
+                                                                                  strict=True):
             ex.metrics.record_bytes("in", nbytes, device)  # metrics
+            if storage_id in refused:
+                continue  # poisoned, its error deferred; the cache keeps nothing of it
             if received is not None and key is not None and cache is not None and received.seal():
                 cache.keep(key, possession, received)  # the cache keeps the sealed file
             _apply_checked(ex, storage_id, device, raw)
@@ -216,6 +252,28 @@ def _receive_sent(ex: Executor, header: FrameHeader, specs: list[Upload], total:
         for r in receivers:
             if r is not None:
                 r.close()
+
+
+def _unpacked(ex: Executor, specs: list[Upload], wire: list[torch.Tensor], buffers: list[torch.Tensor]) -> set[int]:
+    """Decompress each packed upload of ``wire`` into its buffer (its declared size, which the quotas allowed);
+    the storage ids refused (poisoned, the error deferred: the session goes on)."""
+    refused: set[int] = set()
+    for (storage_id, _, nbytes, _, _, packing), packed, buffer in zip(specs, wire, buffers, strict=True):
+        if packing is None:
+            continue
+        what = f"compressed upload {storage_id} ({nbytes} bytes declared)"
+        try:
+            if storage_id in ex.store:
+                size = ex.store.nbytes(storage_id)
+                if size != nbytes:  # refused before decompressing, as apply_upload would after
+                    raise StorageError(f"{what} into storage {storage_id}, which has {size}; an upload overwrites "
+                                       "a whole storage of the same size")
+            compress.unpack_into(tensor_bytes(packed), packing, buffer, what)
+        except (ProtocolError, RemoteExecutionError) as exc:
+            refused.add(storage_id)
+            ex.store.poison(storage_id, str(exc))
+            ex._defer(_error("upload", [[nbytes]], _kind_of(exc), str(exc), [storage_id]))
+    return refused
 
 
 def _apply_checked(ex: Executor, storage_id: int, device: torch.device, raw: torch.Tensor, *,
@@ -238,7 +296,8 @@ def apply_upload(ex: Executor, storage_id: int, device: torch.device, raw: torch
         existing = None  # poisoned: every byte is written again, so the storage is whole again
     if existing is None:
         if device.type != "cpu":
-            raw = raw.to(device)
+            staging = staging_for(ex.transfers, device)  # pinned staging and a copy stream on CUDA
+            raw = staging.upload(raw) if staging is not None else raw.to(device)
         elif not owned:
             ex.store.check_room(1, raw.numel())  # before the copy's memory is taken
             raw = ex.transfers.pool.take(raw.numel()).copy_(raw)
@@ -253,7 +312,7 @@ def apply_upload(ex: Executor, storage_id: int, device: torch.device, raw: torch
 def _adopt_cached(ex: Executor, hits: list[Upload]) -> None:
 
     reserved = ex.transfers.reserved
-    for storage_id, device, nbytes, key, _ in hits:
+    for storage_id, device, nbytes, key, _, _ in hits:
         data = reserved.pop((key, nbytes), None) if key is not None else None
         if data is None:
             message = (f"cached upload {storage_id} names content that this session's last CMD_HAVE did not "
@@ -302,16 +361,33 @@ def have(ex: Executor, cmd: list[Any]) -> None:
 
 
 def fetch(ex: Executor, req: Any, device_index: Any, desc: Descriptor) -> None:
-    """``CMD_FETCH``: reply with the described tensor's bytes, contiguous."""
+    """``CMD_FETCH``: reply with the described tensor's bytes, contiguous (compressed when the batch asked and
+    they compress: the result's third element is then the packing)."""
+    reply_codec, ex.transfers.reply_codec = ex.transfers.reply_codec, None
 
     try:
         ex._begin(device_index)
         out = ex._tensor(desc).resolve_conj().resolve_neg()
+        give_back = _nothing
         if out.device.type != "cpu":
-            out = out.cpu()
+            staging = staging_for(ex.transfers, out.device)  # on CUDA: from pinned staging, copied on a copy stream
+            out, give_back = staging.download(out) if staging is not None else (out.cpu(), _nothing)
         out = out.contiguous()
     except Exception as exc:
         ex._reply(req, _error("fetch", [list(desc.sizes)], _kind_of(exc), _message(exc), []), None)
         return
     ex.metrics.record_bytes("out", out.nbytes, out.device)  # metrics
-    ex._reply(req, None, codec.describe(0, out)[1:3], [tensor_bytes(out)], keep=out)
+    result = codec.describe(0, out)[1:3]
+    packed = compress.pack(out.view(-1).view(torch.uint8), out.element_size()) \
+        if reply_codec is not None and out.nbytes else None
+    try:
+        if packed is not None:
+            ex._reply(req, None, [*result, packed[1].to_wire()], [memoryview(packed[0])])
+            return
+        ex._reply(req, None, result, [tensor_bytes(out)], keep=out)
+    finally:
+        give_back()  # the reply was sent: the staging buffer may serve the next download
+
+
+def _nothing() -> None:
+    pass
