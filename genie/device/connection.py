@@ -135,6 +135,7 @@ class NodeConnection:
 
         with self.lock:
             self.channel.settimeout(timeout)
+            hello = {**hello, "codecs": list(compress.available_codecs())}  # what this client decompresses with
             reply = client_handshake(self.channel, hello, token=token, where=f"node {self.node_id} at {self.address}")
             self.devices = list(reply.get("devices", []))
             self.limits = dict(reply.get("limits", {}))
