@@ -154,7 +154,7 @@ _OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
     "compression": (str, "auto", lambda v: v in ("auto", "off", "zstd"),
                     "auto (compress large transfers when the link measures below compression_below_mbit), off, or "
                     "zstd (always; needs the zstandard package on both ends)"),
-    "compression_below_mbit": (float, 300.0, _positive, "a positive link bandwidth in Mbit/s below which auto "
+    "compression_below_mbit": (float, 100.0, _positive, "a positive link bandwidth in Mbit/s below which auto "
                                "compresses"),
     "compression_min_bytes": (int, 256 << 10, lambda v: v >= 0, "a byte count from which a transfer is compressed"),
     # session isolation (see docs/SECURITY.md and genie/server/isolation/)

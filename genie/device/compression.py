@@ -37,9 +37,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("genie.device")
 
 MODES = ("auto", "off", "zstd")
-#: Links slower than this (Mbit/s) get compression under ``auto``: where compress + send measured faster than
-#: send on weights, gradients and activations (docs/network.md, "Compression").
-DEFAULT_BELOW_MBIT = 300.0
+#: Links slower than this (Mbit/s) get compression under ``auto``. Measured (benchmarks/bench_compression.py,
+#: docs/network.md "Compression"): compress + send beat send by 1.17-1.37x at 10 Mbit/s, broke even at 100
+#: (0.99-1.08x) and lost at 1000 (0.18-0.38x: compressing was slower than that link).
+DEFAULT_BELOW_MBIT = 100.0
 #: Transfers smaller than this are never compressed (a few round-trip-free microseconds are worth more).
 DEFAULT_MIN_BYTES = 256 << 10
 #: Bytes of the echo a session measures its link with when no figure was measured before.
@@ -139,11 +140,14 @@ def _link_mbit(channel: Channel, backend: str, address: str, welcome: dict[str, 
 
 def measure_session(channel: Channel, nbytes: int = PROBE_BYTES) -> float:
     """The bandwidth of an open session's link in Mbit/s: an echo of ``nbytes`` each way, less the round trip
-    of a small one (the best of three). Only between WELCOME and the session's first batch."""
-    small, big = b"\0" * 64, bytes(nbytes)
-    rtt = min(_echo(channel, small) for _ in range(3))
-    took = _echo(channel, big) - rtt
-    return float("inf") if took <= 0 else 2 * nbytes * 8 / took / 1e6
+    of a small one (the best of three). A first echo of 1/16 of that stops early on a slow link (so that a
+    1 Mbit/s link costs a quarter of a second, not four). Only between WELCOME and the session's first batch."""
+    rtt = min(_echo(channel, b"\0" * 64) for _ in range(3))
+    for size in (max(1, nbytes // 16), nbytes):
+        took = _echo(channel, bytes(size)) - rtt
+        if took > 0.02 or size == nbytes:
+            break
+    return float("inf") if took <= 0 else 2 * size * 8 / took / 1e6
 
 
 def _echo(channel: Channel, data: bytes) -> float:

@@ -26,8 +26,8 @@ from tests.raw_client import desc
 
 #: Transfers from this size are compressed in these tests (the default, 256 KiB, would make them slower).
 MIN_BYTES = 64 << 10
-#: The emulated link: 10 MB/s each way (80 Mbit/s), well below the auto threshold.
-SLOW = 10e6
+#: The emulated link: 6 MB/s each way (48 Mbit/s), well below the auto threshold (100 Mbit/s).
+SLOW = 6e6
 
 
 @pytest.fixture
