@@ -108,7 +108,7 @@ def ratios(tensors: dict[str, torch.Tensor]) -> None:
                                                                                                  "bench"), nbytes)
             assert torch.equal(out, raw)
             genie = f"{len(data) / nbytes:.3f}"
-        plain = len(zstandard.ZstdCompressor(level=1).compress(memoryview(raw.numpy()))) / nbytes
+        plain = len(zstandard.ZstdCompressor(level=1).compress(raw.numpy().tobytes())) / nbytes
         lz = f"{len(lz4.compress(raw.numpy().tobytes())) / nbytes:.3f}" if lz4 is not None else "(lz4 not installed)"
         print(f"{name} | {nbytes / 1e6:.1f} | {genie} | {c_speed:.0f} | {d_speed:.0f} | {plain:.3f} | {lz}",
               flush=True)

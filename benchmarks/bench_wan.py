@@ -18,6 +18,7 @@ lines of code that caused them (the sync-point table) are printed, so each one c
 
     .venv/bin/python benchmarks/bench_wan.py                 # RTT 0, 2 and 30 ms
     .venv/bin/python benchmarks/bench_wan.py --rtt 0,30 --steps 5 --json out.json
+    .venv/bin/python benchmarks/bench_wan.py --compression-only   # weights over 100 Mbit/s, off vs auto
 
 The node computes on the CPU of this machine; client and node share it, so absolute step times
 are this machine's, and the ratios are what to compare between runs.
@@ -158,13 +159,68 @@ def run_at(rtt_ms: float, steps: int, warmup: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
+#: Uploads a GPT-2's weights (random init, from a config) once and prints the seconds until the node has them.
+UPLOAD_CLIENT = r"""
+import json, sys, time, torch, genie
+from transformers import GPT2Config, GPT2LMHeadModel
+from genie.device.registry import table
+genie.init_sync(master_addr="127.0.0.1", master_port=int(sys.argv[1]), timeout=60)
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=256))
+nbytes = sum(p.nbytes for p in model.parameters())
+started = time.perf_counter()
+model.to("remote_accelerator:0")
+next(model.parameters()).sum().item()  # a sync point: every upload before it has been applied
+seconds = time.perf_counter() - started
+conn = table().connections()[0]
+print(json.dumps({"mode": conn.compression_policy.mode, "bytes": nbytes, "seconds": seconds,
+                  "wire": conn.stats["bytes_packed_wire"], "packed": conn.stats["bytes_packed"],
+                  "reason": conn.compression.reason}), flush=True)
+genie.shutdown_sync()
+"""
+
+
+def compression_row(mbit: float = 100.0) -> list[dict[str, Any]]:
+    """Effective upload throughput of a model's weights (a GPT-2 of 4 layers, 256 wide: 68 MB in fp32) over a
+    data link capped at ``mbit`` Mbit/s (LinkEmulator ``rate=``), with ``compression=off`` and then ``auto``
+    (which measures the link and compresses below compression_below_mbit), one client process each, one node."""
+    rows = []
+    with LinkEmulator(("127.0.0.1", 1), rate=mbit * 1e6 / 8) as data:
+        env = {"GENIE_BACKEND": "tcp", "GENIE_LOG_LEVEL": "WARNING", "GENIE_UPLOAD_CACHE": "off"}
+        with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--advertise-ports", str(data.port),
+                         env=env, ready_timeout=120) as node:
+            data.target = ("127.0.0.1", node.data_port)
+            for mode in ("off", "auto"):
+                done = subprocess.run([sys.executable, "-c", UPLOAD_CLIENT, str(node.control_port)],
+                                      capture_output=True, text=True, timeout=600,
+                                      env={**os.environ, **env, "GENIE_COMPRESSION": mode})
+                if done.returncode != 0:
+                    raise SystemExit(f"the upload client ({mode}) failed:\n{done.stderr[-4000:]}")
+                rows.append(json.loads(done.stdout.splitlines()[-1]))
+    return [{**row, "mbit": mbit} for row in rows]
+
+
+def print_compression(rows: list[dict[str, Any]]) -> None:
+    off, auto = rows
+    mb = off["bytes"] / 1e6
+    share = auto["wire"] / auto["packed"] if auto["packed"] else 1.0
+    print(f"\nupload of a GPT-2's weights ({mb:.0f} MB) at {off['mbit']:g} Mbit/s | compression off "
+          f"{mb / off['seconds']:.1f} MB/s ({off['seconds']:.1f} s) | auto {mb / auto['seconds']:.1f} MB/s "
+          f"({auto['seconds']:.1f} s; {share:.3f} of the bytes on the wire) | {off['seconds'] / auto['seconds']:.2f}x"
+          f"\n  auto chose: {auto['reason']}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rtt", default="0,2,30", help="round-trip times in ms, comma-separated (first is the baseline)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--compression-only", action="store_true", help="only the compression row")
     args = parser.parse_args()
+    if args.compression_only:
+        print_compression(compression_row())
+        return 0
     rtts = [float(r) for r in args.rtt.split(",")]
     results: dict[float, list[dict[str, Any]]] = {}
     for rtt in rtts:
@@ -190,6 +246,7 @@ def main() -> int:
             print(f"  {row['name']}: {count:.2f} x {reason} at {line}")
     print(textwrap.dedent("""
         target: step(RTT) <= step(0) + 1.1 RTT (the issue's bound); 'excess RTTs' is (step(RTT) - step(0)) / RTT."""))
+    print_compression(compression_row())
     if args.json:
         Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))
     return 0
