@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from genie import _C
 from genie.compile.lower import Lowered
-from genie.device import dispatch, registry
+from genie.device import dispatch, registry, shadows
 from genie.device import meta as dmeta
 from genie.device.connection import NodeConnection
 from genie.device.registry import RemoteDevice
@@ -337,6 +337,7 @@ class ReplayedGraph:
         if self.lowered.random:
             dispatch._seed_if_needed(device, None)
         values = [*encoded, *constants, *plan.scalars]
+        shadows.forget_tensors(inputs)  # a graph may write any of its inputs: no host shadow of one stays
         cmd = msgpack.packb([wm.CMD_REPLAY, device.local_index, gid, values, descs], use_bin_type=True,
                             default=dispatch.encoder_for(device))
         conn = device.connection

@@ -774,6 +774,7 @@ void pack_str(std::string& out, const std::string& s) {
 }
 
 uint64_t new_storage_id() { return next_id(); }
+uint64_t storage_id_of_data(const void* data) { return id_of_pointer(data); }  // fastpath.cpp's host shadows
 
 std::vector<std::pair<int, uint64_t>> take_freed_all() {
   std::vector<std::pair<int, uint64_t>> out;

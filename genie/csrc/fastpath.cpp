@@ -28,11 +28,14 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "wire.h"
 
 namespace genie {
+uint64_t storage_id_of_data(const void* data);  // device.cpp: the storage id behind a data pointer
+
 namespace {
 
 namespace py = pybind11;
@@ -64,6 +67,7 @@ struct OpFacts {
   py::object* overload = nullptr;  // the Python OpOverload (leaked: outlives interpreter teardown)
   enum Copy : uint8_t { not_copy, copy_into, copy_from } copy = not_copy;  // copy_(self, src) / _copy_from(src, dst)
   bool item = false;  // _local_scalar_dense (.item()): a sync point the lane may answer
+  bool fills = false;  // fill_.Scalar / zero_: overwrites its whole argument (host shadows, below)
 };
 std::unordered_map<const void*, OpFacts*> g_facts;  // by &op.schema() (operators live for the process)
 
@@ -93,6 +97,7 @@ OpFacts* facts_of(const c10::OperatorHandle& op) {
   if (f->name == "aten::copy_") f->copy = OpFacts::copy_into;
   if (f->name == "aten::_copy_from") f->copy = OpFacts::copy_from;
   f->item = f->name == "aten::_local_scalar_dense";
+  f->fills = f->name == "aten::fill_.Scalar" || f->name == "aten::zero_";
   const auto& args = schema.arguments();
   for (const auto& a : args) f->kinds.push_back(kind_of(a));
   f->kwarg_only_start = args.size();
@@ -380,6 +385,50 @@ uint8_t g_cmd_op = 1;    // genie.wire.messages.CMD_OP, set with the routes
 uint8_t g_cmd_call = 5;  // genie.wire.messages.CMD_CALL, likewise
 
 // ---------------------------------------------------------------------------------------------
+// Host shadows (genie.device.shadows): storages whose bytes the client also holds. A call that touches one
+// goes to Python, which answers reads from the shadow, drops it when the call may write the storage and
+// computes derived shadows; a small fill_/zero_ goes there too while shadows are on (its whole storage
+// becomes known). With no shadow and shadows off this costs one relaxed load per op.
+std::mutex g_shadow_mu;
+std::unordered_set<uint64_t> g_shadowed;          // storage ids with a shadow
+std::vector<uint64_t> g_shadow_freed;             // of those, the ones freed since Python last asked
+std::atomic<size_t> g_shadow_count{0};
+std::atomic<int64_t> g_shadow_fill_bytes{0};      // fill_/zero_ of a storage this small go to Python (0: off)
+
+bool shadowed_tensor(const at::Tensor& t) {
+  if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1) return false;
+  const void* data = t.storage().data();
+  if (data == nullptr) return false;
+  uint64_t sid = storage_id_of_data(data);
+  std::lock_guard<std::mutex> g(g_shadow_mu);
+  return g_shadowed.count(sid) != 0;
+}
+
+// Whether this call must go to Python for the shadows' sake (see above).
+bool touches_shadow(const OpFacts& f, c10::ArrayRef<IValue> args) {
+  if (f.fills && !args.empty() && args[0].isTensor()) {
+    const at::Tensor& t = args[0].toTensor();
+    int64_t limit = g_shadow_fill_bytes.load(std::memory_order_relaxed);
+    if (limit > 0 && t.defined() && t.storage().nbytes() <= static_cast<size_t>(limit)) return true;
+  }
+  if (g_shadow_count.load(std::memory_order_relaxed) == 0) return false;
+  for (const auto& a : args) {
+    if (a.isTensor()) {
+      if (shadowed_tensor(a.toTensor())) return true;
+    } else if (a.isTensorList()) {
+      for (const at::Tensor& t : a.toTensorList()) {
+        if (shadowed_tensor(t)) return true;
+      }
+    } else if (a.isOptionalTensorList()) {
+      for (std::optional<at::Tensor> t : a.toOptionalTensorList()) {
+        if (t.has_value() && shadowed_tensor(*t)) return true;
+      }
+    }
+  }
+  return false;
+}
+
+// ---------------------------------------------------------------------------------------------
 // The hit path: outputs, the command, the queue.
 
 // The session queue of remote device `device` and the device's index on its node, when the batch has
@@ -585,6 +634,11 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   size_t nargs = schema.arguments().size();
   thread_local Encoder enc;
+  if ((f.fills || g_shadow_count.load(std::memory_order_relaxed) > 0) &&
+      touches_shadow(f, torch::jit::last(*stack, nargs))) {
+    g_misses.fetch_add(1, std::memory_order_relaxed);
+    return call_python(f, op, stack, nullptr);
+  }
   if (f.item && item_natively(f, schema, stack, nargs)) {
     g_hits.fetch_add(1, std::memory_order_relaxed);
     return;
@@ -673,6 +727,13 @@ std::vector<uint64_t> take_frees(Queue& q) {
   auto freed = take_freed_all();
   if (!freed.empty()) {
     std::lock_guard<std::mutex> g(g_mu);
+    if (g_shadow_count.load(std::memory_order_relaxed) > 0) {
+      std::lock_guard<std::mutex> gs(g_shadow_mu);
+      for (const auto& [device, sid] : freed) {
+        if (g_shadowed.erase(sid) != 0) g_shadow_freed.push_back(sid);
+      }
+      g_shadow_count.store(g_shadowed.size());
+    }
     for (const auto& [device, sid] : freed) {  // a device no session has (after shutdown): its storage is gone
       if (device < 0 || device >= static_cast<int>(g_routes.size()) || !g_routes[device].queue) continue;
       auto& target = *g_routes[device].queue;
@@ -698,6 +759,29 @@ void init_fastpath(py::module_& m) {
   m.def("fast_teaching", [](const std::string& name) {
     return tl_teaching != nullptr && !tl_teaching->learned && tl_teaching->facts->name == name;
   }, "Whether this thread's fallback waits to learn a call of this op (then fast_learn teaches it).");
+  m.def("shadow_mark", [](uint64_t sid, bool on) {
+    std::lock_guard<std::mutex> g(g_shadow_mu);
+    if (on) {
+      g_shadowed.insert(sid);
+    } else {
+      g_shadowed.erase(sid);
+    }
+    g_shadow_count.store(g_shadowed.size());
+  }, "Mark (on) or unmark a storage id as shadowed on the host: calls touching it go to Python.");
+  m.def("shadow_clear", [] {
+    std::lock_guard<std::mutex> g(g_shadow_mu);
+    g_shadowed.clear();
+    g_shadow_freed.clear();
+    g_shadow_count.store(0);
+  }, "Unmark every shadowed storage.");
+  m.def("shadow_freed", [] {
+    std::vector<uint64_t> out;
+    std::lock_guard<std::mutex> g(g_shadow_mu);
+    out.swap(g_shadow_freed);
+    return out;
+  }, "Shadowed storages freed since the last call (their marks are gone already).");
+  m.def("shadow_fill_bytes", [](int64_t limit) { g_shadow_fill_bytes.store(limit); },
+        "fill_/zero_ of a storage of at most this many bytes go to Python (0: none).");
   m.def("fast_learn", &fast_learn, "Teach the call being handled: its outputs (see fastpath.cpp).");
   m.def("fast_forget", [] {
     std::lock_guard<std::mutex> g(g_mu);

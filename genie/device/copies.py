@@ -5,7 +5,10 @@ id, no round trip) and a ``copy_`` that arrives here as ``_copy_from``. A copy t
 whole fresh storage is a plain upload under that storage's id; anything else uploads into a
 temporary storage and queues a server-side ``copy_``. Large uploads of parameters may be named
 by content key instead (the node's weight cache: :mod:`genie.device.transfers`). Device to host is a FETCH (one round
-trip). Copies between two remote devices go through this client.
+trip), unless the storage has a host shadow (:mod:`genie.device.shadows`): small uploads keep one, and
+every copy here keeps the destination's shadow true or drops it. Copies between two remote devices
+never pass through this client: inside the node that holds both, or node to node
+(:mod:`genie.device.peers`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 import torch
 
 from genie import _C
-from genie.device import dispatch
+from genie.device import dispatch, peers, shadows
 from genie.device.registry import RemoteDevice, table
 
 _aten = torch.ops.aten
@@ -32,6 +35,10 @@ def download(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(tuple(t.shape), dtype=t.dtype)
     if out.numel() == 0:
         return out
+    if shadows.TABLE.entries and device.connection.lost is None:
+        known = shadows.read(t)
+        if known is not None:
+            return out.copy_(known)
     return device.connection.fetch(device.local_index, dispatch.descriptor(t), out, device=device.label)
 
 
@@ -51,6 +58,7 @@ def upload_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     device = table().get(dst.get_device())
     conn = device.connection
     by_key = conn.content is not None and conn.content.wants(src)  # the weight cache: before detach drops grad
+    requires_grad = src.requires_grad  # a parameter: an optimizer writes it each step, so no host shadow
     src = src.detach()
     if src.is_conj():
         src = src.resolve_conj()
@@ -62,16 +70,20 @@ def upload_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         return
     if src.dtype == dst.dtype and tuple(src.shape) == tuple(dst.shape) and _covers_storage(dst):
         conn.upload(_C.storage_id(dst), device.local_index, src.contiguous(), overwrite=True, by_key=by_key)
+        shadows.after_upload(dst, src, requires_grad=requires_grad)
         return
     tmp = torch.empty(tuple(src.shape), dtype=dst.dtype, device=dst.device)
-    conn.upload(_C.storage_id(tmp), device.local_index, src.to(dst.dtype).contiguous(), overwrite=False,
-                by_key=by_key)
+    converted = src.to(dst.dtype).contiguous()
+    conn.upload(_C.storage_id(tmp), device.local_index, converted, overwrite=False, by_key=by_key)
+    shadows.after_upload(tmp, converted, requires_grad=requires_grad)
     _queue_copy(dst, tmp, device)
 
 
 def _queue_copy(dst: torch.Tensor, src: torch.Tensor, device: RemoteDevice) -> None:
     device.connection.op(device.local_index, "aten::copy_", [dst, src], {}, [dispatch.descriptor(dst)],
                          dispatch.encoder_for(device))
+    if shadows.TABLE.entries or shadows.TABLE.enabled:
+        shadows.after_copy(dst, src)
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -81,7 +93,10 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
             if dst.numel():
                 _queue_copy(dst, src, table().get(dst.get_device()))
             return dst
-        upload_into(dst, download(src))  # another device: through this client
+        if dst.numel():  # another device: node to node, or inside one node (genie.device.peers)
+            peers.copy_between(dst, src, table().get(dst.get_device()), table().get(src.get_device()))
+            if shadows.TABLE.entries or shadows.TABLE.enabled:
+                shadows.after_copy(dst, src)
         return dst
     if _is_remote(dst):
         upload_into(dst, src)

@@ -24,7 +24,7 @@ import torch
 from torch.utils._pytree import tree_map, tree_unflatten
 
 from genie import _C
-from genie.device import arguments, registry
+from genie.device import arguments, registry, shadows
 from genie.device import meta as dmeta
 from genie.device.registry import RemoteDevice, table
 from genie.errors import DeviceError
@@ -61,7 +61,7 @@ class OpInfo:
     """What the fallback needs to know about an op's schema."""
 
     __slots__ = ("name", "arg_names", "returns", "generator_pos", "random", "mask_pos", "list_return", "all_views",
-                 "special", "server", "float_values_matter", "result_kinds", "by_kind")
+                 "special", "server", "float_values_matter", "result_kinds", "by_kind", "shadow")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
@@ -74,6 +74,8 @@ class OpInfo:
         self.server = func in SERVER_OPS
         #: metadata rules by the server device's kind (KIND_FIXUPS), or None: the meta cache keys on the kind then
         self.by_kind: dict[str, Any] | None = KIND_FIXUPS.get(func)
+        #: what host shadows need to know (the arguments it writes, whether it can run on shadows), or None
+        self.shadow = shadows.rule_of(func)
         writes: dict[Any, int] = {}
         reads: dict[Any, int] = {}
         self.generator_pos: int | None = None
@@ -335,6 +337,9 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None, teach:
             targets = {id(o) for o in outs if isinstance(o, torch.Tensor)}
             args, kwargs = tree_map(lambda a: _resolved(a, targets), (args, kwargs))
         device.connection.op(device.local_index, info.name, args, kwargs, wire_outs, encoder_for(device))
+        rule = info.shadow
+        if rule is not None and (rule.fills or shadows.TABLE.entries):
+            shadows.after_op(func, rule, args, kwargs, outs)
         if key is not None and teach and not (info.random or math_bits or info.list_return) \
                 and _C.fast_teaching(info.name):
             _teach(info, metas, values, conform, kinds)
@@ -459,11 +464,17 @@ def _resolved(a: Any, targets: set[int]) -> Any:
 def call_on_server(func: Any, args: Any, kwargs: Any, device: RemoteDevice) -> Any:
     """Run an op synchronously: data-dependent shapes and number results."""
     info = _infos.get(id(func)) or op_info(func)
+    if shadows.TABLE.entries and device.connection.lost is None:
+        known, value = shadows.server_op(info.name, args, kwargs)
+        if known:
+            return value
     count = 64 if info.list_return else len(info.returns)
     ids = [_C.new_storage_id() for _ in range(count)]
     result = device.connection.call(device.local_index, info.name, args, kwargs, ids, encoder_for(device),
                                     device=device.label)
     decoded = _decode_call_result(info, result, device)
+    if info.shadow is not None and info.shadow.writes and shadows.TABLE.entries:
+        shadows.after_op(func, shadows.Rule(info.shadow.writes, None, False), args, kwargs, [])
     if info.list_return or not any(kind == "inplace" for kind, _ in info.returns):
         return decoded
     return _into_targets(info, args, kwargs, decoded)
@@ -495,6 +506,10 @@ def _local_scalar(func: Any, args: Any, kwargs: Any) -> Any:
     signature and result decoding (one tensor in, one number out)."""
     t = args[0]
     device = registry.device_at(t.get_device())
+    if shadows.TABLE.entries and device.connection.lost is None:
+        known, value = shadows.item(t)
+        if known:
+            return value
     return device.connection.call(device.local_index, "aten::_local_scalar_dense", [t], {}, [_C.new_storage_id()],
                                   encoder_for(device), device=device.label)
 

@@ -145,6 +145,8 @@ class ClientStats:
             self.bytes_up = 0
             self.bytes_down = 0
             self.wait_seconds = 0.0
+            #: reads answered from host shadows (genie.device.shadows): round trips that did not happen
+            self.local_reads = 0
             self._sync: dict[tuple[Any, str], list[float]] = {}  # (caller_place(), reason)
 
     # -- recording (NodeConnection, under its lock) ----------------------------------------------
@@ -153,6 +155,10 @@ class ClientStats:
 
     def uploaded(self, nbytes: int) -> None:
         self.bytes_up += nbytes
+
+    def answered_locally(self) -> None:
+        """A read answered from a host shadow, with no round trip."""
+        self.local_reads += 1
 
     def batch_sent(self) -> None:
         self.batches += 1
@@ -207,7 +213,7 @@ class ClientStats:
             out: dict[str, Any] = {
                 "ops_queued": self.ops_queued, "round_trips": self.round_trips, "batches": self.batches,
                 "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
-                "wait_seconds": self.wait_seconds,
+                "wait_seconds": self.wait_seconds, "local_reads": self.local_reads,
             }
         out["sync_points"] = [attrs.asdict(p) for p in self.sync_points()]
         return out
@@ -246,6 +252,9 @@ def format_table(stats: dict[str, Any], *, top: int = TOP_SYNC_POINTS) -> str:
             ("batches sent", f"{stats['batches']}"), ("bytes up", _bytes(stats["bytes_up"])),
             ("bytes down", _bytes(stats["bytes_down"])),
             ("waiting on servers", f"{wait * 1e3:.1f} ms (round trips: network + server)")]
+    if stats.get("local_reads"):
+        rows.insert(3 if wall is not None else 2,
+                    ("reads answered here", f"{stats['local_reads']} (from host shadows: no round trip)"))
     if wall is not None:
         rows.insert(0, ("wall time", f"{wall * 1e3:.1f} ms"))
         rows.append(("client time", f"{max(wall - wait, 0.0) * 1e3:.1f} ms (your code + genie's dispatch)"))

@@ -136,7 +136,7 @@ def test_a_number_wrapped_in_a_cpu_tensor_crosses_as_a_number() -> None:
 def test_copies_between_tensors_of_one_device_are_queued_natively() -> None:
     """``clone``, ``dst.copy_(src)`` and a gradient's accumulation copy on the server without Python."""
     src_cpu = torch.arange(12.0).reshape(3, 4)
-    src = src_cpu.to(D0)
+    src = src_cpu.to(D0) * 1  # computed on the device: no host shadow (copies of a shadowed storage go to Python)
     dst = torch.zeros(4, 3, device=D0)
     before = native_hits()
     for _ in range(3):
