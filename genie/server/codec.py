@@ -278,6 +278,11 @@ def _preview(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def preview(value: Any) -> str:
+    """A received value's repr cut to 80 characters, for error messages."""
+    return _preview(value)
+
+
 # -- structure checks ---------------------------------------------------------------------------
 
 

@@ -20,8 +20,7 @@ poisoned so later uses name the root cause. ``kind`` is one of ``execution``,
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -34,32 +33,31 @@ from genie.errors import (
     QuotaExceededError,
     RemoteDeviceLost,
 )
-from genie.server import codec, controls, plans, preflight, transfers
+from genie.server import codec, plans, preflight, transfers
 from genie.server.codec import Descriptor, check_id, is_int
+from genie.server.commands import COMMANDS
 from genie.server.devargs import check_device_args, device_params
-from genie.server.isolation.clock import NULL_CLOCK, NullClock, OpClock
+from genie.server.isolation.clock import NullClock, OpClock
+from genie.server.kernel import (
+    SERIAL_BELOW,
+    CommandFailed,
+    Kernels,
+    account_resizes,
+    hands_out_uninitialised,
+    kernel_error,
+    zero_fresh,
+)
 from genie.server.metrics import NULL_SESSION_METRICS, SessionMetrics
 from genie.server.ops import resolve_op, run_op
 from genie.server.outputs import OutputMismatch, fits_outs, functional_of, store_call_result, store_outputs
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
-from genie.server.records import shapes, tensor_leaves
+from genie.server.records import shapes
 from genie.server.rng import GENERATORLESS, SessionGenerators, generator_arg
-from genie.server.store import StorageStore, zero_from, zeroed_storage
+from genie.server.store import StorageStore, zeroed_storage
 from genie.transport.base import Channel
 from genie.wire.frame import FrameHeader, MsgKind, send_frame
-from genie.wire.messages import (
-    CMD_CALL,
-    CMD_FETCH,
-    CMD_FREE,
-    CMD_HAVE,
-    CMD_OP,
-    CMD_OPTIONS,
-    CMD_RESIZE,
-    CMD_SEED,
-    CMD_SYNC,
-)
 
 log = logging.getLogger("genie.server.executor")
 
@@ -72,19 +70,8 @@ STICKY_DEVICE_ERRORS = ("device-side assert triggered", "an illegal memory acces
 #: Most commands in one batch.
 MAX_COMMANDS = 1 << 20
 
-#: Commands run by other modules (code -> handler(executor, decoded command)): genie.server.graphs fills it.
-COMMAND_HOOKS: dict[int, Callable[[Executor, list[Any]], None]] = {}
 
-
-def _hands_out_uninitialised(label: str) -> bool:
-    """Ops that return memory nobody wrote (the ``empty`` family: ``empty_strided``, ``new_empty``,
-    ``_empty_affine_quantized``, ``prims::empty`` ...): their results are zeroed, gaps included, so a
-    session never reads bytes another session's tensors left behind. By name, so a new member of the
-    family in a later torch release is covered too."""
-    return "empty" in label
-
-
-class _OpPlan:
+class OpPlan:
     """What running one op name needs, worked out on its first use and reused by every later command.
 
     The per-op facts that do not depend on the arguments: the resolved OpOverload (after
@@ -101,7 +88,7 @@ class _OpPlan:
         self.devargs = bool(device_params(self.op))
         self.generator_arg = generator_arg(self.op)[1] != ""
         self.generatorless = name in GENERATORLESS
-        self.uninitialised = _hands_out_uninitialised(name)
+        self.uninitialised = hands_out_uninitialised(name)
         #: whether it may write (and so resize) an argument: in-place, out=, resize_, set_; a functional
         #: op's schema promises it leaves its inputs alone, so their sizes need no second look
         self.writes = any(a.alias_info is not None and a.alias_info.is_write for a in self.op._schema.arguments)
@@ -113,14 +100,14 @@ class _OpPlan:
 
 #: Op name -> its plan, for every session (plans hold nothing of a session). Bounded: only names that
 #: resolved are kept, and there are a few thousand of those.
-_plans: dict[str, _OpPlan] = {}
+_plans: dict[str, OpPlan] = {}
 
 
-def op_plan(name: Any) -> _OpPlan:
+def op_plan(name: Any) -> OpPlan:
     """The plan of a client-named op; ForbiddenOpError (from resolve_op) when it may not run."""
     plan = _plans.get(name) if type(name) is str else None
     if plan is None:
-        plan = _OpPlan(name)  # resolve_op checks the name, whatever its type
+        plan = OpPlan(name)  # resolve_op checks the name, whatever its type
         _plans[name] = plan
     return plan
 
@@ -139,14 +126,6 @@ def context_lost(records: Sequence[dict[str, Any] | None]) -> str | None:
     return None
 
 
-class _CommandFailed(Exception):
-    """A well-formed command failed; carries the deferred-error map (internal)."""
-
-    def __init__(self, record: dict[str, Any]) -> None:
-        super().__init__(record["message"])
-        self.record = record
-
-
 class Executor:
     """Executes batches for one session over ``channel``; ``devices`` are the node's devices by index."""
 
@@ -157,20 +136,15 @@ class Executor:
         self.generators = SessionGenerators(self.devices)
         self.deferred: list[dict[str, Any]] = []
         self.dropped = 0
-        self.ops_run = 0
-        #: ops run by a command plan (genie.server.plans), a share of ops_run
-        self.plan_runs = 0
-        #: ops run by the native plan runner (genie._C_plans), a share of plan_runs
-        self.native_runs = 0
+        #: runs every kernel with its accounting (genie.server.kernel), and counts what ran
+        self.kernels = Kernels(store)
         #: Most commands plus uploads one batch may carry (``max_session_inflight``): everything a client can
         #: make the server hold or queue at once without waiting for an answer.
         self.max_inflight = MAX_COMMANDS
         #: Most elements one op may iterate over or produce (``max_op_elements``; 0: unbounded).
         self.max_op_elements = preflight.DEFAULT_MAX_OP_ELEMENTS
-        self.metrics: SessionMetrics = NULL_SESSION_METRICS  # metrics: the server sets each session's
         #: the native plan runner (genie._C_plans; None where it was not built): plans.native_plan's plans
-        self.native = plans.new_runner()
-        self._clock: OpClock | NullClock = NULL_CLOCK
+        self.native = plans.new_runner(store)
         # The command being resolved: its device (where unseen storages are made) and the storages it used.
         self._device_now = self.devices[0]
         self._used: dict[int, torch.UntypedStorage] = {}
@@ -186,13 +160,37 @@ class Executor:
     @property
     def clock(self) -> OpClock | NullClock:
         """The op deadline clock (isolation: a session worker's, which the native runner writes too)."""
-        return self._clock
+        return self.kernels.clock
 
     @clock.setter
     def clock(self, clock: OpClock | NullClock) -> None:
-        self._clock = clock
+        self.kernels.clock = clock
         if self.native is not None:
             self.native.set_clock(clock.address)
+
+    @property
+    def metrics(self) -> SessionMetrics:
+        """Where the session's figures go (metrics: the server sets each session's; by default nowhere)."""
+        return self.kernels.metrics
+
+    @metrics.setter
+    def metrics(self, metrics: SessionMetrics) -> None:
+        self.kernels.metrics = metrics
+
+    @property
+    def ops_run(self) -> int:
+        """Ops this session ran."""
+        return self.kernels.ops_run
+
+    @property
+    def plan_runs(self) -> int:
+        """Ops run by a command plan (genie.server.plans), a share of :attr:`ops_run`."""
+        return self.kernels.plan_runs
+
+    @property
+    def native_runs(self) -> int:
+        """Ops run by the native plan runner (genie._C_plans), a share of :attr:`plan_runs`."""
+        return self.kernels.native_runs
 
     # -- batches ------------------------------------------------------------------------------
 
@@ -304,48 +302,25 @@ class Executor:
         if advanced:
             self._used = {}  # what FREE does: no finished command's storages stay referenced
         if ran:
-            self.plan_runs += ran
-            self.native_runs += ran
-            self.ops_run += ran - (outcome is not None and outcome[0] == "failed")
+            self.kernels.natively_ran(ran, outcome is not None and outcome[0] == "failed")
 
     # -- commands -----------------------------------------------------------------------------
 
     def _run_command(self, cmd: Any, keyed: plans.Keyed | None = None) -> None:
         if not isinstance(cmd, list) or not cmd or not is_int(cmd[0]):
             raise FrameError(f"a command must be a list starting with a command code, got {type(cmd).__name__}")
-        code = cmd[0]
-        if code == CMD_OP:
-            self._cmd_op(cmd, keyed)
-        elif code == CMD_FREE:
-            if len(cmd) != 2 or not isinstance(cmd[1], list):
-                raise FrameError("FREE must be [CMD_FREE, [storage_id, ...]]")
-            self._used = {}  # the last command's storages: none may stay referenced, so the pool can reuse them
-            self.store.free((s for s in cmd[1] if is_int(s)), recycle=self.transfers.pool.give)
-        elif code == CMD_FETCH:
-            if len(cmd) != 4:
-                raise FrameError("FETCH must be [CMD_FETCH, req, device, tensor]")
-            desc = cmd[3] if isinstance(cmd[3], Descriptor) else Descriptor.parse(cmd[3], "fetched tensor")
-            transfers.fetch(self, cmd[1], cmd[2], desc)
-        elif code == CMD_CALL:
-            self._cmd_call(cmd, keyed)
-        elif code == CMD_SYNC:
-            if len(cmd) != 2:
-                raise FrameError("SYNC must be [CMD_SYNC, req]")
-            controls.sync(self, cmd[1])
-        elif code == CMD_SEED:
-            controls.seed(self, cmd)
-        elif code == CMD_RESIZE:
-            controls.resize(self, cmd)
-        elif code == CMD_HAVE:
-            transfers.have(self, cmd)
-        elif code == CMD_OPTIONS:
-            controls.options(self, cmd)
-        elif code in COMMAND_HOOKS:  # graphs hook: genie/server/graphs.py registers CMD_GRAPH and CMD_REPLAY
-            COMMAND_HOOKS[code](self, cmd)
-        else:
-            raise FrameError(f"unknown command code {code}")
+        handler = COMMANDS.get(cmd[0])
+        if handler is None:
+            raise FrameError(f"unknown command code {cmd[0]}")
+        handler(self, cmd, keyed)
 
-    def _cmd_op(self, cmd: list[Any], keyed: plans.Keyed | None = None) -> None:
+    def free(self, storage_ids: Iterable[Any]) -> None:
+        """Release storages (CMD_FREE); the staging pool is offered their memory."""
+        self._used = {}  # the last command's storages: none may stay referenced, so the pool can reuse them
+        self.store.free(storage_ids, recycle=self.transfers.pool.give)
+
+    def run_op_command(self, cmd: list[Any], keyed: plans.Keyed | None = None) -> None:
+        """``[CMD_OP, device, op, args, kwargs, outs]`` by the full path (which makes its plan when it can)."""
         if len(cmd) != 6 or not isinstance(cmd[4], dict) or not isinstance(cmd[5], list):
             raise FrameError("OP must be [CMD_OP, device, op, args, kwargs, outs]")
         # A tensor tag (decoded by the codec, layouts cached) or a plain descriptor list, checked the same way.
@@ -357,7 +332,7 @@ class Executor:
         sent_kwargs = dict(cmd[4]) if keyed is not None else None
         try:
             result, inputs = self._execute(cmd[1], cmd[2], cmd[3], cmd[4], storage_ids, outs)
-        except _CommandFailed as failed:
+        except CommandFailed as failed:
             self.fail_outputs(failed.record, storage_ids)
             return
         self.store_outputs_of(label, result, inputs, outs, storage_ids)
@@ -403,7 +378,8 @@ class Executor:
             self.store.poison(storage_id, f"{record['op']}: {record['message']}")
         self._defer(record)
 
-    def _cmd_call(self, cmd: list[Any], keyed: plans.Keyed | None = None) -> None:
+    def run_call_command(self, cmd: list[Any], keyed: plans.Keyed | None = None) -> None:
+        """``[CMD_CALL, req, device, op, args, kwargs, out_storage_ids]`` by the full path (and its plan)."""
         if len(cmd) != 7 or not isinstance(cmd[5], dict) or not isinstance(cmd[6], list):
             raise FrameError("CALL must be [CMD_CALL, req, device, op, args, kwargs, out_storage_ids]")
         req, label = cmd[1], _label(cmd[3])
@@ -411,7 +387,7 @@ class Executor:
         sent_kwargs = dict(cmd[5]) if keyed is not None else None
         try:
             result, _ = self._execute(cmd[2], cmd[3], cmd[4], cmd[5], storage_ids)
-        except _CommandFailed as failed:
+        except CommandFailed as failed:
             self.fail_call(req, failed.record, storage_ids)
             return
         if self.finish_call(label, req, result, storage_ids) and keyed is not None and self._checked is not None:
@@ -449,13 +425,13 @@ class Executor:
 
     def _execute(self, device_index: Any, name: Any, args: Any, kwargs: Any, storage_ids: list[int],
                  outs: Sequence[Descriptor | None] = ()) -> tuple[Any, Any]:
-        """Resolve and run an op; raise _CommandFailed with a deferred-error record on any failure."""
+        """Resolve and run an op; raise CommandFailed with a deferred-error record on any failure."""
         label = _label(name)
         self._checked = None
         try:
             plan = op_plan(name)
         except ForbiddenOpError as exc:
-            raise _CommandFailed(_error(label, [], "forbidden", str(exc), storage_ids)) from None
+            raise CommandFailed(_error(label, [], "forbidden", str(exc), storage_ids)) from None
         op = plan.op
         if type(args) is not list or (kwargs and not all(isinstance(k, str) for k in kwargs)):
             raise FrameError(f"{label}: args must be a list and kwargs a map with string keys")
@@ -473,7 +449,7 @@ class Executor:
             runner = self.generators.generatorless(label, device_index) if plan.generatorless else None
             self._precheck_outputs(label, storage_ids, outs)
         except (GenieError, IndexError, RuntimeError) as exc:  # RuntimeError: torch refused to build a tensor
-            raise _CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
+            raise CommandFailed(_error(label, [], _kind_of(exc), _message(exc), storage_ids)) from None
         # Limits and argument checks on meta tensors before the kernel sees anything (genie.server.preflight),
         # under the op deadline too: a meta run goes through decompositions, and one can loop or allocate
         # without end (combinations with r = 2**31 built a list of 2**31 tensors; found by the fuzzer).
@@ -484,43 +460,32 @@ class Executor:
                 planned, label, args, kwargs, max_elements=self.max_op_elements,
                 remaining_bytes=self.store.max_bytes - self.store.bytes_used if self.store.max_bytes else None)
         except GenieError as exc:
-            raise _CommandFailed(_error(label, shapes((args, kwargs)), _kind_of(exc), _message(exc),
+            raise CommandFailed(_error(label, shapes((args, kwargs)), _kind_of(exc), _message(exc),
                                         storage_ids)) from None
         finally:
             self.clock.end()  # isolation
         inputs = (args, kwargs)  # for error messages only: shapes() walks it when something fails
         used = self._used
-        plans.use_serial(self._device_now.type == "cpu" and checked.max_input < plans.SERIAL_BELOW)
-        started = time.perf_counter()  # metrics
-        self.clock.begin(label)  # isolation
+        resizes = used if plan.writes or runner is not None or fresh is not None else None
+        serial = self._device_now.type == "cpu" and checked.max_input < SERIAL_BELOW  # kernel.serial_size's rule
         try:
             if fresh is not None:
-                result = self._run_fresh(plan, args, kwargs, fresh, outs, generator)
+                result = self.kernels.run(label, self._run_fresh, (plan, args, kwargs, fresh, outs, generator),
+                                          serial=serial, used=resizes)
+            elif runner is not None:
+                result = self.kernels.run(label, runner, (args, kwargs), serial=serial, used=resizes)
             else:
-                result = runner(args, kwargs) if runner is not None else run_op(op, args, kwargs)
-        except Exception as exc:
-            self.metrics.record_op(label, "error", time.perf_counter() - started)  # metrics
-            raise _CommandFailed(_error(label, shapes((args, kwargs)), "execution", _message(exc),
-                                        storage_ids)) from None
-        finally:
-            self.clock.end()  # isolation
-            if plan.writes or runner is not None or fresh is not None:
-                self._account_resizes(used)
-        self.ops_run += 1
-        self.metrics.record_op(label, "ok", time.perf_counter() - started)  # metrics
+                result = self.kernels.run(label, run_op, (op, args, kwargs), serial=serial, used=resizes)
+        except Exception as exc:  # noqa: BLE001 - the kernel's failure is the command's deferred error
+            raise CommandFailed(kernel_error(label, args, kwargs, exc, storage_ids)) from None
         # For a plan (genie.server.plans): the pre-flight answer, and whether an out= op ran its functional form.
         self._checked = checked
         self._ran_functional = fresh is not None and self._functional_result
         if plan.uninitialised:
-            held = self._held()
-            for t in tensor_leaves(result):
-                # A fresh result is zeroed whole (a strided one has gaps); an out= result lives in a storage of
-                # the session's own, whose other bytes are the session's data (grown bytes were zeroed above).
-                if t.layout == torch.strided and t.untyped_storage().data_ptr() not in held:
-                    zero_from(t.untyped_storage(), 0)
+            zero_fresh(result, self._held())
         return result, inputs
 
-    def _fresh_outs(self, plan: _OpPlan, kwargs: dict[str, Any], outs: Sequence[Descriptor | None]) -> list[Any] | None:
+    def _fresh_outs(self, plan: OpPlan, kwargs: dict[str, Any], outs: Sequence[Descriptor | None]) -> list[Any] | None:
         """For an out= op whose every out argument is a storage this session has not made yet: the out
         arguments, taken out of ``kwargs`` (then run by :meth:`_run_fresh`); else None.
 
@@ -541,7 +506,7 @@ class Executor:
             del kwargs[n]
         return values
 
-    def _run_fresh(self, plan: _OpPlan, args: list[Any], kwargs: dict[str, Any], fresh: list[Any],
+    def _run_fresh(self, plan: OpPlan, args: list[Any], kwargs: dict[str, Any], fresh: list[Any],
                    outs: Sequence[Descriptor | None], generator: Any) -> Any:
         """Run the functional form; where its results differ in dtype or size from the out arguments
         (out= may cast), run the out= form after all, as the client asked."""
@@ -561,16 +526,6 @@ class Executor:
         for name, desc in fresh:
             kwargs[name] = codec.resolve(desc, self._tensor, self._device, self._generator_of(device_index))
         return run_op(op, args, kwargs)
-
-    def _account_resizes(self, used: dict[int, torch.UntypedStorage]) -> None:
-        """Ops like resize_ grow a storage in place: zero what it gained and count it."""
-        for storage_id, storage in used.items():
-            if storage_id in self.store:
-                before = self.store.nbytes(storage_id)
-                if storage.nbytes() != before:
-                    if storage.nbytes() > before:
-                        zero_from(storage, before)
-                    self.store.resized(storage_id)
 
     def _precheck_outputs(self, label: str, storage_ids: list[int], outs: Sequence[Descriptor | None]) -> None:
         """Refuse before running what can never fit: too many storages, or one output above the byte limit."""
@@ -640,7 +595,7 @@ class Executor:
                 raise RemoteDeviceLost(lost)
 
 
-    # -- the interface of command hooks (genie.server.graphs uses it instead of the privates above) -------
+    # -- the interface of command handlers (genie.server.commands: graphs, transfers, controls, plans) -------
 
     def begin(self, device_index: Any) -> torch.device:
         """Start a command on ``device_index`` (ProtocolError if the node lacks it); returns the device."""
@@ -675,24 +630,26 @@ class Executor:
 
     def account_resizes(self, used: dict[int, torch.UntypedStorage]) -> None:
         """Zero and count what ops that resize storages in place made them gain."""
-        self._account_resizes(used)
+        account_resizes(self.store, used)
 
     def store_results(self, label: str, results: Any, outs: list[Descriptor | None], held: set[int]) -> list[Exception]:
         """Store a command's results by the output rule (:func:`genie.server.outputs.store_outputs`)."""
         return store_outputs(label, results, outs, self.store, held, self._known_tensor)
 
-    def reply(self, req: Any, error: dict[str, Any] | None, result: Any) -> None:
-        """Answer request ``req`` (with the deferred errors)."""
-        self._reply(req, error, result)
+    def reply(self, req: Any, error: dict[str, Any] | None, result: Any, payload: Sequence[memoryview] = (),
+              keep: Any = None) -> None:
+        """Answer request ``req`` (with the deferred errors); ``payload``: raw bytes after the body, views into
+        ``keep``, which must outlive the send."""
+        self._reply(req, error, result, payload, keep)
+
+    def tensor(self, desc: Descriptor) -> torch.Tensor:
+        """The described tensor over the session's storage (bounds checked; a storage never seen before is made,
+        zero-filled, on the command's device)."""
+        return self._tensor(desc)
 
     def defer(self, record: dict[str, Any]) -> None:
         """Keep an error record for the next reply."""
         self._defer(record)
-
-
-#: Public names of the helpers command hooks share with the op path.
-CommandFailed = _CommandFailed
-hands_out_uninitialised = _hands_out_uninitialised
 
 
 def _label(name: Any) -> str:

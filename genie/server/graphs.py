@@ -34,9 +34,8 @@ past it).
 from __future__ import annotations
 
 import functools
-import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,24 +43,19 @@ from genie.errors import ForbiddenOpError, FrameError, GenieError, ProtocolError
 from genie.server import preflight, validators
 from genie.server.codec import Descriptor, DeviceRef, GeneratorRef, is_int
 from genie.server.devargs import check_device_args
-from genie.server.executor import (
-    COMMAND_HOOKS,
-    CommandFailed,
-    Executor,
-    hands_out_uninitialised,
-)
 from genie.server.graph_gate import CheckedReplay, Gate
+from genie.server.kernel import CommandFailed, hands_out_uninitialised, serial_size, use_serial, zero_fresh
 from genie.server.ops import resolve_op, run_op
 from genie.server.outputs import OutputMismatch
-from genie.server.plans import serial_size, use_serial
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
 from genie.server.records import shapes, tensor_leaves
 from genie.server.rng import GENERATORLESS, generator_arg
-from genie.server.store import zero_from
 from genie.wire.graph import Definition, Ref, decode_definition
-from genie.wire.messages import CMD_GRAPH, CMD_REPLAY
+
+if TYPE_CHECKING:
+    from genie.server.executor import Executor
 
 #: Most graphs, and most nodes over all graphs, one session may keep.
 MAX_GRAPHS = 4096
@@ -180,7 +174,8 @@ def _has_ref(value: Any) -> bool:
     return False
 
 
-def _define(ex: Executor, cmd: list[Any]) -> None:
+def define(ex: Executor, cmd: list[Any]) -> None:
+    """``[CMD_GRAPH, req, device, graph_id, definition]``: validate a graph and keep it (genie.server.commands)."""
     if len(cmd) != 5:
         raise FrameError("GRAPH must be [CMD_GRAPH, req, device, graph_id, definition]")
     req, device_index, graph_id, blob = cmd[1], cmd[2], cmd[3], cmd[4]
@@ -324,9 +319,7 @@ def _run_nodes(ex: Executor, graph: Graph, env: list[Any], held: set[int], label
                     raise
                 result = run_op(node.op, args, kwargs)  # a missing kernel: the op path's decomposition
             if node.zero:
-                for t in tensor_leaves(result):
-                    if t.layout == torch.strided and t.untyped_storage().data_ptr() not in held:
-                        zero_from(t.untyped_storage(), 0)
+                zero_fresh(result, held)
             env[slot] = result
             if checked is not None:
                 checked.ran(node.label, node.resizes, slot, result)
@@ -342,7 +335,9 @@ def _run_nodes(ex: Executor, graph: Graph, env: list[Any], held: set[int], label
                                    storage_ids)) from None
 
 
-def _replay(ex: Executor, cmd: list[Any]) -> None:
+def replay(ex: Executor, cmd: list[Any]) -> None:
+    """``[CMD_REPLAY, device, graph_id, inputs, outs]``: run a defined graph, its checks and nodes as one op by the
+    kernel wrapper (genie.server.kernel: op clock, metrics as ``genie::replay``), its outputs by the output rule."""
     if len(cmd) != 5 or not isinstance(cmd[3], list) or not isinstance(cmd[4], list):
         raise FrameError("REPLAY must be [CMD_REPLAY, device, graph_id, inputs, outs]")
     device_index, graph_id, inputs = cmd[1], cmd[2], cmd[3]
@@ -375,35 +370,10 @@ def _replay(ex: Executor, cmd: list[Any]) -> None:
         env.extend([None] * len(graph.nodes))
         held = ex.held_keys()
         graph.replays += 1
-        started = time.perf_counter()  # metrics
-        ex.clock.begin(f"{label} (replay)")  # isolation: the whole replay, checks included, is one op's time
-        try:
-            if gate is not None:
-                over = gate.over(remaining)
-                if over is not None:
-                    node = graph.nodes[over[0]]
-                    raise CommandFailed(_error(f"{label} node {over[0]} ({node.label})", [], "quota", _message(
-                        preflight.over_quota(node.label, over[1], over[2])), storage_ids))
-                _run_nodes(ex, graph, env, held, label, storage_ids, None)
-            else:
-                graph.checked_runs += 1
-                checked = CheckedReplay(ex, remaining)
-                _run_nodes(ex, graph, env, held, label, storage_ids, checked)
-                gate = checked.gate()
-                if key is not None and gate is not None:
-                    if len(graph.gates) >= MAX_GATES:
-                        graph.gates.clear()
-                    graph.gates[key] = gate
-        except CommandFailed:
-            ex.metrics.record_op("genie::replay", "error", time.perf_counter() - started)  # metrics
-            raise
-        finally:
-            ex.clock.end()  # isolation
-            grown_past = _account_resizes(ex, used) if graph.resizes else None
-        if grown_past is not None:
-            raise CommandFailed(_error(label, [], "quota", _message(grown_past), storage_ids))
-        ex.ops_run += len(graph.nodes)
-        ex.metrics.record_op("genie::replay", "ok", time.perf_counter() - started)  # metrics
+        # The whole replay, checks included, is one op's time on the clock; its nodes count as ops.
+        ex.kernels.run("genie::replay", _run_gated, (ex, graph, env, held, label, storage_ids, key, gate, remaining,
+                                                     used), serial=None, ops=len(graph.nodes),
+                       clock_label=f"{label} (replay)")
         results: list[Any] = []
         descs: list[Any] = []
         try:
@@ -429,6 +399,40 @@ def _replay(ex: Executor, cmd: list[Any]) -> None:
         ex.defer(_error(label, [], _kind_of(failure), _message(failure), storage_ids))
 
 
+def _run_gated(ex: Executor, graph: Graph, env: list[Any], held: set[int], label: str, storage_ids: list[int],
+               key: Any, gate: Gate | None, remaining: int | None, used: dict[int, Any]) -> None:
+    """A replay's nodes, then what they grew the inputs' storages by counted (a growth past the quota fails the
+    replay, whether the nodes ran or not)."""
+    try:
+        _run_admitted(ex, graph, env, held, label, storage_ids, key, gate, remaining)
+    finally:
+        grown_past = _account_resizes(ex, used) if graph.resizes else None
+    if grown_past is not None:
+        raise CommandFailed(_error(label, [], "quota", _message(grown_past), storage_ids))
+
+
+def _run_admitted(ex: Executor, graph: Graph, env: list[Any], held: set[int], label: str, storage_ids: list[int],
+                  key: Any, gate: Gate | None, remaining: int | None) -> None:
+    """A replay's nodes: admitted by the gate of their input signature, or each checked in full (which makes
+    the signature's gate)."""
+    if gate is not None:
+        over = gate.over(remaining)
+        if over is not None:
+            node = graph.nodes[over[0]]
+            raise CommandFailed(_error(f"{label} node {over[0]} ({node.label})", [], "quota", _message(
+                preflight.over_quota(node.label, over[1], over[2])), storage_ids))
+        _run_nodes(ex, graph, env, held, label, storage_ids, None)
+        return
+    graph.checked_runs += 1
+    checked = CheckedReplay(ex, remaining)
+    _run_nodes(ex, graph, env, held, label, storage_ids, checked)
+    made = checked.gate()
+    if key is not None and made is not None:
+        if len(graph.gates) >= MAX_GATES:
+            graph.gates.clear()
+        graph.gates[key] = made
+
+
 def _account_resizes(ex: Executor, used: dict[Any, Any]) -> QuotaExceededError | None:
     """Count what nodes grew the inputs' storages by; the store's refusal of growth past the quota (it poisons
     that storage), which fails the replay, or None."""
@@ -441,6 +445,3 @@ def _account_resizes(ex: Executor, used: dict[Any, Any]) -> QuotaExceededError |
             refused = refused or exc
     return refused
 
-
-COMMAND_HOOKS[CMD_GRAPH] = _define
-COMMAND_HOOKS[CMD_REPLAY] = _replay

@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 #: Bucket limits of the op latency histogram, in seconds (10 µs to 60 s).
 DURATION_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
@@ -93,6 +93,19 @@ class Tally:
             self.device_io[key] = self.device_io.get(key, 0) + n
 
 
+class OkTally(NamedTuple):
+    """Where a session counts its ops that ran cleanly, for the native runner (genie/csrc/server_plans.cpp),
+    which binds this one object per session (``Runner.bind_metrics``) and counts an op whose name the
+    session counted before without a Python call, as :meth:`SessionMetrics.record_op` counts it: one more
+    in ``ops[(name, "ok")]``, one more in ``latency.counts`` at its bucket of ``buckets``, its seconds
+    added to ``latency.sum``. Anything else (a new name, an error) it hands to ``record_op``."""
+
+    ops: dict[tuple[str, str], int]  #: the session's tally.ops
+    latency: Latency  #: the session's latency histogram of ops that ran cleanly
+    buckets: tuple[float, ...]  #: DURATION_BUCKETS
+    record_op: Callable[[str, str, float], None]  #: SessionMetrics.record_op
+
+
 class SessionMetrics:
     """One session's figures; the executor records into it from the session's thread only, so
     plain ``+=`` is exact; readers sum sessions at collection time."""
@@ -105,6 +118,10 @@ class SessionMetrics:
         self._ok = self.tally.latency["ok"] = Latency()
         #: commands of the batch being run that have not run yet
         self.queue_depth = 0
+
+    def ok_tally(self) -> OkTally:
+        """The figures the native runner counts into (see :class:`OkTally`)."""
+        return OkTally(self.tally.ops, self._ok, DURATION_BUCKETS, self.record_op)
 
     @property
     def client_id(self) -> str:

@@ -13,6 +13,11 @@ For each output descriptor of a ``CMD_OP`` (see :mod:`genie.wire.messages`):
 dtype or size disagreement between the result and the descriptor is a
 *mismatch*, as is a view laid out differently from what the client computed
 (copying would break aliasing): the command fails, nothing is stored silently.
+
+:func:`store_outputs` is the rule; :func:`adopt_described` is its common cases in a few comparisons
+(every result fresh, dense and laid out as described, or already the described tensor), for the
+per-command plans: anything else it leaves to :func:`store_outputs`. The native runner
+(genie/csrc/server_plans.cpp) implements the same common cases and hands the rest back to Python.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ import torch
 
 from genie.server.codec import Descriptor, describe
 from genie.server.store import StorageStore
+
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
 
 
 class OutputMismatch(Exception):
@@ -111,6 +119,71 @@ def _place(i: int, t: torch.Tensor, desc: Descriptor, store: StorageStore, held:
     desc.check(None)
     made = store.make(desc.storage_id, desc.storage_nbytes, t.device)
     desc.over(made).copy_(t)
+
+
+def adopt_described(result: Any, descs: Sequence[Descriptor | None], slots: Sequence[int], ids: Sequence[int],
+                    store: StorageStore, used: dict[int, torch.UntypedStorage]) -> list[Exception] | None:
+    """The output rule's common cases: every result fresh, dense and laid out as its descriptor says (adopted
+    under its id, ``ids[slot]``), or already the described tensor of a storage the session holds (in place).
+    Returns the per-output store failures (quota), as :func:`store_outputs` does; None, with nothing stored,
+    when any result is something else: :func:`store_outputs` then decides. ``used``: the storages the
+    command used (a result over one of them is not fresh)."""
+    storages = store.tables.storages
+    if len(descs) == 1 and type(result) is _Tensor and descs[0] is not None:
+        # One output (most ops): the fresh case in a few comparisons.
+        only = descs[0]
+        storage_id = ids[slots[0]]
+        fresh = result.untyped_storage()
+        nbytes = fresh.nbytes()
+        if nbytes == only.storage_nbytes and nbytes and storage_id not in storages \
+                and result.dtype == only.dtype and result.shape == only.sizes and result.stride() == only.strides \
+                and result.storage_offset() == only.offset and result.layout == _STRIDED \
+                and result.numel() * result.element_size() == nbytes:
+            key = fresh.data_ptr()
+            for storage in used.values():
+                if storage.data_ptr() == key and storage.nbytes():
+                    break  # the result lives in an input's storage: not fresh
+            else:
+                try:
+                    store.adopt(storage_id, fresh, nbytes)
+                except Exception as exc:  # noqa: BLE001 - quota: reported as store_outputs reports it
+                    return [exc]
+                return []
+    results = [result] if type(result) is _Tensor else flatten_outputs(result) if result is not None else []
+    if len(results) != len(descs):
+        return None
+    held: set[int] | None = None
+    adopt: dict[int, torch.UntypedStorage] = {}
+    for t, desc, slot in zip(results, descs, slots, strict=True):
+        if desc is None:
+            continue  # an output the client does not keep
+        if t is None or t.layout != _STRIDED or t.dtype != desc.dtype or t.shape != desc.sizes \
+                or t.stride() != desc.strides or t.storage_offset() != desc.offset:
+            return None
+        storage_id = ids[slot]
+        fresh = t.untyped_storage()
+        nbytes = fresh.nbytes()
+        if not nbytes or storage_id in adopt:
+            return None
+        known = storages.get(storage_id)
+        if known is not None:
+            if known.data_ptr() != fresh.data_ptr():
+                return None  # a copy into the known storage: store_outputs does it
+            continue
+        if held is None:
+            held = {s.data_ptr() for s in used.values() if s.nbytes()}
+        key = fresh.data_ptr()
+        if key in held or nbytes != desc.storage_nbytes or t.numel() * t.element_size() != nbytes:
+            return None
+        held.add(key)
+        adopt[storage_id] = fresh
+    failures: list[Exception] = []
+    for storage_id, fresh in adopt.items():
+        try:
+            store.adopt(storage_id, fresh, fresh.nbytes())
+        except Exception as exc:  # noqa: BLE001 - quota: that output only, as store_outputs reports it
+            failures.append(exc)
+    return failures
 
 
 def store_call_result(result: Any, storage_ids: list[int], store: StorageStore, held: set[int]) -> Any:

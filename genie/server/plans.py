@@ -41,8 +41,6 @@ full path did not check. Plans are per session (its limits are part of what was 
 from __future__ import annotations
 
 import logging
-import math
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -50,8 +48,9 @@ import torch
 
 from genie.server import validators
 from genie.server.codec import Descriptor, DeviceRef
+from genie.server.kernel import SERIAL_BELOW, kernel_error, serial_size, use_serial  # noqa: F401 - re-exported
 from genie.server.ops import run_op
-from genie.server.outputs import fits_outs, flatten_outputs
+from genie.server.outputs import adopt_described, fits_outs
 from genie.server.records import error as _error
 from genie.server.records import kind_of, shapes
 from genie.server.records import message as _message
@@ -60,7 +59,7 @@ from genie.wire.floats import floats_decide_metadata
 from genie.wire.messages import CMD_OP
 
 if TYPE_CHECKING:
-    from genie.server.executor import Executor, _OpPlan
+    from genie.server.executor import Executor, OpPlan
     from genie.server.preflight import Plan
 
 #: A keyed command: (key, storage ids, floats), what :func:`genie._C_keys.command_key` returns.
@@ -73,13 +72,9 @@ except ImportError:  # pragma: no cover - an install that did not build the exte
 NativePlan: Any
 Runner: Any
 try:  # the native plan runner (genie/csrc/server_plans.cpp); without it plans run in Python
-    from genie._C_plans import SERIAL_BELOW, NativePlan, Runner, use_serial
+    from genie._C_plans import NativePlan, Runner
 except ImportError:  # pragma: no cover - an install that did not build the extension
     NativePlan = Runner = None
-    SERIAL_BELOW = 1 << 18
-
-    def use_serial(serial: bool) -> None:
-        """Without the extension the intra-op threads stay as torch set them."""
 
 log = logging.getLogger("genie.server.plans")
 
@@ -94,9 +89,6 @@ OP_PREFIX = b"\x96\x01"
 #: What a CMD_CALL's starts with: a fixarray of 7, then CMD_CALL (5).
 CALL_PREFIX = b"\x97\x05"
 
-_Tensor = torch.Tensor
-_STRIDED = torch.strided
-_perf_counter = time.perf_counter
 
 
 class CommandPlan:
@@ -214,7 +206,7 @@ def _placeholder_types() -> frozenset[type]:
 _PLACEHOLDERS = _placeholder_types()
 
 
-def coverable(op_plan: _OpPlan) -> bool:
+def coverable(op_plan: OpPlan) -> bool:
     """Whether commands of this op may get a plan: not ops whose full path does more than run the kernel
     (random ops and their generators, Device arguments, the empty family's zeroing)."""
     return not (op_plan.generator_arg or op_plan.generatorless or op_plan.devargs or op_plan.uninitialised)
@@ -247,7 +239,7 @@ def _has_float(value: Any) -> bool:
 _FLOAT = frozenset({float})
 
 
-def build(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: _OpPlan, checked: Plan,
+def build(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: OpPlan, checked: Plan,
           functional: bool) -> CommandPlan | None:
     """A plan from a CMD_OP the full path just ran without an error (``checked``: its pre-flight answer;
     ``functional``: an out= op whose fresh out arguments it ran in its functional form), or None when its
@@ -327,7 +319,7 @@ def build(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: _OpPlan, checked:
     return plan
 
 
-def build_call(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: _OpPlan,
+def build_call(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: OpPlan,
                checked: Plan) -> CommandPlan | None:
     """A plan from a CMD_CALL ``[CMD_CALL, req, device, op, args, kwargs(as sent), out_storage_ids]`` the full
     path just answered without an error; its key's ids are the request id, the tensor tags, the output ids."""
@@ -345,9 +337,10 @@ def _prepare(ex: Executor, plan: CommandPlan, ids: tuple[int, ...], outputs: int
     """The per-storage checks and the arguments of a command run by ``plan`` (``outputs``: how many storages
     it may add); None when the full path must run it instead (nothing done then)."""
     store = ex.store
-    # The store's own maps, read directly: this is the per-command path (genie.server.store keeps them).
-    storages = store._storages
-    sizes = store._sizes
+    # The store's maps, read directly: this is the per-command path (genie.server.store.StoreTables).
+    tables = store.tables
+    storages = tables.storages
+    sizes = tables.sizes
     if plan.max_op_elements != ex.max_op_elements or plan.float_values is not None and floats != plan.float_values:
         return None
     try:  # anything unexpected before the kernel (torch refusing to build a tensor): the full path reports it
@@ -367,11 +360,11 @@ def _prepare(ex: Executor, plan: CommandPlan, ids: tuple[int, ...], outputs: int
         if plan.fresh:  # what _fresh_outs asks of the outputs (else the full path would not run the functional form)
             for slot in plan.fresh_slots:
                 storage_id = ids[slot]
-                if storage_id in storages or storage_id in store._poisoned or storage_id in store._freed:
+                if store.seen(storage_id):
                     return None
-        if len(storages) + len(store._poisoned) + outputs > store.max_storages:
+        if len(storages) + len(tables.poisoned) + outputs > tables.max_storages:
             return None
-        if store.max_bytes and plan.new_bytes > store.max_bytes - store._bytes:
+        if tables.max_bytes and plan.new_bytes > tables.max_bytes - store.bytes_used:
             return None
         args, kwargs = _arguments(plan, tensors, floats)
         label = plan.label
@@ -382,10 +375,8 @@ def _prepare(ex: Executor, plan: CommandPlan, ids: tuple[int, ...], outputs: int
                 return None
     except Exception:  # noqa: BLE001
         return None
-    # What Executor.set_current does, inline: the command's device and the storages it used.
-    ex._device_now = device
-    ex._used = used
-    ex.plan_runs += 1
+    ex.set_current(device, used)
+    ex.kernels.plan_runs += 1
     return args, kwargs, used
 
 
@@ -418,13 +409,6 @@ def _arguments(plan: CommandPlan, tensors: list[torch.Tensor],
     return args, kwargs
 
 
-def serial_size(shapes: list[Any]) -> bool:
-    """Whether every input tensor of these shapes has fewer than SERIAL_BELOW elements: such an op runs on
-    one intra-op thread, since waking the pool costs more than its work. The same rule on every path that
-    runs ops (genie/csrc/server_plans.cpp), so no result depends on the path."""
-    return all(math.prod(shape) < SERIAL_BELOW for shape in shapes)
-
-
 def _kernel(plan: CommandPlan, args: list[Any], kwargs: dict[str, Any]) -> Any:
     """The plan's bound kernel on the arguments; its decomposition when the device has no kernel (as run_op)."""
     try:
@@ -438,34 +422,30 @@ def _kernel(plan: CommandPlan, args: list[Any], kwargs: dict[str, Any]) -> Any:
 def _timed(ex: Executor, plan: CommandPlan, args: list[Any], kwargs: dict[str, Any],
            used: dict[int, torch.UntypedStorage], ids: tuple[int, ...],
            out_ids: list[int]) -> tuple[Any, dict[str, Any] | None]:
-    """Run the kernel as the full path does (op clock, metrics, resizes re-measured): (result, None), or
-    (None, the deferred-error record) when it raised."""
-    label, metrics, clock = plan.label, ex.metrics, ex.clock
-    use_serial(plan.serial)
-    started = _perf_counter()  # metrics
-    clock.begin(label)  # isolation
+    """Run the kernel by the one kernel wrapper (genie.server.kernel), as the full path does: (result, None),
+    or (None, the deferred-error record) when it raised."""
     try:
-        result = _kernel(plan, args, kwargs)
-        if plan.fresh and not fits_outs(result, plan.out_descs):  # as _run_fresh: the out= form after all
-            result = ex.run_out_form(plan.op, args, dict(kwargs),
-                                     [(name, desc.with_id(ids[slot])) for name, slot, desc in plan.fresh],
-                                     plan.device_index)
-    except Exception as exc:
-        metrics.record_op(label, "error", _perf_counter() - started)  # metrics
-        return None, _kernel_error(plan, args, kwargs, exc, out_ids)
-    finally:
-        clock.end()  # isolation
-        if plan.writes:
-            ex.account_resizes(used)
-    ex.ops_run += 1
-    metrics.record_op(label, "ok", _perf_counter() - started)  # metrics
+        if plan.fresh:
+            result = ex.kernels.run(plan.label, _fresh_kernel, (ex, plan, args, kwargs, ids), serial=plan.serial,
+                                    used=used if plan.writes else None)
+        else:
+            result = ex.kernels.run(plan.label, _kernel, (plan, args, kwargs), serial=plan.serial,
+                                    used=used if plan.writes else None)
+    except Exception as exc:  # noqa: BLE001 - the kernel's failure is the command's deferred error
+        return None, kernel_error(plan.label, args, kwargs, exc, out_ids)
     return result, None
 
 
-def _kernel_error(plan: CommandPlan, args: list[Any], kwargs: dict[str, Any], exc: BaseException,
-                  out_ids: list[int]) -> dict[str, Any]:
-    """The deferred-error record of a kernel that raised ``exc``."""
-    return _error(plan.label, _shapes(args, kwargs), "execution", _message(exc), out_ids)
+def _fresh_kernel(ex: Executor, plan: CommandPlan, args: list[Any], kwargs: dict[str, Any],
+                  ids: tuple[int, ...]) -> Any:
+    """An out= op run in its functional form; where the results do not fit the out arguments (out= may cast),
+    the out= form after all, as the full path's _run_fresh does."""
+    result = _kernel(plan, args, kwargs)
+    if not fits_outs(result, plan.out_descs):
+        result = ex.run_out_form(plan.op, args, dict(kwargs),
+                                 [(name, desc.with_id(ids[slot])) for name, slot, desc in plan.fresh],
+                                 plan.device_index)
+    return result
 
 
 def _out_ids(plan: CommandPlan, ids: tuple[int, ...]) -> list[int]:
@@ -507,33 +487,10 @@ def run(ex: Executor, plan: CommandPlan, ids: tuple[int, ...], floats: tuple[flo
 
 def _store(ex: Executor, plan: CommandPlan, result: Any, ids: tuple[int, ...], args: list[Any],
            kwargs: dict[str, Any], used: dict[int, torch.UntypedStorage], out_ids: list[int]) -> None:
-    """Keep an OP's results (its kernel ran without an error): adopted when fresh and as described, else by
-    the full output rule."""
-    store = ex.store
-    storages = store._storages
+    """Keep an OP's results (its kernel ran without an error) by the output rule: its common cases
+    (genie.server.outputs.adopt_described), else the whole rule."""
     label = plan.label
-    single = plan.single
-    if single is not None and type(result) is _Tensor:
-        # One fresh output (most ops): the common case of _adopt, inline.
-        slot, desc = single
-        storage_id = ids[slot]
-        fresh = result.untyped_storage()
-        nbytes = fresh.nbytes()
-        if nbytes == desc.storage_nbytes and nbytes and storage_id not in storages \
-                and result.dtype == desc.dtype and result.shape == desc.sizes and result.stride() == desc.strides \
-                and result.storage_offset() == desc.offset and result.layout == _STRIDED \
-                and result.numel() * result.element_size() == nbytes:
-            key = fresh.data_ptr()
-            for storage in used.values():
-                if storage.data_ptr() == key and storage.nbytes():
-                    break  # the result lives in an input's storage: not fresh (the full rule decides)
-            else:
-                try:
-                    store.adopt(storage_id, fresh, nbytes)
-                except Exception as exc:  # noqa: BLE001 - quota: reported as the full rule does
-                    ex.defer(_error(label, _shapes(args, kwargs), kind_of(exc), _message(exc), out_ids))
-                return
-    failures = _adopt(plan, result, ids, storages, used, store)
+    failures = adopt_described(result, plan.out_descs, plan.out_slots, ids, ex.store, used)
     if failures is None:
         outs = [d if d is None else d.with_id(ids[slot]) for d, slot in zip(plan.out_descs, plan.out_slots,
                                                                            strict=True)]
@@ -561,55 +518,12 @@ def _shapes(args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
     return shapes((args, kwargs))
 
 
-def _adopt(plan: CommandPlan, result: Any, ids: tuple[int, ...], storages: dict[int, torch.UntypedStorage],
-           used: dict[int, torch.UntypedStorage], store: StorageStore) -> list[Exception] | None:
-    """The output rule's common cases: every result fresh, dense and laid out as described (adopted), or
-    already the described tensor of a storage the session holds (in place). Returns the per-output store
-    failures (quota), as the full rule does; None, with nothing stored, when any result is something
-    else: the full rule then decides."""
-    results = [result] if type(result) is _Tensor else flatten_outputs(result) if result is not None else []
-    descs = plan.out_descs
-    if len(results) != len(descs):
-        return None
-    held: set[int] | None = None
-    adopt: dict[int, torch.UntypedStorage] = {}
-    for t, desc, slot in zip(results, descs, plan.out_slots, strict=True):
-        if desc is None:
-            continue  # an output the client does not keep
-        if t is None or t.layout != torch.strided or t.dtype != desc.dtype or t.shape != desc.sizes \
-                or t.stride() != desc.strides or t.storage_offset() != desc.offset:
-            return None
-        storage_id = ids[slot]
-        fresh = t.untyped_storage()
-        nbytes = fresh.nbytes()
-        if not nbytes or storage_id in adopt:
-            return None
-        known = storages.get(storage_id)
-        if known is not None:
-            if known.data_ptr() != fresh.data_ptr():
-                return None  # a copy into the known storage: the full rule does it
-            continue
-        if held is None:
-            held = {s.data_ptr() for s in used.values() if s.nbytes()}
-        key = fresh.data_ptr()
-        if key in held or nbytes != desc.storage_nbytes or t.numel() * t.element_size() != nbytes:
-            return None
-        held.add(key)
-        adopt[storage_id] = fresh
-    failures: list[Exception] = []
-    for storage_id, fresh in adopt.items():
-        try:
-            store.adopt(storage_id, fresh, fresh.nbytes())
-        except Exception as exc:  # noqa: BLE001 - quota: that output only, as the full rule reports it
-            failures.append(exc)
-    return failures
-
-
 # -- the native runner (genie/csrc/server_plans.cpp) ------------------------------------------------------
 
 
-def new_runner() -> Any:
-    """A session's native plan runner, or None where the extension was not built."""
+def new_runner(store: StorageStore) -> Any:
+    """A session's native plan runner over ``store`` (bound once to its genie.server.store.StoreTables), or
+    None where the extension was not built."""
     if Runner is None:
         return None
     from genie.transport.record import INLINE
@@ -641,13 +555,13 @@ def finish_native(ex: Executor, plan: CommandPlan, outcome: tuple[Any, ...]) -> 
     if kind == "call":  # it ran cleanly and resized nothing: (..., result, used)
         _finish(ex, plan, ids, out_ids, outcome[3], None, [], {}, used)
         return
-    if plan.writes:  # as _timed does, whether the kernel failed or not
+    if plan.writes:  # as the kernel wrapper does, whether the kernel failed or not
         ex.account_resizes(used)
     # "failed": (..., exception, input tensors, floats, used); "outputs": (..., result, input tensors, floats,
     # used), a result the full output rule decides on or a storage the op resized in place
     args, kwargs = _arguments(plan, outcome[4], outcome[5])
     if kind == "failed":
-        _finish(ex, plan, ids, out_ids, None, _kernel_error(plan, args, kwargs, outcome[3], out_ids), args, kwargs,
-                used)
+        _finish(ex, plan, ids, out_ids, None, kernel_error(plan.label, args, kwargs, outcome[3], out_ids), args,
+                kwargs, used)
     else:
         _finish(ex, plan, ids, out_ids, outcome[3], None, args, kwargs, used)

@@ -47,7 +47,6 @@ from genie.errors import (
     QuotaExceededError,
     RemoteDeviceLost,
 )
-from genie.server import graphs as _graphs  # noqa: F401 - registers CMD_GRAPH and CMD_REPLAY with the executor
 from genie.server.executor import Executor
 from genie.server.preauth import Admitted, authenticate, reject
 from genie.server.store import StorageStore

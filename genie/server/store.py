@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import attrs
 import torch
@@ -53,6 +54,25 @@ def zero_from(storage: torch.UntypedStorage, start: int) -> None:
     raw[start:].zero_()
 
 
+class StoreTables(NamedTuple):
+    """The store's maps and quotas as the per-command fast path reads them: Python's plans
+    (:mod:`genie.server.plans`) and the native runner, which binds this one object per session
+    (``Runner.bind_store``, genie/csrc/server_plans.cpp) instead of reading the store's attributes.
+
+    The maps are the store's own (never replaced, only emptied by :meth:`StorageStore.clear`). Readers
+    only look. The native runner also adopts results and frees storages through them, by the rules of
+    :meth:`StorageStore.adopt` and :meth:`StorageStore.free`, and reports the bytes that changed through
+    :meth:`StorageStore.count_native`: the byte count has one writer, the store.
+    """
+
+    storages: dict[int, torch.UntypedStorage]  #: live storages by id
+    sizes: dict[int, int]  #: each live storage's counted size
+    poisoned: dict[int, str]  #: poisoned ids and their causes
+    freed: set[int]  #: freed ids remembered (at most MAX_REMEMBERED_FREES, then started over)
+    max_storages: int  #: fixed when the store is made, as max_bytes
+    max_bytes: int  #: 0: unbounded
+
+
 @attrs.define
 class StorageStore:
     """Storages by id for one session, with storage and byte quotas (``max_bytes`` 0: unbounded)."""
@@ -64,6 +84,7 @@ class StorageStore:
     _poisoned: dict[int, str] = attrs.field(factory=dict)
     _freed: set[int] = attrs.field(factory=set)
     _bytes: int = 0
+    _tables: StoreTables | None = attrs.field(default=None, init=False)
 
     # -- inspection -------------------------------------------------------------------------
 
@@ -76,6 +97,24 @@ class StorageStore:
     def bytes_used(self) -> int:
         """Bytes of every live storage."""
         return self._bytes
+
+    @property
+    def tables(self) -> StoreTables:
+        """The maps and quotas for the per-command fast path (see :class:`StoreTables`)."""
+        tables = self._tables
+        if tables is None:
+            tables = self._tables = StoreTables(self._storages, self._sizes, self._poisoned, self._freed,
+                                                self.max_storages, self.max_bytes)
+        return tables
+
+    def seen(self, storage_id: int) -> bool:
+        """Whether the session made, freed or had poisoned ``storage_id`` (an id a fresh output may not name)."""
+        return storage_id in self._storages or storage_id in self._poisoned or storage_id in self._freed
+
+    def count_native(self, grown: int) -> None:
+        """Count ``grown`` bytes (negative: released) that the native runner adopted or freed through
+        :attr:`tables` by :meth:`adopt`'s and :meth:`free`'s rules."""
+        self._bytes += grown
 
     def bytes_by_device(self) -> dict[str, int]:
         """Bytes of the live storages per device (``cuda:0``, ``cpu``); safe beside the session thread."""

@@ -146,14 +146,14 @@ def _parse_upload(ex: Executor, up: Any, cached: bool) -> Upload:
     if not isinstance(up, list) or len(up) not in ((4,) if cached else (3, 4, 5, 6)):
         shape = "[storage_id, device, nbytes, key]" if cached else \
             "[storage_id, device, nbytes(, key, possession(, packing))]"
-        raise FrameError(f"an {'cached ' if cached else ''}upload must be {shape}, got {codec._preview(up)}")
+        raise FrameError(f"an {'cached ' if cached else ''}upload must be {shape}, got {codec.preview(up)}")
     storage_id = check_id(up[0], "upload storage id")
     index = up[1].index if isinstance(up[1], DeviceRef) else up[1]
     if not is_int(index) or not 0 <= index < len(ex.devices):
         raise FrameError(f"upload {storage_id} names device {index!r}; this node has {len(ex.devices)}")
     nbytes = up[2]
     if not is_int(nbytes) or not 0 <= nbytes <= MAX_NBYTES:
-        raise FrameError(f"upload {storage_id} has a bad byte count {codec._preview(nbytes)}")
+        raise FrameError(f"upload {storage_id} has a bad byte count {codec.preview(nbytes)}")
     if storage_id == 0:
         raise FrameError("an upload cannot target storage 0 (the empty storage)")
     key = up[3] if len(up) >= 4 else None
@@ -199,7 +199,7 @@ def _refused_all(ex: Executor, specs: list[Upload], exc: Exception) -> None:
 
     for storage_id, *_ in specs:
         ex.store.poison(storage_id, str(exc))
-    ex._defer(_error("upload", [[s[2]] for s in specs], "quota", str(exc), [s[0] for s in specs]))
+    ex.defer(_error("upload", [[s[2]] for s in specs], "quota", str(exc), [s[0] for s in specs]))
 
 
 def _receive_sent(ex: Executor, header: FrameHeader, specs: list[Upload], total: int) -> None:
@@ -264,7 +264,7 @@ def _unpacked(ex: Executor, specs: list[Upload], wire: list[torch.Tensor], buffe
         except (ProtocolError, RemoteExecutionError) as exc:
             refused.add(storage_id)
             ex.store.poison(storage_id, str(exc))
-            ex._defer(_error("upload", [[nbytes]], _kind_of(exc), str(exc), [storage_id]))
+            ex.defer(_error("upload", [[nbytes]], _kind_of(exc), str(exc), [storage_id]))
     return refused
 
 
@@ -276,7 +276,7 @@ def _apply_checked(ex: Executor, storage_id: int, device: torch.device, raw: tor
         apply_upload(ex, storage_id, device, raw, owned=owned)
     except (QuotaExceededError, ProtocolError, RemoteExecutionError) as exc:
         ex.store.poison(storage_id, str(exc))
-        ex._defer(_error("upload", [[raw.numel()]], _kind_of(exc), str(exc), [storage_id]))
+        ex.defer(_error("upload", [[raw.numel()]], _kind_of(exc), str(exc), [storage_id]))
 
 
 def apply_upload(ex: Executor, storage_id: int, device: torch.device, raw: torch.Tensor, *,
@@ -309,7 +309,7 @@ def _adopt_cached(ex: Executor, hits: list[Upload]) -> None:
             message = (f"cached upload {storage_id} names content that this session's last CMD_HAVE did not "
                        "report as held; ask CMD_HAVE first and upload the bytes on a miss")
             ex.store.poison(storage_id, message)
-            ex._defer(_error("upload", [[nbytes]], "protocol", message, [storage_id]))
+            ex.defer(_error("upload", [[nbytes]], "protocol", message, [storage_id]))
             continue
         if device.type != "cpu":
             ex.transfers.pool.skip.discard(data.data_ptr())  # copied to the device; the mapping goes
@@ -332,7 +332,7 @@ def have(ex: Executor, cmd: list[Any]) -> None:
                 or len(entry[0]) != KEY_BYTES or not is_int(entry[1]) or not 0 <= entry[1] <= MAX_NBYTES
                 or not (entry[2] is None or isinstance(entry[2], bytes))):
             raise FrameError(f"a HAVE entry must be [key ({KEY_BYTES} bytes), nbytes, proof or None], "
-                             f"got {codec._preview(entry)}")
+                             f"got {codec.preview(entry)}")
         entries.append((entry[0], int(entry[1]), entry[2]))
     asked = [e for e in entries if e[1] > 0] if transfers.cache is not None else []
     granted = transfers.have_budget.take(len(asked))
@@ -348,7 +348,7 @@ def have(ex: Executor, cmd: list[Any]) -> None:
         if data is not None:
             transfers.reserved[(key, nbytes)] = transfers.mapped(data)
         answers.append(data is not None)
-    ex._reply(cmd[1], None, answers)
+    ex.reply(cmd[1], None, answers)
 
 
 def fetch(ex: Executor, req: Any, device_index: Any, desc: Descriptor) -> None:
@@ -357,19 +357,19 @@ def fetch(ex: Executor, req: Any, device_index: Any, desc: Descriptor) -> None:
     reply_codec, ex.transfers.reply_codec = ex.transfers.reply_codec, None
 
     try:
-        ex._begin(device_index)
-        out = ex._tensor(desc).resolve_conj().resolve_neg()
+        ex.begin(device_index)
+        out = ex.tensor(desc).resolve_conj().resolve_neg()
         if out.device.type != "cpu":
             out = out.cpu()
         out = out.contiguous()
     except Exception as exc:
-        ex._reply(req, _error("fetch", [list(desc.sizes)], _kind_of(exc), _message(exc), []), None)
+        ex.reply(req, _error("fetch", [list(desc.sizes)], _kind_of(exc), _message(exc), []), None)
         return
     ex.metrics.record_bytes("out", out.nbytes, out.device)  # metrics
     result = codec.describe(0, out)[1:3]
     packed = compress.pack(out.view(-1).view(torch.uint8), out.element_size()) \
         if reply_codec is not None and out.nbytes else None
     if packed is not None:
-        ex._reply(req, None, [*result, packed[1].to_wire()], [memoryview(packed[0])])
+        ex.reply(req, None, [*result, packed[1].to_wire()], [memoryview(packed[0])])
         return
-    ex._reply(req, None, result, [tensor_bytes(out)], keep=out)
+    ex.reply(req, None, result, [tensor_bytes(out)], keep=out)
