@@ -9,6 +9,7 @@ through PyTorch's own ``TestCase.assertEqual``). Imported by the worker process 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +68,8 @@ class Comparer:
         self.max_samples = max_samples
         self.asserter = _Asserter()
         self.deny = deny_list.load()
+        #: the samples of the case being run: (dtype, requires_grad, {id(sample): index})
+        self._made: tuple[torch.dtype, bool, dict[int, int]] = (torch.float32, False, {})
 
     def run(self, op: Any, dtype_name: str, kind: str) -> Outcome:
         dtype = getattr(torch, dtype_name)
@@ -86,6 +89,7 @@ class Comparer:
             samples = list(op.sample_inputs("cpu", dtype, requires_grad=requires_grad))
         except Exception as exc:  # the OpInfo cannot make CPU samples: not the device's fault
             return Outcome("skip", f"sample_inputs on CPU raised {first_line(exc)}")
+        self._made = (dtype, requires_grad, {id(s): i for i, s in enumerate(samples)})
         return self.run_samples([(i, functools.partial(check, op, samples[i]))
                                  for i in spread(len(samples), self.max_samples)])
 
@@ -121,15 +125,54 @@ class Comparer:
             return Outcome("skip", why)
         return Outcome("pass", "", compared, tuple(sorted(denied)))
 
-    def _remote(self, sample: Any, leaves: bool) -> Any:
+    def _remote(self, sample: Any, leaves: bool, keep_on_cpu: frozenset[int] = frozenset()) -> Any:
+        """The sample with its tensors on the device; the ``keep_on_cpu`` ones (by order of appearance) stay."""
+        seen = iter(range(1 << 30))
+
         def move(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):
                 return t  # SampleInput.transform hands dtypes over too
+            if next(seen) in keep_on_cpu:
+                return t
             if leaves:
-                return t.detach().to(self.device).requires_grad_(t.requires_grad)
-            return t.to(self.device)
+                return with_storage(t.detach(), self.device).requires_grad_(t.requires_grad)
+            return with_storage(t, self.device)
 
         return sample.transform(move)
+
+    def _device_run(self, op: Any, sample: Any, remote: Any, leaves: bool) -> tuple[Any, Any]:
+        """(the device's sample, the op's output there). A sample function may make a tensor on the CPU
+        whatever device it is asked for (``tensor_split``'s indices: ``torch.tensor([1, 2])``), for an
+        argument that must be on the CPU on every device (CUDA too); when the op refuses the moved tensor
+        for that reason, the sample runs again with the tensors the same function makes on CPU when asked
+        for the meta device left there, as PyTorch's test_compare_cpu (samples made on the device) has them.
+        ``remote`` is the sample moved before the CPU reference ran (an op may change its input in place:
+        ``embedding_bag(max_norm=...)`` renormalizes the weight)."""
+        try:
+            return remote, op(remote.input, *remote.args, **remote.kwargs)
+        except RuntimeError as exc:
+            keep = self._cpu_only_tensors(op, sample) if _CPU_ONLY.search(str(exc)) else frozenset()
+            if not keep:
+                raise
+        remote = self._remote(sample, leaves, keep)
+        return remote, op(remote.input, *remote.args, **remote.kwargs)
+
+    def _cpu_only_tensors(self, op: Any, sample: Any) -> frozenset[int]:
+        """The positions (in the order ``SampleInput.transform`` visits tensors) of the tensors the op's
+        sample function makes on the CPU when asked for the meta device, in the sample of ``sample``'s
+        index; empty when that cannot be told (meta samples fail, or the lists differ)."""
+        dtype, requires_grad, index = self._made
+        at = index.get(id(sample))
+        try:
+            candidates = list(op.sample_inputs("meta", dtype, requires_grad=requires_grad))
+        except Exception:
+            return frozenset()
+        if at is None or at >= len(candidates) or len(index) != len(candidates):
+            return frozenset()
+        devices = _devices_in(candidates[at])
+        if len(devices) != len(_devices_in(sample)):
+            return frozenset()
+        return frozenset(i for i, d in enumerate(devices) if d == "cpu")
 
     def compare(self, actual: Any, expected: Any, atol: float = ATOL, rtol: float = RTOL) -> str | None:
         """None when equal within the tolerances (PyTorch's TestCase.assertEqual), else the mismatch."""
@@ -147,18 +190,20 @@ class Comparer:
         return None
 
     def _forward(self, op: Any, sample: Any) -> str | None:
+        remote = self._remote(sample, leaves=False)  # before the CPU run, which may change the sample in place
         try:
             expected = sample.output_process_fn_grad(op(sample.input, *sample.args, **sample.kwargs))
         except Exception as exc:
             raise cpu_failure(exc) from exc
-        remote = self._remote(sample, leaves=False)
-        actual = _to_cpu(remote.output_process_fn_grad(op(remote.input, *remote.args, **remote.kwargs)))
+        remote, out = self._device_run(op, sample, remote, leaves=False)
+        actual = _to_cpu(remote.output_process_fn_grad(out))
         return self._compare(actual, expected)
 
     def _backward(self, op: Any, sample: Any) -> str | None:
         cpu_inputs = _grad_inputs(sample)
         if not cpu_inputs:
             raise NotComparable  # nothing to differentiate: does not count as compared
+        remote = self._remote(sample, leaves=True)
         try:
             cpu_out = _grad_outputs(sample.output_process_fn_grad(op(sample.input, *sample.args, **sample.kwargs)))
             if not cpu_out:
@@ -169,14 +214,49 @@ class Comparer:
             raise
         except Exception as exc:
             raise cpu_failure(exc) from exc
-        remote = self._remote(sample, leaves=True)
+        remote, out = self._device_run(op, sample, remote, leaves=True)
         remote_inputs = _grad_inputs(remote)
-        remote_out = _grad_outputs(remote.output_process_fn_grad(op(remote.input, *remote.args, **remote.kwargs)))
+        remote_out = _grad_outputs(remote.output_process_fn_grad(out))
         if len(remote_out) != len(cpu_out):
             return f"{len(remote_out)} differentiable outputs on the device, {len(cpu_out)} on CPU"
         actual = torch.autograd.grad(remote_out, remote_inputs, [c.to(self.device) for c in cotangents],
                                      allow_unused=True)
         return self._compare(_to_cpu(list(actual)), list(expected))
+
+
+def with_storage(t: torch.Tensor, device: str) -> torch.Tensor:
+    """``t`` on ``device`` as the same view of a copy of its whole storage, where it views part of a larger
+    one (``base[5:15]``): ``as_strided`` and its partial-view samples address the storage, not the view, and
+    ``t.to(device)`` would copy only the view's elements. Anything else moves with ``.to``."""
+    span = _storage_span(t)
+    if t.layout != torch.strided or (t.storage_offset() == 0 and span * t.element_size()
+                                     == t.untyped_storage().nbytes()):
+        return t.to(device)
+    whole = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, (t.untyped_storage().nbytes()
+                                                                       // t.element_size(),), (1,))
+    return whole.to(device).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _storage_span(t: torch.Tensor) -> int:
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
+
+
+#: A kernel's refusal of a tensor argument that must live on the CPU (on CUDA too).
+_CPU_ONLY = re.compile(r"expected \w+ to be on cpu|to be on CPU|must be on CPU", re.IGNORECASE)
+
+
+def _devices_in(sample: Any) -> list[str]:
+    found: list[str] = []
+
+    def note(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            found.append(t.device.type)
+        return t
+
+    sample.transform(note)
+    return found
 
 
 def spread(count: int, limit: int) -> list[int]:
