@@ -10,6 +10,8 @@
   which moves the indices to the device in the kernel; here they are uploaded before the op is sent.
 - **CPU scalars.** A 0-dim CPU tensor mixed with device tensors is a scalar on CUDA; meta kernels that
   take the first argument's device for the output (``torch.tensor(2.0) * x``) get it as a meta tensor.
+- **Data-dependent sizes CUDA reads back.** ``repeat_interleave(repeats)`` without ``output_size`` sums
+  ``repeats`` first (one sync, as CUDA's kernel does) and sends the size with the call.
 - **Sparse and quantized layouts** are not supported: they fail here, before anything is sent, with a
   :class:`~genie.errors.DeviceError` naming the layout, instead of a refusal from the server's allow-list
   or torch's "Could not run ... with arguments from the 'Sparseremote_accelerator' backend".
@@ -86,6 +88,8 @@ def special_for(name: str, schema: Any, run_op: Any) -> Any:
                 return functools.partial(_refuse, layout)
     if name in INDEX_OPS:
         return functools.partial(_device_indices, run_op)
+    if name == "aten::repeat_interleave.Tensor":
+        return functools.partial(_repeat_interleave_size, run_op)
     if not torch._C._should_allow_numbers_as_tensors(name.split("::", 1)[1].split(".", 1)[0]):
         slots = tuple(i for i, a in enumerate(schema.arguments)
                       if i > 0 and str(a.type) == "Tensor" and a.alias_info is None and not a.kwarg_only)
@@ -135,6 +139,20 @@ def _device_indices(run_op: Any, func: Any, args: Any, kwargs: Any) -> Any:
 
 def _on_host(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.get_device() < 0 and not t.is_meta
+
+
+# -- data-dependent sizes ---------------------------------------------------------------------------
+def _repeat_interleave_size(run_op: Any, func: Any, args: Any, kwargs: Any) -> Any:
+    """``repeat_interleave(repeats)`` without ``output_size``: the output is as long as ``repeats`` sums to,
+    which only the data says. CUDA's kernel reads that sum back to the host (a sync); so does this rule,
+    then sends the call with ``output_size``, whose output the client's meta kernel and the server's
+    pre-flight can size (the server refuses the call without it, and checks the sum)."""
+    given = dict(zip(("repeats", "output_size"), args, strict=False)) | kwargs
+    repeats = given.get("repeats")
+    if given.get("output_size") is None and isinstance(repeats, torch.Tensor) and repeats.dim() == 1:
+        size = int(repeats.sum().item()) if repeats.numel() else 0
+        return run_op(func, (repeats,), {"output_size": size}, teach=False)
+    return run_op(func, args, kwargs)
 
 
 # -- numbers where a Tensor goes --------------------------------------------------------------------

@@ -269,6 +269,12 @@ class NodeConnection:
                 if self.frees:
                     self._flush_locked()
             if packed is None:
+                if self._cmd_bytes + view.nbytes < MAX_BATCH_BYTES and view.nbytes:
+                    # Sent later, with its batch: keep the bytes as they are now. CUDA's .to() copies a pageable
+                    # source before it returns, and callers change their tensor in place right after
+                    # (embedding_bag(max_norm=...) renormalized a CPU weight that a queued upload still read).
+                    src = src.clone()
+                    view = tensor_bytes(src)
                 self._uploads.append([storage_id, device, view.nbytes])
                 self._payload.append(view)
             else:

@@ -564,6 +564,13 @@ def _batch_norm_eval_cpu(metas: list[Any], args: Any, kwargs: Any, training: boo
     return [metas[0], empty, empty, *metas[3:]]
 
 
+def _batch_norm_no_stats_cpu(metas: list[Any], args: Any, kwargs: Any) -> list[Any]:
+    """``_native_batch_norm_legit.no_stats`` (input, weight, bias, training, ...): the same rule, its
+    ``training`` argument is the fourth."""
+    training = args[3] if len(args) > 3 else kwargs.get("training")
+    return _batch_norm_eval_cpu(metas, args[:3], kwargs, training=training)
+
+
 def _multilabel_margin_cpu(metas: list[Any], args: Any, kwargs: Any) -> list[Any]:
     """``multilabel_margin_loss_forward`` of a 1-dim input with ``reduction='none'``: the CPU kernel returns a
     0-dim loss where torch's meta kernel answers [1] (found by the ModuleInfo gate, nn.MultiLabelMarginLoss)."""
@@ -571,6 +578,20 @@ def _multilabel_margin_cpu(metas: list[Any], args: Any, kwargs: Any) -> list[Any
     if given["self"].dim() > 1 or given.get("reduction", 1) != 0:
         return metas
     return [(metas[0][0], (), (), 0), *metas[1:]]
+
+
+def _norm_stats_cpu(params: tuple[str, ...], metas: list[Any], args: Any, kwargs: Any) -> list[Any]:
+    """``native_layer_norm`` / ``native_group_norm`` on a CPU server: the CPU kernels keep the saved mean and
+    rstd in a float16/bfloat16 input's dtype unless a weight or bias is float32 (``param_scalar_type``); the
+    meta kernels answer float32, as CUDA's kernels do (found by the OpInfo gate once these ops ran whole on
+    the server instead of their client-side decompositions)."""
+    given = dict(zip(params, args, strict=False)) | kwargs
+    x = given["input"]
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.bfloat16):
+        return metas
+    mixed = any(isinstance(given.get(k), torch.Tensor) and given[k].dtype == torch.float32 for k in ("weight", "bias"))
+    stat = torch.float32 if mixed else x.dtype
+    return [metas[0], *((stat, *m[1:]) for m in metas[1:3]), *metas[3:]]
 
 
 #: The argument names of _embedding_bag and _embedding_bag_forward_only (one schema).
@@ -607,10 +628,15 @@ KIND_FIXUPS: dict[Any, dict[str, Any]] = {
     _aten.native_batch_norm.default: {"cpu": _batch_norm_eval_cpu},
     # graph branch: AOTAutograd's graphs (torch.compile) call the _legit forms; the same rule holds for them
     _aten._native_batch_norm_legit.default: {"cpu": _batch_norm_eval_cpu},
+    _aten._native_batch_norm_legit.no_stats: {"cpu": _batch_norm_no_stats_cpu},
     _aten._native_batch_norm_legit_no_training.default: {
         "cpu": functools.partial(_batch_norm_eval_cpu, training=False)},
     _aten._batch_norm_with_update.default: {"cpu": functools.partial(_batch_norm_eval_cpu, training=True)},
     _aten._embedding_bag.default: {"cpu": _embedding_bag_cpu},
+    _aten.native_layer_norm.default: {"cpu": functools.partial(
+        _norm_stats_cpu, tuple(a.name for a in _aten.native_layer_norm.default._schema.arguments))},
+    _aten.native_group_norm.default: {"cpu": functools.partial(
+        _norm_stats_cpu, tuple(a.name for a in _aten.native_group_norm.default._schema.arguments))},
     _aten.multilabel_margin_loss_forward.default: {"cpu": _multilabel_margin_cpu},
     _aten._embedding_bag_forward_only.default: {"cpu": functools.partial(_embedding_bag_cpu, forward_only=True)},
 }

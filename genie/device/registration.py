@@ -35,8 +35,11 @@ _libraries: list[Any] = []
 
 
 #: Ops whose composite kernels pick a backend-specific path PrivateUse1 lacks
-#: (``convolution_overrideable``): sent to the server whole instead.
-WHOLE_OPS = ("convolution", "convolution_backward")
+#: (``convolution_overrideable``), and ops with CPU and CUDA kernels whose CompositeExplicitAutograd
+#: kernel (``math_native_layer_norm``, ``math_group_norm``, ``math_addr``) would otherwise run for
+#: PrivateUse1 on the client, as several ops rounding each intermediate to a float16/bfloat16 result
+#: where the server's kernel (and CUDA's) accumulates in float32: sent to the server whole instead.
+WHOLE_OPS = ("convolution", "convolution_backward", "native_layer_norm", "native_group_norm", "addr", "addr.out")
 
 
 def _whole(op: Any) -> Any:
@@ -109,7 +112,8 @@ def ensure_registered() -> None:
         _C.set_python_fallback(dispatch.fallback, dispatch.overload_of)
         aten = torch.library.Library("aten", "IMPL")  # noqa: TOR901
         for op_name in WHOLE_OPS:
-            aten.impl(op_name, _whole(getattr(torch.ops.aten, op_name).default), "PrivateUse1")
+            name, _, overload = op_name.partition(".")
+            aten.impl(op_name, _whole(getattr(getattr(torch.ops.aten, name), overload or "default")), "PrivateUse1")
         _libraries.append(aten)
         # Sparse and quantized tensors of the device (and factories asking for them) fail with a GenieError
         # naming the layout instead of torch's "Could not run ... 'Sparseremote_accelerator' backend".

@@ -7,8 +7,10 @@ distance and unfold backward kernels read ``grad`` by the shape the forward woul
 have made: none of them checks. A hostile index wrote or read another part of the
 worker's heap (index 5 into a 4-element plane: a silent write past it; 10**11:
 SIGSEGV), found by hand and by tests/security/fuzz_ops.py. ``linalg_eigvals``'
-LAPACK call crashes on NaN or infinity (``linalg_eig`` refuses those itself), and
-``bincount`` allocates as many bins as its largest value says.
+LAPACK call crashes on NaN or infinity (``linalg_eig`` refuses those itself),
+``bincount`` allocates as many bins as its largest value says, and ``repeat_interleave``
+writes each position ``repeats`` names before it checks the counts (a negative count
+that still summed to ``output_size`` corrupted the heap: ``free(): invalid pointer``).
 
 Each check reads at most the index tensor (a min and a max) or compares shapes;
 :mod:`genie.server.validators` maps ops to them.
@@ -250,6 +252,32 @@ def check_bincount(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
 
 
 #: The checks of this module by op packet name, for :mod:`genie.server.validators`.
+def check_repeat_interleave(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """``repeat_interleave.Tensor(repeats, *, output_size)``: the CPU kernel allocates ``output_size`` elements
+    and writes index ``i`` at the positions ``repeats``' running sum gives, checking the counts only after (a
+    negative count that still summed to ``output_size`` corrupted the heap). So ``output_size`` must be given
+    (genie's client sends it; without it the output's size is the data's, which no pre-flight can bound),
+    ``repeats`` 1-dim integers, each in [0, output_size], summing to exactly ``output_size`` (also in float64,
+    so an int64 sum that wrapped around cannot pass). ``self_int`` (a number of repeats) needs none of this."""
+    repeats = kwargs["repeats"] if "repeats" in kwargs else args[1] if len(args) > 1 else args[0] if args else None
+    if not isinstance(repeats, torch.Tensor):
+        return  # self_int, or the schema check refuses it
+    size = kwargs.get("output_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise refuse(label, "repeat_interleave with a repeats tensor needs output_size (the sum of repeats): the "
+                     "output's size cannot be worked out in advance otherwise; pass output_size=int(repeats.sum())")
+    if repeats.dim() != 1:
+        raise refuse(label, f"repeats must be 1-dim, got shape {list(repeats.shape)}")
+    if repeats.dtype not in _INTEGER:
+        raise refuse(label, f"repeats must be an integer tensor, got {repeats.dtype}")
+    if repeats.numel() and (int(repeats.min()) < 0 or int(repeats.max()) > size):
+        raise refuse(label, f"repeats must be counts in [0, output_size={size}]")
+    total = int(repeats.sum(dtype=torch.int64)) if repeats.numel() else 0
+    approx = float(repeats.sum(dtype=torch.float64)) if repeats.numel() else 0.0
+    if total != size or abs(approx - size) > 1e-9 * size + 0.5:
+        raise refuse(label, f"repeats sum to {approx:.0f}, not output_size {size}")
+
+
 BY_PACKET = {
     "aten::max_pool2d_with_indices_backward": check_pool_indices,
     "aten::max_pool3d_with_indices_backward": check_pool_indices,
@@ -264,4 +292,5 @@ BY_PACKET = {
     "aten::_cdist_backward": check_cdist_backward,
     "aten::unfold_backward": check_unfold_backward,
     "aten::bincount": check_bincount,
+    "aten::repeat_interleave": check_repeat_interleave,
 }
