@@ -9,7 +9,10 @@ NAT would) and runs real models built from configs (random weights, no downloads
   CPU batch uploaded each step;
 - HF BERT training step (sequence classification, no attention mask given);
 - HF GPT-2 eval forward + ``logits.cpu()``;
-- HF GPT-2 greedy ``generate``, per new token.
+- HF GPT-2 greedy ``generate``, per new token;
+- a "5 s outage" row: a training loop whose data link goes down for 5 s at step 10 resumes
+  (docs/network.md, Resume) and ends with the same final loss as without the outage; the batches the
+  client sent equal those the node's session received (0 lost, 0 run twice). ``--outage-only`` runs it alone.
 
 For each workload it prints the median ms/step at every RTT, the round trips per step (from
 ``genie.stats()``) and, against the target ``step(RTT) <= step(0) + 1.1 * RTT`` (per token for
@@ -159,6 +162,86 @@ def run_at(rtt_ms: float, steps: int, warmup: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
+#: A training loop run twice in one client: as it is, then through a 5 s outage of the data link at step 10.
+OUTAGE_CLIENT = r'''
+import json, sys, torch, genie
+from genie.device.registry import table
+genie.init_sync(master_addr="127.0.0.1", master_port=int(sys.argv[1]), timeout=60)
+dev = "remote_accelerator:0"
+conn = table().connections()[0]
+
+def loop(outage_at=None):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    model = torch.nn.Sequential(torch.nn.Embedding(256, 64), torch.nn.TransformerEncoder(layer, 2),
+                                torch.nn.Linear(64, 256)).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 256, (8, 33))
+    x, y = tokens[:, :-1].to(dev), tokens[:, 1:].to(dev)
+    for step in range(30):
+        if step == outage_at:
+            print("OUTAGE", flush=True)
+            sys.stdin.readline()
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        value = loss.item()
+    return value
+
+plain = loop()
+through = loop(outage_at=10)
+state = conn.resumable
+genie.shutdown_sync()
+print(json.dumps({"plain": plain, "through": through, "sent": state.log.sent if state else None,
+                  "resumes": state.resumes if state else 0}), flush=True)
+'''
+
+
+def outage_row(seconds: float = 5.0) -> dict[str, Any]:
+    """A training loop through a ``seconds`` outage of the data link (resume, genie.device.resume): its final
+    loss against the same loop without the outage, and the batches the client sent against those the node's
+    session received (from the node's log line when the session closed): equal means 0 lost, 0 run twice."""
+    import re
+
+    with LinkEmulator(("127.0.0.1", 1), delay=0.001) as data:
+        env = {"GENIE_BACKEND": "tcp", "GENIE_LOG_LEVEL": "WARNING"}
+        with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--advertise-ports", str(data.port),
+                         env={**env, "GENIE_LOG_LEVEL": "INFO"}, ready_timeout=120) as node:
+            data.target = ("127.0.0.1", node.data_port)
+            client = subprocess.Popen([sys.executable, "-c", OUTAGE_CLIENT, str(node.control_port)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      env={**os.environ, **env})
+            assert client.stdin is not None and client.stdout is not None
+            started = 0.0
+            for line in client.stdout:
+                if line.startswith("OUTAGE"):
+                    data.down(seconds)
+                    started = time.perf_counter()
+                    client.stdin.write("go\n")
+                    client.stdin.flush()
+                elif line.startswith("{"):
+                    result = json.loads(line)
+                    break
+            else:
+                raise SystemExit(f"the outage client failed (exit {client.wait(60)})")
+            client.wait(60)
+            wall = time.perf_counter() - started
+            closed = re.findall(r"closed: freed \d+ storages, \d+ bytes; (\d+) batches received, (\d+) resumes",
+                                node.log())
+    received = max((int(b) for b, r in closed if int(r) > 0), default=-1)
+    return {**result, "received": received, "outage_s": seconds, "wall_s": wall}
+
+
+def print_outage(row: dict[str, Any]) -> None:
+    same = row["plain"] == row["through"]
+    lost_or_twice = row["sent"] - row["received"] if row["sent"] is not None else None
+    print(f"\n{row['outage_s']:g} s outage | final loss {row['through']:.6f} vs {row['plain']:.6f} without "
+          f"({'same' if same else 'DIFFERENT'}) | batches sent {row['sent']}, received by the node {row['received']} "
+          f"({'0 lost, 0 run twice' if lost_or_twice == 0 else 'MISMATCH'}) | resumes {row['resumes']} | "
+          f"loop from the outage on took {row['wall_s']:.1f} s")
+
+
 #: Uploads a GPT-2's weights (random init, from a config) once and prints the seconds until the node has them.
 UPLOAD_CLIENT = r"""
 import json, sys, time, torch, genie
@@ -217,9 +300,13 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--compression-only", action="store_true", help="only the compression row")
+    parser.add_argument("--outage-only", action="store_true", help="only the 5 s outage row (resume)")
     args = parser.parse_args()
     if args.compression_only:
         print_compression(compression_row())
+        return 0
+    if args.outage_only:
+        print_outage(outage_row())
         return 0
     rtts = [float(r) for r in args.rtt.split(",")]
     results: dict[float, list[dict[str, Any]]] = {}
@@ -246,6 +333,8 @@ def main() -> int:
             print(f"  {row['name']}: {count:.2f} x {reason} at {line}")
     print(textwrap.dedent("""
         target: step(RTT) <= step(0) + 1.1 RTT (the issue's bound); 'excess RTTs' is (step(RTT) - step(0)) / RTT."""))
+    outage = outage_row()
+    print_outage(outage)
     print_compression(compression_row())
     if args.json:
         Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))

@@ -137,6 +137,8 @@ _OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
                         "iterate over or produce"),
     "max_session_inflight": (int, 65536, lambda v: v > 0, "a positive count of commands and uploads per batch"),
     "session_idle_timeout": (float, 3600.0, lambda v: v >= 0, "seconds a silent session lives (0: forever)"),
+    "reconnect_window": (float, 30.0, lambda v: v >= 0, "seconds a session waits for its client to reconnect "
+                         "after its connection dropped (0: no resume; the session ends at once)"),
     # before authentication (see docs/SECURITY.md and genie/server/preauth.py)
     "handshake_timeout": (float, 10.0, _positive, "a positive number of seconds from accept to the end of "
                           "the handshake"),
@@ -237,6 +239,7 @@ class ClusterConfig:
     max_op_elements: int
     max_session_inflight: int
     session_idle_timeout: float
+    reconnect_window: float
     handshake_timeout: float
     max_preauth_per_source: int
     max_preauth: int

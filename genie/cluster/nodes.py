@@ -64,6 +64,10 @@ def _open_session(pm: PluginManager, config: ClusterConfig, security: ClientSecu
                           op_timeout=config.op_timeout)
     conn.backend = outcome.backend
     conn.upload_cache = config.upload_cache
+    if outcome.backend == "tcp" and security.tls is None:  # a plain stream: the session may resume after a drop
+        reopen = transports[outcome.backend]
+        conn.reconnect = lambda timeout: reopen().connect(address, port_of("tcp"), timeout=timeout)
+        conn.reconnect_window = config.reconnect_window
     conn.compression_policy = CompressionPolicy.from_config(config)
     started = time.perf_counter()
     try:

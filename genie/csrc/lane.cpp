@@ -13,7 +13,8 @@
 // the request id, raises the node's errors and keeps the statistics and the batching policy, as for
 // its own requests (genie.device.connection). A record only Python can read (a shared-memory ring
 // record) is handed back to it with the bytes read so far (`_lane_resume`); a failed send or receive
-// goes to `_lane_failed`, which declares the node lost. The GIL is taken only for those calls.
+// goes to `_lane_failed` with the frame sent, which resumes the session after a dropped link (or
+// declares the node lost). The GIL is taken only for those calls.
 
 #include "queue.h"
 
@@ -323,8 +324,13 @@ bool lane_request(const std::shared_ptr<Queue>& q, int device, uint64_t req, con
   py::handle conn(q->conn);
   py::object result;
   if (io != Io::ok) {
-    conn.attr("_lane_failed")(req, started, taken, device, genie_io::io_text(io, err, reply.frame.empty() ? "sending" : "receiving"));
-    throw std::logic_error("genie: the lane's failure was not raised");  // _lane_failed always raises
+    // The frame goes along: a session that resumes after a dropped link sends it again if the node never
+    // received it whole (genie.device.resume); then Python reads the reply and returns the result.
+    result = conn.attr("_lane_failed")(req, started, taken, device,
+                                       genie_io::io_text(io, err, reply.frame.empty() ? "sending" : "receiving"),
+                                       py::bytes(frame));
+    on_result(result);
+    return true;
   }
   Number number;
   if (!reply.resume && reply.leftover.empty()) number = number_reply(reply.frame, req);

@@ -349,6 +349,7 @@ class Runner {
       return py::make_tuple("frame", py::bytes(f.data(), std::min(f.size(), kHeader)), body, py::bytes(frame.leftover));
     }
     c10::AutoGradMode no_grad(false);  // what Executor.run_batch sets per batch
+    ++served_;  // a BATCH read whole and taken on here: a resumed session counts it (genie.server.resume)
     py::list cmds(spans.size());
     for (size_t i = 0; i < spans.size(); ++i) {
       cmds[i] = py::bytes(f.data() + kHeader + spans[i].first, spans[i].second);
@@ -369,11 +370,22 @@ class Runner {
       std::string body = outcome[py::int_(3)].cast<std::string>();
       genie_io::frame_prefix(reply, wire_, wire_.reply, body.size(), records);
       reply.append(body);
+      last_reply_ = reply;  // kept for a resend should the link drop before the client reads it
       io = genie_io::send_all(fd, reply.data(), reply.size(), &err);
       if (io != Io::ok) return py::make_tuple("io", "failed", genie_io::io_text(io, err, "sending"));
       ++index;
     }
     return py::make_tuple("done", n, ran);
+  }
+
+  // BATCH frames serve() read whole and took on (genie.server.resume counts a session's batches with them).
+  uint64_t served() const { return served_; }
+  // The last REPLY frame serve() sent, once (None when it sent none since the last call).
+  py::object take_reply() {
+    if (last_reply_.empty()) return py::none();
+    py::bytes out(last_reply_);
+    last_reply_.clear();
+    return out;
   }
 
   // Where the op clock of a session worker lives (genie.server.isolation.clock.OpClock.address); 0: none.
@@ -916,6 +928,8 @@ class Runner {
   PyObject* ok_counts_ = nullptr;
   PyObject* ops_ = nullptr;
   std::vector<double> buckets_;  // genie.server.metrics.DURATION_BUCKETS
+  uint64_t served_ = 0;     // BATCH frames serve() took on
+  std::string last_reply_;  // the last REPLY frame serve() sent, until take_reply()
 };
 
 }  // namespace genie_plans
@@ -932,7 +946,9 @@ PYBIND11_MODULE(_C_plans, m) {
       .def("set_clock", &genie_plans::Runner::set_clock)
       .def("run", &genie_plans::Runner::run)
       .def("set_wire", &genie_plans::Runner::set_wire)
-      .def("serve", &genie_plans::Runner::serve);
+      .def("serve", &genie_plans::Runner::serve)
+      .def("served", &genie_plans::Runner::served)
+      .def("take_reply", &genie_plans::Runner::take_reply);
   m.def("use_serial", &genie_plans::set_threads, py::arg("serial"),
         "One intra-op thread on this thread (True) or its own count (False); a change only calls torch.");
   m.attr("SERIAL_BELOW") = genie_plans::kSerialBelow;

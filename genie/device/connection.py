@@ -26,6 +26,7 @@ from genie import _C
 from genie.device import stats as stats_module
 from genie.device.compression import OFF, CompressionPolicy, SessionCompression, negotiate
 from genie.device.flushing import MEASURED_OPS, FlushChooser
+from genie.device.resume import ResumeState, offer_of, recover
 from genie.device.stats import STATS
 from genie.device.transfers import ClientCache
 from genie.errors import (
@@ -124,6 +125,13 @@ class NodeConnection:
         self._head = memoryview(bytearray(wf.HEADER.size))  # each reply's frame header (under the lock)
         #: torch's settings the node was told last (genie._C.session_options: deterministic algorithms, warn only)
         self._options = 0
+        #: opens a new channel to the node (timeout in seconds): set by whoever connected, for resuming
+        self.reconnect: Callable[[float], Channel] | None = None
+        self.reconnect_window = 30.0  #: this client's longest wait for a resume (the node's may be shorter)
+        #: the session's resume state after a WELCOME that offered it (genie.device.resume), else None
+        self.resumable: ResumeState | None = None
+        self._in_background = False  # the runtime thread is sending (try_flush, keepalive): it never resumes
+        self._broken: str | None = None  # why a background send failed: the next send resumes first
 
     # -- handshake ---------------------------------------------------------------------------
     def handshake(self, hello: dict[str, Any], timeout: float, *, token: bytes = b"") -> dict[str, Any]:
@@ -144,6 +152,11 @@ class NodeConnection:
             self.compression = negotiate(self.compression_policy, reply, channel=self.channel, backend=self.backend,
                                          address=self.address, where=f"node {self.node_id} at {self.address}")
             self.channel.settimeout(self.op_timeout)
+            offer = offer_of(reply, self.reconnect_window) if self.reconnect is not None else None
+            plain = getattr(self.channel, "native_stream", None)  # a plain stream: what a resume reconnects
+            if offer is not None and self.reconnect is not None and plain is not None and plain() is not None:
+                self.resumable = ResumeState(offer[0], window=offer[1], hello=hello, token=token,
+                                             reconnect=self.reconnect)
             self._start_lane()
             return reply
 
@@ -160,6 +173,14 @@ class NodeConnection:
             _C.queue_lane(self.qid, fd, records, self)
             self._lane = True
             STATS.add_folder(self.fold_books)
+
+    def restart_lane(self) -> None:
+        """The channel was replaced (a resume): the lane answers ``.item()`` over the new one."""
+        if self._lane:
+            native_stream = getattr(self.channel, "native_stream", None)
+            stream = native_stream() if native_stream is not None else None
+            _C.queue_lane(self.qid, stream[0] if stream is not None else -1, False, self)
+            self._lane = stream is not None
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -360,6 +381,8 @@ class NodeConnection:
         if books is None:
             return
         trips, ops, seconds, last_end, places = books
+        if self.resumable is not None:
+            self.resumable.log.answered(trips)
         stats = self.stats
         stats["ops"] += ops
         stats["batches"] += trips
@@ -393,10 +416,12 @@ class NodeConnection:
         if self.lock.acquire(blocking=False):
             try:
                 if self._lost is None:
+                    self._in_background = True  # a dropped link is resumed by the next user thread, not here
                     self._flush_locked()
             except GenieError:
                 pass
             finally:
+                self._in_background = False
                 self.lock.release()
 
     def keepalive(self, idle: float) -> None:
@@ -405,11 +430,13 @@ class NodeConnection:
         Never blocks: skipped while another thread holds the session."""
         if self._lost is None and time.monotonic() - self.last_send > idle and self.lock.acquire(blocking=False):
             try:
-                wf.send_frame(self.channel, wf.MsgKind.BATCH, msgpack.packb({"uploads": [], "cmds": []}))
+                self._in_background = True  # a dropped link is resumed by the next user thread, not here
+                self._send_batch(msgpack.packb({"uploads": [], "cmds": []}))
                 self.last_send = time.monotonic()
             except GenieError:
                 pass
             finally:
+                self._in_background = False
                 self.lock.release()
 
     def has_pending(self) -> bool:
@@ -443,7 +470,7 @@ class NodeConnection:
         body = msgpack.packb(batch, use_bin_type=True)
         payload = self._payload
         try:
-            wf.send_frame(self.channel, wf.MsgKind.BATCH, body, payload)
+            self._send_batch(body, payload, awaiting=request is not None)
         except (TransportError, OSError) as exc:
             self.mark_lost(f"send failed: {exc}")
             raise self._device_lost() from exc
@@ -456,6 +483,44 @@ class NodeConnection:
             self._room()
         self.stats["batches"] += 1
         STATS.batch_sent()  # stats
+
+    def _send_batch(self, body: bytes, payload: list[memoryview] | tuple[()] = (), *, awaiting: bool = False) -> None:
+        """Send a BATCH frame; in a resumable session numbered and kept until acknowledged, and a failed send
+        resumes the session (``awaiting``: the batch ends with a request) or raises RemoteDeviceLost."""
+        state = self.resumable
+        if state is None:
+            wf.send_frame(self.channel, wf.MsgKind.BATCH, body, payload)
+            return
+        if self._lane:
+            self._fold_books()  # the lane's batches came first: their numbers before this one's
+        if self._broken is not None and not self._in_background:  # a background send found the link dropped
+            reason, self._broken = self._broken, None
+            recover(self, reason, awaiting=False)
+        parts = [wf.encode_header(wf.MsgKind.BATCH, len(body), sum(p.nbytes for p in payload)), body, *payload]
+        state.log.sending(parts)
+        if self._broken is not None:  # in the background, the link known dropped: kept for the resume
+            return
+        try:
+            self.channel.sendv(parts)
+        except (TransportError, OSError) as exc:
+            if self._in_background:  # the runtime thread never waits for a resume; the batch is kept
+                self._broken = f"send failed: {exc}"
+                return
+            recover(self, f"send failed: {exc}", awaiting=awaiting)
+
+    def _recv_reply(self, device: str) -> tuple[wf.MsgKind, bytearray, int]:
+        """The next frame's header and body (a reply); a resumable session resumes when the link dropped."""
+        while True:
+            try:
+                return wf.recv_frame(self.channel, self._head)
+            except (ConnectionClosedError, TimeoutError, OSError) as exc:
+                if self.resumable is None:
+                    self.mark_lost(f"no answer: {exc}")
+                    raise self._device_lost(device) from exc
+                recover(self, f"no answer: {exc}", awaiting=True, device=device)
+            except FrameError as exc:
+                self.mark_lost(f"no answer: {exc}")
+                raise self._device_lost(device) from exc
 
     # -- sync points ---------------------------------------------------------------------------
     def _request(self, command: list[Any], default: Callable[[Any], Any] | None = None,
@@ -479,11 +544,7 @@ class NodeConnection:
                 self._flush_locked()
             finally:
                 self._request_cmd = self._reply_codec = None
-            try:
-                kind, body, payload_len = wf.recv_frame(self.channel, self._head)
-            except (ConnectionClosedError, TimeoutError, OSError, FrameError) as exc:
-                self.mark_lost(f"no answer: {exc}")
-                raise self._device_lost(device) from exc
+            kind, body, payload_len = self._recv_reply(device)
             return self._finish(req, command, started, kind, body, payload_len, payload_into, device)
 
     def _finish(self, req: int, command: list[Any], started: float, kind: wf.MsgKind, body: bytes | bytearray,
@@ -504,8 +565,15 @@ class NodeConnection:
             if payload_len:
                 out = self._download(payload_len, payload_into, result, error)
         except (ConnectionClosedError, TimeoutError, OSError, FrameError) as exc:
-            self.mark_lost(f"no answer: {exc}")
-            raise self._device_lost(device) from exc
+            if self.resumable is None or isinstance(exc, FrameError) or self._lost is not None:
+                self.mark_lost(f"no answer: {exc}")
+                raise self._device_lost(device) from exc
+            # The link dropped inside the reply's payload: the node sends the whole reply again after the resume.
+            recover(self, f"no answer: {exc}", awaiting=True, device=device)
+            kind, body, payload_len = self._recv_reply(device)
+            return self._finish(req, command, started, kind, body, payload_len, payload_into, device)
+        if self.resumable is not None:
+            self.resumable.log.answered()
         self._replied(command, started, payload_len)
         if self._early_deferred:
             deferred, self._early_deferred = [*self._early_deferred, *deferred], []
@@ -530,10 +598,16 @@ class NodeConnection:
         """The channel, with the lane's optional methods (genie.transport.base.Channel)."""
         return self.channel
 
-    def _lane_sent(self, taken: int) -> None:
+    def _lane_sent(self, taken: int, failed: bytes = b"") -> None:
         """What a flush records, for the batch the lane sent with ``taken`` commands genie._C had queued
-        (after the books of the round trips the lane kept before it, so the policy's interval counts them)."""
+        (after the books of the round trips the lane kept before it, so the policy's interval counts them);
+        a resumable session numbers it, answered, or kept (the frame ``failed``) for a resend."""
         self._fold_books()
+        if self.resumable is not None:
+            if failed:
+                self.resumable.log.sending([failed])
+            else:
+                self.resumable.log.answered(1)
         self.stats["ops"] += taken
         STATS.op_queued(taken)  # stats
         self.stats["batches"] += 1
@@ -579,12 +653,19 @@ class NodeConnection:
                 raise self._device_lost(label) from exc
             return self._finish(req, _lane_command(req), started, kind, body, payload_len, None, label)
 
-    def _lane_failed(self, req: int, started: float, taken: int, device: int, reason: str) -> None:
-        """The lane's send or receive of request ``req`` failed: the node is lost."""
+    def _lane_failed(self, req: int, started: float, taken: int, device: int, reason: str, frame: bytes = b"") -> Any:
+        """The lane's send or receive of request ``req`` (its BATCH ``frame``) failed: a resumable session
+        resumes and returns the reply's result; otherwise the node is lost."""
         with self.lock:
+            label = device_label(device)
+            if self.resumable is not None and frame and self._lost is None:
+                self._lane_sent(taken, frame)
+                recover(self, f"no answer: {reason}", awaiting=True, device=label)
+                kind, body, payload_len = self._recv_reply(label)
+                return self._finish(req, _lane_command(req), started, kind, body, payload_len, None, label)
             self._lane_sent(taken)
             self.mark_lost(f"no answer: {reason}")
-            raise self._device_lost(device_label(device))
+            raise self._device_lost(label)
 
     def _refused(self, kind: wf.MsgKind, body: bytes | bytearray, device: str) -> None:
         """A frame other than the reply: the node ended the session (an ERROR frame says why)."""
@@ -629,14 +710,16 @@ class NodeConnection:
         started, command = time.perf_counter(), [wm.CMD_HAVE, req, self.content.question(candidates)]  # stats
         body = msgpack.packb({"uploads": [], "cmds": [msgpack.packb(command, use_bin_type=True)]}, use_bin_type=True)
         try:
-            wf.send_frame(self.channel, wf.MsgKind.BATCH, body)
-            header, reply_body = wf.recv_header_and_body(self.channel)
-            if header.kind != wf.MsgKind.REPLY or header.payload_len:
-                raise FrameError(f"node {self.node_id} answered CMD_HAVE with a {header.kind.name} frame")
+            self._send_batch(body, awaiting=True)
+            kind, reply_body, payload_len = self._recv_reply("")
+            if kind != wf.MsgKind.REPLY or payload_len:
+                raise FrameError(f"node {self.node_id} answered CMD_HAVE with a {kind.name} frame")
             reply = wf.unpack_body(reply_body)
         except (ConnectionClosedError, TimeoutError, OSError, FrameError, TransportError) as exc:
             self.mark_lost(f"no answer: {exc}")
             raise self._device_lost() from exc
+        if self.resumable is not None:
+            self.resumable.log.answered()
         if not (isinstance(reply, list) and len(reply) == 4 and reply[0] == req and isinstance(reply[2], list)
                 and len(reply[2]) == len(candidates)):
             self.mark_lost("a CMD_HAVE reply out of step")

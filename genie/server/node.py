@@ -47,7 +47,7 @@ from genie.security import REFUSALS, ServerSecurity, check_bind
 from genie.server.content import ContentCache
 from genie.server.isolation.supervisor import Supervisor, WorkerSession
 from genie.server.metrics import ServerMetrics
-from genie.server.preauth import PreAuthGate, Ticket, authenticate, reject
+from genie.server.preauth import Admitted, PreAuthGate, Ticket, authenticate, reject
 from genie.server.session import Session
 from genie.transport.base import Listener, Transport
 from genie.wire.frame import MAX_BODY_BYTES, MAX_ECHO_BYTES, PROTOCOL_VERSION
@@ -398,6 +398,9 @@ class DataPlaneServer:
         (and the spare replaced: a fork) only for a client that authenticated and fits ``max_sessions``."""
         assert self._gate is not None and self.supervisor is not None
         admitted = authenticate(channel, token=self.security.token, tls=self.security.tls, timeout=self.hello_timeout)
+        if admitted is not None and admitted.resume is not None:
+            self._resume(channel, ticket, admitted)
+            return
         refusal = None if admitted is None else self._reserve(ticket)
         if admitted is None or refusal is not None:
             self._gate.release(ticket)
@@ -419,6 +422,19 @@ class DataPlaneServer:
             channel.close()
             return
         log.debug("session %d of %s served by worker %d", session_id, session.peer, session.pid)
+
+    def _resume(self, channel: Any, ticket: Ticket, admitted: Admitted) -> None:
+        """A client whose connection dropped asks to resume its session (genie.wire.resume): its new connection
+        goes to the session's worker, or it gets REJECT ``{"code": "resume"}`` saying why not. Not a new
+        session: ``max_sessions`` does not count it."""
+        assert self._gate is not None and self.supervisor is not None
+        if not self._gate.release(ticket):
+            channel.close()
+            return
+        refusal = self.supervisor.resume(channel, admitted, self.welcome())
+        if refusal is not None:
+            reject(channel, "resume", refusal)
+            channel.close()
 
     def _reserve(self, ticket: Ticket) -> str | None:
         """The handshake passed: release its pre-auth ticket and count a session, or say why not."""

@@ -30,7 +30,7 @@ import attrs
 import torch
 
 from genie.errors import ConnectionClosedError, FrameError, GenieError
-from genie.security import REFUSALS, RefusalLog
+from genie.security import REFUSALS, RefusalLog, valid_nonce
 from genie.wire.frame import (
     MAX_HANDSHAKE_BODY_BYTES,
     PROTOCOL_VERSION,
@@ -42,6 +42,7 @@ from genie.wire.frame import (
 )
 from genie.wire.handshake import secure_server_channel, server_challenge
 from genie.wire.messages import torch_compatible
+from genie.wire.resume import parse_request, random_secret
 
 log = logging.getLogger("genie.server")
 
@@ -162,6 +163,11 @@ class Admitted:
 
     client: dict[str, Any]  #: HELLO's ``node_id``, ``role``, ``genie``, ``torch``
     auth: dict[str, Any] | None = None  #: WELCOME's ``auth`` entry (the server's proof), None without a token
+    #: the session's resume secret (genie.wire.resume); kept by the node, never handed to a worker
+    secret: bytes = attrs.field(default=b"", repr=False)
+    #: HELLO's ``resume`` request, checked for its types (genie.wire.resume.parse_request); None: a new session
+    resume: dict[str, Any] | None = None
+    client_nonce: bytes = b""  #: HELLO's nonce, which a resume's proof covers
 
 
 def authenticate(channel: Any, *, token: bytes, tls: ssl.SSLContext | None, timeout: float,
@@ -204,10 +210,17 @@ def authenticate(channel: Any, *, token: bytes, tls: ssl.SSLContext | None, time
                            "genie.init's master_addr/master_port at the master (`genie serve` prints its control "
                            "address)", refusals)
         auth = None
+        secrets: list[bytes] = []
         if token:
-            auth = server_challenge(channel, body, hello, token=token, peer=peer, refusals=refusals)
+            auth = server_challenge(channel, body, hello, token=token, peer=peer, refusals=refusals,
+                                    secret_out=secrets)
             if auth is None:
                 return None
+        resume = None
+        if "resume" in hello:
+            resume = parse_request(hello["resume"])
+            if resume is None:
+                return _reject(channel, peer, "resume", "malformed resume request in HELLO", refusals)
         if not isinstance(theirs, str) or not torch_compatible(torch.__version__, theirs):
             return _reject(channel, peer, "torch_version",
                            f"client runs torch {theirs!r}, this server runs torch {torch.__version__}; "
@@ -219,7 +232,11 @@ def authenticate(channel: Any, *, token: bytes, tls: ssl.SSLContext | None, time
         refusals.warning("refusing %s: %s", peer, exc)
         _answer(channel, MsgKind.REJECT, {"code": "frame", "reason": str(exc)})
         return None
-    return Admitted({k: hello.get(k) for k in ("node_id", "role", "genie", "torch")}, auth)
+    offer = hello.get("auth")
+    nonce = offer.get("client_nonce") if isinstance(offer, dict) else None
+    return Admitted({k: hello.get(k) for k in ("node_id", "role", "genie", "torch")}, auth,
+                    secret=secrets[0] if secrets else random_secret(), resume=resume,
+                    client_nonce=nonce if valid_nonce(nonce) else b"")
 
 
 def reject(channel: Any, code: str, reason: str, refusals: RefusalLog = REFUSALS) -> None:

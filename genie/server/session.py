@@ -26,6 +26,12 @@ its :class:`~genie.server.executor.Executor`. Its life:
    the connection still works, and the connection is closed. Other sessions
    never notice.
 4. However the session ends, every storage it held is freed.
+5. A session worker's session can be resumed (:mod:`genie.wire.resume`): when its connection drops
+   (reset, EOF; not the idle timeout, not GOODBYE) it waits up to ``reconnect_window`` seconds for
+   the node to hand it the client's new connection (``wait_resume``), answers WELCOME with
+   ``"resumed": {"batches": n}`` there, sends the last reply again if the client waits for it, and
+   serves on with every storage it had; the native runner's loop returns here on EOF and is
+   re-entered on the new connection. What it counts and records: :mod:`genie.server.resume`.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import logging
 import os
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -49,6 +56,7 @@ from genie.errors import (
 )
 from genie.server.executor import Executor
 from genie.server.preauth import Admitted, authenticate, reject
+from genie.server.resume import ResumeLink
 from genie.server.store import StorageStore
 from genie.transport.base import Channel
 from genie.wire.compress import available_codecs
@@ -111,6 +119,12 @@ class Session:
         #: why the session ended on a lost CUDA context (RemoteDeviceLost), else None: the node's, when in-process
         self.lost_context: str | None = None
         self._echo_buffer = bytearray()  # measurement sessions reuse it (genie.cluster.linkfigures)
+        #: waits up to its argument (seconds) for the client's resumed connection: (channel, the node's info)
+        #: or None; set by a session worker (genie.server.isolation.worker) when the session can be resumed
+        self.wait_resume: Callable[[float], tuple[Channel, dict[str, Any]] | None] | None = None
+        self.resume_window = 0.0
+        self.resumes = 0  #: connections resumed after a drop
+        self._link: ResumeLink | None = None  #: the executor's view of the channel while resumable
 
     def __repr__(self) -> str:
         return f"<Session {self.session_id} peer={self.peer}>"
@@ -119,7 +133,13 @@ class Session:
         """The session's store counts, how many ops it ran, how many of those ran by a command plan and how
         many of those by the native plan runner."""
         return {"peer": self.peer, **self.store.stats(), "ops": self.executor.ops_run,
-                "planned": self.executor.plan_runs, "native": self.executor.native_runs}
+                "planned": self.executor.plan_runs, "native": self.executor.native_runs,
+                "batches": self.batches, "resumes": self.resumes}
+
+    @property
+    def batches(self) -> int:
+        """BATCH frames received whole (each ran once) while the session is resumable, else 0."""
+        return self._link.batches if self._link is not None else 0
 
     def close(self) -> None:
         """Close the connection from another thread; the session thread then ends and frees everything."""
@@ -153,8 +173,9 @@ class Session:
         finally:
             freed = self.store.clear()
             self.channel.close()
-            log.info("session %d (%s) closed: freed %d storages, %d bytes",
-                     self.session_id, self.peer, freed["storages"] + freed["poisoned"], freed["bytes"])
+            log.info("session %d (%s) closed: freed %d storages, %d bytes%s",
+                     self.session_id, self.peer, freed["storages"] + freed["poisoned"], freed["bytes"],
+                     f"; {self.batches} batches received, {self.resumes} resumes" if self._link is not None else "")
             self._on_end(self)
 
     # -- phases -------------------------------------------------------------------------------
@@ -168,6 +189,9 @@ class Session:
                 self.closing = True  # refused and logged (rate-limited) already
                 return False
             self.client = dict(admitted.client)
+            if admitted.resume is not None:
+                return self._reject("resume", "this node runs sessions in its own process (isolation none), "
+                                    "which cannot be resumed; the session is gone")
             refusal = self._on_open(self)
             if refusal is not None:
                 return self._reject("busy", refusal)
@@ -188,30 +212,93 @@ class Session:
     def _serve(self) -> None:
         head, max_payload, run_batch = memoryview(bytearray(HEADER.size)), self._max_payload, self.executor.run_batch
         stream: tuple[int, bool] | None = None  # a duplicate of the channel's socket, while the runner serves it
+        link = None
+        native = self.executor.native
+        # A runner built before it counted its batches (genie._C_plans without served()) cannot be resumed over.
+        if self.wait_resume is not None and self.resume_window and (native is None or hasattr(native, "served")):
+            link = self._link = ResumeLink(self.channel, native)
+            self.executor.channel = link  # type: ignore[assignment]
         try:
             while True:
-                if stream is None and self.executor.native is not None:
-                    stream = self._native_stream()
-                if stream is not None and self._channel_at_rest():
-                    got = self.executor.serve_native(*stream)
-                    if got is None:
-                        continue
-                    kind, body, payload_len = self._take_over(got, head, max_payload)
-                else:
-                    kind, body, payload_len = recv_frame(self.channel, head, max_payload=max_payload)
-                if kind == MsgKind.BATCH:
-                    run_batch(FrameHeader(kind, len(body), payload_len), body)
-                elif kind == MsgKind.ECHO:
-                    self._echo(payload_len)
-                elif kind == MsgKind.GOODBYE:
-                    log.debug("session %d (%s) said goodbye", self.session_id, self.peer)
-                    self.closing = True
-                    return
-                else:
-                    raise FrameError(f"unexpected {kind.name} frame in a data-plane session")
+                try:
+                    if stream is None and self.executor.native is not None:
+                        stream = self._native_stream()
+                    if stream is not None and self._channel_at_rest():
+                        got = self.executor.serve_native(*stream)
+                        if link is not None:
+                            link.native_served()
+                        if got is None:
+                            continue
+                        kind, body, payload_len = self._take_over(got, head, max_payload)
+                    else:
+                        kind, body, payload_len = recv_frame(self.channel, head, max_payload=max_payload)
+                    if kind == MsgKind.BATCH:
+                        if link is not None:
+                            link.batch_read(payload_len)
+                        run_batch(FrameHeader(kind, len(body), payload_len), body)
+                        if link is not None:
+                            link.batch_done()
+                    elif kind == MsgKind.ECHO:
+                        if link is not None:
+                            link.frame_read()
+                        self._echo(payload_len)
+                    elif kind == MsgKind.GOODBYE:
+                        log.debug("session %d (%s) said goodbye", self.session_id, self.peer)
+                        self.closing = True
+                        return
+                    else:
+                        raise FrameError(f"unexpected {kind.name} frame in a data-plane session")
+                except ConnectionClosedError as exc:
+                    if link is None or self.closing or isinstance(exc.__cause__, TimeoutError):
+                        raise
+                    link.dropped_in_batch()
+                    if stream is not None:
+                        os.close(stream[0])
+                        stream = None
+                    if not self._resume(link, exc):
+                        raise
         finally:
             if stream is not None:
                 os.close(stream[0])
+
+    def _resume(self, link: ResumeLink, exc: ConnectionClosedError) -> bool:
+        """The connection dropped: wait for the client's resumed one (within the window) and take it up there;
+        False when none came (the session ends, its storages freed)."""
+        assert self.wait_resume is not None
+        window = self.resume_window
+        log.info("session %d (%s): connection dropped (%s); waiting up to %g s for the client to resume",
+                 self.session_id, self.peer, exc, window)
+        deadline = time.monotonic() + window
+        while True:
+            got = self.wait_resume(max(0.0, deadline - time.monotonic()))
+            if got is None:
+                log.warning("session %d (%s): the client did not resume within the reconnect window of %g s; "
+                            "closing it and freeing its storages", self.session_id, self.peer, window)
+                self.closing = True  # nobody to tell
+                return False
+            channel, info = got
+            old, self.channel = self.channel, channel
+            link.attach(channel)
+            old.close()
+            record = link.record
+            replay = bool(info.get("await")) and info.get("sent") == link.batches and record is not None \
+                and record[0] == link.batches
+            welcome = {**info.get("welcome", {}), "resumed": {"batches": link.batches, "replay": replay}}
+            if info.get("auth") is not None:
+                welcome["auth"] = info["auth"]
+            try:
+                channel.settimeout(self.idle_timeout or None)
+                send_frame(channel, MsgKind.WELCOME, pack_body(welcome))
+                if replay:
+                    assert record is not None
+                    channel.sendv([record[1]])
+            except ConnectionClosedError as again:  # dropped again at once: wait for the next resume
+                log.info("session %d: the resumed connection dropped too (%s)", self.session_id, again)
+                continue
+            self.resumes += 1
+            log.info("session %d resumed at batch %d%s", self.session_id, link.batches,
+                     " (its last reply sent again)" if replay else "")
+            return True
 
     def _native_stream(self) -> tuple[int, bool] | None:
         """A duplicate of the channel's socket for the native runner to read batches from (genie._C_plans:

@@ -63,6 +63,11 @@ def _reset(sock: socket.socket) -> None:
     """Close with an RST (SO_LINGER 0): the peer sees ECONNRESET, as on a dropped path, not a clean FIN."""
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    # A thread blocked in recv() on this socket keeps it open past close() (the kernel's reference), so the
+    # RST would wait for the peer's next byte: shutting the read side first wakes that thread, then the last
+    # reference goes and the RST leaves at once.
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RD)
     with contextlib.suppress(OSError):
         sock.close()
 

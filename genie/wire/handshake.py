@@ -36,10 +36,11 @@ from anyio.streams.tls import TLSStream
 
 from genie import security as sec
 from genie._version import __version__
-from genie.errors import AuthenticationError, ConnectionClosedError, FrameError, HandshakeError
+from genie.errors import AuthenticationError, ConnectionClosedError, FrameError, HandshakeError, RemoteDeviceLost
 from genie.transport.base import Channel, handshake_complete
 from genie.wire import control
 from genie.wire import frame as wf
+from genie.wire import resume as wr
 
 log = logging.getLogger("genie.security")
 
@@ -53,6 +54,8 @@ def _refused(where: str, reply: Any) -> Exception:
     code = reply.get("code") if isinstance(reply, dict) else None
     if code == "auth":
         return AuthenticationError(f"{where} refused the connection: {reason or sec.AUTH_HINT}")
+    if code == "resume":  # final: the session cannot be taken up again (genie.wire.resume)
+        return RemoteDeviceLost(f"{where} refused to resume the session: {reason}")
     return HandshakeError(f"{where} refused the connection: {reason}")
 
 
@@ -70,14 +73,26 @@ def _bad_server_proof(where: str) -> AuthenticationError:
 
 # -- data plane: client ------------------------------------------------------------------------------
 
-def client_handshake(channel: Channel, hello: dict[str, Any], *, token: bytes, where: str) -> dict[str, Any]:
+def client_handshake(channel: Channel, hello: dict[str, Any], *, token: bytes, where: str,
+                     resume: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run the client side on ``channel``; returns WELCOME's body.
+
+    ``resume``: resume a session whose connection dropped (:mod:`genie.wire.resume`):
+    ``{"session", "attempt", "sent", "await", "secret"}``; HELLO carries them (the secret as the
+    proof over this HELLO's nonce, never itself). When WELCOME offers resume, its ``resume`` map
+    gets the session's ``secret`` here (derived from this handshake when there is a token).
 
     Raises AuthenticationError (token refused, or the server's proof wrong or
     missing) or HandshakeError (any other refusal or a confused peer).
     """
     client_nonce = sec.new_nonce()
-    hello_bytes = wf.pack_body({**hello, "auth": _auth_offer(client_nonce)})
+    first = {**hello, "auth": _auth_offer(client_nonce)}
+    if resume is not None:
+        first["resume"] = {"session": resume["session"], "attempt": resume["attempt"], "sent": resume["sent"],
+                           "await": resume["await"],
+                           "mac": wr.resume_proof(resume["secret"], resume["session"], resume["attempt"],
+                                                  client_nonce)}
+    hello_bytes = wf.pack_body(first)
     _send(channel, wf.MsgKind.HELLO, hello_bytes, where)
     kind, reply = _recv(channel, where)
     server_nonce = b""
@@ -103,6 +118,10 @@ def client_handshake(channel: Channel, hello: dict[str, Any], *, token: bytes, w
         expected = sec.proof(token, sec.CONTEXT_DATA, sec.SERVER, hello_bytes, server_nonce, client_nonce)
         if not isinstance(auth, dict) or not sec.proof_matches(expected, auth.get("mac")):
             raise _bad_server_proof(where)
+    offer = reply.get("resume")
+    if isinstance(offer, dict):
+        secret = wr.derive_secret(token, hello_bytes, server_nonce, client_nonce) if token else offer.get("secret")
+        reply["resume"] = {**offer, "secret": secret} if isinstance(secret, bytes) else None
     # Only now may a backend hand over what must never reach an unauthenticated peer (shm segments).
     handshake_complete(channel, reply)
     return reply
@@ -131,11 +150,13 @@ def _recv(channel: Channel, where: str) -> tuple[wf.MsgKind, Any]:
 # -- data plane: server -------------------------------------------------------------------------------
 
 def server_challenge(channel: Channel, hello_bytes: bytes, hello: dict[str, Any], *, token: bytes,
-                     peer: str, refusals: sec.RefusalLog = sec.REFUSALS) -> dict[str, Any] | None:
+                     peer: str, refusals: sec.RefusalLog = sec.REFUSALS,
+                     secret_out: list[bytes] | None = None) -> dict[str, Any] | None:
     """CHALLENGE the client and check its AUTH; the ``auth`` entry of WELCOME, or None once refused.
 
     Every failure is answered with REJECT ``{"code": "auth"}`` and logged through
-    ``refusals`` (rate-limited). Frame errors propagate (the session closes).
+    ``refusals`` (rate-limited). Frame errors propagate (the session closes). ``secret_out``
+    gets the session's resume secret (:func:`genie.wire.resume.derive_secret`) once AUTH passed.
     """
     offer = hello.get("auth")
     client_nonce = offer.get("client_nonce") if isinstance(offer, dict) else None
@@ -154,6 +175,8 @@ def server_challenge(channel: Channel, hello_bytes: bytes, hello: dict[str, Any]
     if not sec.proof_matches(expected, mac):
         _refuse(channel, peer, "no token" if mac is None else "wrong token", refusals)
         return None
+    if secret_out is not None:
+        secret_out.append(wr.derive_secret(token, hello_bytes, server_nonce, client_nonce))
     return {"mac": sec.proof(token, sec.CONTEXT_DATA, sec.SERVER, hello_bytes, server_nonce, client_nonce)}
 
 

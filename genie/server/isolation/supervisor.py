@@ -16,7 +16,10 @@ its :class:`~genie.server.isolation.clock.OpClock`. It kills the worker (SIGKILL
 
 - an op runs past ``op_deadline`` (``... deadline of 30 s exceeded by aten::sum``);
 - the client has gone (hang-up on the socket) while an op runs, or the worker has not
-  ended by itself :data:`GONE_GRACE` seconds later: its queued work is cancelled;
+  ended by itself :data:`GONE_GRACE` seconds later: its queued work is cancelled. A session
+  that can be resumed (``reconnect_window`` > 0, a plain stream) is *detached* instead: its
+  worker keeps its storages and waits, and it is killed only when no authenticated resume came
+  within the window (:meth:`Supervisor.resume` routes one to it; :mod:`genie.wire.resume`);
 - the node stops.
 
 When a worker dies any other way (SIGSEGV, SIGABRT, the cgroup's OOM kill) the client
@@ -44,6 +47,7 @@ from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from genie.config import ClusterConfig
@@ -59,6 +63,7 @@ from genie.server.isolation.zygote import WorkerProcess
 from genie.server.metrics import NULL_SESSION_METRICS, Latency, SessionMetrics, Tally
 from genie.server.preauth import Admitted
 from genie.wire.frame import MsgKind, pack_body, send_frame, unpack_body
+from genie.wire.resume import proof_ok
 
 log = logging.getLogger("genie.server.isolation")
 
@@ -150,6 +155,7 @@ class WorkerSession:
         self.closing = False
         self.store = StoreView()
         self.ops_run = 0
+        self.batches = 0  #: BATCH frames the worker received, as last reported
         self.metrics: SessionMetrics = NULL_SESSION_METRICS
         self.thread: threading.Thread | None = None
         self.sock = sock  #: the socket the worker serves (the client's, or its end of a TLS relay)
@@ -165,13 +171,24 @@ class WorkerSession:
         self._send_lock = threading.Lock()
         self._stats_seq = 0
         self._stats_event = threading.Event()
+        #: seconds a dropped client may take to resume (0: this session cannot be resumed)
+        self.window = 0.0
+        self.secret = b""  #: the resume secret (genie.wire.resume), never sent to the worker
+        self.last_attempt = 0  #: the highest resume attempt accepted: each is good once
+        self.detached_at: float | None = None  #: when the client's connection dropped (None: attached)
+        self.resumes = 0  #: connections handed to the worker after a drop
+        self._rewatch: int | None = None  #: the resumed connection's descriptor, for the watcher to poll
+        self._retired: Any = None  #: the connection a resume replaced, for the watcher to close
+        self._resume_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<WorkerSession {self.session_id} peer={self.peer} pid={self.pid}>"
 
     def stats(self) -> dict[str, Any]:
-        """The session's store counts and ops (as last reported), and its worker's pid."""
-        return {"peer": self.peer, **self.store.stats(), "ops": self.ops_run, "pid": self.pid}
+        """The session's store counts and ops (as last reported), its worker's pid, the BATCH frames it
+        received (each ran once: the sequence numbers of genie.wire.resume) and the resumes it took."""
+        return {"peer": self.peer, **self.store.stats(), "ops": self.ops_run, "pid": self.pid,
+                "batches": self.batches, "resumes": self.resumes}
 
     def close(self) -> None:
         """End the session from another thread (the node stops): the worker is killed, the socket closed."""
@@ -194,6 +211,61 @@ class WorkerSession:
         if self._proc is not None and self._proc.exitcode is None:
             with contextlib.suppress(ProcessLookupError, OSError, ValueError, AttributeError):
                 self._proc.kill()
+
+    # -- resuming after a dropped connection (genie.wire.resume) ---------------------------------
+
+    def _detach(self, *, hangup: bool = False) -> None:
+        with self._resume_lock:
+            if hangup and self._rewatch is not None:
+                return  # the hang-up of a connection a resume has just replaced
+            if self.detached_at is None:
+                self.detached_at = time.monotonic()
+                log.info("session %d (%s): connection dropped; its worker waits up to %g s for the client to "
+                         "resume (reconnect_window)", self.session_id, self.peer, self.window)
+
+    def resume(self, channel: Any, admitted: Admitted, welcome: dict[str, Any]) -> str | None:
+        """Hand ``channel`` (a new connection whose handshake passed and whose HELLO asks to resume this
+        session) to the worker; why not, or None once handed over. Each attempt is good once, from the
+        identity that opened the session, within the window after the drop."""
+        request = admitted.resume
+        assert request is not None
+        identity = (admitted.client.get("node_id"), admitted.client.get("role"))
+        with self._resume_lock:
+            if not self.window or self._conn is None:
+                return f"session {self.session_id} cannot be resumed (reconnect_window is 0 on this node)"
+            if identity != (self.client.get("node_id"), self.client.get("role")):
+                return (f"session {self.session_id} belongs to another client identity; a resume token is good "
+                        "only for the client that opened the session")
+            if not proof_ok(self.secret, self.session_id, request["attempt"], admitted.client_nonce,
+                            request["mac"]):
+                return f"invalid resume token for session {self.session_id}"
+            if request["attempt"] <= self.last_attempt:
+                return (f"resume attempt {request['attempt']} of session {self.session_id} was used already "
+                        "(a replayed resume token)")
+            self.last_attempt = request["attempt"]
+            detached = self.detached_at
+            if detached is not None and time.monotonic() - detached > self.window:
+                return (f"session {self.session_id} was not resumed within the reconnect window of "
+                        f"{self.window:g} s; its tensors are gone")
+            sock = channel.handover_socket()
+            if sock is None:
+                return "this connection cannot be handed to a session worker (TLS sessions are not resumed)"
+            info = {"auth": admitted.auth, "welcome": welcome, "sent": request["sent"], "await": request["await"]}
+            try:
+                with self._send_lock:
+                    self._conn.send_bytes(pack_body(["resume", info]))
+                    reduction.send_handle(self._conn, sock.fileno(), self.pid)
+            except (OSError, ValueError) as exc:
+                return f"the worker of session {self.session_id} is gone ({exc})"
+            # The watcher closes the connection the client gave up on once it no longer polls it (the worker,
+            # if it still reads it, then sees it end).
+            self._retired, self.channel = self.channel, channel
+            self.peer = str(getattr(channel, "peer", self.peer))
+            self.detached_at = None
+            self.resumes += 1
+            self._rewatch = sock.fileno()
+        log.info("session %d resumed by %s (attempt %d)", self.session_id, self.peer, request["attempt"])
+        return None
 
     # -- the node's requests ------------------------------------------------------------------
 
@@ -244,11 +316,26 @@ class WorkerSession:
         poller.register(sock_fd, _POLLRDHUP)
         gone_at: float | None = None
         while True:
+            with self._resume_lock:
+                fresh, self._rewatch = self._rewatch, None
+                retired, self._retired = self._retired, None
+            if fresh is not None:  # a resume handed the worker a new connection: watch that one
+                if sock_fd >= 0:
+                    poller.unregister(sock_fd)
+                sock_fd = fresh
+                poller.register(sock_fd, _POLLRDHUP)
+            if retired is not None:  # the connection the client gave up on: closed once no longer polled
+                with contextlib.suppress(Exception):
+                    retired.close()
             exited = False
             for fd, _events in poller.poll(tick):
                 if fd == sock_fd:
                     poller.unregister(sock_fd)
-                    gone_at = time.monotonic()
+                    sock_fd = -1
+                    if self.window:
+                        self._detach(hangup=True)
+                    else:
+                        gone_at = time.monotonic()
                 elif fd == proc.sentinel:
                     exited = True
                 elif not self._receive():
@@ -256,8 +343,12 @@ class WorkerSession:
             if exited:
                 break
             running = clock.running()
+            detached = self.detached_at
             if self._kill_at is not None and time.monotonic() >= self._kill_at:
                 self.kill(self.reason)
+            elif detached is not None and time.monotonic() - detached > self.window + GONE_GRACE:
+                self.closing = True  # nobody to tell; the worker normally ends by itself at the window
+                self.kill(f"the client did not reconnect within the reconnect window of {self.window:g} s")
             elif running is not None and running[1] > deadline:
                 self.kill(f"session worker killed: deadline of {deadline:g} s exceeded by {running[0]}",
                           polite=POLITE_KILL)
@@ -281,6 +372,9 @@ class WorkerSession:
                 self._stats_event.set()
             elif kind == "log":
                 self._relog(message[1], message[2], message[3])
+            elif kind == "detached":  # the worker saw its connection drop (perhaps before this watcher did)
+                if _int(message[1]) >= self.resumes:  # else it is about a connection a resume replaced already
+                    self._detach()
             elif kind == "cache_get":
                 answer_lookup(self.supervisor.cache, conn, self._send_lock, message)
             elif kind == "cache_keep":
@@ -300,6 +394,7 @@ class WorkerSession:
         self.store.counts = {k: _int(store[k]) for k in ("storages", "poisoned", "bytes")}
         self.store.by_device = {str(k): _int(v) for k, v in snap["by_device"].items()}
         self.ops_run = _int(snap["ops_run"])
+        self.batches = _int(snap.get("batches", 0))
         if self.metrics is not NULL_SESSION_METRICS:
             self.metrics.tally = _tally(snap)
             self.metrics.queue_depth = _int(snap["queue_depth"])
@@ -333,6 +428,9 @@ class WorkerSession:
                 self._tell_client(reason)
         self.serving = False
         self.channel.close()
+        if self._retired is not None:
+            with contextlib.suppress(Exception):
+                self._retired.close()
         for closer in (self._conn.close if self._conn is not None else None,
                        self._clock.close if self._clock is not None else None):
             if closer is not None:
@@ -409,10 +507,17 @@ class Supervisor:
         sock, watch, ours = self._handover(channel)
         session = WorkerSession(self, session_id, channel, sock, watch)
         session.client = dict(admitted.client)
+        if self.config.reconnect_window and ours is None:  # a relayed (TLS) session is not resumed
+            session.window, session.secret = self.config.reconnect_window, admitted.secret
+            offer: dict[str, Any] = {"session": session_id, "window": session.window}
+            if not self.security.token:
+                offer["secret"] = admitted.secret  # nothing to derive it from: see genie.wire.resume
+            welcome = {**welcome, "resume": offer}
         before_start(session)
         make, kwargs = channel.handover_factory()
         spec = WorkerSpec(session_id=session_id, peer=session.peer, make_channel=make, channel_kwargs=kwargs,
-                          devices=self.devices, config=self.config, welcome=welcome, admitted=admitted,
+                          devices=self.devices, config=self.config, welcome=welcome,
+                          admitted=attrs.evolve(admitted, secret=b""),
                           log_level=logging.getLogger("genie").getEffectiveLevel(), cache=offer_of(self.cache))
         try:
             for attempt in (1, 2):
@@ -497,6 +602,17 @@ class Supervisor:
         for closer in (conn.close, clock.close):
             with contextlib.suppress(OSError, ValueError):
                 closer()
+
+    def resume(self, channel: Any, admitted: Admitted, welcome: dict[str, Any]) -> str | None:
+        """Route a resuming connection (HELLO's ``resume``, authenticated) to its session's worker; why not,
+        or None once handed over (see :meth:`WorkerSession.resume`)."""
+        assert admitted.resume is not None
+        with self._lock:
+            session = self._live.get(admitted.resume["session"])
+        if session is None:
+            return (f"no session {admitted.resume['session']} to resume on this node (it ended, or its reconnect "
+                    "window passed); its tensors are gone")
+        return session.resume(channel, admitted, welcome)
 
     def forget(self, session: WorkerSession) -> None:
         """The session ended (from the node's end callback)."""

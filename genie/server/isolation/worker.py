@@ -19,9 +19,11 @@ worker → node             meaning
 ``["log", level, name, text]``  a log record, logged by the node under ``name`` (answered ``["logged"]``)
 ``["cache_get", ...]``    the weight cache (:mod:`genie.server.isolation.cache`)
 ``["cache_keep", ...]``   ditto
+``["detached", n]``       the connection dropped after ``n`` resumes; the session waits for the next
 ========================  ===============================================================
 
-The node asks ``["stats", seq]``, and sends
+The node asks ``["stats", seq]``, hands over a resumed connection with ``["resume", info]``
+followed by its descriptor (``SCM_RIGHTS``; :mod:`genie.wire.resume`), and sends
 ``["kill", reason]`` before it kills a worker: the worker's control thread then tells the client
 why in the channel's own framing and exits (the node sends SIGKILL anyway after a moment).
 When the control pipe closes (the node is gone) the worker exits at once.
@@ -33,6 +35,7 @@ import contextlib
 import gc
 import logging
 import os
+import queue
 import socket
 import threading
 from multiprocessing import reduction
@@ -85,6 +88,7 @@ def snapshot(session: Session, metrics: SessionMetrics) -> dict[str, Any]:
         "store": session.store.stats(),
         "by_device": {str(k): int(v) for k, v in session.store.bytes_by_device().items()},
         "ops_run": session.executor.ops_run,
+        "batches": session.batches,
         "queue_depth": metrics.queue_depth,
         "ops": [[op, status, n] for (op, status), n in list(tally.ops.items())],
         "latency": {status: [list(lat.counts), lat.sum] for status, lat in list(tally.latency.items())},
@@ -117,6 +121,8 @@ class _Control:
         self.session: Session | None = None
         self.metrics: SessionMetrics | None = None
         self.cache: WorkerCache | None = None
+        #: connections the node handed over after a drop: (socket, the node's info)
+        self.resumed: queue.Queue[tuple[socket.socket, dict[str, Any]]] = queue.Queue()
 
     def send(self, message: list[Any]) -> None:
         with self._send_lock:
@@ -153,6 +159,9 @@ class _Control:
                     self.cache.answered(message[1], message[2])
                 elif message[0] == "kill":
                     self._die(str(message[1]))
+                elif message[0] == "resume":
+                    fd = reduction.recv_handle(self.conn)  # sent right after the message, under the node's lock
+                    self.resumed.put((socket.socket(fileno=fd), message[1]))
         except (EOFError, OSError):
             pass
         # The node went away (or closed us): nobody can see or use this session any more.
@@ -263,6 +272,19 @@ def serve_session(spec: WorkerSpec, sock: socket.socket, conn: Connection, clock
         control.cache = WorkerCache(spec.cache, conn, control._send_lock)
         session.executor.transfers.cache = control.cache  # type: ignore[assignment]
     control.session, control.metrics = session, metrics
+    if spec.config.reconnect_window and "resume" in spec.welcome:
+
+        def wait_resume(timeout: float) -> tuple[Any, dict[str, Any]] | None:
+            with contextlib.suppress(OSError):
+                control.send(["detached", session.resumes])  # the node ignores it if a resume came meanwhile
+            try:
+                sock, info = control.resumed.get(timeout=timeout)
+            except queue.Empty:
+                return None
+            return spec.make_channel(sock, spec.peer, **spec.channel_kwargs), info
+
+        session.resume_window = spec.config.reconnect_window
+        session.wait_resume = wait_resume
     threading.Thread(target=control.serve, name="genie-worker-control", daemon=True).start()
     session.run()
     try:
