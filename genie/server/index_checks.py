@@ -257,8 +257,8 @@ def check_repeat_interleave(label: str, args: list[Any], kwargs: dict[str, Any])
     and writes index ``i`` at the positions ``repeats``' running sum gives, checking the counts only after (a
     negative count that still summed to ``output_size`` corrupted the heap). So ``output_size`` must be given
     (genie's client sends it; without it the output's size is the data's, which no pre-flight can bound),
-    ``repeats`` 1-dim integers, each in [0, output_size], summing to exactly ``output_size`` (also in float64,
-    so an int64 sum that wrapped around cannot pass). ``self_int`` (a number of repeats) needs none of this."""
+    ``repeats`` 1-dim integers, each in [0, output_size], summing to exactly ``output_size`` (in float64 where an
+    int64 sum could wrap around). ``self_int`` (a number of repeats) needs none of this."""
     repeats = kwargs["repeats"] if "repeats" in kwargs else args[1] if len(args) > 1 else args[0] if args else None
     if not isinstance(repeats, torch.Tensor):
         return  # self_int, or the schema check refuses it
@@ -270,12 +270,23 @@ def check_repeat_interleave(label: str, args: list[Any], kwargs: dict[str, Any])
         raise refuse(label, f"repeats must be 1-dim, got shape {list(repeats.shape)}")
     if repeats.dtype not in _INTEGER:
         raise refuse(label, f"repeats must be an integer tensor, got {repeats.dtype}")
-    if repeats.numel() and (int(repeats.min()) < 0 or int(repeats.max()) > size):
+    count = repeats.numel()
+    if count == 0:
+        low = high = total = 0
+    elif repeats.stride(0) == 0:  # an expanded count: one value read, not 2**26 (the fuzzer's, past the deadline)
+        low = high = int(repeats[0])
+        total = low * count
+    else:
+        low_t, high_t = torch.aminmax(repeats)
+        low, high = int(low_t), int(high_t)
+        # an int64 sum of counts in [0, high] cannot wrap while count * high < 2**63; past that, float64's
+        # sum tells a total near output_size from one that wrapped around to it
+        total = int(repeats.sum(dtype=torch.int64)) if count * high < 1 << 63 \
+            else round(float(repeats.sum(dtype=torch.float64)))
+    if low < 0 or high > size:
         raise refuse(label, f"repeats must be counts in [0, output_size={size}]")
-    total = int(repeats.sum(dtype=torch.int64)) if repeats.numel() else 0
-    approx = float(repeats.sum(dtype=torch.float64)) if repeats.numel() else 0.0
-    if total != size or abs(approx - size) > 1e-9 * size + 0.5:
-        raise refuse(label, f"repeats sum to {approx:.0f}, not output_size {size}")
+    if total != size:
+        raise refuse(label, f"repeats sum to {total}, not output_size {size}")
 
 
 BY_PACKET = {
