@@ -144,6 +144,8 @@ class NodeConnection:
         with self.lock:
             self.channel.settimeout(timeout)
             hello = {**hello, "codecs": list(compress.available_codecs())}  # what this client decompresses with
+            if self.reconnect is not None and self.reconnect_window > 0:
+                hello = {**hello, "resumable": True}  # this client reconnects after a drop (genie.wire.resume)
             reply = client_handshake(self.channel, hello, token=token, where=f"node {self.node_id} at {self.address}")
             self.devices = list(reply.get("devices", []))
             self.limits = dict(reply.get("limits", {}))

@@ -181,6 +181,7 @@ def recover(conn: NodeConnection, reason: str, *, awaiting: bool, device: str = 
             raise _lost(conn, device, f"{with_reason}; {final}")
         assert channel is not None
         conn.channel = channel
+        conn._broken = None  # a background send's failure is answered by this resume too
         channel.settimeout(conn.op_timeout)
         state.resumes += 1
         conn.restart_lane()

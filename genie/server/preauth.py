@@ -168,6 +168,8 @@ class Admitted:
     #: HELLO's ``resume`` request, checked for its types (genie.wire.resume.parse_request); None: a new session
     resume: dict[str, Any] | None = None
     client_nonce: bytes = b""  #: HELLO's nonce, which a resume's proof covers
+    #: HELLO's ``"resumable": true``: the client will reconnect after a drop, so its session waits for it
+    wants_resume: bool = False
 
 
 def authenticate(channel: Any, *, token: bytes, tls: ssl.SSLContext | None, timeout: float,
@@ -236,7 +238,7 @@ def authenticate(channel: Any, *, token: bytes, tls: ssl.SSLContext | None, time
     nonce = offer.get("client_nonce") if isinstance(offer, dict) else None
     return Admitted({k: hello.get(k) for k in ("node_id", "role", "genie", "torch")}, auth,
                     secret=secrets[0] if secrets else random_secret(), resume=resume,
-                    client_nonce=nonce if valid_nonce(nonce) else b"")
+                    client_nonce=nonce if valid_nonce(nonce) else b"", wants_resume=hello.get("resumable") is True)
 
 
 def reject(channel: Any, code: str, reason: str, refusals: RefusalLog = REFUSALS) -> None:

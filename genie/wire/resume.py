@@ -1,7 +1,9 @@
 """Resuming a data-plane session after its connection dropped: the resume secret, the proofs, the counts.
 
-A node that can resume a session (a session worker: ``isolation = process`` over a plain stream)
-offers it in WELCOME: ``"resume": {"session": id, "window": seconds}``. Both ends then hold a
+A client that will reconnect after a drop says so in HELLO (``"resumable": true``); a node that can
+resume its session (a session worker: ``isolation = process`` over a plain stream, ``reconnect_window``
+above 0) offers it in WELCOME: ``"resume": {"session": id, "window": seconds}``. Any other session
+ends when its connection does, as it always did. Both ends then hold a
 *resume secret* of that session:
 
 - with a cluster token, ``HMAC-SHA256(token, "genie-resume-v1/secret" | SHA-256(HELLO) | server

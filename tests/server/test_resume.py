@@ -62,7 +62,7 @@ class Client:
         self.offer: dict[str, Any] = welcome["resume"]
 
     def hello(self, node_id: str | None = None) -> dict[str, Any]:
-        return hello_body(node_id=node_id or self.node_id, role="client", backends=["tcp"])
+        return {**hello_body(node_id=node_id or self.node_id, role="client", backends=["tcp"]), "resumable": True}
 
     def batch(self, cmds: list[bytes], uploads: list[tuple[int, torch.Tensor]] = ()) -> None:  # type: ignore[assignment]
         ups = [[sid, 0, t.numel() * t.element_size()] for sid, t in uploads]
@@ -135,7 +135,7 @@ def test_a_cut_mid_stream_loses_no_batch_and_runs_none_twice(node: DataPlaneServ
         client.batch([], uploads=[(1, X)])
         for _ in range(20):
             client.batch([add_one()])
-        wait_until(lambda: session_stats(node, client)["batches"] == 21, 10)
+        wait_until(lambda: session_stats(node, client)["batches"] == 21, 60)  # the first op waits for the warm-up
         for _ in range(20):  # in flight when the link drops: the emulator holds each for 50 ms
             client.batch([add_one()])
         assert link.cut() == 1
@@ -163,7 +163,7 @@ def test_a_reply_lost_in_the_cut_is_sent_again_not_run_again(node: DataPlaneServ
         for _ in range(3):  # the same request again: the node runs it by a plan (natively where it can)
             assert client.request([add_one(), ask()]).error is None
         client.batch([add_one(), ask()])
-        wait_until(lambda: session_stats(node, client)["batches"] == client.sent, 10)
+        wait_until(lambda: session_stats(node, client)["batches"] == client.sent, 60)
         link.cut()  # the reply is on its way (the emulator holds it for 50 ms) or not yet sent
         resumed = client.resume(awaiting=True)
         assert resumed == {"batches": client.sent, "replay": True}

@@ -507,7 +507,9 @@ class Supervisor:
         sock, watch, ours = self._handover(channel)
         session = WorkerSession(self, session_id, channel, sock, watch)
         session.client = dict(admitted.client)
-        if self.config.reconnect_window and ours is None:  # a relayed (TLS) session is not resumed
+        # Only a client that said it will reconnect gets a session that outlives its connection (a relayed TLS
+        # session is not resumed): any other ends at a drop, its work cancelled, as before.
+        if self.config.reconnect_window and admitted.wants_resume and ours is None:
             session.window, session.secret = self.config.reconnect_window, admitted.secret
             offer: dict[str, Any] = {"session": session_id, "window": session.window}
             if not self.security.token:
