@@ -228,8 +228,7 @@ def with_storage(t: torch.Tensor, device: str) -> torch.Tensor:
     """``t`` on ``device`` as the same view of a copy of its whole storage, where it views part of a larger
     one (``base[5:15]``): ``as_strided`` and its partial-view samples address the storage, not the view, and
     ``t.to(device)`` would copy only the view's elements. Anything else moves with ``.to``."""
-    span = _storage_span(t)
-    if t.layout != torch.strided or (t.storage_offset() == 0 and span * t.element_size()
+    if t.layout != torch.strided or (t.storage_offset() == 0 and _storage_span(t) * t.element_size()
                                      == t.untyped_storage().nbytes()):
         return t.to(device)
     whole = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, (t.untyped_storage().nbytes()
