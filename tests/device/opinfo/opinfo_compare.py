@@ -219,7 +219,9 @@ class Comparer:
         remote_out = _grad_outputs(remote.output_process_fn_grad(out))
         if len(remote_out) != len(cpu_out):
             return f"{len(remote_out)} differentiable outputs on the device, {len(cpu_out)} on CPU"
-        actual = torch.autograd.grad(remote_out, remote_inputs, [c.to(self.device) for c in cotangents],
+        # each cotangent where its output is (an op like ``to("cpu")`` returns a CPU tensor on both sides)
+        actual = torch.autograd.grad(remote_out, remote_inputs, [c.to(o.device) for c, o in
+                                                                 zip(cotangents, remote_out, strict=True)],
                                      allow_unused=True)
         return self._compare(_to_cpu(list(actual)), list(expected))
 
