@@ -68,6 +68,8 @@ struct OpFacts {
   enum Copy : uint8_t { not_copy, copy_into, copy_from } copy = not_copy;  // copy_(self, src) / _copy_from(src, dst)
   bool item = false;  // _local_scalar_dense (.item()): a sync point the lane may answer
   bool fills = false;  // fill_.Scalar / zero_: overwrites its whole argument (host shadows, below)
+  std::vector<bool> writes;  // per argument: the schema marks it written (in place, out=)
+  std::atomic<int8_t> derivable{-1};  // host shadows may run it on the client (shadow_ops); -1: not looked up yet
 };
 std::unordered_map<const void*, OpFacts*> g_facts;  // by &op.schema() (operators live for the process)
 
@@ -99,7 +101,10 @@ OpFacts* facts_of(const c10::OperatorHandle& op) {
   f->item = f->name == "aten::_local_scalar_dense";
   f->fills = f->name == "aten::fill_.Scalar" || f->name == "aten::zero_";
   const auto& args = schema.arguments();
-  for (const auto& a : args) f->kinds.push_back(kind_of(a));
+  for (const auto& a : args) {
+    f->kinds.push_back(kind_of(a));
+    f->writes.push_back(a.alias_info() != nullptr && a.alias_info()->isWrite());
+  }
   f->kwarg_only_start = args.size();
   while (f->kwarg_only_start > 0 && args[f->kwarg_only_start - 1].kwarg_only()) --f->kwarg_only_start;
   std::lock_guard<std::mutex> g(g_mu);
@@ -394,6 +399,7 @@ std::unordered_set<uint64_t> g_shadowed;          // storage ids with a shadow
 std::vector<uint64_t> g_shadow_freed;             // of those, the ones freed since Python last asked
 std::atomic<size_t> g_shadow_count{0};
 std::atomic<int64_t> g_shadow_fill_bytes{0};      // fill_/zero_ of a storage this small go to Python (0: off)
+std::unordered_set<std::string> g_shadow_ops;     // ops (schema names, "aten::eq") Python can run on shadows
 
 bool shadowed_tensor(const at::Tensor& t) {
   if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1) return false;
@@ -404,15 +410,34 @@ bool shadowed_tensor(const at::Tensor& t) {
   return g_shadowed.count(sid) != 0;
 }
 
-// Whether this call must go to Python for the shadows' sake (see above).
-bool touches_shadow(const OpFacts& f, c10::ArrayRef<IValue> args) {
+bool derivable(const OpFacts& f, const c10::OperatorHandle& op) {
+  int8_t known = f.derivable.load(std::memory_order_relaxed);
+  if (known >= 0) return known != 0;
+  bool yes;
+  {
+    std::lock_guard<std::mutex> g(g_shadow_mu);
+    yes = g_shadow_ops.count(op.schema().name()) != 0;
+  }
+  const_cast<OpFacts&>(f).derivable.store(yes ? 1 : 0, std::memory_order_relaxed);
+  return yes;
+}
+
+// Whether this call must go to Python for the shadows' sake (see above): it writes a shadowed storage, or
+// Python may run it on shadows (a shadowed input), or it fills a small integer or bool storage from nothing.
+bool touches_shadow(const OpFacts& f, const c10::OperatorHandle& op, c10::ArrayRef<IValue> args) {
   if (f.fills && !args.empty() && args[0].isTensor()) {
     const at::Tensor& t = args[0].toTensor();
     int64_t limit = g_shadow_fill_bytes.load(std::memory_order_relaxed);
-    if (limit > 0 && t.defined() && t.storage().nbytes() <= static_cast<size_t>(limit)) return true;
+    if (limit > 0 && t.defined() && t.storage().nbytes() <= static_cast<size_t>(limit) &&
+        !c10::isFloatingType(t.scalar_type()) && !c10::isComplexType(t.scalar_type()))
+      return true;
   }
   if (g_shadow_count.load(std::memory_order_relaxed) == 0) return false;
-  for (const auto& a : args) {
+  bool may_derive = derivable(f, op);
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto& a = args[i];
+    bool matters = may_derive || (i < f.writes.size() && f.writes[i]);
+    if (!matters) continue;
     if (a.isTensor()) {
       if (shadowed_tensor(a.toTensor())) return true;
     } else if (a.isTensorList()) {
@@ -635,7 +660,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   size_t nargs = schema.arguments().size();
   thread_local Encoder enc;
   if ((f.fills || g_shadow_count.load(std::memory_order_relaxed) > 0) &&
-      touches_shadow(f, torch::jit::last(*stack, nargs))) {
+      touches_shadow(f, op, torch::jit::last(*stack, nargs))) {
     g_misses.fetch_add(1, std::memory_order_relaxed);
     return call_python(f, op, stack, nullptr);
   }
@@ -781,7 +806,15 @@ void init_fastpath(py::module_& m) {
     return out;
   }, "Shadowed storages freed since the last call (their marks are gone already).");
   m.def("shadow_fill_bytes", [](int64_t limit) { g_shadow_fill_bytes.store(limit); },
-        "fill_/zero_ of a storage of at most this many bytes go to Python (0: none).");
+        "fill_/zero_ of an integer or bool storage of at most this many bytes go to Python (0: none).");
+  m.def("shadow_ops", [](const std::vector<std::string>& names) {
+    {
+      std::lock_guard<std::mutex> g(g_shadow_mu);
+      g_shadow_ops = std::unordered_set<std::string>(names.begin(), names.end());
+    }
+    std::lock_guard<std::mutex> g(g_mu);
+    for (auto& [key, facts] : g_facts) facts->derivable.store(-1, std::memory_order_relaxed);
+  }, "The ops (schema names) Python may run on host shadows: a call of one with a shadowed input goes to Python.");
   m.def("fast_learn", &fast_learn, "Teach the call being handled: its outputs (see fastpath.cpp).");
   m.def("fast_forget", [] {
     std::lock_guard<std::mutex> g(g_mu);

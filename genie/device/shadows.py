@@ -335,6 +335,13 @@ FILL_OPS = frozenset({"aten::fill_", "aten::zero_"})
 _ARITHMETIC_ARGS = ("accumulate", "reduce")
 
 
+#: Sync points and copies the shadows answer or follow: genie._C sends calls of these with a shadowed tensor
+#: to Python too.
+_FOLLOWED = frozenset({"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::copy_",
+                       "aten::_copy_from", "aten::_copy_from_and_resize"})
+_C.shadow_ops(sorted(MOVE_OPS | INT_OPS | FILL_OPS | _FOLLOWED))
+
+
 class Rule:
     """What the shadows need to know about an op: the arguments it writes, those whose old values do not matter
     (``out=``, a fill's target), and how it may be derived (``"move"``, ``"int"`` or None)."""
@@ -444,6 +451,8 @@ def _derive(func: Any, rule: Rule, args: Any, kwargs: Any, outs: list[Any], writ
             nbytes = t.untyped_storage().nbytes()
             if not (TABLE.enabled and _covers_storage(t) and TABLE.fits(nbytes)) or _C.storage_id(t) in read_sids:
                 return False
+            if rule.fills and (t.is_floating_point() or t.is_complex()):
+                return False  # float fills build attention masks in every forward; kept native (fastpath.cpp)
             host = torch.zeros(nbytes, dtype=torch.uint8)
             view = torch.empty(0, dtype=t.dtype).set_(host.untyped_storage(), 0, tuple(t.shape), t.stride())
             made[id(t)] = (_C.storage_id(t), host)
@@ -473,10 +482,18 @@ def _derive(func: Any, rule: Rule, args: Any, kwargs: Any, outs: list[Any], writ
             return torch.device("cpu")
         return a
 
+    # One thread: these tensors are small, and some CPU kernels (tril, triu) fork a parallel region whatever
+    # the size; waking the pool cost 20 to 70 ms per call on a loaded 2-core machine (GPT-2's causal mask).
+    threads = torch.get_num_threads()
+    if threads > 1:
+        torch.set_num_threads(1)
     try:
         result = func(*host_arg(list(args)), **{k: host_arg(v) for k, v in kwargs.items()})
     except (RuntimeError, ValueError, TypeError, IndexError):
         return False  # the server decides (and reports) what the op does with these values
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
     results = _flat_tensors([result], [])
     remote_outs = [o for o in outs if isinstance(o, torch.Tensor)]
     if len(results) != len(remote_outs):
