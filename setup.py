@@ -15,7 +15,8 @@ setup(
     ext_modules=[
         CppExtension(
             "genie._C",
-            ["genie/csrc/device.cpp", "genie/csrc/fastpath.cpp", "genie/csrc/host_pool.cpp", "genie/csrc/lane.cpp"],
+            ["genie/csrc/device.cpp", "genie/csrc/fastpath.cpp", "genie/csrc/host_pool.cpp", "genie/csrc/lane.cpp",
+             "genie/csrc/graph.cpp", "genie/csrc/sdpa.cpp"],
             # The kernels only move metadata: -O1 compiles much faster than -O2 and runs the same.
             extra_compile_args=["-O1", "-g0"],
         ),

@@ -53,6 +53,7 @@ TARGET_BULK_VS_RAW = 0.9  # issue 16; benchmarks/bench_transfer.py measures the 
 TARGET_BULK_VS_RPC = 2.0
 TARGET_PEAK_MEM = 1.25
 TARGET_CLIENT_US_PER_OP = 15e-6
+TARGET_GRAPH_STEP_VS_LOCAL = 1.15  # issue 33: a captured torch.accelerator.Graph training step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,6 +326,8 @@ def measure_genie(port: int, raw: RawPeer, samples: int, pipelined_ops: int, rou
         finally:
             connection.MIN_BATCH_CMDS = adaptive
 
+        out["step_graph"], out["step_graph_local"], out["step_graph_ok"] = _captured_steps(dev, rounds)
+
         a = torch.randn(MATMUL_N, MATMUL_N)
         expect = a @ a
         mm, mm_local, mm_wire = [], [], []
@@ -394,6 +397,48 @@ def _transformer_steps(dev: str, rounds: int, warmup: int = 2) -> tuple[list[flo
             remote.append(t1 - t0)
             local.append(t2 - t1)
     return client, remote, local
+
+
+def _captured_steps(dev: str, rounds: int, warmup: int = 3) -> tuple[list[float], list[float], bool]:
+    """The same 2-layer transformer training step, captured once as a torch.accelerator.Graph on the remote
+    device and replayed (one command, then loss.item()), against the step on the local CPU; both with fused
+    AdamW (a captured optimizer keeps its step on the device). Also whether the two losses agree."""
+    import torch
+    from torch import nn
+
+    def make(device: str) -> tuple[Any, Any, Any]:
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.0, batch_first=True)
+        model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).to(device)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), torch.randn(8, 16, 64).to(device)
+
+    def step(model: Any, opt: Any, x: Any) -> Any:
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    rm, ro, rx = make(dev)
+    lm, lo, lx = make("cpu")
+    step(rm, ro, rx).item()  # the optimizer's state exists before the capture, as for CUDA graphs
+    step(lm, lo, lx).item()
+    graph = torch.accelerator.Graph()
+    with graph:
+        static_loss = step(rm, ro, rx)
+    graph_s, local_s, ok = [], [], True
+    for i in range(rounds + warmup):
+        t0 = time.perf_counter()
+        graph.replay()
+        remote_loss = static_loss.item()
+        t1 = time.perf_counter()
+        local_loss = step(lm, lo, lx).item()
+        t2 = time.perf_counter()
+        ok = ok and abs(remote_loss - local_loss) <= 1e-4 * max(1.0, abs(local_loss))
+        if i >= warmup:
+            graph_s.append(t1 - t0)
+            local_s.append(t2 - t1)
+    return graph_s, local_s, ok
 
 
 def _remote_square(a: Any, dev: str) -> Any:
@@ -574,6 +619,16 @@ def run_parent(kids: c.Children, args: argparse.Namespace, samples: int, rounds:
               f"{step_remote / step_local:.2f}x", "report", None)
     table.add("transformer step, wall", c.fmt_ms(step_remote), f"fixed batches {c.fmt_ms(step_fixed)}",
               f"{step_remote / step_fixed:.2f}x", "report", None)
+
+    step_graph, step_graph_local = statistics.median(g["step_graph"]), statistics.median(g["step_graph_local"])
+    graph_ratio = step_graph / step_graph_local
+    print(f"genie 2-layer transformer training step captured as a torch.accelerator.Graph (replay + loss.item()): "
+          f"{c.fmt_ms(step_graph)}{'' if g['step_graph_ok'] else '  (LOSS MISMATCH)'} vs the step on the local CPU "
+          f"(fused AdamW both) {c.fmt_ms(step_graph_local)} = {graph_ratio:.2f}x "
+          f"(target <= {TARGET_GRAPH_STEP_VS_LOCAL:g}x)")
+    table.add("transformer step, captured graph", c.fmt_ms(step_graph), f"local step {c.fmt_ms(step_graph_local)}",
+              f"{graph_ratio:.2f}x", f"<= {TARGET_GRAPH_STEP_VS_LOCAL:g}x",
+              graph_ratio <= TARGET_GRAPH_STEP_VS_LOCAL and g["step_graph_ok"])
 
     rate = statistics.median(g["pipelined"])
     print(f"genie pipelined y = y + 1: {rate:,.0f} ops/s (runs: {', '.join(f'{r:,.0f}' for r in g['pipelined'])})"

@@ -160,6 +160,8 @@ _OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
                                "compresses"),
     "compression_min_bytes": (int, 256 << 10, lambda v: v >= 0, "a byte count from which a transfer is compressed"),
     # session isolation (see docs/SECURITY.md and genie/server/isolation/)
+    "cuda_mps": (bool, False, None, "true or false (session workers share each GPU through the host's CUDA MPS "
+                 "daemon; see genie/server/mps.py)"),
     "isolation": (str, "process", lambda v: v in ("process", "none"),
                   "process (each session in its own worker process) or none (sessions in threads, one trusted user)"),
     "op_deadline": (float, 300.0, _positive, "a positive number of seconds one op may run before its session "
@@ -252,6 +254,7 @@ class ClusterConfig:
     compression_below_mbit: float
     compression_min_bytes: int
     isolation: str
+    cuda_mps: bool
     op_deadline: float
     worker_memory_overhead: int
     worker_cpu_weight: int

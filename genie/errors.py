@@ -24,7 +24,8 @@ translated at the boundary where they happen, so callers only ever catch these::
     ├── RemoteExecutionError          an op failed on the server; names the op and its input shapes
     ├── RemoteDeviceLost              the node that held a device died or became unreachable
     └── DeviceError                   misuse of the remote_accelerator device (mixed devices, numpy() ...)
-        └── UnsupportedFeatureError   a torch.cuda feature the device cannot honour (also an AttributeError)
+        ├── UnsupportedFeatureError   a torch.cuda feature the device cannot honour (also an AttributeError)
+        └── GraphCaptureError         a sync point or host transfer inside torch.accelerator.Graph capture
 """
 
 from __future__ import annotations
@@ -135,6 +136,12 @@ class RemoteDeviceLost(GenieError, RuntimeError):
 
 class DeviceError(GenieError, RuntimeError):
     """The remote_accelerator device was used in a way it does not support."""
+
+
+class GraphCaptureError(DeviceError):
+    """Something that cannot be captured ran while a ``torch.accelerator.Graph`` was capturing on the device
+    (a sync point such as ``.item()`` or ``.cpu()``, a host-to-device copy, a storage resize), as CUDA refuses
+    it with "operation not permitted when stream is capturing"; the capture is invalidated."""
 
 
 class UnsupportedFeatureError(DeviceError, AttributeError):

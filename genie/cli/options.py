@@ -17,7 +17,8 @@ from typing import Any
 from genie.config import ClusterConfig
 
 #: argparse dest -> ClusterConfig field of every option :func:`add_session_options` adds.
-SESSION_OPTIONS = ("devices", "node_id", "insecure", "cache_bytes", "share_cache", "isolation", "op_deadline")
+SESSION_OPTIONS = ("devices", "node_id", "insecure", "cache_bytes", "share_cache", "isolation", "op_deadline",
+                   "cuda_mps")
 
 
 def add_session_options(p: argparse.ArgumentParser) -> None:
@@ -36,6 +37,9 @@ def add_session_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolation", choices=("process", "none"), default=None,
                    help="process (default): each client session in its own worker process; none: sessions in "
                         "threads of the node's process, for one trusted user (GENIE_ISOLATION)")
+    p.add_argument("--cuda-mps", action="store_true", default=None,
+                   help="share each GPU among the session workers through the host's CUDA MPS daemon (it must run: "
+                        "nvidia-cuda-mps-control -d); refused where it does not (GENIE_CUDA_MPS)")
     p.add_argument("--op-deadline", type=float, default=None,
                    help="seconds one op may run before its session's worker is killed (default 300; "
                         "GENIE_OP_DEADLINE)")

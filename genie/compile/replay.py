@@ -330,6 +330,8 @@ class ReplayedGraph:
         return plan
 
     def _replay(self, plan: Plan, inputs: list[Any], device: RemoteDevice, encoded: list[Any]) -> Any:
+        if device.connection.capture is not None:
+            raise device.connection.capture.refuse(f"{self.name} (a torch.compile(backend='genie') graph)")
         index = device.index
         gid = self.graph_id(device)
         constants = self.lowered.constants

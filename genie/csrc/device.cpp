@@ -849,6 +849,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "genie's native remote_accelerator device (PrivateUse1): allocator, guard, hooks, metadata kernels";
   init_fastpath(m);
   init_host_pool(m);
+  init_graph(m);
+  init_sdpa(m);
   m.def("install", &install, "Register the allocator and hooks (idempotent).");
   m.def("set_device_count", [](int n) {
     TORCH_CHECK(n >= 0 && n < 127, "genie: bad device count ", n);

@@ -26,5 +26,7 @@ void pack_tensor_ext(std::string& out, const at::Tensor& t);
 // The native op path (fastpath.cpp): its Python functions on genie._C.
 void init_fastpath(pybind11::module_& m);
 void init_host_pool(pybind11::module_& m);  // host_pool.cpp
+void init_graph(pybind11::module_& m);  // graph.cpp: torch.accelerator.Graph's implementation
+void init_sdpa(pybind11::module_& m);   // sdpa.cpp: scaled_dot_product_attention's kernel choice
 
 }  // namespace genie

@@ -125,6 +125,8 @@ class NodeConnection:
         self._head = memoryview(bytearray(wf.HEADER.size))  # each reply's frame header (under the lock)
         #: torch's settings the node was told last (genie._C.session_options: deterministic algorithms, warn only)
         self._options = 0
+        #: the torch.accelerator.Graph capture recording this session's ops (genie.device.graphs), or None
+        self.capture: Any = None
         #: opens a new channel to the node (timeout in seconds): set by whoever connected, for resuming
         self.reconnect: Callable[[float], Channel] | None = None
         self.reconnect_window = 30.0  #: this client's longest wait for a resume (the node's may be shorter)
@@ -218,6 +220,9 @@ class NodeConnection:
            default: Callable[[Any], Any]) -> None:
         """Queue an op on local device ``device`` whose output descriptors the client already made."""
         with self.lock:
+            if self.capture is not None:  # torch.accelerator.Graph capture: recorded, not sent
+                self.capture.record(device, name, args, kwargs, outs)
+                return
             packer = self._packer
             if packer is None or self._packer_default is not default:
                 # One Packer per session: msgpack.packb builds a new one per call (a measurable share
@@ -240,6 +245,8 @@ class NodeConnection:
 
     def command(self, cmd: list[Any]) -> None:
         """Queue a command of plain values (CMD_SEED, CMD_RESIZE)."""
+        if self.capture is not None and cmd[0] != wm.CMD_SEED:  # a seed is state, set before the replays
+            raise self.capture.refuse("a storage resize")
         self.queue(msgpack.packb(cmd, use_bin_type=True))
 
     def queue(self, cmd: bytes) -> None:
@@ -265,6 +272,8 @@ class NodeConnection:
         storage earlier commands still read first sends those commands in a batch of their own.
         ``by_key``: name the bytes by content key first (the weight cache, genie.device.transfers).
         """
+        if self.capture is not None:
+            raise self.capture.refuse(f"a host-to-device copy of {src.nbytes} bytes")
         view = tensor_bytes(src)
         content = self.content
         if by_key and content is not None and view.nbytes >= content.min_bytes:
@@ -360,6 +369,9 @@ class NodeConnection:
         """Tell genie._C how many commands may still join the batch natively before it must be sent, and
         whether its lane may send the batch (nothing of Python's waits for it, the channel is at rest) and
         keep the books of its round trip itself (see fold_books)."""
+        if self.capture is not None:  # a graph capture records every op: none may be queued natively
+            _C.queue_room(self.qid, 0, 0)
+            return
         if self._lost is None:
             if not self._lane:
                 _C.queue_room(self.qid, self.flush_at - len(self._cmds) - 1, MAX_BATCH_BYTES - self._cmd_bytes)
@@ -538,6 +550,10 @@ class NodeConnection:
         with self.lock:
             if self._lost is not None:
                 raise self._device_lost(device)
+            if self.capture is not None:
+                what = {wm.CMD_FETCH: "a download (.cpu(), printing)", wm.CMD_SYNC: "synchronize()",
+                        wm.CMD_CALL: f"{command[3]!s:.80} (its result is a number or a data-dependent shape)"}
+                raise self.capture.refuse(f"a sync point, {what.get(command[0], 'a round trip')},")
             req = command[1] = _C.queue_request_id(self.qid)
             started = time.perf_counter()  # stats
             self._request_cmd = msgpack.packb(command, use_bin_type=True, default=default)

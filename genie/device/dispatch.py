@@ -336,6 +336,8 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None, teach:
         if math_bits:
             targets = {id(o) for o in outs if isinstance(o, torch.Tensor)}
             args, kwargs = tree_map(lambda a: _resolved(a, targets), (args, kwargs))
+        if device.connection.capture is not None:  # torch.accelerator.Graph capture holds the outputs (graphs.py)
+            device.connection.capture.fresh(outs)
         device.connection.op(device.local_index, info.name, args, kwargs, wire_outs, encoder_for(device))
         rule = info.shadow
         if rule is not None and (rule.fills or shadows.TABLE.entries):

@@ -21,6 +21,7 @@ from genie import _C
 from genie.compile import inductor as _inductor
 from genie.device import arguments, dispatch, module
 from genie.device import copies as _copies  # noqa: F401 - fills dispatch.SPECIAL
+from genie.device import graphs as _graphs
 from genie.device import rnn_cells as _rnn_cells  # noqa: F401 - fills dispatch.SPECIAL (fused RNN cells)
 from genie.device import weight_norm as _weight_norm  # noqa: F401 - fills dispatch.SPECIAL (weight norm kernels)
 from genie.errors import DeviceError
@@ -123,6 +124,7 @@ def ensure_registered() -> None:
         _libraries.append(refusals)
         _C.set_sync_hook(module._sync_hook)
         _inductor.install()  # torch.compile's default backend hands remote graphs to backend="genie"
+        _graphs.install()  # torch.accelerator.Graph on the device (genie/csrc/graph.cpp)
         _done = True
     if not _cuda_driver_here():
         prime_autograd()

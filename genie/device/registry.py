@@ -95,6 +95,7 @@ def _route(table: DeviceTable | None) -> None:
     """Tell genie._C's op path which session queue and node index each device has (none: no table)."""
     routes = [(d.connection.qid, d.local_index) for d in table.devices] if table is not None else []
     _C.set_routes(routes, wm.CMD_OP, wm.CMD_CALL)
+    _C.set_sdp_kinds([d.kind for d in table.devices] if table is not None else [])  # SDPA's kernel (sdpa.cpp)
 
 
 def set_table(table: DeviceTable | None) -> None:

@@ -44,6 +44,7 @@ from genie._version import __version__
 from genie.config import ClusterConfig
 from genie.errors import ConfigError, ConnectionClosedError
 from genie.security import REFUSALS, ServerSecurity, check_bind
+from genie.server import mps
 from genie.server.content import ContentCache
 from genie.server.isolation.supervisor import Supervisor, WorkerSession
 from genie.server.metrics import ServerMetrics
@@ -154,6 +155,7 @@ class DataPlaneServer:
         self.also = [t for t in also if getattr(t, "name", None) != getattr(transport, "name", None)]
         self.host = host
         self.devices = list(devices)
+        mps.enable(config.cuda_mps, self.devices, source=config.sources.get("cuda_mps", "argument cuda_mps"))  # opt-in
         self.config = config
         self.node_id = config.node_id or f"{socket.gethostname()}-{os.getpid()}"
         self.hello_timeout = config.handshake_timeout if hello_timeout is None else hello_timeout

@@ -35,9 +35,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from genie.errors import ForbiddenOpError
+from genie.server import sdpa as _sdpa
 from genie.server.allowlist import is_allowed, refusal
 
 log = logging.getLogger("genie.server.ops")
+_sdpa.install()  # CUDA kernels of the overrideable SDPA ops (genie/server/sdpa.py); inert on CPU
 
 #: Namespaces a client may use.
 ALLOWED_NAMESPACES = ("aten", "prims")

@@ -37,6 +37,7 @@ from genie.server.content import REFUSALS, ContentCache, HaveBudget, Receiver
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
+from genie.server.staging import staging_for
 from genie.server.store import StorageError
 from genie.wire import compress
 from genie.wire.buffers import prefault, tensor_bytes
@@ -142,6 +143,12 @@ class SessionTransfers:
 Upload = tuple[int, torch.device, int, bytes | None, bytes | None, compress.Packing | None]
 
 
+def _receive_buffer(transfers: SessionTransfers, device: torch.device, nbytes: int) -> torch.Tensor:
+    """Where an upload's bytes are received: pinned staging for a CUDA device, else the session's pool."""
+    staging = staging_for(transfers, device)
+    return staging.receive_buffer(nbytes) if staging is not None else transfers.pool.take(nbytes)
+
+
 def _parse_upload(ex: Executor, up: Any, cached: bool) -> Upload:
     if not isinstance(up, list) or len(up) not in ((4,) if cached else (3, 4, 5, 6)):
         shape = "[storage_id, device, nbytes, key]" if cached else \
@@ -216,8 +223,9 @@ def _receive_sent(ex: Executor, header: FrameHeader, specs: list[Upload], total:
     receivers = [Receiver(nbytes) if key is not None and cache is not None and cache.wants(nbytes) else None
                  for _, _, nbytes, key, _, _ in specs]
     try:
-        buffers = [r.buffer if r is not None else transfers.pool.take(nbytes)
-                   for r, (_, _, nbytes, _, _, _) in zip(receivers, specs, strict=True)]
+        # An upload to a CUDA device lands in page-locked staging (genie/server/staging.py).
+        buffers = [r.buffer if r is not None else _receive_buffer(transfers, device, nbytes)
+                   for r, (_, device, nbytes, _, _, _) in zip(receivers, specs, strict=True)]
         for r in receivers:
             if r is not None:
                 prefault(r.buffer)
@@ -288,7 +296,8 @@ def apply_upload(ex: Executor, storage_id: int, device: torch.device, raw: torch
         existing = None  # poisoned: every byte is written again, so the storage is whole again
     if existing is None:
         if device.type != "cpu":
-            raw = raw.to(device)
+            staging = staging_for(ex.transfers, device)  # pinned staging and a copy stream on CUDA
+            raw = staging.upload(raw) if staging is not None else raw.to(device)
         elif not owned:
             ex.store.check_room(1, raw.numel())  # before the copy's memory is taken
             raw = ex.transfers.pool.take(raw.numel()).copy_(raw)
@@ -359,8 +368,10 @@ def fetch(ex: Executor, req: Any, device_index: Any, desc: Descriptor) -> None:
     try:
         ex.begin(device_index)
         out = ex.tensor(desc).resolve_conj().resolve_neg()
+        give_back = _nothing
         if out.device.type != "cpu":
-            out = out.cpu()
+            staging = staging_for(ex.transfers, out.device)  # on CUDA: from pinned staging, copied on a copy stream
+            out, give_back = staging.download(out) if staging is not None else (out.cpu(), _nothing)
         out = out.contiguous()
     except Exception as exc:
         ex.reply(req, _error("fetch", [list(desc.sizes)], _kind_of(exc), _message(exc), []), None)
@@ -369,7 +380,14 @@ def fetch(ex: Executor, req: Any, device_index: Any, desc: Descriptor) -> None:
     result = codec.describe(0, out)[1:3]
     packed = compress.pack(out.view(-1).view(torch.uint8), out.element_size()) \
         if reply_codec is not None and out.nbytes else None
-    if packed is not None:
-        ex.reply(req, None, [*result, packed[1].to_wire()], [memoryview(packed[0])])
-        return
-    ex.reply(req, None, result, [tensor_bytes(out)], keep=out)
+    try:
+        if packed is not None:
+            ex.reply(req, None, [*result, packed[1].to_wire()], [memoryview(packed[0])])
+            return
+        ex.reply(req, None, result, [tensor_bytes(out)], keep=out)
+    finally:
+        give_back()  # the reply was sent: the staging buffer may serve the next download
+
+
+def _nothing() -> None:
+    pass
