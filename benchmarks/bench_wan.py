@@ -206,8 +206,9 @@ def outage_row(seconds: float = 5.0) -> dict[str, Any]:
 
     with LinkEmulator(("127.0.0.1", 1), delay=0.001) as data:
         env = {"GENIE_BACKEND": "tcp", "GENIE_LOG_LEVEL": "WARNING"}
-        with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--advertise-ports", str(data.port),
-                         env={**env, "GENIE_LOG_LEVEL": "INFO"}, ready_timeout=120) as node:
+        # INFO: the session's closing line (batches received, resumes) is what the node's side is read from
+        with NodeProcess("--log-level", "INFO", "serve", "--port", "0", "--devices", "cpu", "--advertise-ports",
+                         str(data.port), env=env, ready_timeout=120) as node:
             data.target = ("127.0.0.1", node.data_port)
             client = subprocess.Popen([sys.executable, "-c", OUTAGE_CLIENT, str(node.control_port)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -227,8 +228,12 @@ def outage_row(seconds: float = 5.0) -> dict[str, Any]:
                 raise SystemExit(f"the outage client failed (exit {client.wait(60)})")
             client.wait(60)
             wall = time.perf_counter() - started
-            closed = re.findall(r"closed: freed \d+ storages, \d+ bytes; (\d+) batches received, (\d+) resumes",
-                                node.log())
+            pattern = r"closed: freed \d+ storages, \d+ bytes; (\d+) batches received, (\d+) resumes"
+            deadline = time.monotonic() + 30  # the worker's last log line reaches the node's log after GOODBYE
+            while not (closed := re.findall(pattern, node.log())) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not closed:
+                print("\n".join(line for line in node.log().splitlines() if "session" in line)[-3000:], file=sys.stderr)
     received = max((int(b) for b, r in closed if int(r) > 0), default=-1)
     return {**result, "received": received, "outage_s": seconds, "wall_s": wall}
 
