@@ -242,6 +242,9 @@ class Runtime:
                                              cfg.replace(node_id=state.local_node.node_id),
                                              security=self.server_security, also=also)
             await anyio.to_thread.run_sync(self.dataplane.start)
+            from genie.server import collectives  # torch.distributed: session workers find peers by membership
+
+            collectives.set_peer_resolver(collectives.runtime_resolver(self, state))
             state.data_port = self.dataplane.port
             host, port, ports = cfg.announced_endpoint(self.dataplane.port, self.dataplane.data_ports,
                                                        primary=selection.names[0])

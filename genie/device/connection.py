@@ -778,6 +778,13 @@ class NodeConnection:
         """Wait until everything sent so far has run; raise the first deferred error."""
         self._request([wm.CMD_SYNC, 0])
 
+    def request(self, command: list[Any], default: Callable[[Any], Any] | None = None, device: str = "") -> Any:
+        """Send ``command`` (its second element becomes the request id) after the batch; its reply's result.
+
+        For commands of other modules that answer (genie.distributed's CMD_DIST_HOST, CMD_DIST_WAIT).
+        """
+        return self._request(command, default=default, device=device)
+
     def close(self) -> None:
         """Say goodbye (best effort) and close the channel."""
         with self.lock:

@@ -45,6 +45,8 @@ a device index on the receiving node:
 - ``[CMD_OPTIONS, {"deterministic": bool, "warn_only": bool}]`` sets the torch
   settings the session's later commands run under (``torch.use_deterministic_algorithms``
   on the client); the client sends it before the first command after a change.
+- ``CMD_DIST_HOST``, ``CMD_DIST_JOIN``, ``CMD_COLLECTIVE``, ``CMD_DIST_WAIT`` and ``CMD_DIST_LEAVE``:
+  torch.distributed collectives run between session workers (:mod:`genie.server.collectives`).
 
 A storage the session has not seen yet, named by an argument, a FETCH or a
 RESIZE, is made on the command's device, zero-filled (the client's allocator
@@ -107,6 +109,13 @@ CMD_HAVE = 9
 CMD_GRAPH = 10
 CMD_REPLAY = 11
 CMD_OPTIONS = 12
+# torch.distributed on remote devices (genie.server.collectives; schema in docs/protocol.md): 40 and up, apart
+# from the op stream's own codes.
+CMD_DIST_HOST = 40
+CMD_DIST_JOIN = 41
+CMD_COLLECTIVE = 42
+CMD_DIST_WAIT = 43
+CMD_DIST_LEAVE = 44
 
 #: The keys of CMD_OPTIONS' map; each value is a bool.
 SESSION_OPTIONS = ("deterministic", "warn_only")

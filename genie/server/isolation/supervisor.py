@@ -53,6 +53,7 @@ import torch
 from genie.config import ClusterConfig
 from genie.errors import GenieError
 from genie.security import REFUSALS, ServerSecurity
+from genie.server.collectives import node_answer
 from genie.server.content import ContentCache
 from genie.server.isolation.cache import adopt_upload, answer_lookup, offer_of
 from genie.server.isolation.cgroups import Cgroups, probe
@@ -379,6 +380,10 @@ class WorkerSession:
                 answer_lookup(self.supervisor.cache, conn, self._send_lock, message)
             elif kind == "cache_keep":
                 adopt_upload(self.supervisor.cache, conn, message)
+            elif kind == "dist":  # torch.distributed: a membership address or a group secret (genie.server.collectives)
+                answer = node_answer(self.supervisor.security.token, message)
+                with self._send_lock:
+                    conn.send_bytes(pack_body(answer))
             return True
         except (EOFError, OSError):
             self._stats_event.set()

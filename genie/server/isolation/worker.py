@@ -46,7 +46,7 @@ import attrs
 import torch
 
 from genie.config import ClusterConfig
-from genie.server import preflight
+from genie.server import collectives, preflight
 from genie.server.executor import Executor
 from genie.server.isolation.cache import WorkerCache
 from genie.server.isolation.clock import OpClock
@@ -157,6 +157,8 @@ class _Control:
                     self._logged.set()
                 elif message[0] == "cache_got" and self.cache is not None:
                     self.cache.answered(message[1], message[2])
+                elif message[0] == "dist_ans" and collectives.node_link is not None:  # genie.server.collectives
+                    collectives.node_link.answered(message[1], message[2])
                 elif message[0] == "kill":
                     self._die(str(message[1]))
                 elif message[0] == "resume":
@@ -285,6 +287,7 @@ def serve_session(spec: WorkerSpec, sock: socket.socket, conn: Connection, clock
 
         session.resume_window = spec.config.reconnect_window
         session.wait_resume = wait_resume
+    collectives.node_link = collectives.NodeLink(control.send, spec.config.bind_addr)  # torch.distributed
     threading.Thread(target=control.serve, name="genie-worker-control", daemon=True).start()
     session.run()
     try:

@@ -1,0 +1,204 @@
+"""Many remote devices as one machine: each row measures genie against its anchor in the same run.
+
+Rows are functions in :data:`ROWS`; each takes the shared :class:`Bench` (a loopback cluster of a
+master and two worker nodes, started once) and returns its result map, printed as one JSON line.
+
+torch.distributed rows (issue 32):
+
+- ``all_reduce_64mib``: ``dist.all_reduce`` of 64 MiB (float32) between two client processes whose
+  tensors live on ``remote_accelerator`` devices of two worker nodes (the data moves between the
+  nodes' session workers over gloo), against gloo's all_reduce run directly between two processes
+  on the same host. Target: genie's rate at least 0.8 of gloo's.
+- ``ddp_step``: one DDP training step of a small transformer on two remote devices against the same
+  DDP step on two local CPU processes (gloo); with one round trip to a node (``.item()``) measured
+  beside it. Target: genie's step at most 1.2x the local one plus one round trip.
+
+The whole benchmark re-executes itself in a private network namespace with only loopback up
+(``unshare -n``), as torch.distributed peers are started: ``--no-netns`` runs in place.
+
+    python benchmarks/bench_multi.py [--rows all_reduce_64mib,ddp_step] [--iters 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import Children, drain, emit, enter_private_netns, read_json_line  # noqa: E402
+
+LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+
+#: A client: with GENIE=1 its tensors live on the device of node NODE, else on the CPU. The process group
+#: forms over the benchmark's store; BODY's timings come back as one RESULT line.
+CLIENT = """
+import datetime, json, os, statistics, time
+import torch, torch.distributed as dist
+rank, iters = int(os.environ["RANK"]), int(os.environ["ITERS"])
+if os.environ["GENIE"] == "1":
+    import genie, genie.distributed
+    from genie.device.registry import table
+    genie.init_sync(master_addr="127.0.0.1", master_port=int(os.environ["MASTER_CONTROL_PORT"]), timeout=60)
+    remote = next(d for d in table().devices if d.node_id == os.environ["NODE"])
+    device = torch.device("remote_accelerator", remote.index)
+    backend = "cpu:gloo,remote_accelerator:genie"
+else:
+    device, backend = torch.device("cpu"), "gloo"
+store = dist.TCPStore("127.0.0.1", int(os.environ["STORE_PORT"]), 2, is_master=False,
+                      timeout=datetime.timedelta(seconds=60))
+dist.init_process_group(backend, rank=rank, world_size=2, store=store, timeout=datetime.timedelta(seconds=120))
+def sync():
+    if device.type != "cpu":
+        torch.ones(1, device=device).sum().item()
+out = {}
+"""
+
+ALL_REDUCE = """
+t = torch.ones(16 * 1024 * 1024, device=device) * (rank + 1)
+times = []
+for i in range(iters + 2):
+    dist.barrier()
+    started = time.perf_counter()
+    dist.all_reduce(t)
+    times.append(time.perf_counter() - started)
+out["seconds"] = statistics.median(times[2:])
+out["check"] = float(t[:1].cpu()[0])
+"""
+
+DDP_STEP = """
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = torch.nn.Sequential(
+    torch.nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=256, dropout=0.0, batch_first=True),
+    torch.nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=256, dropout=0.0, batch_first=True),
+    torch.nn.Linear(128, 128)).to(device)
+ddp = DDP(model)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+g = torch.Generator().manual_seed(rank)
+x, y = torch.randn(8, 32, 128, generator=g).to(device), torch.randn(8, 32, 128, generator=g).to(device)
+def step():
+    loss = ((ddp(x) - y) ** 2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+times, rtts = [], []
+for i in range(iters + 2):
+    dist.barrier()
+    sync()
+    started = time.perf_counter()
+    float(step())  # the step ends when its loss is known here, as a training loop's logging does
+    times.append(time.perf_counter() - started)
+    if device.type != "cpu":
+        one = torch.ones(1, device=device)
+        started = time.perf_counter()
+        one.sum().item()
+        rtts.append(time.perf_counter() - started)
+out["seconds"] = statistics.median(times[2:])
+out["rtt"] = statistics.median(rtts) if rtts else 0.0
+out["parameters"] = sum(p.numel() for p in model.parameters())
+"""
+
+
+class Bench:
+    """What the rows share: the cluster (started on first use), the child processes, the iteration count."""
+
+    def __init__(self, children: Children, iters: int) -> None:
+        self.children = children
+        self.iters = iters
+        self._cluster: Any = None
+
+    def cluster(self) -> Any:
+        if self._cluster is None:
+            from genie.testing import LocalCluster
+
+            self._cluster = LocalCluster(("w1", "w2"), env=LOOPBACK).start()
+        return self._cluster
+
+    def close(self) -> None:
+        if self._cluster is not None:
+            self._cluster.stop()
+
+    def pair(self, body: str, *, on_genie: bool) -> list[dict[str, Any]]:
+        """Run ``body`` in two client processes (rank 0 and 1), on remote devices of w1/w2 or on the CPU."""
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=60))
+        script = CLIENT + textwrap.dedent(body) + "\nprint('RESULT ' + json.dumps(out), flush=True)\n"
+        env = {**LOOPBACK, "GENIE": "1" if on_genie else "0", "ITERS": str(self.iters), "STORE_PORT": str(store.port)}
+        if on_genie:
+            env["MASTER_CONTROL_PORT"] = str(self.cluster().port)
+        procs = [self.children.start([sys.executable, "-c", script],
+                                     env={**env, "RANK": str(rank), "NODE": f"w{rank + 1}"})
+                 for rank in range(2)]
+        logs: list[list[str]] = [[], []]
+        for proc, log in zip(procs, logs, strict=True):
+            drain(proc.stderr, log)
+        try:
+            return [read_json_line(proc, 600) for proc in procs]
+        except Exception:
+            for rank, log in enumerate(logs):
+                print(f"rank {rank}'s stderr:", *log[-30:], sep="\n", file=sys.stderr)
+            raise
+        finally:
+            for proc in procs:
+                self.children.stop(proc)
+
+
+def all_reduce_64mib(bench: Bench) -> dict[str, Any]:
+    """64 MiB all_reduce between two remote devices of two nodes against gloo between two local processes."""
+    gloo = max(r["seconds"] for r in bench.pair(ALL_REDUCE, on_genie=False))
+    remote = bench.pair(ALL_REDUCE, on_genie=True)
+    genie_s = max(r["seconds"] for r in remote)
+    assert all(r["check"] == 3.0 for r in remote), remote
+    mib = 64
+    return {"row": "all_reduce_64mib", "gloo_ms": round(gloo * 1e3, 1), "genie_ms": round(genie_s * 1e3, 1),
+            "gloo_mib_s": round(mib / gloo), "genie_mib_s": round(mib / genie_s),
+            "rate_ratio": round(gloo / genie_s, 2), "target": ">= 0.8"}
+
+
+def ddp_step(bench: Bench) -> dict[str, Any]:
+    """A DDP step of a small transformer on two remote devices against the same step on two local CPU processes."""
+    local = max(r["seconds"] for r in bench.pair(DDP_STEP, on_genie=False))
+    remote = bench.pair(DDP_STEP, on_genie=True)
+    genie_s, rtt = max(r["seconds"] for r in remote), max(r["rtt"] for r in remote)
+    return {"row": "ddp_step", "parameters": remote[0]["parameters"], "local_ms": round(local * 1e3, 1),
+            "genie_ms": round(genie_s * 1e3, 1), "rtt_ms": round(rtt * 1e3, 2),
+            "ratio": round(genie_s / local, 2), "ratio_less_rtt": round((genie_s - rtt) / local, 2),
+            "target": "<= 1.2 (less one round trip)"}
+
+
+#: Every row of this benchmark, in the order they run (other rows of issue 32 join this list).
+ROWS: list[Callable[[Bench], dict[str, Any]]] = [all_reduce_64mib, ddp_step]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="", help="comma-separated row names (default: every row)")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--no-netns", action="store_true", help="run in place, not in a private network namespace")
+    args = parser.parse_args()
+    wanted = [r for r in args.rows.split(",") if r]
+    rows = [row for row in ROWS if not wanted or row.__name__ in wanted]
+    with Children() as children:
+        bench = Bench(children, args.iters)
+        try:
+            for row in rows:
+                emit(row(bench))
+        finally:
+            bench.close()
+    return 0
+
+
+if __name__ == "__main__":
+    enter_private_netns()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""The ``genie`` process group: collectives on remote tensors run between the nodes that hold them.
+
+torch.distributed calls a backend's ``allreduce``, ``broadcast``, ``allgather`` ... with the
+tensors and an options object, and waits on the returned work handle. For remote tensors this
+process group sends one command to the session of the tensors' device (``CMD_COLLECTIVE``,
+fire-and-forget, in the session's op stream: every op queued before it has run when it starts);
+the session worker runs the collective with its peers' workers (:mod:`genie.server.collectives`).
+The first collective binds the process group to that device: rank 0's worker hosts the group's
+store, and each rank learns where through the process group's own client store (the one
+``init_process_group`` was given). CPU tensors go to an ordinary gloo group among the clients.
+
+A handle's :meth:`GenieWork.wait` is a sync point: it returns once the collective ended on this
+rank's worker, and raises :class:`~genie.errors.RemoteDeviceLost` naming the node when a peer's
+node was lost mid-collective. :meth:`GenieWork.get_future` (what DDP uses) does not block: it
+queues a wait into the op stream (later ops on the device run after the collective) and returns a
+completed future of the output tensors; a failure then surfaces at the next sync point.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import secrets
+import threading
+import time
+from typing import Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
+
+from genie.errors import DeviceError, GenieError, RemoteDeviceLost, RemoteExecutionError
+from genie.wire import messages as wm
+
+log = logging.getLogger("genie.distributed")
+
+#: The backend's name in ``init_process_group("cpu:gloo,remote_accelerator:genie")``.
+BACKEND_NAME = "genie"
+_DEVICE_TYPE = "remote_accelerator"
+#: Longest one wait request stays at the node before it answers "pending" (the client then asks again), so a
+#: collective that waits for a slow peer never trips the connection's own reply timeout.
+WAIT_SLICE = 10.0
+
+_registered = threading.Lock()
+
+
+def register() -> None:
+    """Register the ``genie`` backend with torch.distributed (idempotent; ``import genie.distributed`` does it)."""
+    with _registered:
+        if BACKEND_NAME.upper() in dist.Backend._plugins:
+            return
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=[_DEVICE_TYPE, "cpu"])
+
+
+def _create(opts: Any, backend_options: Any) -> GenieProcessGroup:
+    # torch returns a Python process group as the whole group: a gloo backend it made just before for
+    # "cpu:gloo" is dropped. Every rank waits here until all made theirs, so no rank tears its gloo
+    # down while another still connects to it (gloo's full mesh then fails with "closed by peer").
+    store, rank, size = opts.store, opts.group_rank, opts.group_size
+    store.set(f"genie/created/{rank}", b"1")
+    store.wait([f"genie/created/{r}" for r in range(size)])
+    return GenieProcessGroup(store, rank, size, opts.timeout)
+
+
+_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min",
+        dist.ReduceOp.PRODUCT: "product"}
+
+
+def _op_name(op: Any) -> str:
+    for known, name in _OPS.items():
+        if op == known:
+            return name
+    raise DeviceError(f"reduce op {op} is not supported on remote devices; use SUM, AVG, MAX, MIN or PRODUCT")
+
+
+def _is_remote(t: torch.Tensor) -> bool:
+    return t.device.type == _DEVICE_TYPE
+
+
+class _Binding:
+    """The remote device a process group's collectives run on, and its server-side group."""
+
+    def __init__(self, index: int, group_id: int, timeout: float) -> None:
+        from genie.device.dispatch import encoder_for
+        from genie.device.registry import device_at
+
+        self.index = index
+        self.device = device_at(index)
+        self.conn = self.device.connection
+        self.encoder = encoder_for(self.device)
+        self.group_id = group_id
+        self.timeout = timeout
+        self.seq = 0
+        self.lock = threading.Lock()
+
+
+class GenieWork(dist.Work):
+    """A collective's handle: :meth:`wait` is a sync point; :meth:`get_future` orders the op stream instead."""
+
+    def __init__(self, binding: _Binding | None, seq: int, outputs: list[torch.Tensor], label: str,
+                 done: Any = None) -> None:
+        super().__init__()
+        self._binding = binding
+        self._seq = seq
+        self._outputs = outputs
+        self._label = label
+        self._gloo = done  # a CPU collective's gloo handle
+        self._done = binding is None and done is None
+        self._error: GenieError | None = None
+
+    def is_completed(self) -> bool:  # noqa: D102 - torch.distributed.Work's API
+        return self._done
+
+    def is_success(self) -> bool:  # noqa: D102
+        return self._done and self._error is None
+
+    def result(self) -> list[torch.Tensor]:  # noqa: D102
+        return self._outputs
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Block until the collective ended on this rank's node; RemoteDeviceLost when a peer's node was lost."""
+        if self._gloo is not None:
+            self._gloo.wait()
+            self._done = True
+            return True
+        if self._error is not None:
+            raise self._error
+        if self._done:
+            return True
+        b = self._binding
+        assert b is not None
+        limit = b.timeout + WAIT_SLICE
+        if timeout is not None and timeout.total_seconds() > 0:
+            limit = min(limit, timeout.total_seconds())
+        deadline = time.monotonic() + limit
+        while True:
+            budget = max(0.0, min(WAIT_SLICE, deadline - time.monotonic()))
+            result = b.conn.request([wm.CMD_DIST_WAIT, 0, b.group_id, self._seq, budget], device=b.device.label)
+            if result is None:
+                self._done = True
+                return True
+            if isinstance(result, dict) and result.get("pending"):
+                if time.monotonic() < deadline:
+                    continue
+                self._error = RemoteExecutionError(f"{self._label} on {b.device.label} did not end within "
+                                                   f"{limit:g} s; raise the process group's timeout if peers are slow")
+            elif isinstance(result, dict) and isinstance(result.get("node"), str):
+                self._error = RemoteDeviceLost(f"{self._label} on {b.device.label}: {result.get('error')}",
+                                               node_id=result["node"], device=b.device.label)
+            else:
+                error = result.get("error") if isinstance(result, dict) else result
+                self._error = RemoteExecutionError(f"{self._label} on {b.device.label}: {error}")
+            self._done = True
+            raise self._error
+
+    def get_future(self) -> torch.futures.Future:
+        """A completed future of the output tensors; the device's later ops run after the collective.
+
+        No round trip: a wait joins the op stream, and a failure is raised at the next sync point.
+        """
+        if self._gloo is not None:
+            return self._gloo.get_future()
+        b = self._binding
+        if b is not None and not self._done:
+            b.conn.command([wm.CMD_DIST_WAIT, None, b.group_id, self._seq, 0.0])
+            self._done = True
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(self._outputs)
+        return future
+
+
+class GenieProcessGroup(dist.ProcessGroup):
+    """torch.distributed's process group for remote tensors (and, through gloo, CPU tensors)."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the stubs name only the store form
+        self._store = store
+        self._timeout = timeout
+        self._timeout_s = max(1.0, timeout.total_seconds())
+        self._binding: _Binding | None = None
+        self._cpu: Any = None
+        self._lock = threading.Lock()
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        """``genie``."""
+        return BACKEND_NAME
+
+    # -- binding ----------------------------------------------------------------------------------
+    def _gloo(self) -> Any:
+        """The clients' own gloo group, for CPU tensors (made by every rank at its first CPU collective)."""
+        with self._lock:
+            if self._cpu is None:
+                options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+                options._devices = [dist.ProcessGroupGloo.create_default_device()]
+                options._timeout = self._timeout
+                self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu", self._store), self.rank(), self.size(),
+                                                  options)
+            return self._cpu
+
+    def _bind(self, index: int) -> _Binding:
+        """The server-side group on device ``index`` (formed at the first remote collective, by every rank)."""
+        with self._lock:
+            if self._binding is not None:
+                if self._binding.index != index:
+                    raise DeviceError(
+                        f"this process group runs its collectives on {self._binding.device.label}, not "
+                        f"remote_accelerator:{index}: one remote device per rank (as one GPU per rank with NCCL)")
+                return self._binding
+            rank, size = self.rank(), self.size()
+            if rank == 0:
+                group_id = secrets.randbits(62) + 1
+                probe = _Binding(index, group_id, self._timeout_s)
+                hosted = probe.conn.request([wm.CMD_DIST_HOST, 0, group_id], device=probe.device.label)
+                where = {"group": group_id, "node": probe.device.node_id, "port": int(hosted["port"])}
+                self._store.set("genie/rendezvous", msgpack.packb(where))
+            where = msgpack.unpackb(self._store.get("genie/rendezvous"))
+            binding = _Binding(index, int(where["group"]), self._timeout_s)
+            self._store.set(f"genie/node/{rank}", binding.device.node_id.encode())
+            nodes = [self._store.get(f"genie/node/{r}").decode() for r in range(size)]
+            binding.conn.command([wm.CMD_DIST_JOIN, binding.device.local_index, binding.group_id, rank, size,
+                                  str(where["node"]), int(where["port"]), nodes, self._timeout_s])
+            log.info("process group %d: rank %d of %d on %s (node %s)", binding.group_id, rank, size,
+                     binding.device.label, binding.device.node_id)
+            self._binding = binding
+            return binding
+
+    def _remote_binding(self, tensors: list[torch.Tensor], what: str) -> _Binding | None:
+        """None where every tensor is on the CPU; else the binding of their one remote device."""
+        remote = [t for t in tensors if _is_remote(t)]
+        if not remote:
+            return None
+        if len(remote) != len(tensors):
+            raise DeviceError(f"{what} mixes CPU and remote tensors; put them all on one device")
+        index = remote[0].get_device()
+        if any(t.get_device() != index for t in remote):
+            raise DeviceError(f"{what} spans several remote devices; one remote device per rank")
+        return self._bind(index)
+
+    def _start(self, b: _Binding, kind: str, tensors: Any, params: dict[str, Any],
+               outputs: list[torch.Tensor]) -> GenieWork:
+        from genie.device import shadows
+
+        shadows.forget_tensors(outputs)  # the collective writes them on the node: a host copy here is stale
+        with b.lock:
+            b.seq += 1
+            seq = b.seq
+            cmd = [wm.CMD_COLLECTIVE, b.device.local_index, b.group_id, seq, kind, tensors, params]
+            b.conn.queue(msgpack.packb(cmd, use_bin_type=True, default=b.encoder))
+        return GenieWork(b, seq, outputs, f"{kind} #{seq} of process group {b.group_id}")
+
+    @staticmethod
+    def _cpu_work(work: Any, outputs: list[torch.Tensor]) -> GenieWork:
+        return GenieWork(None, 0, outputs, "", done=work)
+
+    # -- collectives (torch.distributed's ProcessGroup interface) --------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> GenieWork:  # type: ignore[override]  # noqa: D102
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        b = self._remote_binding(tensors, "all_reduce")
+        if b is None:
+            return self._cpu_work(self._gloo().allreduce(tensors, opts), tensors)
+        return self._start(b, "all_reduce", tensors, {"op": _op_name(opts.reduceOp)}, tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> GenieWork:  # type: ignore[override]  # noqa: D102
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        b = self._remote_binding(tensors, "broadcast")
+        if b is None:
+            return self._cpu_work(self._gloo().broadcast(tensors, opts), tensors)
+        return self._start(b, "broadcast", tensors, {"root": int(opts.rootRank)}, tensors)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
+                  input_tensors: list[torch.Tensor], opts: Any = None) -> GenieWork:  # noqa: D102
+        opts = opts if opts is not None else AllgatherOptions()
+        if len(input_tensors) != 1 or len(output_tensors) != 1:
+            raise DeviceError("all_gather on remote devices takes one input tensor per rank")
+        b = self._remote_binding([*output_tensors[0], *input_tensors], "all_gather")
+        if b is None:
+            return self._cpu_work(self._gloo().allgather(output_tensors, input_tensors, opts), output_tensors[0])
+        return self._start(b, "all_gather", [output_tensors[0], input_tensors[0]], {}, output_tensors[0])
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> GenieWork:  # noqa: D102
+        opts = opts if opts is not None else AllgatherOptions()
+        b = self._remote_binding([output, input], "all_gather_into_tensor")
+        if b is None:
+            return self._cpu_work(self._gloo()._allgather_base(output, input, opts), [output])
+        return self._start(b, "all_gather_into", [output, input], {}, [output])
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
+                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> GenieWork:  # noqa: D102
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        if len(output_tensors) != 1 or len(input_tensors) != 1:
+            raise DeviceError("reduce_scatter on remote devices takes one output tensor per rank")
+        b = self._remote_binding([*output_tensors, *input_tensors[0]], "reduce_scatter")
+        if b is None:
+            return self._cpu_work(self._gloo().reduce_scatter(output_tensors, input_tensors, opts), output_tensors)
+        return self._start(b, "reduce_scatter", [output_tensors[0], input_tensors[0]],
+                           {"op": _op_name(opts.reduceOp)}, output_tensors)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
+                             opts: Any = None) -> GenieWork:  # noqa: D102
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        b = self._remote_binding([output, input], "reduce_scatter_tensor")
+        if b is None:
+            return self._cpu_work(self._gloo()._reduce_scatter_base(output, input, opts), [output])
+        return self._start(b, "reduce_scatter_tensor", [output, input], {"op": _op_name(opts.reduceOp)}, [output])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # type: ignore[override]
+                          opts: Any = None) -> GenieWork:
+        """``dist.all_gather_into_tensor`` (torch 2.13 calls it by this name)."""
+        return self._allgather_base(output, input, opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # type: ignore[override]
+                              opts: Any = None) -> GenieWork:
+        """``dist.reduce_scatter_tensor`` (torch 2.13 calls it by this name)."""
+        return self._reduce_scatter_base(output, input, opts)
+
+    def barrier(self, opts: Any = None) -> GenieWork:
+        """A barrier among the ranks' session workers (the CPU group's when no remote device is bound yet and the
+        current device is not remote)."""
+        b = self._binding
+        if b is None:
+            from genie.device.registry import current_index, table
+
+            if not len(table()):
+                return self._cpu_work(self._gloo().barrier(), [])
+            b = self._bind(current_index())
+        return self._start(b, "barrier", [], {}, [])
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> GenieWork:  # noqa: D102
+        b = self._remote_binding(tensors, "send")
+        if b is None:
+            return self._cpu_work(self._gloo().send(tensors, dst, tag), [])
+        return self._start(b, "send", tensors, {"peer": int(dst), "tag": int(tag)}, [])
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> GenieWork:  # noqa: D102
+        b = self._remote_binding(tensors, "recv")
+        if b is None:
+            return self._cpu_work(self._gloo().recv(tensors, src, tag), tensors)
+        return self._start(b, "recv", tensors, {"peer": int(src), "tag": int(tag)}, tensors)
+
+    def shutdown(self) -> None:
+        """Leave the server-side group (best effort: the session's end drops it anyway)."""
+        b, self._binding = self._binding, None
+        if b is not None and b.conn.lost is None:
+            try:
+                b.conn.command([wm.CMD_DIST_LEAVE, b.group_id])
+            except GenieError:
+                pass  # the node is gone: so is the group

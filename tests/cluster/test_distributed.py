@@ -1,0 +1,281 @@
+"""torch.distributed on remote devices: two client processes, each on a device of its own worker node.
+
+A real cluster on loopback (a master and worker nodes, :class:`~genie.testing.LocalCluster`), two
+client processes joined by a ``TCPStore`` this test hosts, ``init_process_group("cpu:gloo,
+remote_accelerator:genie")``. Every collective on remote tensors is checked against the same
+collective on CPU tensors through gloo in the same process group; DDP on the remote devices
+against DDP on the CPU; a worker node killed while both ranks wait fails both handles with
+RemoteDeviceLost naming it. torch.distributed binds and connects loopback only
+(``GLOO_SOCKET_IFNAME=lo``, ``MASTER_ADDR=127.0.0.1``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from genie.testing import LocalCluster, wait_until
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+HB = ("--heartbeat-interval", "0.5", "--heartbeat-timeout", "3")
+
+#: Start of every client: genie, the device on node NODE, the process group over the test's store.
+PROLOGUE = """
+import datetime, json, os, sys, time
+import torch, torch.distributed as dist
+import genie, genie.distributed
+from genie.device.registry import table
+
+genie.init_sync(master_addr="127.0.0.1", master_port=int(os.environ["MASTER_CONTROL_PORT"]), timeout=30,
+                heartbeat_interval=0.5, heartbeat_timeout=3.0)
+rank = int(os.environ["RANK"])
+remote = next(d for d in table().devices if d.node_id == os.environ["NODE"])
+device = torch.device("remote_accelerator", remote.index)
+store = dist.TCPStore("127.0.0.1", int(os.environ["STORE_PORT"]), 2, is_master=False,
+                      timeout=datetime.timedelta(seconds=30))
+dist.init_process_group("cpu:gloo,remote_accelerator:genie", rank=rank, world_size=2, store=store,
+                        timeout=datetime.timedelta(seconds=float(os.environ.get("PG_TIMEOUT", "20"))))
+out = {}
+def report():
+    print("RESULT " + json.dumps(out), flush=True)
+"""
+
+COLLECTIVES = """
+def same(name, remote_result, cpu_result):
+    out[name] = bool(torch.equal(remote_result.cpu(), cpu_result))
+
+x = torch.arange(6, dtype=torch.float32) * (rank + 1) + rank
+for op in ("SUM", "AVG", "MAX", "MIN", "PRODUCT"):
+    r, c = x.to(device), x.clone()
+    dist.all_reduce(r, getattr(dist.ReduceOp, op))
+    dist.all_reduce(c, getattr(dist.ReduceOp, op))
+    same("all_reduce_" + op, r, c)
+r, c = x.to(device), x.clone()
+dist.broadcast(r, src=1)
+dist.broadcast(c, src=1)
+same("broadcast", r, c)
+rs, cs = [torch.empty(6, device=device) for _ in range(2)], [torch.empty(6) for _ in range(2)]
+dist.all_gather(rs, x.to(device))
+dist.all_gather(cs, x)
+same("all_gather", torch.stack([t.cpu() for t in rs]), torch.stack(cs))
+r, c = torch.empty(12, device=device), torch.empty(12)
+dist.all_gather_into_tensor(r, x.to(device))
+dist.all_gather_into_tensor(c, x)
+same("all_gather_into_tensor", r, c)
+chunks = [x * (i + 1) for i in range(2)]
+r, c = torch.empty(6, device=device), torch.empty(6)
+dist.reduce_scatter(r, [t.to(device) for t in chunks])
+dist.reduce_scatter(c, chunks)
+same("reduce_scatter", r, c)
+r, c = torch.empty(3, device=device), torch.empty(3)
+dist.reduce_scatter_tensor(r, x.to(device))
+dist.reduce_scatter_tensor(c, x)
+same("reduce_scatter_tensor", r, c)
+dist.barrier()
+out["barrier"] = True
+# send/recv between views: one at an offset goes out, a row of a bigger tensor receives
+if rank == 0:
+    dist.send(torch.arange(24.0).to(device)[12:], dst=1)
+    out["send_recv"] = True
+else:
+    box = torch.zeros(2, 12, device=device)
+    dist.recv(box[1], src=0)
+    out["send_recv"] = bool(torch.equal(box.cpu(), torch.stack([torch.zeros(12), torch.arange(12.0, 24.0)])))
+# async handles: several in flight, waited in reverse; then a future (DDP's way), then a view of it
+rs = [x.to(device) + i for i in range(3)]
+works = [dist.all_reduce(t, async_op=True) for t in rs]
+for w in reversed(works):
+    w.wait()
+same("async_handles", torch.stack([t.cpu() for t in rs]), torch.stack([torch.arange(6.0) * 3 + 1 + 2 * i
+                                                                     for i in range(3)]))
+r = x.to(device)
+fut = dist.all_reduce(r, async_op=True).get_future()
+same("future", fut.wait()[0], torch.arange(6.0) * 3 + 1)
+i = torch.tensor([rank + 1], device=device)
+dist.all_reduce(i)
+out["integers"] = bool(torch.equal(i.cpu(), torch.tensor([3])))
+"""
+
+DDP = """
+import copy
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(
+    torch.nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True),
+    torch.nn.Linear(32, 32))
+if rank == 1:  # DDP's first broadcast must make both ranks start from rank 0's weights
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+on_remote = DDP(copy.deepcopy(model).to(device))
+on_cpu = DDP(copy.deepcopy(model))
+optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (on_remote, on_cpu)]
+for step in range(3):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(4, 8, 32, generator=g), torch.randn(4, 8, 32, generator=g)
+    for m, opt, dev in ((on_remote, optimizers[0], device), (on_cpu, optimizers[1], "cpu")):
+        loss = ((m(x.to(dev)) - y.to(dev)) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+diffs = [float((a.detach().cpu() - b.detach()).abs().max()) for a, b in
+         zip(on_remote.module.parameters(), on_cpu.module.parameters(), strict=True)]
+out["ddp_max_diff"] = max(diffs)
+out["ddp_params"] = len(diffs)
+"""
+
+KILLED = """
+# Both ranks end up waiting: rank 1 in an all_reduce rank 0 never joins, rank 0 for a message rank 1
+# never sends. Then the test kills rank 1's worker node.
+t = torch.ones(1024, device=device)
+work = dist.all_reduce(t, async_op=True) if rank == 1 else dist.irecv(t, src=1)
+print("WAITING", flush=True)
+started = time.monotonic()
+try:
+    work.wait()
+    out["error"] = None
+except Exception as exc:
+    out["error"] = type(exc).__name__
+    out["message"] = str(exc)
+    out["node_id"] = getattr(exc, "node_id", None)
+out["seconds"] = time.monotonic() - started
+"""
+
+
+class Ranks:
+    """Two client processes (rank 0 on node ``nodes[0]``, rank 1 on ``nodes[1]``) running ``body``."""
+
+    def __init__(self, cluster: LocalCluster, nodes: tuple[str, str], body: str, **env: str) -> None:
+        self.store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=30))
+        script = PROLOGUE + textwrap.dedent(body) + "\nreport()\ngenie.shutdown_sync()\n"
+        self.procs = [
+            subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env={**os.environ, **LOOPBACK, **env, "RANK": str(rank), "NODE": node,
+                                             "STORE_PORT": str(self.store.port),
+                                             "MASTER_CONTROL_PORT": str(cluster.port)})
+            for rank, node in enumerate(nodes)]
+        self.lines: list[list[str]] = [[], []]
+
+    def wait_for_line(self, rank: int, text: str, timeout: float) -> None:
+        """Read rank ``rank``'s output until a line is ``text`` (bounded: the process is killed past it)."""
+        proc = self.procs[rank]
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        for line in proc.stdout:
+            self.lines[rank].append(line)
+            if line.strip() == text:
+                return
+            if time.monotonic() > deadline:
+                break
+        self.stop()
+        raise AssertionError(f"rank {rank} never printed {text!r}:\n{''.join(self.lines[rank])[-3000:]}")
+
+    def results(self, timeout: float) -> list[dict[str, object]]:
+        """Each rank's RESULT map, once both exited (killed past ``timeout`` s, with their output shown)."""
+        outputs = []
+        for rank, proc in enumerate(self.procs):
+            try:
+                rest, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.stop()
+                rest, _ = proc.communicate()
+            outputs.append("".join(self.lines[rank]) + rest)
+        found = []
+        for rank, output in enumerate(outputs):
+            got = [line[7:] for line in output.splitlines() if line.startswith("RESULT ")]
+            assert got, "\n".join(f"rank {r} exited with {p.returncode}:\n{o[-2500:]}"
+                                  for r, (p, o) in enumerate(zip(self.procs, outputs, strict=True)))
+            found.append(json.loads(got[-1]))
+        return found
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(("w1", "w2"), master_args=HB, worker_args=HB, env=LOOPBACK) as nodes:
+        yield nodes
+
+
+def test_every_collective_on_remote_devices_equals_gloo_on_cpu(cluster: LocalCluster) -> None:
+    ranks = Ranks(cluster, ("w1", "w2"), COLLECTIVES)
+    try:
+        results = ranks.results(90)
+    finally:
+        ranks.stop()
+    for rank, result in enumerate(results):
+        failed = sorted(name for name, ok in result.items() if ok is not True)
+        assert not failed, f"rank {rank}: remote results differ from gloo's on CPU: {failed}"
+        assert len(result) == 15
+
+
+def test_ddp_on_two_remote_devices_trains_as_ddp_on_cpu(cluster: LocalCluster) -> None:
+    ranks = Ranks(cluster, ("w1", "w2"), DDP)
+    try:
+        results = ranks.results(120)
+    finally:
+        ranks.stop()
+    for result in results:
+        assert result["ddp_params"] == 14  # the encoder layer's 12 tensors and the head's 2
+        assert float(result["ddp_max_diff"]) <= 1e-5, result  # type: ignore[arg-type]
+
+
+def test_a_node_killed_mid_collective_fails_both_handles_with_remote_device_lost(cluster: LocalCluster) -> None:
+    victim = cluster.add_worker("w3", *HB)
+    ranks = Ranks(cluster, ("w1", "w3"), KILLED, PG_TIMEOUT="30")
+    try:
+        for rank in (0, 1):
+            ranks.wait_for_line(rank, "WAITING", 90)
+        # Both have sent their collective; give the two workers' group a moment to form, then kill the node.
+        time.sleep(1.0)  # not a wait: the kill must land while the collectives are in flight, not before
+        killed_at = time.monotonic()
+        os.kill(victim.process.pid, signal.SIGKILL)
+        results = ranks.results(60)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        ranks.stop()
+        victim.stop()
+    for rank, result in enumerate(results):
+        assert result["error"] == "RemoteDeviceLost", (rank, result)
+        assert result["node_id"] == "w3", (rank, result)
+        assert "w3" in str(result["message"])
+    assert elapsed < 3 + 5, f"the handles failed {elapsed:.1f} s after the kill (heartbeat timeout 3 s)"
+    wait_until(lambda: victim.process.poll() is not None, 10, what="the killed node to be reaped")
+
+
+
+def test_the_group_store_refuses_a_peer_without_the_group_secret() -> None:
+    from genie.errors import AuthenticationError
+    from genie.server.collectives import group_secret
+    from genie.server.rendezvous import AuthStore, StoreServer
+
+    secret = group_secret(b"cluster-token", 7)
+    server = StoreServer("127.0.0.1", secret)
+    try:
+        member = AuthStore("127.0.0.1", server.port, secret, 5.0)
+        member.set("k", b"v")
+        assert member.get("k") == b"v" and member.add("n", 2) == 2 and member.check(["k", "n"])
+        member.close()
+        for wrong in (group_secret(b"another-token", 7), group_secret(b"cluster-token", 8)):
+            with pytest.raises(AuthenticationError):
+                AuthStore("127.0.0.1", server.port, wrong, 5.0)
+    finally:
+        server.close()
