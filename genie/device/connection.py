@@ -831,4 +831,6 @@ def _execution_error(info: Any, more: int = 0) -> GenieError:
         from genie.errors import ForbiddenOpError
 
         return ForbiddenOpError(message)
+    if kind == "lost":  # a peer the command needed went away (a copy between nodes: genie.server.peer_copy)
+        return RemoteDeviceLost(message)
     return RemoteExecutionError(message)

@@ -47,6 +47,8 @@ a device index on the receiving node:
   on the client); the client sends it before the first command after a change.
 - ``CMD_DIST_HOST``, ``CMD_DIST_JOIN``, ``CMD_COLLECTIVE``, ``CMD_DIST_WAIT`` and ``CMD_DIST_LEAVE``:
   torch.distributed collectives run between session workers (:mod:`genie.server.collectives`).
+- ``CMD_DEVICE_COPY``, ``CMD_PEER_OPEN``, ``CMD_PEER_RECV`` and ``CMD_PEER_SEND``: copies between
+  two devices of one node, or node to node (:mod:`genie.server.peer_copy`).
 
 A storage the session has not seen yet, named by an argument, a FETCH or a
 RESIZE, is made on the command's device, zero-filled (the client's allocator
@@ -116,6 +118,11 @@ CMD_DIST_JOIN = 41
 CMD_COLLECTIVE = 42
 CMD_DIST_WAIT = 43
 CMD_DIST_LEAVE = 44
+# Copies between remote devices (genie.server.peer_copy; schema in docs/protocol.md).
+CMD_DEVICE_COPY = 50
+CMD_PEER_OPEN = 51
+CMD_PEER_RECV = 52
+CMD_PEER_SEND = 53
 
 #: The keys of CMD_OPTIONS' map; each value is a bool.
 SESSION_OPTIONS = ("deterministic", "warn_only")
