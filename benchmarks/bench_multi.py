@@ -3,6 +3,13 @@
 Rows are functions in :data:`ROWS`; each takes the shared :class:`Bench` (a loopback cluster of a
 master and two worker nodes, started once) and returns its result map, printed as one JSON line.
 
+Copies between devices (issue 32):
+
+- ``peer_copy_64mib``: a 64 MiB copy between devices of two worker nodes (``y.copy_(x)``, node to node over
+  tcp: genie.server.peer_copy) against a raw 64 MiB TCP send between two processes on the same loopback,
+  with the client's own data-plane bytes per copy (the kernel's count on its sockets). Targets: rate at
+  least 0.9 of the raw send's; the client's bytes at most 1 KiB.
+
 torch.distributed rows (issue 32):
 
 - ``all_reduce_64mib``: ``dist.all_reduce`` of 64 MiB (float32) between two client processes whose
@@ -16,7 +23,7 @@ torch.distributed rows (issue 32):
 The whole benchmark re-executes itself in a private network namespace with only loopback up
 (``unshare -n``), as torch.distributed peers are started: ``--no-netns`` runs in place.
 
-    python benchmarks/bench_multi.py [--rows all_reduce_64mib,ddp_step] [--iters 5]
+    python benchmarks/bench_multi.py [--rows peer_copy_64mib,all_reduce_64mib,ddp_step] [--iters 5]
 """
 
 from __future__ import annotations
@@ -176,8 +183,106 @@ def ddp_step(bench: Bench) -> dict[str, Any]:
             "target": "<= 1.2 (less one round trip)"}
 
 
+#: A genie client that copies 64 MiB between a device of w1 and one of w2 (node to node), ITERS times after a
+#: warm-up; each copy is timed from its call to the destination's sync answer. The client's own data-plane bytes
+#: during the timed copies come from the kernel (TCP_INFO: bytes acknowledged and received on its sockets).
+PEER_COPY = """
+import json, os, socket, statistics, struct, time
+import torch, genie
+from genie.device.registry import table
+genie.init_sync(master_addr="127.0.0.1", master_port=int(os.environ["MASTER_CONTROL_PORT"]), timeout=60,
+                backend="tcp")  # the client's link as a remote client has it; the kernel counts its bytes
+def wire():
+    total = 0
+    for conn in table().connections():
+        with socket.socket(fileno=os.dup(conn.channel.fileno())) as s:
+            acked, received = struct.unpack_from("=QQ", s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256), 120)
+        total += acked + received
+    return total
+src = next(d for d in table().devices if d.node_id == "w1")
+dst = next(d for d in table().devices if d.node_id == "w2")
+x = torch.randn(16 << 20).to(f"remote_accelerator:{src.index}")
+y = torch.empty(16 << 20, device=f"remote_accelerator:{dst.index}")
+y.copy_(x); dst.connection.sync()                       # warm-up: the peer endpoint, pages on both nodes
+src.connection.sync()
+times, before = [], wire()
+for _ in range(int(os.environ["ITERS"])):
+    started = time.perf_counter()
+    y.copy_(x)
+    dst.connection.sync()
+    times.append(time.perf_counter() - started)
+spent = (wire() - before) / len(times)
+assert torch.equal(y[-8:].cpu(), x[-8:].cpu())
+genie.shutdown_sync()
+print("RESULT " + json.dumps({"seconds": statistics.median(times), "client_bytes": spent}), flush=True)
+"""
+
+#: The anchor: 64 MiB sent over a TCP socket on loopback from one process to another (a sender from tensor
+#: memory, a receiver into a preallocated tensor), ITERS times after a warm-up, each timed at the receiver
+#: from its "go" to the last byte.
+RAW_TCP = """
+import json, os, socket, statistics, subprocess, sys, time
+import torch
+n = 64 << 20
+sender = (
+    "import socket, sys, torch\\n"
+    "data = torch.randn(16 << 20)\\n"
+    "s = socket.create_connection(('127.0.0.1', int(sys.argv[1])))\\n"
+    "s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\\n"
+    "view = memoryview(data.numpy()).cast('B')\\n"
+    "while s.recv(1):\\n"
+    "    s.sendall(view)\\n")
+listener = socket.create_server(("127.0.0.1", 0))
+child = subprocess.Popen([sys.executable, "-c", sender, str(listener.getsockname()[1])])
+try:
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    into = torch.zeros(n, dtype=torch.uint8)
+    view = memoryview(into.numpy()).cast("B")
+    times = []
+    for i in range(int(os.environ["ITERS"]) + 1):
+        started = time.perf_counter()
+        conn.sendall(b"g")
+        got = 0
+        while got < n:
+            got += conn.recv_into(view[got:], n - got)
+        if i:
+            times.append(time.perf_counter() - started)
+    conn.close()
+finally:
+    child.wait(timeout=30)
+print("RESULT " + json.dumps({"seconds": statistics.median(times)}), flush=True)
+"""
+
+
+def _child(bench: Bench, script: str, env: dict[str, str]) -> dict[str, Any]:
+    """Run ``script`` in a child process and read its RESULT line."""
+    proc = bench.children.start([sys.executable, "-c", script], env={**LOOPBACK, "ITERS": str(bench.iters), **env})
+    log: list[str] = []
+    drain(proc.stderr, log)
+    try:
+        return read_json_line(proc, 600)
+    except Exception:
+        print(*log[-30:], sep="\n", file=sys.stderr)
+        raise
+    finally:
+        bench.children.stop(proc)
+
+
+def peer_copy_64mib(bench: Bench) -> dict[str, Any]:
+    """64 MiB copied between devices of two nodes (tcp on loopback) against a raw 64 MiB TCP send between two
+    processes on the same loopback, and the client's own bytes during each copy."""
+    raw = _child(bench, RAW_TCP, {})["seconds"]
+    remote = _child(bench, PEER_COPY, {"MASTER_CONTROL_PORT": str(bench.cluster().port)})
+    mib = 64
+    return {"row": "peer_copy_64mib", "backend": "tcp", "raw_ms": round(raw * 1e3, 1),
+            "genie_ms": round(remote["seconds"] * 1e3, 1), "raw_mib_s": round(mib / raw),
+            "genie_mib_s": round(mib / remote["seconds"]), "rate_ratio": round(raw / remote["seconds"], 2),
+            "client_bytes_per_copy": round(remote["client_bytes"]), "target": ">= 0.9, client bytes <= 1024"}
+
+
 #: Every row of this benchmark, in the order they run (other rows of issue 32 join this list).
-ROWS: list[Callable[[Bench], dict[str, Any]]] = [all_reduce_64mib, ddp_step]
+ROWS: list[Callable[[Bench], dict[str, Any]]] = [peer_copy_64mib, all_reduce_64mib, ddp_step]
 
 
 def main() -> int:
