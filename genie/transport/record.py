@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import socket
 import ssl
-import struct
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -35,12 +34,17 @@ from typing import TYPE_CHECKING, Any
 from genie.errors import ConnectionClosedError, TransportError
 from genie.security import REFUSALS
 from genie.transport.base import ChannelLifecycle, MemoryRegion, host_view, region_view
+from genie.wire import spec
 
 if TYPE_CHECKING:
     from genie.transport.base import Channel
 
-RECORD = struct.Struct("<BQ")
-INLINE, DATA, UPGRADE, UPGRADE_OK, UPGRADE_NO = 1, 2, 3, 4, 5
+RECORD = spec.RECORD  # the layout and kinds are the wire spec's (genie.wire.spec)
+INLINE = int(spec.RecordKind.INLINE)
+DATA = int(spec.RecordKind.DATA)
+UPGRADE = int(spec.RecordKind.UPGRADE)
+UPGRADE_OK = int(spec.RecordKind.UPGRADE_OK)
+UPGRADE_NO = int(spec.RecordKind.UPGRADE_NO)
 #: The most buffers one ``sendv`` of the stream underneath takes (the kernel's IOV_MAX is 1024).
 MAX_IOV = 512
 #: The longest control record body (UPGRADE and its answers) a peer may send.

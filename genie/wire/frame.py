@@ -19,8 +19,6 @@ allocated.
 
 from __future__ import annotations
 
-import enum
-import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,13 +27,12 @@ import msgpack
 
 from genie.errors import FrameError
 from genie.transport.base import Buffer, Channel
+from genie.wire.spec import HEADER as HEADER  # the layouts and numbers are the spec's (genie.wire.spec)
+from genie.wire.spec import MAGIC as MAGIC
+from genie.wire.spec import MAX_BODY_BYTES as MAX_BODY_BYTES
+from genie.wire.spec import PROTOCOL_VERSION as PROTOCOL_VERSION
+from genie.wire.spec import MsgKind as MsgKind
 
-MAGIC = b"GN"
-PROTOCOL_VERSION = 2
-HEADER = struct.Struct("<2sBBIQ")
-
-#: A body (msgpack) larger than this is refused before it is read.
-MAX_BODY_BYTES = 16 << 20
 #: A HELLO, CHALLENGE or AUTH body (both planes) larger than this is refused before it is read: before
 #: authentication a peer must not make the server allocate more than a few KiB (real ones send < 1 KiB).
 MAX_HANDSHAKE_BODY_BYTES = 8 << 10
@@ -43,33 +40,6 @@ MAX_HANDSHAKE_BODY_BYTES = 8 << 10
 MAX_ECHO_BYTES = 16 << 20
 #: The default bound on a frame's payload; sessions may set a lower one.
 DEFAULT_MAX_PAYLOAD_BYTES = 8 << 30
-
-
-class MsgKind(enum.IntEnum):
-    """What a frame carries. Data plane 1-19, control plane 20-59."""
-
-    HELLO = 1
-    WELCOME = 2
-    REJECT = 3
-    BATCH = 10
-    REPLY = 11
-    GOODBYE = 12
-    # control plane
-    JOIN = 20
-    JOINED = 21
-    HEARTBEAT = 22
-    HEARTBEAT_ACK = 23
-    QUERY = 24
-    QUERY_REPLY = 25
-    SUBSCRIBE = 26
-    EVENT = 27
-    ERROR = 28
-    # authentication, both planes (genie/wire/handshake.py); appended, numbers never reused
-    CHALLENGE = 4
-    AUTH = 5
-    # a data-plane measurement (genie.cluster.linkfigures): an authenticated session's payload, sent back as it came
-    ECHO = 6
-
 
 _KINDS = {int(k): k for k in MsgKind}  # by value: a lookup here is much cheaper than MsgKind(value)
 

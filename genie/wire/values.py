@@ -36,26 +36,19 @@ import msgpack
 import torch
 
 from genie.errors import FrameError
-
-EXT_DTYPE = 2
-EXT_DEVICE = 3
-EXT_LAYOUT = 4
-EXT_MEMORY_FORMAT = 5
-EXT_COMPLEX = 6
-EXT_INLINE_TENSOR = 7
-EXT_TENSOR = 8
-EXT_GENERATOR = 9
-#: Codes that must never be accepted again (EXT_HANDLE of protocol 1).
-RETIRED_CODES = frozenset({1})
-
-#: Fixed order: the index is the wire code. Append only.
-DTYPE_NAMES = (
-    "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "complex32",
-    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "qint8", "quint8", "qint32",
-)
-LAYOUT_NAMES = ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn", "jagged")
-MEMORY_FORMAT_NAMES = ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format")
+from genie.wire.spec import DTYPE_NAMES as DTYPE_NAMES  # the codes and tables are the spec's (genie.wire.spec)
+from genie.wire.spec import EXT_COMPLEX as EXT_COMPLEX
+from genie.wire.spec import EXT_DEVICE as EXT_DEVICE
+from genie.wire.spec import EXT_DTYPE as EXT_DTYPE
+from genie.wire.spec import EXT_GENERATOR as EXT_GENERATOR
+from genie.wire.spec import EXT_INLINE_TENSOR as EXT_INLINE_TENSOR
+from genie.wire.spec import EXT_LAYOUT as EXT_LAYOUT
+from genie.wire.spec import EXT_MEMORY_FORMAT as EXT_MEMORY_FORMAT
+from genie.wire.spec import EXT_TENSOR as EXT_TENSOR
+from genie.wire.spec import LAYOUT_NAMES as LAYOUT_NAMES
+from genie.wire.spec import MAX_DIMS
+from genie.wire.spec import MEMORY_FORMAT_NAMES as MEMORY_FORMAT_NAMES
+from genie.wire.spec import RETIRED_CODES as RETIRED_CODES
 
 
 def _table(names: tuple[str, ...]) -> tuple[list[Any], dict[Any, int]]:
@@ -184,8 +177,8 @@ def make_ext_hook(
     return ext_hook
 
 
-#: Bounds on a descriptor's msgpack: 64 sizes + 64 strides + four scalars fit easily.
-_DESC_LIMITS = {"max_array_len": 2 * 64 + 8, "max_map_len": 0, "max_str_len": 0, "max_bin_len": 0,
+#: Bounds on a descriptor's msgpack: MAX_DIMS sizes + MAX_DIMS strides + four scalars fit easily.
+_DESC_LIMITS = {"max_array_len": 2 * MAX_DIMS + 8, "max_map_len": 0, "max_str_len": 0, "max_bin_len": 0,
                 "max_ext_len": 0}
 
 
