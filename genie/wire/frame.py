@@ -1,14 +1,6 @@
-"""Frames: a fixed binary header, a msgpack body, then raw payload bytes.
+"""Frames: a fixed binary header (:data:`genie.wire.spec.HEADER`), a msgpack body, then raw payload bytes.
 
-::
-
-    offset  size  field
-    0       2     magic b"GN"
-    2       1     protocol version
-    3       1     kind (MsgKind)
-    4       4     body length, little-endian u32
-    8       8     payload length, little-endian u64
-    16      ...   body (msgpack), then payload (raw tensor bytes, in the order the body lists them)
+The layout and kinds are :mod:`genie.wire.spec`'s, described in docs/protocol.md, "Frames".
 
 Payload bytes are sent straight from tensor memory and received straight into
 preallocated tensors; the body says how many bytes each buffer has, and the

@@ -1,28 +1,10 @@
 """Tagged values: how op arguments cross the wire without pickle.
 
-Plain msgpack carries None, bools, ints, floats, strings and lists (tuples become
-lists, which aten accepts wherever it takes ``int[]`` or ``Tensor[]``). Everything
-else is a msgpack extension type with a fixed code, decoded only into the small
-set of objects below; nothing received is ever used to look up an attribute.
-
-==== ================ =====================================================
-code name             data
-==== ================ =====================================================
-1    (retired)        was a tensor handle (protocol 1); refused
-2    dtype            1 byte: index into DTYPE_NAMES
-3    device           msgpack int: the device index *on the receiving node*
-4    layout           1 byte: index into LAYOUT_NAMES
-5    memory format    1 byte: index into MEMORY_FORMAT_NAMES
-6    complex          two little-endian float64
-7    inline tensor    msgpack [dtype code, shape, raw bytes]: small CPU tensors
-8    tensor           msgpack [storage_id, dtype code, sizes, strides, storage_offset,
-                      storage_nbytes]: a tensor over one of the session's storages, on
-                      the device the command names (storage 0 with 0 bytes: empty)
-9    generator        msgpack int: a session generator id (0: the device's default)
-==== ================ =====================================================
-
-The receiver decides what a tensor or generator tag means (the server checks
-every bound of a tensor descriptor against its own storages, see
+Plain msgpack carries None, bools, ints, floats, strings and lists; everything else is a msgpack
+extension type whose code is :mod:`genie.wire.spec`'s, decoded only into the small set of objects
+below; nothing received is ever used to look up an attribute. What each tag carries:
+docs/protocol.md, "Tagged values". The receiver decides what a tensor or generator tag means (the
+server checks every bound of a tensor descriptor against its own storages, see
 :mod:`genie.server.codec`); this module only moves the values.
 """
 
