@@ -306,6 +306,7 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--compression-only", action="store_true", help="only the compression row")
     parser.add_argument("--outage-only", action="store_true", help="only the 5 s outage row (resume)")
+    parser.add_argument("--latency-only", action="store_true", help="only the latency table (no outage, compression)")
     args = parser.parse_args()
     if args.compression_only:
         print_compression(compression_row())
@@ -338,9 +339,10 @@ def main() -> int:
             print(f"  {row['name']}: {count:.2f} x {reason} at {line}")
     print(textwrap.dedent("""
         target: step(RTT) <= step(0) + 1.1 RTT (the issue's bound); 'excess RTTs' is (step(RTT) - step(0)) / RTT."""))
-    outage = outage_row()
-    print_outage(outage)
-    print_compression(compression_row())
+    if not args.latency_only:
+        outage = outage_row()
+        print_outage(outage)
+        print_compression(compression_row())
     if args.json:
         Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))
     return 0
