@@ -36,25 +36,26 @@ from genie.errors import (
 from genie.server import codec, plans, preflight, transfers
 from genie.server.codec import Descriptor, check_id, is_int
 from genie.server.commands import COMMANDS
-from genie.server.devargs import check_device_args, device_params
+from genie.server.devargs import check_device_args
 from genie.server.isolation.clock import NullClock, OpClock
 from genie.server.kernel import (
     SERIAL_BELOW,
     CommandFailed,
     Kernels,
+    OpFacts,
     account_resizes,
-    hands_out_uninitialised,
     kernel_error,
+    op_facts,
     zero_fresh,
 )
 from genie.server.metrics import NULL_SESSION_METRICS, SessionMetrics
-from genie.server.ops import resolve_op, run_op
-from genie.server.outputs import OutputMismatch, fits_outs, functional_of, store_call_result, store_outputs
+from genie.server.ops import run_op
+from genie.server.outputs import OutputMismatch, fits_outs, store_call_result, store_outputs
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
 from genie.server.records import shapes
-from genie.server.rng import GENERATORLESS, SessionGenerators, generator_arg
+from genie.server.rng import SessionGenerators
 from genie.server.store import StorageStore, zeroed_storage
 from genie.transport.base import Channel
 from genie.wire.frame import FrameHeader, MsgKind, send_frame
@@ -69,47 +70,6 @@ STICKY_DEVICE_ERRORS = ("device-side assert triggered", "an illegal memory acces
                         "uncorrectable ECC error")
 #: Most commands in one batch.
 MAX_COMMANDS = 1 << 20
-
-
-class OpPlan:
-    """What running one op name needs, worked out on its first use and reused by every later command.
-
-    The per-op facts that do not depend on the arguments: the resolved OpOverload (after
-    :func:`~genie.server.ops.resolve_op`'s checks, which raise ForbiddenOpError and leave no plan),
-    whether a Device-typed argument needs :func:`check_device_args`, the generator argument the
-    session's default fills, the runner of a generatorless random op, and the zero-fill rule.
-    """
-
-    __slots__ = ("devargs", "functional", "generator_arg", "generatorless", "op", "out_names", "uninitialised",
-                 "writes")
-
-    def __init__(self, name: str) -> None:
-        self.op = resolve_op(name)
-        self.devargs = bool(device_params(self.op))
-        self.generator_arg = generator_arg(self.op)[1] != ""
-        self.generatorless = name in GENERATORLESS
-        self.uninitialised = hands_out_uninitialised(name)
-        #: whether it may write (and so resize) an argument: in-place, out=, resize_, set_; a functional
-        #: op's schema promises it leaves its inputs alone, so their sizes need no second look
-        self.writes = any(a.alias_info is not None and a.alias_info.is_write for a in self.op._schema.arguments)
-        #: for an out= op: the names of its out arguments and its functional overload (see _run_fresh)
-        self.out_names, self.functional = functional_of(self.op)
-        if self.generator_arg or self.generatorless:
-            self.functional = None  # running it and then maybe the out= form would draw twice
-
-
-#: Op name -> its plan, for every session (plans hold nothing of a session). Bounded: only names that
-#: resolved are kept, and there are a few thousand of those.
-_plans: dict[str, OpPlan] = {}
-
-
-def op_plan(name: Any) -> OpPlan:
-    """The plan of a client-named op; ForbiddenOpError (from resolve_op) when it may not run."""
-    plan = _plans.get(name) if type(name) is str else None
-    if plan is None:
-        plan = OpPlan(name)  # resolve_op checks the name, whatever its type
-        _plans[name] = plan
-    return plan
 
 
 def context_lost(records: Sequence[dict[str, Any] | None]) -> str | None:
@@ -338,7 +298,7 @@ class Executor:
         self.store_outputs_of(label, result, inputs, outs, storage_ids)
         if keyed is not None and self._checked is not None and len(self.deferred) + self.dropped == deferred:
             # It ran and stored without a word: later commands of its signature may run by a plan.
-            plan = plans.build(self, [*cmd[:4], sent_kwargs, cmd[5]], keyed, op_plan(cmd[2]), self._checked,
+            plan = plans.build(self, [*cmd[:4], sent_kwargs, cmd[5]], keyed, op_facts(cmd[2]), self._checked,
                                self._ran_functional)
             if plan is not None:
                 self._remember(keyed[0], plan)
@@ -392,7 +352,7 @@ class Executor:
             return
         if self.finish_call(label, req, result, storage_ids) and keyed is not None and self._checked is not None:
             # It ran and answered without a word: later calls of its signature may run by a plan.
-            plan = plans.build_call(self, [*cmd[:5], sent_kwargs, cmd[6]], keyed, op_plan(cmd[3]), self._checked)
+            plan = plans.build_call(self, [*cmd[:5], sent_kwargs, cmd[6]], keyed, op_facts(cmd[3]), self._checked)
             if plan is not None:
                 self._remember(keyed[0], plan)
 
@@ -429,7 +389,7 @@ class Executor:
         label = _label(name)
         self._checked = None
         try:
-            plan = op_plan(name)
+            plan = op_facts(name)
         except ForbiddenOpError as exc:
             raise CommandFailed(_error(label, [], "forbidden", str(exc), storage_ids)) from None
         op = plan.op
@@ -485,7 +445,7 @@ class Executor:
             zero_fresh(result, self._held())
         return result, inputs
 
-    def _fresh_outs(self, plan: OpPlan, kwargs: dict[str, Any], outs: Sequence[Descriptor | None]) -> list[Any] | None:
+    def _fresh_outs(self, plan: OpFacts, kwargs: dict[str, Any], outs: Sequence[Descriptor | None]) -> list[Any] | None:
         """For an out= op whose every out argument is a storage this session has not made yet: the out
         arguments, taken out of ``kwargs`` (then run by :meth:`_run_fresh`); else None.
 
@@ -506,7 +466,7 @@ class Executor:
             del kwargs[n]
         return values
 
-    def _run_fresh(self, plan: OpPlan, args: list[Any], kwargs: dict[str, Any], fresh: list[Any],
+    def _run_fresh(self, plan: OpFacts, args: list[Any], kwargs: dict[str, Any], fresh: list[Any],
                    outs: Sequence[Descriptor | None], generator: Any) -> Any:
         """Run the functional form; where its results differ in dtype or size from the out arguments
         (out= may cast), run the out= form after all, as the client asked."""

@@ -40,18 +40,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from genie.errors import ForbiddenOpError, FrameError, GenieError, ProtocolError, QuotaExceededError
-from genie.server import cuda_graphs, preflight, validators
+from genie.server import preflight
 from genie.server.codec import Descriptor, DeviceRef, GeneratorRef, is_int
 from genie.server.devargs import check_device_args
 from genie.server.graph_gate import CheckedReplay, Gate
-from genie.server.kernel import CommandFailed, hands_out_uninitialised, serial_size, use_serial, zero_fresh
-from genie.server.ops import resolve_op, run_op
+from genie.server.kernel import CommandFailed, OpFacts, op_facts, serial_size, use_serial, zero_fresh
+from genie.server.kernel import may_resize as _may_resize  # noqa: F401 - tests read the rule here
+from genie.server.ops import run_op
 from genie.server.outputs import OutputMismatch
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
 from genie.server.records import shapes, tensor_leaves
-from genie.server.rng import GENERATORLESS, generator_arg
+from genie.server.rng import GENERATORLESS
 from genie.wire.graph import Definition, Ref, decode_definition
 
 if TYPE_CHECKING:
@@ -80,7 +81,9 @@ class _Node:
                  "resizes", "validator", "zero")
 
     def __init__(self, op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[str, Any],
-                 call: Any, fallback: bool) -> None:
+                 call: Any, fallback: bool, facts: OpFacts | None = None) -> None:
+        if facts is None:
+            facts = OpFacts(label, op)
         self.op = op
         self.label = label
         #: the callable run as call(*args, **kwargs): the op's own, its composite kernel's or a session-bound
@@ -97,22 +100,13 @@ class _Node:
         self.nested = tuple((p, a) for p, a in enumerate(args) if type(a) is list and _has_ref(a))
         self.kw_refs = tuple((k, v) for k, v in kwargs.items() if _has_ref(v))
         #: the empty family hands out memory nobody wrote: zeroed, as for CMD_OP
-        self.zero = hands_out_uninitialised(label)
+        self.zero = facts.uninitialised
         #: whether it may change a storage's size (resize_, set_, out=): the replay then counts what storages gained
-        self.resizes = _may_resize(op)
+        self.resizes = facts.resizes
         #: slots whose last use is this node: dropped after it runs
         self.release: tuple[int, ...] = ()
         #: the op's validator (it may read data: run before the node on every replay), or None
-        self.validator = validators.check_for(op)
-
-
-def _may_resize(op: torch._ops.OpOverload) -> bool:
-    """In-place and out= ops that may grow a storage (an in-place op like add_ never changes its sizes)."""
-    writes = [a for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    if not writes:
-        return False
-    name = op._schema.name
-    return "resize" in name or name.endswith("::set_") or any(a.kwarg_only for a in writes)
+        self.validator = facts.validator
 
 
 def _callable(ex: Executor, op: torch._ops.OpOverload, label: str, kernel: Any, device_index: int) -> tuple[Any, bool]:
@@ -212,9 +206,10 @@ def _validate(ex: Executor, graph_id: int, device_index: int, definition: Defini
         slot = n + i
         where = f"graph {graph_id} node {i}"
         try:
-            op = resolve_op(name)
+            facts = op_facts(name)
         except ForbiddenOpError as exc:
             raise ForbiddenOpError(f"{where}: {exc}") from None
+        op = facts.op
         label = name if isinstance(name, str) else "?"
 
         def resolved(value: Any, slot: int = slot, i: int = i, where: str = where) -> Any:
@@ -245,10 +240,10 @@ def _validate(ex: Executor, graph_id: int, device_index: int, definition: Defini
             if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), rest[0]):
                 raise ProtocolError(f"{where}: {label} has no {rest[0]} kernel")
             kernel = _DISPATCH_KEYS[rest[0]]
-        if generator_arg(op)[1]:  # a None generator is the session's default: bound now, as CMD_OP binds it per op
+        if facts.generator_arg:  # a None generator is the session's default: bound now, as CMD_OP binds it per op
             ex.generators.fill_default(op, node_args, node_kwargs, device_index)
         call, fallback = _callable(ex, op, label, kernel, device_index)
-        nodes.append(_Node(op, label, node_args, node_kwargs, call, fallback))
+        nodes.append(_Node(op, label, node_args, node_kwargs, call, fallback, facts))
     end = n + len(nodes)
     for ref in definition.outputs:
         if ref is not None and ref.slot >= end:
@@ -421,7 +416,7 @@ def _run_admitted(ex: Executor, graph: Graph, env: list[Any], held: set[int], la
             node = graph.nodes[over[0]]
             raise CommandFailed(_error(f"{label} node {over[0]} ({node.label})", [], "quota", _message(
                 preflight.over_quota(node.label, over[1], over[2])), storage_ids))
-        cuda_graphs.run(ex, graph, env, held, label, storage_ids, _run_nodes)  # issue 33 hook: a CUDA graph on CUDA
+        _run_nodes(ex, graph, env, held, label, storage_ids, None)
         return
     graph.checked_runs += 1
     checked = CheckedReplay(ex, remaining)

@@ -18,9 +18,10 @@ deferred-error record (the message scrubbed of server paths and addresses by
 :func:`genie.server.records.message`). :func:`zero_fresh` zeroes what the ``empty`` family hands out.
 
 The native runner (genie/csrc/server_plans.cpp) applies the same rules in C++ for the plans it runs (the
-same serial threshold, the op clock's page, the same metrics through the one
-:class:`genie.server.metrics.OkTally` it binds, the store through :class:`genie.server.store.StoreTables`)
-and hands back to Python what it cannot finish; its runs are counted here by :meth:`Kernels.natively_ran`.
+same serial threshold, the op clock's page, the same metrics counters, the store's fast adoption) and
+hands back to Python what it cannot finish; its runs are counted here by :meth:`Kernels.natively_ran`.
+Python per op would cost the native path more than its own work, so its rules are a second
+implementation, kept equal by the tests that run tests/server/test_plans.py both ways.
 """
 
 from __future__ import annotations
@@ -32,9 +33,14 @@ from typing import Any
 
 import torch
 
+from genie.server import validators
+from genie.server.devargs import device_params
 from genie.server.isolation.clock import NULL_CLOCK, NullClock, OpClock
 from genie.server.metrics import NULL_SESSION_METRICS, SessionMetrics
+from genie.server.ops import resolve_op
+from genie.server.outputs import functional_of
 from genie.server.records import error, message, shapes, tensor_leaves
+from genie.server.rng import GENERATORLESS, generator_arg
 from genie.server.store import StorageStore, zero_from
 
 try:  # the native plan runner's thread switch (genie/csrc/server_plans.cpp), shared so both sides agree
@@ -70,6 +76,63 @@ def hands_out_uninitialised(label: str) -> bool:
     session never reads bytes another session's tensors left behind. By name, so a new member of the
     family in a later torch release is covered too."""
     return "empty" in label
+
+
+def may_resize(op: torch._ops.OpOverload) -> bool:
+    """In-place and out= ops that may grow a storage (an in-place op like add_ never changes its sizes)."""
+    writes = [a for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if not writes:
+        return False
+    name = op._schema.name
+    return "resize" in name or name.endswith("::set_") or any(a.kwarg_only for a in writes)
+
+
+class OpFacts:
+    """What running one op name needs, worked out on its first use and shared by every path and session:
+    the full path, the plans (and the NativeSpec the native runner is made from) and graph nodes.
+
+    The facts that do not depend on the arguments: the resolved OpOverload (after
+    :func:`~genie.server.ops.resolve_op`'s checks, which raise ForbiddenOpError and leave no facts),
+    whether a Device-typed argument needs :func:`~genie.server.devargs.check_device_args`, the generator
+    argument the session's default fills, whether it is a generatorless random op, the zero-fill rule,
+    what it may write or resize, its functional form (an out= op) and its validator.
+    """
+
+    __slots__ = ("devargs", "functional", "generator_arg", "generatorless", "op", "out_names", "resizes",
+                 "uninitialised", "validator", "writes")
+
+    def __init__(self, name: str, op: torch._ops.OpOverload | None = None) -> None:
+        #: ``op``: already resolved from ``name`` (a graph node's), else resolved here
+        self.op = resolve_op(name) if op is None else op
+        self.devargs = bool(device_params(self.op))
+        self.generator_arg = generator_arg(self.op)[1] != ""
+        self.generatorless = name in GENERATORLESS
+        self.uninitialised = hands_out_uninitialised(name)
+        #: whether it may write (and so resize) an argument: in-place, out=, resize_, set_; a functional
+        #: op's schema promises it leaves its inputs alone, so their sizes need no second look
+        self.writes = any(a.alias_info is not None and a.alias_info.is_write for a in self.op._schema.arguments)
+        #: whether it may change a storage's size (resize_, set_, out=): a graph replay then re-measures
+        self.resizes = may_resize(self.op)
+        #: for an out= op: the names of its out arguments and its functional overload (run for fresh outputs)
+        self.out_names, self.functional = functional_of(self.op)
+        if self.generator_arg or self.generatorless:
+            self.functional = None  # running it and then maybe the out= form would draw twice
+        #: its argument check that may read data (genie.server.validators), run before every kernel
+        self.validator = validators.check_for(self.op)
+
+
+#: Op name -> its facts, for every session (facts hold nothing of a session). Bounded: only names that
+#: resolved are kept, and there are a few thousand of those.
+_facts: dict[str, OpFacts] = {}
+
+
+def op_facts(name: Any) -> OpFacts:
+    """The facts of a client-named op; ForbiddenOpError (from resolve_op) when it may not run."""
+    facts = _facts.get(name) if type(name) is str else None
+    if facts is None:
+        facts = OpFacts(name)  # resolve_op checks the name, whatever its type
+        _facts[name] = facts
+    return facts
 
 
 def zero_fresh(result: Any, held: set[int]) -> None:

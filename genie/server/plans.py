@@ -59,7 +59,8 @@ from genie.wire.floats import floats_decide_metadata
 from genie.wire.messages import CMD_OP
 
 if TYPE_CHECKING:
-    from genie.server.executor import Executor, OpPlan
+    from genie.server.executor import Executor
+    from genie.server.kernel import OpFacts
     from genie.server.preflight import Plan
 
 #: A keyed command: (key, storage ids, floats), what :func:`genie._C_keys.command_key` returns.
@@ -206,7 +207,7 @@ def _placeholder_types() -> frozenset[type]:
 _PLACEHOLDERS = _placeholder_types()
 
 
-def coverable(op_plan: OpPlan) -> bool:
+def coverable(op_plan: OpFacts) -> bool:
     """Whether commands of this op may get a plan: not ops whose full path does more than run the kernel
     (random ops and their generators, Device arguments, the empty family's zeroing)."""
     return not (op_plan.generator_arg or op_plan.generatorless or op_plan.devargs or op_plan.uninitialised)
@@ -239,7 +240,7 @@ def _has_float(value: Any) -> bool:
 _FLOAT = frozenset({float})
 
 
-def build(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: OpPlan, checked: Plan,
+def build(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: OpFacts, checked: Plan,
           functional: bool) -> CommandPlan | None:
     """A plan from a CMD_OP the full path just ran without an error (``checked``: its pre-flight answer;
     ``functional``: an out= op whose fresh out arguments it ran in its functional form), or None when its
@@ -303,7 +304,7 @@ def build(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: OpPlan, checked: 
     plan.call = plan.kernel._op
     plan.device_index = cmd[1]
     plan.device = ex.device(cmd[1])
-    plan.validator = validators.check_for(plan.kernel)
+    plan.validator = validators.check_for(plan.kernel) if plan.kernel is not op_plan.op else op_plan.validator
     plan.writes = op_plan.writes or functional  # the full path re-measures storages after a functional run too
     plan.new_bytes = checked.new_bytes
     plan.max_op_elements = ex.max_op_elements
@@ -319,7 +320,7 @@ def build(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: OpPlan, checked: 
     return plan
 
 
-def build_call(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: OpPlan,
+def build_call(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: OpFacts,
                checked: Plan) -> CommandPlan | None:
     """A plan from a CMD_CALL ``[CMD_CALL, req, device, op, args, kwargs(as sent), out_storage_ids]`` the full
     path just answered without an error; its key's ids are the request id, the tensor tags, the output ids."""

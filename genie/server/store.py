@@ -55,14 +55,14 @@ def zero_from(storage: torch.UntypedStorage, start: int) -> None:
 
 
 class StoreTables(NamedTuple):
-    """The store's maps and quotas as the per-command fast path reads them: Python's plans
-    (:mod:`genie.server.plans`) and the native runner, which binds this one object per session
-    (``Runner.bind_store``, genie/csrc/server_plans.cpp) instead of reading the store's attributes.
+    """The store's maps and quotas as the per-command fast path reads them (:mod:`genie.server.plans`).
 
     The maps are the store's own (never replaced, only emptied by :meth:`StorageStore.clear`). Readers
-    only look. The native runner also adopts results and frees storages through them, by the rules of
-    :meth:`StorageStore.adopt` and :meth:`StorageStore.free`, and reports the bytes that changed through
-    :meth:`StorageStore.count_native`: the byte count has one writer, the store.
+    only look; writes go through the store's methods. It is also the interface meant for the native runner
+    (genie/csrc/server_plans.cpp) to bind once per session: it adopting and freeing through these maps by
+    the rules of :meth:`StorageStore.adopt` and :meth:`StorageStore.free` and reporting the bytes that
+    changed through :meth:`StorageStore.count_native`. The runner does not use it yet: it still reads
+    ``_storages``, ``_sizes``, ``_poisoned``, ``_freed`` and writes ``_bytes`` by name (docs/server.md).
     """
 
     storages: dict[int, torch.UntypedStorage]  #: live storages by id
