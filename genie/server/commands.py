@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from genie.errors import FrameError
-from genie.server import controls, graphs, transfers
+from genie.server import collectives, controls, graphs, peer_copy, transfers
 from genie.server.codec import Descriptor, is_int
 from genie.wire.messages import (
     CMD_CALL,
@@ -99,4 +99,8 @@ COMMANDS: dict[int, Handler] = {
     CMD_OPTIONS: plain(controls.options),
     CMD_GRAPH: plain(graphs.define),
     CMD_REPLAY: plain(graphs.replay),
+    # torch.distributed between session workers: CMD_DIST_HOST/JOIN/WAIT/LEAVE, CMD_COLLECTIVE
+    **{code: plain(handler) for code, handler in collectives.HANDLERS.items()},
+    # copies between remote devices (genie.server.peer_copy): CMD_DEVICE_COPY, CMD_PEER_OPEN/RECV/SEND
+    **{code: plain(handler) for code, handler in peer_copy.HANDLERS.items()},
 }
