@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from genie.errors import ForbiddenOpError, FrameError, GenieError, ProtocolError, QuotaExceededError
-from genie.server import preflight
+from genie.server import cuda_graphs, preflight
 from genie.server.codec import Descriptor, DeviceRef, GeneratorRef, is_int
 from genie.server.devargs import check_device_args
 from genie.server.graph_gate import CheckedReplay, Gate
@@ -416,7 +416,7 @@ def _run_admitted(ex: Executor, graph: Graph, env: list[Any], held: set[int], la
             node = graph.nodes[over[0]]
             raise CommandFailed(_error(f"{label} node {over[0]} ({node.label})", [], "quota", _message(
                 preflight.over_quota(node.label, over[1], over[2])), storage_ids))
-        _run_nodes(ex, graph, env, held, label, storage_ids, None)
+        cuda_graphs.run(ex, graph, env, held, label, storage_ids, _run_nodes)  # issue 33 hook: a CUDA graph on CUDA
         return
     graph.checked_runs += 1
     checked = CheckedReplay(ex, remaining)
