@@ -106,8 +106,10 @@ def test_a_cpu_tensor_changed_in_place_after_it_was_moved_leaves_the_device_copy
     rows = torch.ones(3, 4)
     moved_rows = rows.to(D0)
     rows[0].zero_()
+    # float arithmetic runs on the server (a host shadow of the upload never answers it)
+    assert (moved + 0).cpu().tolist() == [1.0] * 5
+    assert (moved_rows * 1).cpu().equal(torch.ones(3, 4))
     assert moved.cpu().tolist() == [1.0] * 5
-    assert moved_rows.cpu().equal(torch.ones(3, 4))
 
 
 def test_embedding_bag_with_max_norm_in_half_precision_matches_the_cpu(remote):
