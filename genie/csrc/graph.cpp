@@ -59,6 +59,7 @@ class RemoteGraphImpl final : public at::GraphImplInterface {
   }
 
   void capture_begin(at::MempoolId_t pool, at::GraphCaptureMode mode) override {
+    py::gil_scoped_acquire gil;  // torch's binding released it, and the tuple below is a Python object
     call("capture_begin", py::make_tuple(static_cast<int64_t>(pool.first), static_cast<int64_t>(pool.second)),
          static_cast<int>(mode));
   }
