@@ -278,7 +278,7 @@ def test_copy_between_nodes_in_two_network_namespaces(two_hosts) -> None:  # noq
                   "--node-id", "worker-b", *hb):
         client = textwrap.dedent(f"""
             import torch, genie
-            genie.init_sync(master_addr="{A}", master_port=5555, timeout=20)
+            genie.init_sync(master_addr="{A}", master_port=5555, timeout=30, backend="tcp")
             a = torch.randn(300, 70)
             x = a.to("remote_accelerator:1")
             y = x[::2].to("remote_accelerator:0")
@@ -286,7 +286,7 @@ def test_copy_between_nodes_in_two_network_namespaces(two_hosts) -> None:  # noq
             genie.shutdown_sync()
         """)
         out = subprocess.run(["ip", "netns", "exec", ns_b, sys.executable, "-c", client], capture_output=True,
-                             text=True, timeout=60, env={**os.environ, "GENIE_AUTH_TOKEN": TOKEN})
+                             text=True, timeout=120, env={**os.environ, "GENIE_AUTH_TOKEN": TOKEN})
         assert out.returncode == 0, out.stdout + out.stderr
         assert "EQUAL True" in out.stdout.splitlines()
 
