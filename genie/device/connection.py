@@ -551,9 +551,10 @@ class NodeConnection:
             if self._lost is not None:
                 raise self._device_lost(device)
             if self.capture is not None:
-                what = {wm.CMD_FETCH: "a download (.cpu(), printing)", wm.CMD_SYNC: "synchronize()",
-                        wm.CMD_CALL: f"{command[3]!s:.80} (its result is a number or a data-dependent shape)"}
-                raise self.capture.refuse(f"a sync point, {what.get(command[0], 'a round trip')},")
+                what = {wm.CMD_FETCH: "a download (.cpu(), printing)", wm.CMD_SYNC: "synchronize()"}.get(command[0])
+                if command[0] == wm.CMD_CALL:
+                    what = f"{command[3]!s:.80} (its result is a number or a data-dependent shape)"
+                raise self.capture.refuse(f"a sync point, {what or 'a round trip'},")
             req = command[1] = _C.queue_request_id(self.qid)
             started = time.perf_counter()  # stats
             self._request_cmd = msgpack.packb(command, use_bin_type=True, default=default)
