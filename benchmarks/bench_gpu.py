@@ -113,7 +113,9 @@ def gpt2_train_graph(dev: str, a: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     cfg = _gpt2_config(a.tiny)
     model: Any = GPT2LMHeadModel(cfg).to(dev)  # type: ignore[arg-type]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    # A CUDA graph captures the optimizer step only when its state lives on the device (capturable).
+    capturable = torch.device(dev).type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=capturable)
     batch, seq = (2, 64) if a.tiny else (8, 512)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq)).to(dev)
 
