@@ -19,15 +19,26 @@
 #include <string>
 #include <vector>
 
+#include "msgpack.h"
+#include "wire_spec.h"
+
 namespace genie_keys {
 
 constexpr int kMaxDepth = 32;           // deeper commands take the full path
 constexpr size_t kMaxTensors = 4096;     // more tensor tags than this: the full path
 constexpr size_t kMaxFloats = 4096;      // more floats than this: the full path
-constexpr uint8_t kExtTensor = 8;        // genie.wire.values.EXT_TENSOR
-constexpr uint8_t kExtInlineTensor = 7;  // decoded into a fresh CPU tensor each time: never keyed
-constexpr uint8_t kMarker = 0xc1;        // the one byte msgpack never uses: a tensor tag in a key
-constexpr uint64_t kMaxId = (uint64_t(1) << 63) - 1;
+constexpr uint8_t kExtTensor = static_cast<uint8_t>(genie_wire::kExtTensor);
+constexpr uint8_t kExtInlineTensor = static_cast<uint8_t>(genie_wire::kExtInlineTensor);  // a fresh tensor each time: never keyed
+constexpr uint8_t kMarker = genie_msgpack::kNeverUsed;  // the one byte msgpack never uses: a tensor tag in a key
+constexpr uint64_t kMaxId = genie_wire::kMaxStorageId;
+
+// Whether a command starts as a fixarray of `items` led by the fixint `code` (as Python packs every
+// command C++ reads: fewer than 16 items, codes below 128).
+inline bool starts_as(const uint8_t* data, size_t size, size_t items, uint8_t code) {
+  return size >= 2 && data[0] == (genie_msgpack::kFixArray | items) && data[1] == code;
+}
+
+using namespace genie_msgpack;  // the type bytes
 
 struct Walker {
   const uint8_t* data;
@@ -69,22 +80,11 @@ struct Walker {
     }
     // [storage_id, dtype, sizes, strides, offset, storage_nbytes]: a fixarray of 6 led by an unsigned id.
     const uint8_t* p = data + pos;
-    if (len < 2 || p[0] != 0x96) return false;
+    if (len < 2 || p[0] != (genie_msgpack::kFixArray | genie_wire::kDescriptorItems)) return false;
     uint64_t id;
-    size_t id_len;
-    if (p[1] < 0x80) {
-      id = p[1];
-      id_len = 1;
-    } else if (p[1] >= 0xcc && p[1] <= 0xcf) {
-      size_t n = size_t(1) << (p[1] - 0xcc);
-      if (len < 2 + n) return false;
-      id = 0;
-      for (size_t i = 0; i < n; ++i) id = (id << 8) | p[2 + i];
-      id_len = 1 + n;
-      if (id > kMaxId) return false;
-    } else {
-      return false;
-    }
+    genie_msgpack::Reader id_reader(p + 1, static_cast<size_t>(len) - 1);
+    if (!id_reader.uint(&id) || id > kMaxId) return false;
+    size_t id_len = static_cast<size_t>(len) - 1 - id_reader.left();
     if (ids.size() >= kMaxTensors) return false;
     ids.push_back(id);
     // The key: everything before this ext's header as is, then marker, the rest's length, the rest.
@@ -107,36 +107,36 @@ struct Walker {
     size_t start = pos;
     uint8_t b = data[pos++];
     uint64_t n;
-    if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3) return true;
-    if ((b & 0xf0) == 0x80) return items(2 * uint64_t(b & 0x0f), depth);
-    if ((b & 0xf0) == 0x90) return items(b & 0x0f, depth);
-    if ((b & 0xe0) == 0xa0) return skip(b & 0x1f);
+    if (b <= kPositiveFixintMax || b >= kNegativeFixintMin || b == kNil || b == kFalse || b == kTrue) return true;
+    if ((b & 0xf0) == kFixMap) return items(2 * uint64_t(b & 0x0f), depth);
+    if ((b & 0xf0) == kFixArray) return items(b & 0x0f, depth);
+    if ((b & 0xe0) == kFixStr) return skip(b & 0x1f);
     switch (b) {
-      case 0xc4: return read_be(1, &n) && skip(n);
-      case 0xc5: return read_be(2, &n) && skip(n);
-      case 0xc6: return read_be(4, &n) && skip(n);
-      case 0xc7: pending_header = start; return read_be(1, &n) && ext(n);
-      case 0xc8: pending_header = start; return read_be(2, &n) && ext(n);
-      case 0xc9: pending_header = start; return read_be(4, &n) && ext(n);
-      case 0xca: return take_float(start, 4);
-      case 0xcb: return take_float(start, 8);
-      case 0xcc: case 0xd0: return skip(1);
-      case 0xcd: case 0xd1: return skip(2);
-      case 0xce: case 0xd2: return skip(4);
-      case 0xcf: case 0xd3: return skip(8);
-      case 0xd4: pending_header = start; return ext(1);
-      case 0xd5: pending_header = start; return ext(2);
-      case 0xd6: pending_header = start; return ext(4);
-      case 0xd7: pending_header = start; return ext(8);
-      case 0xd8: pending_header = start; return ext(16);
-      case 0xd9: return read_be(1, &n) && skip(n);
-      case 0xda: return read_be(2, &n) && skip(n);
-      case 0xdb: return read_be(4, &n) && skip(n);
-      case 0xdc: return read_be(2, &n) && items(n, depth);
-      case 0xdd: return read_be(4, &n) && items(n, depth);
-      case 0xde: return read_be(2, &n) && items(2 * n, depth);
-      case 0xdf: return read_be(4, &n) && items(2 * n, depth);
-      default: return false;  // 0xc1: never used
+      case kBin8: return read_be(1, &n) && skip(n);
+      case kBin16: return read_be(2, &n) && skip(n);
+      case kBin32: return read_be(4, &n) && skip(n);
+      case kExt8: pending_header = start; return read_be(1, &n) && ext(n);
+      case kExt16: pending_header = start; return read_be(2, &n) && ext(n);
+      case kExt32: pending_header = start; return read_be(4, &n) && ext(n);
+      case kFloat32: return take_float(start, 4);
+      case kFloat64: return take_float(start, 8);
+      case kUint8: case kInt8: return skip(1);
+      case kUint16: case kInt16: return skip(2);
+      case kUint32: case kInt32: return skip(4);
+      case kUint64: case kInt64: return skip(8);
+      case kFixExt1: pending_header = start; return ext(1);
+      case kFixExt2: pending_header = start; return ext(2);
+      case kFixExt4: pending_header = start; return ext(4);
+      case kFixExt8: pending_header = start; return ext(8);
+      case kFixExt16: pending_header = start; return ext(16);
+      case kStr8: return read_be(1, &n) && skip(n);
+      case kStr16: return read_be(2, &n) && skip(n);
+      case kStr32: return read_be(4, &n) && skip(n);
+      case kArray16: return read_be(2, &n) && items(n, depth);
+      case kArray32: return read_be(4, &n) && items(n, depth);
+      case kMap16: return read_be(2, &n) && items(2 * n, depth);
+      case kMap32: return read_be(4, &n) && items(2 * n, depth);
+      default: return false;  // kNeverUsed
     }
   }
 
@@ -165,15 +165,10 @@ struct Walker {
   bool blank_uint() {
     if (!need(1)) return false;
     size_t start = pos;
-    uint8_t b = data[pos++];
     uint64_t v;
-    if (b < 0x80) {
-      v = b;
-    } else if (b >= 0xcc && b <= 0xcf) {
-      if (!read_be(size_t(1) << (b - 0xcc), &v) || v > kMaxId) return false;
-    } else {
-      return false;
-    }
+    genie_msgpack::Reader r(data + pos, size - pos);
+    if (!r.uint(&v) || v > kMaxId) return false;
+    pos = size - r.left();
     if (ids.size() >= kMaxTensors) return false;
     ids.push_back(v);
     key.append(reinterpret_cast<const char*>(data + copied), start - copied);
@@ -191,18 +186,10 @@ struct Walker {
     request_ids = 1;  // the first id is the request's, not a storage's
     for (int i = 0; i < 4; ++i)
       if (!value(1)) return false;
-    if (!need(1)) return false;
-    uint8_t b = data[pos++];
     uint64_t n;
-    if ((b & 0xf0) == 0x90) {
-      n = b & 0x0f;
-    } else if (b == 0xdc) {
-      if (!read_be(2, &n)) return false;
-    } else if (b == 0xdd) {
-      if (!read_be(4, &n)) return false;
-    } else {
-      return false;
-    }
+    genie_msgpack::Reader r(data + pos, size - pos);
+    if (!r.array_header(&n)) return false;
+    pos = size - r.left();
     if (n > size - pos) return false;
     for (uint64_t i = 0; i < n; ++i)
       if (!blank_uint()) return false;
@@ -227,7 +214,7 @@ inline bool key_of(const uint8_t* data, size_t size, std::string* key_out, std::
   w.size = size;
   w.key.reserve(size + 16);
   // A CALL (a fixarray of 7 led by CMD_CALL, 5) has its request and output ids taken out as well.
-  bool call = size >= 2 && data[0] == 0x97 && data[1] == 0x05;
+  bool call = starts_as(data, size, genie_wire::kCmdCallItems, genie_wire::kCmdCall);
   if (!(call ? w.call_command() : w.value(0)) || w.pos != w.size) return false;
   w.key.append(reinterpret_cast<const char*>(w.data + w.copied), w.size - w.copied);
   // The aliasing pattern: per id, 0xffff for storage 0, 0xfffe for a request id, else the index of the
