@@ -708,9 +708,13 @@ void reset_accumulated(int device) {
 // Wire descriptors, built here because the fallback needs two or three per op:
 // [storage_id, dtype code, sizes, strides, storage_offset, storage_nbytes].
 namespace {
+// The wire codes of genie/wire/spec.py (wire_spec.h); -1 where a dtype cannot cross the wire.
 std::array<int, static_cast<size_t>(at::ScalarType::NumOptions)> g_dtype_codes = [] {
   std::array<int, static_cast<size_t>(at::ScalarType::NumOptions)> a{};
   a.fill(-1);
+#define GENIE_DTYPE_CODE(code, name) a[static_cast<size_t>(at::ScalarType::name)] = code;
+  GENIE_WIRE_DTYPES(GENIE_DTYPE_CODE)
+#undef GENIE_DTYPE_CODE
   return a;
 }();
 
@@ -740,39 +744,6 @@ py::list wire_desc(const at::Tensor& t) {
   return l;
 }
 
-// msgpack for non-negative ints and arrays: all a descriptor holds.
-void pack_tagged(std::string& out, uint8_t tag, uint64_t x, int bytes) {
-  out.push_back(static_cast<char>(tag));
-  for (int i = bytes - 1; i >= 0; --i) out.push_back(static_cast<char>((x >> (8 * i)) & 0xff));
-}
-
-void pack_uint(std::string& out, uint64_t v) {
-  if (v < 128) {
-    out.push_back(static_cast<char>(v));
-  } else if (v <= 0xff) {
-    pack_tagged(out, 0xcc, v, 1);
-  } else if (v <= 0xffff) {
-    pack_tagged(out, 0xcd, v, 2);
-  } else if (v <= 0xffffffffULL) {
-    pack_tagged(out, 0xce, v, 4);
-  } else {
-    pack_tagged(out, 0xcf, v, 8);
-  }
-}
-
-void pack_str(std::string& out, const std::string& s) {
-  size_t n = s.size();
-  if (n < 32) {
-    out.push_back(static_cast<char>(0xa0 | n));
-  } else if (n <= 0xff) {
-    pack_tagged(out, 0xd9, n, 1);
-  } else {
-    TORCH_CHECK(n <= 0xffff, "genie: string argument too long");
-    pack_tagged(out, 0xda, n, 2);
-  }
-  out.append(s);
-}
-
 uint64_t new_storage_id() { return next_id(); }
 uint64_t storage_id_of_data(const void* data) { return id_of_pointer(data); }  // fastpath.cpp's host shadows
 
@@ -782,16 +753,6 @@ std::vector<std::pair<int, uint64_t>> take_freed_all() {
   std::lock_guard<std::mutex> g(b.mu);
   out.swap(b.freed);
   return out;
-}
-
-void pack_array_header(std::string& out, size_t n) {
-  if (n < 16) {
-    out.push_back(static_cast<char>(0x90 | n));
-  } else if (n <= 0xffff) {
-    pack_tagged(out, 0xdc, n, 2);
-  } else {
-    pack_tagged(out, 0xdd, n, 4);
-  }
 }
 
 void pack_int_array(std::string& out, c10::IntArrayRef v) {
@@ -806,7 +767,7 @@ void pack_int_array(std::string& out, c10::IntArrayRef v) {
 void pack_tensor_payload(std::string& out, const at::Tensor& t) {
   int code = wire_dtype(t);
   const auto& st = t.storage();
-  pack_array_header(out, 6);
+  pack_array_header(out, genie_wire::kDescriptorItems);
   pack_uint(out, id_of_pointer(st.data()));
   pack_uint(out, static_cast<uint64_t>(code));
   pack_int_array(out, t.sizes());
@@ -818,12 +779,7 @@ void pack_tensor_payload(std::string& out, const at::Tensor& t) {
 void pack_tensor_ext(std::string& out, const at::Tensor& t) {
   std::string payload;
   pack_tensor_payload(payload, t);
-  if (payload.size() <= 0xff) {
-    pack_tagged(out, 0xc7, payload.size(), 1);  // ext 8
-  } else {
-    pack_tagged(out, 0xc8, payload.size(), 2);  // ext 16 (a descriptor has at most 64 sizes and strides)
-  }
-  out.push_back(static_cast<char>(8));  // EXT_TENSOR
+  pack_ext_header(out, genie_wire::kExtTensor, payload.size());
   out.append(payload);
 }
 
@@ -874,8 +830,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("new_storage_id", [] { return next_id(); });
   m.def("set_dtype_code", [](py::handle dtype, int code) {
     TORCH_CHECK(THPDtype_Check(dtype.ptr()), "genie: set_dtype_code needs a torch.dtype");
-    g_dtype_codes[static_cast<size_t>(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type)] = code;
-  });
+    auto s = reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+    TORCH_CHECK(g_dtype_codes[static_cast<size_t>(s)] == code, "genie: the wire code of ", s, " is ", code,
+                " in genie/wire/spec.py but ", g_dtype_codes[static_cast<size_t>(s)], " in the built genie._C: "
+                "regenerate genie/csrc/wire_spec.h (python -m genie.wire.spec --header) and rebuild");
+  }, "Check a dtype's wire code against the one built in (wire_spec.h).");
   m.def("wire_desc", &wire_desc, "[storage_id, dtype code, sizes, strides, offset, storage_nbytes] of a remote tensor.");
   m.def("wire_ext_payload", &wire_ext_payload, "The msgpack bytes of wire_desc(t) (the EXT_TENSOR payload).");
   m.def("make_tensor", &make_tensor);

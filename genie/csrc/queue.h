@@ -13,6 +13,9 @@
 #include <thread>
 #include <vector>
 
+#include "msgpack.h"
+#include "wire_spec.h"
+
 namespace genie {
 
 // A descriptor the lane owns (a dup of the channel's socket): closed when the last user lets go, so a
@@ -83,11 +86,18 @@ bool route_of(int device, std::shared_ptr<Queue>* q, int* local);
 // Storages freed anywhere in this process, each handed to its session's queue; then `q`'s, taken.
 std::vector<uint64_t> take_frees(Queue& q);
 
-// msgpack as Python's msgpack packs the same values (device.cpp; torch-free, so lane.cpp shares them).
-void pack_tagged(std::string& out, uint8_t tag, uint64_t x, int bytes);  // a type byte, then x big-endian
-void pack_uint(std::string& out, uint64_t v);
-void pack_array_header(std::string& out, size_t n);
-void pack_str(std::string& out, const std::string& s);
+// msgpack as Python's msgpack packs the same values (msgpack.h, the one writer and reader of genie's C++).
+using genie_msgpack::pack_array_header;
+using genie_msgpack::pack_bin;
+using genie_msgpack::pack_bool;
+using genie_msgpack::pack_double;
+using genie_msgpack::pack_ext_header;
+using genie_msgpack::pack_int;
+using genie_msgpack::pack_map_header;
+using genie_msgpack::pack_nil;
+using genie_msgpack::pack_str;
+using genie_msgpack::pack_tagged;
+using genie_msgpack::pack_uint;
 // A storage id no other storage of this process has (device.cpp).
 uint64_t new_storage_id();
 // Storages freed since the last call, (global device index, storage id) (device.cpp).
