@@ -139,43 +139,27 @@ struct Encoder {
   template <typename T>
   void put(T v) { key.append(reinterpret_cast<const char*>(&v), sizeof(T)); }
 
-  void pack_int(int64_t v) {
-    if (v >= 0) return pack_uint(body, static_cast<uint64_t>(v));
-    if (v >= -32) { body.push_back(static_cast<char>(v)); return; }
-    auto bits = static_cast<uint64_t>(v);
-    if (v >= INT8_MIN) pack_tagged(body, 0xd0, bits, 1);
-    else if (v >= INT16_MIN) pack_tagged(body, 0xd1, bits, 2);
-    else if (v >= INT32_MIN) pack_tagged(body, 0xd2, bits, 4);
-    else pack_tagged(body, 0xd3, bits, 8);
-  }
-
-  void pack_double(double d) {
-    uint64_t bits;
-    std::memcpy(&bits, &d, 8);
-    pack_tagged(body, 0xcb, bits, 8);
-  }
-
   // Scalars: the key's tag (and value: floats only unless keyed by type) and the msgpack value.
   void none() {
     put<char>('N');
-    body.push_back(static_cast<char>(0xc0));
+    pack_nil(body);
   }
 
   void boolean(bool b) {
     put<char>(b ? 'b' : 'B');
-    body.push_back(static_cast<char>(b ? 0xc3 : 0xc2));
+    pack_bool(body, b);
   }
 
   void integer(int64_t i) {
     put<char>('i');
     put<int64_t>(i);
-    pack_int(i);
+    pack_int(body, i);
   }
 
   void real(double d) {
     put<char>('f');
     if (!floats_by_type) put<double>(d);
-    pack_double(d);
+    pack_double(body, d);
   }
 
   // A list argument: its tag and length in the key, its array header in the body.
@@ -185,9 +169,9 @@ struct Encoder {
     pack_array_header(body, n);
   }
 
+  // A one-byte tag (dtype, layout, memory format).
   void pack_ext1(int8_t type, uint8_t byte) {
-    body.push_back(static_cast<char>(0xd4));
-    body.push_back(static_cast<char>(type));
+    pack_ext_header(body, type, 1);
     body.push_back(static_cast<char>(byte));
   }
 
@@ -207,7 +191,7 @@ struct Encoder {
   bool tensor(const at::Tensor& t) {
     if (!t.defined()) {
       put<char>('U');
-      body.push_back(static_cast<char>(0xc0));
+      pack_nil(body);
       return true;
     }
     if (t.unsafeGetTensorImpl()->is_wrapped_number()) return wrapped_number(t);
@@ -250,17 +234,28 @@ struct Encoder {
         case ArgKind::dtype: {
           int code = wire_dtype_code(static_cast<c10::ScalarType>(i));
           if (code < 0) return false;
-          pack_ext1(2, static_cast<uint8_t>(code));
+          pack_ext1(genie_wire::kExtDtype, static_cast<uint8_t>(code));
           return true;
         }
-        case ArgKind::layout:  // genie.wire.values.LAYOUT_NAMES: only strided is sent by ops that get here
+        case ArgKind::layout: {  // only strided is sent by ops that get here
           if (static_cast<c10::Layout>(i) != c10::kStrided) return false;
-          pack_ext1(4, 0);
+#define GENIE_STRIDED_CODE(code, name) (c10::Layout::name == c10::kStrided ? (code) : 0) +
+          constexpr int strided = GENIE_WIRE_LAYOUTS(GENIE_STRIDED_CODE) 0;
+#undef GENIE_STRIDED_CODE
+          pack_ext1(genie_wire::kExtLayout, static_cast<uint8_t>(strided));
           return true;
-        case ArgKind::memory_format: {  // MEMORY_FORMAT_NAMES order
-          static const int8_t codes[] = {0, 3, 1, 2};  // Contiguous, Preserve, ChannelsLast, ChannelsLast3d
-          if (i < 0 || i > 3) return false;
-          pack_ext1(5, static_cast<uint8_t>(codes[i]));
+        }
+        case ArgKind::memory_format: {  // c10::MemoryFormat's value -> its wire code (wire_spec.h)
+          static const auto codes = [] {
+            std::array<int8_t, static_cast<size_t>(c10::MemoryFormat::NumOptions)> a{};
+            a.fill(-1);
+#define GENIE_MEMORY_FORMAT_CODE(code, name) a[static_cast<size_t>(c10::MemoryFormat::name)] = code;
+            GENIE_WIRE_MEMORY_FORMATS(GENIE_MEMORY_FORMAT_CODE)
+#undef GENIE_MEMORY_FORMAT_CODE
+            return a;
+          }();
+          if (i < 0 || i >= static_cast<int64_t>(codes.size()) || codes[i] < 0) return false;
+          pack_ext1(genie_wire::kExtMemoryFormat, static_cast<uint8_t>(codes[i]));
           return true;
         }
       }
@@ -283,7 +278,7 @@ struct Encoder {
       begin_list('I', l.size());
       for (int64_t x : l) {
         put<int64_t>(x);
-        pack_int(x);
+        pack_int(body, x);
       }
       return true;
     }
@@ -292,7 +287,7 @@ struct Encoder {
       begin_list('F', l.size());
       for (double x : l) {
         put<double>(x);
-        pack_double(x);
+        pack_double(body, x);
       }
       return true;
     }
@@ -301,7 +296,7 @@ struct Encoder {
       begin_list('L', l.size());
       for (bool x : l) {
         put<char>(x ? 1 : 0);
-        body.push_back(static_cast<char>(x ? 0xc3 : 0xc2));
+        pack_bool(body, x);
       }
       return true;
     }
@@ -345,7 +340,7 @@ struct Encoder {
     size_t keywords = 0;
     for (size_t i = f.kwarg_only_start; i < args.size(); ++i) keywords += is_default(decl[i], args[i]) ? 0 : 1;
     if (keywords >= 16) return false;
-    body.push_back(static_cast<char>(0x80 | keywords));
+    pack_map_header(body, keywords);
     for (size_t i = f.kwarg_only_start; i < args.size(); ++i) {
       if (is_default(decl[i], args[i])) continue;
       pack_str(body, decl[i].name());
@@ -386,8 +381,6 @@ thread_local Teaching* tl_teaching = nullptr;
 py::object* g_python_fallback = nullptr;  // genie.device.dispatch.fallback
 py::object* g_resolve = nullptr;          // genie.device.dispatch.overload_of
 std::atomic<uint64_t> g_hits{0}, g_misses{0};
-uint8_t g_cmd_op = 1;    // genie.wire.messages.CMD_OP, set with the routes
-uint8_t g_cmd_call = 5;  // genie.wire.messages.CMD_CALL, likewise
 
 // ---------------------------------------------------------------------------------------------
 // Host shadows (genie.device.shadows): storages whose bytes the client also holds. A call that touches one
@@ -464,7 +457,8 @@ bool touches_shadow(const OpFacts& f, const c10::OperatorHandle& op, c10::ArrayR
 // torch's settings a session's node must share (Queue::options): deterministic algorithms, warn only.
 int session_options() {
   auto& ctx = at::globalContext();
-  return (ctx.deterministicAlgorithms() ? 1 : 0) | (ctx.deterministicAlgorithmsWarnOnly() ? 2 : 0);
+  return (ctx.deterministicAlgorithms() ? genie_wire::kOptionDeterministic : 0) |
+         (ctx.deterministicAlgorithmsWarnOnly() ? genie_wire::kOptionWarnOnly : 0);
 }
 
 bool queue_for(int device, size_t bytes, std::shared_ptr<Queue>* q, int* local) {
@@ -484,8 +478,8 @@ void enqueue(Queue& q, int local, const std::string& name_packed, const std::str
              const std::vector<at::Tensor>& outs) {
   std::string cmd;
   cmd.reserve(body.size() + name_packed.size() + 64 * (outs.size() + 1));
-  cmd.push_back(static_cast<char>(0x96));
-  cmd.push_back(static_cast<char>(g_cmd_op));
+  pack_array_header(cmd, genie_wire::kCmdOpItems);
+  pack_uint(cmd, genie_wire::kCmdOp);
   pack_uint(cmd, static_cast<uint64_t>(local));
   cmd.append(name_packed);
   cmd.append(body);
@@ -494,7 +488,7 @@ void enqueue(Queue& q, int local, const std::string& name_packed, const std::str
     if (t.defined()) {
       pack_tensor_ext(cmd, t);
     } else {
-      cmd.push_back(static_cast<char>(0xc0));
+      pack_nil(cmd);
     }
   }
   std::lock_guard<std::mutex> g(q.mu);
@@ -606,7 +600,7 @@ bool copy_natively(Encoder& enc, torch::jit::Stack* stack, size_t nargs, bool fr
   enc.device = -1;
   pack_array_header(enc.body, 2);
   if (!enc.tensor(dst) || !enc.tensor(src)) return false;
-  enc.body.push_back(static_cast<char>(0x80));  // no keyword arguments
+  pack_map_header(enc.body, 0);  // no keyword arguments
   std::shared_ptr<Queue> q;
   int local = 0;
   if (!queue_for(enc.device, enc.body.size(), &q, &local)) return false;
@@ -636,14 +630,14 @@ bool item_natively(const OpFacts& f, const c10::FunctionSchema& schema, torch::j
   uint64_t req = q->next_request.fetch_add(1);
   std::string cmd;
   cmd.reserve(128);
-  cmd.push_back(static_cast<char>(0x97));  // [CMD_CALL, req, local, op, [t], {}, [out id]]
-  pack_uint(cmd, g_cmd_call);
+  pack_array_header(cmd, genie_wire::kCmdCallItems);  // [CMD_CALL, req, local, op, [t], {}, [out id]]
+  pack_uint(cmd, genie_wire::kCmdCall);
   pack_uint(cmd, req);
   pack_uint(cmd, static_cast<uint64_t>(local));
   cmd.append(f.name_packed);
   pack_array_header(cmd, 1);
   pack_tensor_ext(cmd, t);
-  cmd.push_back(static_cast<char>(0x80));
+  pack_map_header(cmd, 0);
   pack_array_header(cmd, 1);
   pack_uint(cmd, new_storage_id());
   IValue result;
@@ -887,14 +881,16 @@ void init_fastpath(py::module_& m) {
   });
   m.def("set_routes", [](const std::vector<std::pair<int64_t, int>>& routes, int cmd_op, int cmd_call) {
     std::lock_guard<std::mutex> g(g_mu);
-    g_cmd_op = static_cast<uint8_t>(cmd_op);
-    g_cmd_call = static_cast<uint8_t>(cmd_call);
+    TORCH_CHECK(cmd_op == genie_wire::kCmdOp && cmd_call == genie_wire::kCmdCall, "genie: CMD_OP and CMD_CALL are ",
+                cmd_op, " and ", cmd_call, " in genie/wire/spec.py but ", int(genie_wire::kCmdOp), " and ",
+                int(genie_wire::kCmdCall), " in the built genie._C: regenerate genie/csrc/wire_spec.h and rebuild");
     g_routes.clear();
     for (const auto& [qid, local] : routes) {
       auto it = g_queues.find(qid);
       g_routes.push_back(Route{it == g_queues.end() ? nullptr : it->second, local});
     }
-  }, "Per global device index: (its connection's queue, its index on its node); and the wire's CMD_OP and CMD_CALL.");
+  }, "Per global device index: (its connection's queue, its index on its node); and the wire's CMD_OP and CMD_CALL, "
+     "checked against the built-in ones (wire_spec.h).");
   init_lane(m, &queue_of);
 }
 
