@@ -16,22 +16,29 @@
 #include <functional>
 #include <string>
 #include <utility>
+#include <string_view>
 #include <vector>
+
+#include "msgpack.h"
+#include "wire_spec.h"
 
 namespace genie_io {
 
-// The wire's numbers (genie.wire.frame, genie.wire.messages, genie.transport.record), set from Python.
+// Whether this side frames, and its bound on bodies, set from Python once it checked the wire's numbers
+// (genie/wire/spec.py) against the ones built in (wire_spec.h).
 struct Wire {
   uint8_t version = 0;  // 0: not set, nothing is framed here
-  uint8_t batch = 0;
-  uint8_t reply = 0;
-  uint8_t cmd_free = 0;
-  uint8_t inline_record = 0;
   uint64_t max_body = 0;
 };
 
-constexpr size_t kHeader = 16;  // genie.wire.frame.HEADER: b"GN", version, kind, body length u32, payload length u64
-constexpr size_t kRecord = 9;   // genie.transport.record.RECORD: kind u8, length u64
+// Python passed the spec's numbers it runs with: false when the extension was built from another spec.
+inline bool same_spec(int version, int batch, int reply, int inline_record) {
+  return version == genie_wire::kProtocolVersion && batch == genie_wire::kKindBatch &&
+         reply == genie_wire::kKindReply && inline_record == genie_wire::kRecordInline;
+}
+
+constexpr size_t kHeader = genie_wire::kHeaderBytes;  // magic, version, kind, body length u32, payload length u64
+constexpr size_t kRecord = genie_wire::kRecordBytes;  // kind u8, length u64
 
 inline uint64_t le(const char* p, int bytes) {
   uint64_t v = 0;
@@ -47,14 +54,14 @@ inline void put_le(std::string& out, uint64_t v, int bytes) {
 // bytes and no payload, appended to `out`.
 inline void frame_prefix(std::string& out, const Wire& w, uint8_t kind, size_t body_len, bool records) {
   if (records) {
-    out.push_back(static_cast<char>(w.inline_record));
-    put_le(out, kHeader + body_len, 8);
+    out.push_back(static_cast<char>(genie_wire::kRecordInline));
+    put_le(out, kHeader + body_len, genie_wire::kRecordLenBytes);
   }
-  out.append("GN");
+  out.append(genie_wire::kMagic, genie_wire::kMagicBytes);
   out.push_back(static_cast<char>(w.version));
   out.push_back(static_cast<char>(kind));
-  put_le(out, body_len, 4);
-  put_le(out, 0, 8);
+  put_le(out, body_len, genie_wire::kHeaderBodyLenBytes);
+  put_le(out, 0, genie_wire::kHeaderPayloadLenBytes);
 }
 
 // What a blocking read or write ended with.
@@ -122,8 +129,9 @@ inline Io read_frame(int fd, bool records, const Wire& w, Frame* r, int* err,
   auto header_read = [&]() {
     if (need == kHeader && r->frame.size() >= kHeader) {
       const char* h = r->frame.data();
-      uint64_t body = le(h + 4, 4);
-      bool sane = h[0] == 'G' && h[1] == 'N' && static_cast<uint8_t>(h[2]) == w.version && body <= w.max_body;
+      uint64_t body = le(h + genie_wire::kHeaderBodyLenAt, genie_wire::kHeaderBodyLenBytes);
+      bool sane = std::memcmp(h, genie_wire::kMagic, genie_wire::kMagicBytes) == 0 &&
+                  static_cast<uint8_t>(h[genie_wire::kHeaderVersionAt]) == w.version && body <= w.max_body;
       need = sane ? kHeader + body : kHeader;
     }
   };
@@ -139,8 +147,8 @@ inline Io read_frame(int fd, bool records, const Wire& w, Frame* r, int* err,
     Io io = read_exact(fd, record, kRecord, err, on_interrupt);
     if (io != Io::ok) return io;
     uint8_t kind = static_cast<uint8_t>(record[0]);
-    uint64_t length = le(record.data() + 1, 8);
-    if (kind != w.inline_record || length > w.max_body + kHeader) {
+    uint64_t length = le(record.data() + genie_wire::kRecordLenAt, genie_wire::kRecordLenBytes);
+    if (kind != genie_wire::kRecordInline || length > w.max_body + kHeader) {
       r->resume = true;
       r->record_kind = kind;
       r->record_len = length;
@@ -163,64 +171,47 @@ inline Io read_frame(int fd, bool records, const Wire& w, Frame* r, int* err,
 
 // Whether read_frame read `frame`'s body (false: a header its checks refused, the read ended after it).
 inline bool whole(const std::string& frame) {
-  return frame.size() >= kHeader && frame.size() == kHeader + le(frame.data() + 4, 4);
+  return frame.size() >= kHeader &&
+         frame.size() == kHeader + le(frame.data() + genie_wire::kHeaderBodyLenAt, genie_wire::kHeaderBodyLenBytes);
 }
 
-inline uint64_t be(const char* p, int bytes) {
-  uint64_t v = 0;
-  for (int i = 0; i < bytes; ++i) v = (v << 8) | static_cast<uint8_t>(p[i]);
-  return v;
+// The kind of a frame read whole (or of its header).
+inline uint8_t kind_of(const std::string& frame) { return static_cast<uint8_t>(frame[genie_wire::kHeaderKindAt]); }
+// Its payload length.
+inline uint64_t payload_of(const std::string& frame) {
+  return le(frame.data() + genie_wire::kHeaderPayloadLenAt, genie_wire::kHeaderPayloadLenBytes);
 }
 
 // A BATCH body of commands only, {"uploads": [], "cmds": [bin, ...]} (keys in any order; an empty
 // "cached" allowed): each command's (offset, length) in `body`. False for anything else (uploads, cache
 // hits, another shape): Python's path decodes it and raises what it always raised.
 inline bool batch_commands(const char* body, size_t n, std::vector<std::pair<size_t, size_t>>* cmds) {
-  size_t p = 0;
-  auto left = [&](size_t k) { return n - p >= k; };
-  if (!left(1) || (static_cast<uint8_t>(body[p]) & 0xf0) != 0x80) return false;
-  size_t keys = static_cast<uint8_t>(body[p++]) & 0x0f;
+  genie_msgpack::Reader r(body, n);
+  uint64_t keys = 0;
+  if (!r.map_header(&keys)) return false;
   bool saw_cmds = false;
-  for (size_t k = 0; k < keys; ++k) {
-    if (!left(1) || (static_cast<uint8_t>(body[p]) & 0xe0) != 0xa0) return false;
-    size_t len = static_cast<uint8_t>(body[p++]) & 0x1f;
-    if (!left(len + 1)) return false;
-    std::string key(body + p, len);
-    p += len;
-    if (key == "uploads" || key == "cached") {
-      if (static_cast<uint8_t>(body[p++]) != 0x90) return false;
+  for (uint64_t k = 0; k < keys; ++k) {
+    const char* name = nullptr;
+    size_t len = 0;
+    uint64_t count = 0;
+    if (!r.str(&name, &len)) return false;
+    std::string_view key(name, len);
+    if (key == genie_wire::kBatchUploads || key == genie_wire::kBatchCached) {
+      if (!r.array_header(&count) || count != 0) return false;
       continue;
     }
-    if (key != "cmds" || saw_cmds) return false;
+    if (key != genie_wire::kBatchCmds || saw_cmds) return false;
     saw_cmds = true;
-    uint8_t tag = static_cast<uint8_t>(body[p++]);
-    size_t count;
-    if ((tag & 0xf0) == 0x90) {
-      count = tag & 0x0f;
-    } else if (tag == 0xdc && left(2)) {
-      count = be(body + p, 2);
-      p += 2;
-    } else if (tag == 0xdd && left(4)) {
-      count = be(body + p, 4);
-      p += 4;
-    } else {
-      return false;
-    }
-    if (count > n) return false;
+    if (!r.array_header(&count) || count > r.left()) return false;
     cmds->reserve(count);
-    for (size_t i = 0; i < count; ++i) {
-      if (!left(1)) return false;
-      uint8_t bin = static_cast<uint8_t>(body[p++]);
-      int width = bin == 0xc4 ? 1 : bin == 0xc5 ? 2 : bin == 0xc6 ? 4 : 0;
-      if (width == 0 || !left(width)) return false;
-      size_t size = be(body + p, width);
-      p += width;
-      if (!left(size)) return false;
-      cmds->emplace_back(p, size);
-      p += size;
+    for (uint64_t i = 0; i < count; ++i) {
+      const char* data = nullptr;
+      size_t size = 0;
+      if (!r.bin(&data, &size)) return false;
+      cmds->emplace_back(static_cast<size_t>(data - body), size);
     }
   }
-  return saw_cmds && p == n;
+  return saw_cmds && r.at_end();
 }
 
 inline std::string io_text(Io io, int err, const char* doing) {

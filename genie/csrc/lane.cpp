@@ -61,18 +61,6 @@ using genie_io::kHeader;
 
 genie_io::Wire g_wire;
 
-void pack_bin(std::string& out, const std::string& b) {
-  size_t n = b.size();
-  if (n <= 0xff) {
-    pack_tagged(out, 0xc4, n, 1);
-  } else if (n <= 0xffff) {
-    pack_tagged(out, 0xc5, n, 2);
-  } else {
-    pack_tagged(out, 0xc6, n, 4);
-  }
-  out.append(b);
-}
-
 double monotonic() {  // time.perf_counter()'s clock on Linux
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -86,16 +74,16 @@ std::string batch_frame(const std::vector<std::string>& cmds, const std::vector<
   size_t total = request.size() + 64 + 9 * frees.size();
   for (const auto& c : cmds) total += c.size() + 5;
   body.reserve(total);
-  body.push_back(static_cast<char>(0x82));
-  pack_str(body, "uploads");
-  body.push_back(static_cast<char>(0x90));
-  pack_str(body, "cmds");
+  pack_map_header(body, 2);
+  pack_str(body, genie_wire::kBatchUploads);
+  pack_array_header(body, 0);
+  pack_str(body, genie_wire::kBatchCmds);
   pack_array_header(body, cmds.size() + (frees.empty() ? 0 : 1) + 1);
   for (const auto& c : cmds) pack_bin(body, c);
   if (!frees.empty()) {
     std::string free_cmd;
-    free_cmd.push_back(static_cast<char>(0x92));
-    pack_uint(free_cmd, g_wire.cmd_free);
+    pack_array_header(free_cmd, genie_wire::kCmdFreeItems);
+    pack_uint(free_cmd, genie_wire::kCmdFree);
     pack_array_header(free_cmd, frees.size());
     for (auto sid : frees) pack_uint(free_cmd, sid);
     pack_bin(body, free_cmd);
@@ -103,7 +91,7 @@ std::string batch_frame(const std::vector<std::string>& cmds, const std::vector<
   pack_bin(body, request);
   std::string out;
   out.reserve(body.size() + kHeader + genie_io::kRecord);
-  genie_io::frame_prefix(out, g_wire, g_wire.batch, body.size(), records);
+  genie_io::frame_prefix(out, g_wire, genie_wire::kKindBatch, body.size(), records);
   out.append(body);
   return out;
 }
@@ -118,69 +106,27 @@ struct Number {
   double d = 0;
 };
 
-bool read_uint(const char*& p, const char* end, uint64_t* v) {
-  if (p >= end) return false;
-  uint8_t t = static_cast<uint8_t>(*p++);
-  if (t < 0x80) {
-    *v = t;
-    return true;
-  }
-  int width = t == 0xcc ? 1 : t == 0xcd ? 2 : t == 0xce ? 4 : t == 0xcf ? 8 : 0;
-  if (width == 0 || end - p < width) return false;
-  *v = genie_io::be(p, width);
-  p += width;
-  return true;
-}
-
 Number number_reply(const std::string& f, uint64_t req) {
   Number n;
-  if (f.size() < kHeader + 4 || static_cast<uint8_t>(f[3]) != g_wire.reply || genie_io::le(f.data() + 8, 8) != 0)
+  if (f.size() < kHeader + 4 || genie_io::kind_of(f) != genie_wire::kKindReply || genie_io::payload_of(f) != 0)
     return n;
-  const char* p = f.data() + kHeader;
-  const char* end = f.data() + f.size();
-  uint64_t got = 0;
-  if (static_cast<uint8_t>(*p++) != 0x94 || !read_uint(p, end, &got) || got != req || p >= end ||
-      static_cast<uint8_t>(*p++) != 0xc0 || p >= end)
+  genie_msgpack::Reader r(f.data() + kHeader, f.size() - kHeader);
+  uint64_t items = 0, got = 0, deferred = 0;
+  if (!r.array_header(&items) || items != genie_wire::kReplyItems || !r.uint(&got) || got != req || !r.nil())
     return n;
-  uint8_t t = static_cast<uint8_t>(*p);
   Number v;
-  if (t == 0xc2 || t == 0xc3) {
+  if (r.boolean(&v.b)) {
     v.kind = Number::boolean;
-    v.b = t == 0xc3;
-    ++p;
-  } else if (t < 0x80 || (t >= 0xcc && t <= 0xcf)) {
-    if (!read_uint(p, end, &v.u)) return n;
+  } else if (r.uint(&v.u)) {
     v.kind = Number::unsigned_integer;
-  } else if (t >= 0xe0) {
+  } else if (r.negative(&v.i)) {
     v.kind = Number::integer;
-    v.i = static_cast<int8_t>(t);
-    ++p;
-  } else if (t >= 0xd0 && t <= 0xd3) {
-    int width = 1 << (t - 0xd0);
-    if (end - p < 1 + width) return n;
-    uint64_t raw = genie_io::be(p + 1, width);
-    int shift = 64 - 8 * width;
-    v.kind = Number::integer;
-    v.i = static_cast<int64_t>(raw << shift) >> shift;  // sign-extend
-    p += 1 + width;
-  } else if (t == 0xca || t == 0xcb) {
-    int width = t == 0xca ? 4 : 8;
-    if (end - p < 1 + width) return n;
-    uint64_t raw = genie_io::be(p + 1, width);
-    if (width == 4) {
-      uint32_t bits = static_cast<uint32_t>(raw);
-      float x;
-      std::memcpy(&x, &bits, 4);
-      v.d = x;
-    } else {
-      std::memcpy(&v.d, &raw, 8);
-    }
+  } else if (r.real(&v.d)) {
     v.kind = Number::real;
-    p += 1 + width;
   } else {
     return n;
   }
-  if (p >= end || static_cast<uint8_t>(*p++) != 0x90 || p != end) return n;
+  if (!r.array_header(&deferred) || deferred != 0 || !r.at_end()) return n;
   return v;
 }
 
@@ -361,13 +307,13 @@ void init_lane(py::module_& m, std::shared_ptr<Queue> (*queue_of)(int64_t)) {
         return false;
       });
   m.def("set_lane_wire", [](int version, int batch, int reply, int cmd_free, int inline_record, uint64_t max_body) {
+    if (!genie_io::same_spec(version, batch, reply, inline_record) || cmd_free != genie_wire::kCmdFree)
+      throw std::invalid_argument("genie: the wire's numbers differ between genie/wire/spec.py and the built genie._C: "
+                                  "regenerate genie/csrc/wire_spec.h (python -m genie.wire.spec --header) and rebuild");
     g_wire.version = static_cast<uint8_t>(version);
-    g_wire.batch = static_cast<uint8_t>(batch);
-    g_wire.reply = static_cast<uint8_t>(reply);
-    g_wire.cmd_free = static_cast<uint8_t>(cmd_free);
-    g_wire.inline_record = static_cast<uint8_t>(inline_record);
     g_wire.max_body = max_body;
-  }, "The wire's numbers the lane frames with: protocol version, BATCH, REPLY, CMD_FREE, INLINE, the longest body.");
+  }, "Turn the lane on: the wire's numbers (protocol version, BATCH, REPLY, CMD_FREE, INLINE; checked against the "
+     "built-in ones, wire_spec.h) and the longest body.");
   m.def("set_lane_places", [](py::dict outside, py::object classify) {  // each session start: the same objects
     PyObject* old_outside = g_outside;
     PyObject* old_classify = g_classify;

@@ -308,10 +308,11 @@ class Runner {
 
   // The wire's numbers serve() frames with (genie.wire.frame, genie.transport.record).
   void set_wire(int version, int batch, int reply, int inline_record, uint64_t max_body) {
+    if (!genie_io::same_spec(version, batch, reply, inline_record))
+      throw std::invalid_argument("genie: the wire's numbers differ between genie/wire/spec.py and the built "
+                                  "genie._C_plans: regenerate genie/csrc/wire_spec.h (python -m genie.wire.spec "
+                                  "--header) and rebuild");
     wire_.version = static_cast<uint8_t>(version);
-    wire_.batch = static_cast<uint8_t>(batch);
-    wire_.reply = static_cast<uint8_t>(reply);
-    wire_.inline_record = static_cast<uint8_t>(inline_record);
     wire_.max_body = max_body;
   }
 
@@ -342,7 +343,7 @@ class Runner {
     bool whole = genie_io::whole(f);  // else the header failed read_frame's checks: Python names why
     size_t body_len = whole ? f.size() - kHeader : 0;
     std::vector<std::pair<size_t, size_t>> spans;
-    if (!whole || static_cast<uint8_t>(f[3]) != wire_.batch || genie_io::le(f.data() + 8, 8) != 0 ||
+    if (!whole || genie_io::kind_of(f) != genie_wire::kKindBatch || genie_io::payload_of(f) != 0 ||
         !frame.leftover.empty() || !genie_io::batch_commands(f.data() + kHeader, body_len, &spans) ||
         spans.size() > max_commands) {
       py::object body = whole ? py::object(py::bytes(f.data() + kHeader, body_len)) : py::object(py::none());
@@ -368,7 +369,7 @@ class Runner {
       }
       std::string reply;
       std::string body = outcome[py::int_(3)].cast<std::string>();
-      genie_io::frame_prefix(reply, wire_, wire_.reply, body.size(), records);
+      genie_io::frame_prefix(reply, wire_, genie_wire::kKindReply, body.size(), records);
       reply.append(body);
       last_reply_ = reply;  // kept for a resend should the link drop before the client reads it
       io = genie_io::send_all(fd, reply.data(), reply.size(), &err);
@@ -449,13 +450,14 @@ class Runner {
       if (!PyBytes_CheckExact(cmd)) break;
       auto data = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(cmd));
       auto size = static_cast<size_t>(PyBytes_GET_SIZE(cmd));
-      if (size >= 2 && data[0] == 0x92 && data[1] == 0x03) {  // [CMD_FREE, [storage ids]]
+      if (genie_keys::starts_as(data, size, genie_wire::kCmdFreeItems, genie_wire::kCmdFree)) {  // [CMD_FREE, [ids]]
         if (!free_command(data, size, pool_min)) break;
         continue;
       }
       // OP ([CMD_OP, ...], a fixarray of 6) and CALL ([CMD_CALL, ...], of 7) are keyed; the rest is Python's.
       if (size < 2 || size > max_keyed_ ||
-          !((data[0] == 0x96 && data[1] == 0x01) || (data[0] == 0x97 && data[1] == 0x05)))
+          !(genie_keys::starts_as(data, size, genie_wire::kCmdOpItems, genie_wire::kCmdOp) ||
+            genie_keys::starts_as(data, size, genie_wire::kCmdCallItems, genie_wire::kCmdCall)))
         break;
       if (!genie_keys::key_of(data, size, &key, &ids, &floats)) break;
       auto found = plans_.find(key);
@@ -509,37 +511,16 @@ class Runner {
   // A FREE (genie.server.store.StorageStore.free, with the staging pool's offer): false, with nothing done,
   // when Python must run it (an id that is not a plain unsigned int, a storage the pool may take).
   bool free_command(const uint8_t* data, size_t size, int64_t pool_min) {
-    size_t pos = 2;
+    genie_msgpack::Reader r(data + 2, size - 2);  // after the command's array header and code
     uint64_t count = 0;
-    if (pos >= size) return false;  // malformed: Python's decode says what is wrong
-    if ((data[pos] & 0xf0) == 0x90) {
-      count = data[pos] & 0x0f;
-      pos += 1;
-    } else if (data[pos] == 0xdc && size >= pos + 3) {
-      count = (uint64_t(data[pos + 1]) << 8) | data[pos + 2];
-      pos += 3;
-    } else {
-      return false;
-    }
+    if (!r.array_header(&count) || count > r.left()) return false;  // malformed: Python's decode says what
     std::vector<uint64_t> ids;
     for (uint64_t k = 0; k < count; ++k) {
-      if (pos >= size) return false;
-      uint8_t b = data[pos];
       uint64_t id = 0;
-      size_t n = 0;
-      if (b < 0x80) {
-        id = b;
-      } else if (b >= 0xcc && b <= 0xcf) {
-        n = size_t(1) << (b - 0xcc);
-        if (pos + 1 + n > size) return false;
-        for (size_t j = 0; j < n; ++j) id = (id << 8) | data[pos + 1 + j];
-      } else {
-        return false;
-      }
-      pos += 1 + n;
+      if (!r.uint(&id)) return false;
       ids.push_back(id);
     }
-    if (pos != size) return false;
+    if (!r.at_end()) return false;
     std::vector<std::pair<py::object, bool>> keys;  // (id, live)
     for (uint64_t id : ids) {
       py::object key = id_key(id);
@@ -580,66 +561,20 @@ class Runner {
   // A CALL's REPLY body [req, None, number, []] as genie.server.codec.packb writes it, for a result that is a
   // plain number (the answer of .item()); false for anything else.
   static bool number_reply(uint64_t req, const c10::IValue& value, std::string* out) {
-    out->push_back(static_cast<char>(0x94));
-    put_int(out, static_cast<int64_t>(req), true);
-    out->push_back(static_cast<char>(0xc0));
+    genie_msgpack::pack_array_header(*out, genie_wire::kReplyItems);
+    genie_msgpack::pack_uint(*out, req);
+    genie_msgpack::pack_nil(*out);
     if (value.isBool()) {
-      out->push_back(static_cast<char>(value.toBool() ? 0xc3 : 0xc2));
+      genie_msgpack::pack_bool(*out, value.toBool());
     } else if (value.isInt()) {
-      put_int(out, value.toInt(), false);
+      genie_msgpack::pack_int(*out, value.toInt());
     } else if (value.isDouble()) {
-      double d = value.toDouble();
-      uint64_t bits;
-      std::memcpy(&bits, &d, 8);
-      out->push_back(static_cast<char>(0xcb));
-      for (int shift = 56; shift >= 0; shift -= 8) out->push_back(static_cast<char>((bits >> shift) & 0xff));
+      genie_msgpack::pack_double(*out, value.toDouble());
     } else {
       return false;
     }
-    out->push_back(static_cast<char>(0x90));
+    genie_msgpack::pack_array_header(*out, 0);
     return true;
-  }
-
-  // msgpack's smallest form of an integer, as msgpack-python packs it.
-  static void put_int(std::string* out, int64_t v, bool unsigned_only) {
-    auto be = [out](uint64_t x, int bytes) {
-      for (int shift = 8 * (bytes - 1); shift >= 0; shift -= 8) out->push_back(static_cast<char>((x >> shift) & 0xff));
-    };
-    if (v >= 0 || unsigned_only) {
-      uint64_t u = static_cast<uint64_t>(v);
-      if (u < 0x80) {
-        out->push_back(static_cast<char>(u));
-      } else if (u <= 0xff) {
-        out->push_back(static_cast<char>(0xcc));
-        be(u, 1);
-      } else if (u <= 0xffff) {
-        out->push_back(static_cast<char>(0xcd));
-        be(u, 2);
-      } else if (u <= 0xffffffffULL) {
-        out->push_back(static_cast<char>(0xce));
-        be(u, 4);
-      } else {
-        out->push_back(static_cast<char>(0xcf));
-        be(u, 8);
-      }
-      return;
-    }
-    uint64_t u = static_cast<uint64_t>(v);
-    if (v >= -32) {
-      out->push_back(static_cast<char>(v));
-    } else if (v >= INT8_MIN) {
-      out->push_back(static_cast<char>(0xd0));
-      be(u, 1);
-    } else if (v >= INT16_MIN) {
-      out->push_back(static_cast<char>(0xd1));
-      be(u, 2);
-    } else if (v >= INT32_MIN) {
-      out->push_back(static_cast<char>(0xd2));
-      be(u, 4);
-    } else {
-      out->push_back(static_cast<char>(0xd3));
-      be(u, 8);
-    }
   }
 
   // Whether the session made, freed or had poisoned storage `id`.
