@@ -45,6 +45,7 @@ from genie.wire import compress
 from genie.wire import frame as wf
 from genie.wire import messages as wm
 from genie.wire.buffers import prefault, tensor_bytes
+from genie.wire.spec import BATCH_CACHED, BATCH_CMDS, BATCH_UPLOADS
 from genie.wire.values import EXT_COMPLEX, EXT_DTYPE, EXT_LAYOUT, EXT_MEMORY_FORMAT, make_ext_hook, tensor_ext
 
 log = logging.getLogger("genie.device")
@@ -445,7 +446,7 @@ class NodeConnection:
         if self._lost is None and time.monotonic() - self.last_send > idle and self.lock.acquire(blocking=False):
             try:
                 self._in_background = True  # a dropped link is resumed by the next user thread, not here
-                self._send_batch(msgpack.packb({"uploads": [], "cmds": []}))
+                self._send_batch(msgpack.packb({BATCH_UPLOADS: [], BATCH_CMDS: []}))
                 self.last_send = time.monotonic()
             except GenieError:
                 pass
@@ -476,9 +477,9 @@ class NodeConnection:
         if not self._cmds and not self._uploads and not self._cached:
             self._room()
             return
-        batch: dict[str, Any] = {"uploads": self._uploads, "cmds": self._cmds}
+        batch: dict[str, Any] = {BATCH_UPLOADS: self._uploads, BATCH_CMDS: self._cmds}
         if self._cached:
-            batch["cached"] = self._cached
+            batch[BATCH_CACHED] = self._cached
         if self._reply_codec is not None and request is not None:  # the request is a fetch whose reply may compress
             batch["reply_codec"] = self._reply_codec
         body = msgpack.packb(batch, use_bin_type=True)
@@ -727,7 +728,7 @@ class NodeConnection:
         candidates = self.content.take()
         req = _C.queue_request_id(self.qid)
         started, command = time.perf_counter(), [wm.CMD_HAVE, req, self.content.question(candidates)]  # stats
-        body = msgpack.packb({"uploads": [], "cmds": [msgpack.packb(command, use_bin_type=True)]}, use_bin_type=True)
+        body = msgpack.packb({BATCH_UPLOADS: [], BATCH_CMDS: [msgpack.packb(command, use_bin_type=True)]}, use_bin_type=True)
         try:
             self._send_batch(body, awaiting=True)
             kind, reply_body, payload_len = self._recv_reply("")

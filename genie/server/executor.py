@@ -59,6 +59,7 @@ from genie.server.rng import SessionGenerators
 from genie.server.store import StorageStore, zeroed_storage
 from genie.transport.base import Channel
 from genie.wire.frame import FrameHeader, MsgKind, send_frame
+from genie.wire.spec import BATCH_CACHED, BATCH_CMDS, BATCH_UPLOADS
 
 log = logging.getLogger("genie.server.executor")
 
@@ -160,13 +161,13 @@ class Executor:
         # replaces a no_grad() context around every op.
         torch._C._set_grad_enabled(False)
         msg = codec.decode(body)
-        if not isinstance(msg, dict) or not isinstance(msg.get("uploads", []), list) \
-                or not isinstance(msg.get("cmds", []), list):
+        if not isinstance(msg, dict) or not isinstance(msg.get(BATCH_UPLOADS, []), list) \
+                or not isinstance(msg.get(BATCH_CMDS, []), list):
             raise FrameError("a BATCH body must be a map with lists 'uploads' and 'cmds'")
-        cmds = msg.get("cmds", [])
+        cmds = msg.get(BATCH_CMDS, [])
         if len(cmds) > MAX_COMMANDS:
             raise FrameError(f"a batch of {len(cmds)} commands exceeds the limit of {MAX_COMMANDS}")
-        inflight = len(cmds) + len(msg.get("uploads", [])) + len(msg.get("cached", []) or ())
+        inflight = len(cmds) + len(msg.get(BATCH_UPLOADS, [])) + len(msg.get(BATCH_CACHED, []) or ())
         if inflight > self.max_inflight:
             raise QuotaExceededError(
                 f"session in-flight limit exceeded: a batch of {inflight} commands and uploads, limit "

@@ -43,6 +43,7 @@ from genie.wire import compress
 from genie.wire.buffers import prefault, tensor_bytes
 from genie.wire.content import KEY_BYTES, MAX_HAVE_ENTRIES, NONCE_BYTES
 from genie.wire.frame import FrameHeader, discard_payload, recv_payload
+from genie.wire.spec import BATCH_CACHED, BATCH_UPLOADS
 
 if TYPE_CHECKING:
     from genie.server.executor import Executor
@@ -180,7 +181,7 @@ def _wire_nbytes(spec: Upload) -> int:
 
 def receive(ex: Executor, header: FrameHeader, msg: dict[str, Any]) -> None:
     """Apply a BATCH's ``uploads`` (reading its payload) and ``cached`` entries, before its commands run."""
-    uploads, cached = msg.get("uploads", []), msg.get("cached", [])
+    uploads, cached = msg.get(BATCH_UPLOADS, []), msg.get(BATCH_CACHED, [])
     if not isinstance(cached, list):
         raise FrameError("a BATCH's 'cached' must be a list")
     reply_codec = msg.get("reply_codec")
