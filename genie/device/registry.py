@@ -11,6 +11,7 @@ set or grows.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
@@ -95,7 +96,20 @@ def _route(table: DeviceTable | None) -> None:
     """Tell genie._C's op path which session queue and node index each device has (none: no table)."""
     routes = [(d.connection.qid, d.local_index) for d in table.devices] if table is not None else []
     _C.set_routes(routes, wm.CMD_OP, wm.CMD_CALL)
-    _C.set_sdp_kinds([d.kind for d in table.devices] if table is not None else [])  # SDPA's kernel (sdpa.cpp)
+    _C.set_sdp_kinds([_sdp_kind(d.kind) for d in table.devices] if table is not None else [])  # SDPA's kernel (sdpa.cpp)
+
+
+def _sdp_kind(kind: str) -> str:
+    """The server kind sdpa.cpp chooses attention's kernel for.
+
+    A CUDA server's fused path (ATen's ``overrideable`` op) is opt-in (``GENIE_SDPA_CUDA_FUSED=1``) until it
+    passes on a GPU: on the first GPU check (H200, torch 2.11) the op's own CompositeExplicitAutograd kernel
+    refused PrivateUse1 before genie's fallback saw it, so every model with attention failed. Without the
+    opt-in a CUDA server gets the math path, as before (correct, a dozen ops instead of one).
+    """
+    if kind == "cuda" and os.environ.get("GENIE_SDPA_CUDA_FUSED") != "1":
+        return "cuda-math"
+    return kind
 
 
 def set_table(table: DeviceTable | None) -> None:
