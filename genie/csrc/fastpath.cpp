@@ -101,9 +101,14 @@ OpFacts* facts_of(const c10::OperatorHandle& op) {
   f->item = f->name == "aten::_local_scalar_dense";
   f->fills = f->name == "aten::fill_.Scalar" || f->name == "aten::zero_";
   const auto& args = schema.arguments();
+  // Batch norm updates its running statistics in place without its schema saying so (genie.device.shadows,
+  // UNMARKED_WRITES: the same list).
+  bool batch_norm = schema.name() == "aten::native_batch_norm" || schema.name() == "aten::cudnn_batch_norm" ||
+                    schema.name() == "aten::miopen_batch_norm";
   for (const auto& a : args) {
     f->kinds.push_back(kind_of(a));
-    f->writes.push_back(a.alias_info() != nullptr && a.alias_info()->isWrite());
+    bool unmarked = batch_norm && (a.name() == "running_mean" || a.name() == "running_var");
+    f->writes.push_back((a.alias_info() != nullptr && a.alias_info()->isWrite()) || unmarked);
   }
   f->kwarg_only_start = args.size();
   while (f->kwarg_only_start > 0 && args[f->kwarg_only_start - 1].kwarg_only()) --f->kwarg_only_start;

@@ -357,12 +357,22 @@ class Rule:
         self.arithmetic = arithmetic
 
 
+#: Arguments ops write although their schema does not mark them (``Tensor?`` with no ``(a!)``): batch norm
+#: updates its running statistics in place in training (``F.batch_norm`` reaches ``native_batch_norm``).
+UNMARKED_WRITES: dict[str, tuple[str, ...]] = {
+    "aten::native_batch_norm": ("running_mean", "running_var"),
+    "aten::cudnn_batch_norm": ("running_mean", "running_var"),
+    "aten::miopen_batch_norm": ("running_mean", "running_var"),
+}
+
+
 def rule_of(func: Any) -> Rule | None:
     """The op's :class:`Rule`, or None when it neither writes an argument nor can be derived."""
     schema = func._schema
     packet = schema.name
     arguments = schema.arguments
     writes = tuple((i, a.name) for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write)
+    writes += tuple((i, a.name) for i, a in enumerate(arguments) if a.name in UNMARKED_WRITES.get(packet, ()))
     kind = "move" if packet in MOVE_OPS else "int" if packet in INT_OPS else None
     overwrites = tuple((i, a.name) for i, a in enumerate(arguments)
                        if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)

@@ -215,6 +215,24 @@ def test_the_native_path_steps_aside_for_a_storage_that_gained_a_shadow() -> Non
     assert (got, n) == ([16, 26, 36, 46, 56], 0)
 
 
+def test_batch_norm_running_statistics_drop_their_shadows_on_both_paths() -> None:
+    """native_batch_norm writes running_mean/var although its schema does not mark them (UNMARKED_WRITES)."""
+    torch.manual_seed(0)
+    local, remote = torch.nn.BatchNorm1d(3), torch.nn.BatchNorm1d(3)
+    remote.to(D0).train()
+    x = torch.randn(8, 3)
+    xd = x.to(D0)
+    for step in range(4):  # the first call by Python, the later ones by genie._C's native path
+        with torch.no_grad():  # a re-upload over the whole storage: the buffers are shadowed again
+            remote.running_mean.copy_(local.running_mean)
+            remote.running_var.copy_(local.running_var)
+        assert _C.storage_id(remote.running_mean) in shadows.TABLE.entries
+        remote(xd)
+        local(x)
+        torch.testing.assert_close(remote.running_mean.cpu(), local.running_mean, msg=f"step {step}")
+        torch.testing.assert_close(remote.running_var.cpu(), local.running_var, msg=f"step {step}")
+
+
 def test_large_tensors_and_parameters_have_no_shadow_and_the_budget_evicts() -> None:
     big = torch.arange(20000).to(D0)  # 160 KB > 64 KiB
     got, n = trips(lambda: big[-1].item())
