@@ -235,6 +235,7 @@ def _receive_sent(ex: Executor, header: FrameHeader, specs: list[Upload], total:
                 for s, b in zip(specs, buffers, strict=True)]
         recv_payload(ex.channel, header.payload_len, [tensor_bytes(b) for b in wire])
         refused = _unpacked(ex, specs, wire, buffers)
+        wire.clear()  # it holds the receivers' writable mappings too (unpacked uploads land in them): gone before sealing
         for i, received in enumerate(receivers):
             if received is not None:
                 # The session gets a private (copy-on-write) mapping. The writable one goes first, here
