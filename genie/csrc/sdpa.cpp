@@ -70,6 +70,10 @@ int64_t choose(const at::Tensor& query, const at::Tensor& key, const at::Tensor&
     };
     std::optional<at::Tensor> mask;
     if (attn_mask.has_value() && attn_mask->defined()) mask = cpu(*attn_mask);
+    // A Python mode (torch.compile's FakeTensorMode tracing on remote tensors) must not see these stand-ins:
+    // they are a question to the CPU kernel's chooser, not a computation.
+    c10::impl::ExcludeDispatchKeyGuard no_python(
+        c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
     return at::_fused_sdp_choice(cpu(query), cpu(key), cpu(value), mask, dropout_p, is_causal, scale, enable_gqa);
   }
   if (kind == kCuda && cuda_fused(query, key, value, dropout_p, enable_gqa)) {
