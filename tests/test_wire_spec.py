@@ -130,7 +130,9 @@ def test_commands_cpp_queues_are_the_bytes_python_writes_and_decode_with_pythons
     assert ops["aten::amax.out"][3][1:] == [[1, 3], True]
     raw = [msgpack.unpackb(c, ext_hook=msgpack.ExtType, raw=False) for c in taken]
     assert [msgpack.packb(c, use_bin_type=True) for c in raw] == taken
-    assert any(len(e.data) == 8 for c in raw for e in _exts(c)), "no 8-byte descriptor was sent"
+    # Which descriptors take msgpack's fixext forms (1, 2, 4, 8 or 16 bytes) depends on the storage ids this
+    # process has reached (w's is an 8-byte one early in a run, longer after other tests): the equality above
+    # checks whichever forms were sent.
     w.zero_()  # the mul_ taken from the queue never ran: the node's bytes and the client's agree again
     conn.sync()
 
