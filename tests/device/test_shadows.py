@@ -222,15 +222,18 @@ def test_batch_norm_running_statistics_drop_their_shadows_on_both_paths() -> Non
     remote.to(D0).train()
     x = torch.randn(8, 3)
     xd = x.to(D0)
+    mean, var = remote.running_mean, remote.running_var
+    local_mean, local_var = local.running_mean, local.running_var
+    assert mean is not None and var is not None and local_mean is not None and local_var is not None
     for step in range(4):  # the first call by Python, the later ones by genie._C's native path
         with torch.no_grad():  # a re-upload over the whole storage: the buffers are shadowed again
-            remote.running_mean.copy_(local.running_mean)
-            remote.running_var.copy_(local.running_var)
-        assert _C.storage_id(remote.running_mean) in shadows.TABLE.entries
+            mean.copy_(local_mean)
+            var.copy_(local_var)
+        assert _C.storage_id(mean) in shadows.TABLE.entries
         remote(xd)
         local(x)
-        torch.testing.assert_close(remote.running_mean.cpu(), local.running_mean, msg=f"step {step}")
-        torch.testing.assert_close(remote.running_var.cpu(), local.running_var, msg=f"step {step}")
+        torch.testing.assert_close(mean.cpu(), local_mean, msg=f"step {step}")
+        torch.testing.assert_close(var.cpu(), local_var, msg=f"step {step}")
 
 
 def test_large_tensors_and_parameters_have_no_shadow_and_the_budget_evicts() -> None:
