@@ -43,7 +43,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -54,6 +53,7 @@ import torch.distributed as dist
 from genie.errors import FrameError, GenieError, ProtocolError, QuotaExceededError
 from genie.server.codec import is_int
 from genie.server.peer_link import peer_key
+from genie.server.per_session import PerSession
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
@@ -375,21 +375,17 @@ class SessionGroups:
         self.stores.clear()
 
 
-_sessions: weakref.WeakKeyDictionary[Executor, SessionGroups] = weakref.WeakKeyDictionary()
+_sessions: PerSession[SessionGroups] = PerSession(SessionGroups, SessionGroups.close)
 
 
 def session_groups(executor: Executor) -> SessionGroups:
     """The groups of ``executor``'s session (made on first use; closed when the executor goes)."""
-    groups = _sessions.get(executor)
-    if groups is None:
-        groups = _sessions[executor] = SessionGroups()
-        weakref.finalize(executor, groups.close)
-    return groups
+    return _sessions.get(executor)
 
 
 def close_session(executor: Executor) -> None:
     """Drop every group and store of a session that ended."""
-    groups = _sessions.pop(executor, None)
+    groups = _sessions.pop(executor)
     if groups is not None:
         groups.close()
 

@@ -34,7 +34,6 @@ past it).
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +47,7 @@ from genie.server.kernel import CommandFailed, OpFacts, op_facts, serial_size, u
 from genie.server.kernel import may_resize as _may_resize  # noqa: F401 - tests read the rule here
 from genie.server.ops import run_op
 from genie.server.outputs import OutputMismatch
+from genie.server.per_session import PerSession
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
@@ -146,15 +146,12 @@ class SessionGraphs:
         self.nodes = 0
 
 
-_sessions: weakref.WeakKeyDictionary[Executor, SessionGraphs] = weakref.WeakKeyDictionary()
+_sessions: PerSession[SessionGraphs] = PerSession(SessionGraphs)
 
 
 def session_graphs(executor: Executor) -> SessionGraphs:
     """The graphs of ``executor``'s session (made on first use; dropped with the executor)."""
-    graphs = _sessions.get(executor)
-    if graphs is None:
-        graphs = _sessions[executor] = SessionGraphs()
-    return graphs
+    return _sessions.get(executor)
 
 
 # -- definitions ------------------------------------------------------------------------------------

@@ -40,7 +40,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -49,6 +48,7 @@ import torch
 from genie.errors import ConnectError, FrameError, GenieError, ProtocolError
 from genie.server.codec import Descriptor, is_int
 from genie.server.peer_link import PeerChannel, PeerListener, connect, mac
+from genie.server.per_session import PerSession
 from genie.server.records import error as _error
 from genie.server.records import message as _message
 from genie.wire.buffers import tensor_bytes
@@ -212,17 +212,13 @@ class SessionPeers:
                 self.cond.wait(LIVENESS_INTERVAL)
 
 
-_sessions: weakref.WeakKeyDictionary[Executor, SessionPeers] = weakref.WeakKeyDictionary()
+_sessions: PerSession[SessionPeers] = PerSession(SessionPeers, SessionPeers.close)
 _key_cache: list[bytes] = []
 
 
 def session_peers(executor: Executor) -> SessionPeers:
     """The receiving side of ``executor``'s session (made on first use; closed when the executor goes)."""
-    peers = _sessions.get(executor)
-    if peers is None:
-        peers = _sessions[executor] = SessionPeers()
-        weakref.finalize(executor, peers.close)
-    return peers
+    return _sessions.get(executor)
 
 
 def _link() -> Any:
