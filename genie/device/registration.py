@@ -25,6 +25,7 @@ from genie.device import graphs as _graphs
 from genie.device import rnn_cells as _rnn_cells  # noqa: F401 - fills dispatch.SPECIAL (fused RNN cells)
 from genie.device import weight_norm as _weight_norm  # noqa: F401 - fills dispatch.SPECIAL (weight norm kernels)
 from genie.errors import DeviceError
+from genie.local_cuda import local_cuda_here
 from genie.wire.values import DTYPES
 
 log = logging.getLogger("genie.device")
@@ -59,9 +60,7 @@ def _cuda_driver_here() -> bool:
     zygote that imported torch, and so are a user's forked data workers. torch itself never
     initialises CUDA at import, so neither may genie.
     """
-    if not torch.cuda._is_compiled() or torch.cuda.is_initialized():
-        return False
-    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/dxg"))
+    return not torch.cuda.is_initialized() and local_cuda_here()
 
 
 def prime_autograd() -> None:
@@ -126,13 +125,20 @@ def ensure_registered() -> None:
         _inductor.install()  # torch.compile's default backend hands remote graphs to backend="genie"
         _graphs.install()  # torch.accelerator.Graph on the device (genie/csrc/graph.cpp)
         _done = True
+    if local_cuda_here():
+        log.warning(
+            "remote_accelerator is now torch's accelerator in this process, so a backward over local CUDA "
+            "tensors in this process fails inside PyTorch ('opt_ready_stream && opt_parent_stream INTERNAL "
+            "ASSERT FAILED', pytorch/pytorch#161129: autograd takes its streams from one accelerator). Train on "
+            "the local GPU in a process that does not use genie's device.")
     if not _cuda_driver_here():
         prime_autograd()
 
 
 def autoload() -> None:
-    """torch's device-backend autoload (entry point group ``torch.backends``): ``import torch`` registers
-    the device in every process of an environment where genie is installed, as torch_npu does.
+    """torch's device-backend autoload (entry point group ``torch.backends``, through :mod:`genie.autoload`,
+    which leaves hosts with a local GPU alone): ``import torch`` registers the device in every process of an
+    environment where genie is installed, as torch_npu does.
 
     So ``torch.device("remote_accelerator:1")``, ``torch.load(map_location=...)`` and a CPU
     ``backward()`` that runs before ``import genie`` all meet a registered device. A failure here

@@ -86,3 +86,39 @@ def test_on_a_simulated_gpu_host_autograd_is_primed_by_init_not_at_import(tmp_pa
     assert "primed at import: False" in out.stdout, text
     assert "primed after init: True" in out.stdout, text
     assert "remote_accelerator:1 [3.0, 3.0, 3.0]" in out.stdout, text
+
+
+def test_on_a_simulated_gpu_host_torch_import_leaves_cuda_as_the_accelerator(tmp_path) -> None:
+    """A registered PrivateUse1 backend becomes torch's accelerator and breaks every CUDA backward of the
+    process (pytorch/pytorch#161129), so on a GPU host torch's autoload must not register the device: genie's
+    first use does, and says what it costs. SIMULATED: a CUDA build and /dev/nvidiactl are reported while
+    autoload and registration run (no GPU here); tests/device/test_gpu_host.py runs a real CUDA backward."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "gpu_host_autoload.py"
+    script.write_text(textwrap.dedent("""
+        import logging, os, torch
+        logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+        real_exists, real_compiled = os.path.exists, torch.cuda._is_compiled
+        os.path.exists = lambda p: p == "/dev/nvidiactl" or real_exists(p)
+        torch.cuda._is_compiled = lambda: True
+        from genie.device import registration  # registers (genie.device's import): that is genie's first use
+        print("after genie.device:", torch._C._get_privateuse1_backend_name(), flush=True)
+    """))
+    autoload = textwrap.dedent("""
+        import os, torch
+        os.path.exists = (lambda real: lambda p: p == "/dev/nvidiactl" or real(p))(os.path.exists)
+        torch.cuda._is_compiled = lambda: True
+        import genie.autoload
+        genie.autoload.autoload()                      # what `import torch` runs through its entry point
+        print("after autoload:", torch._C._get_privateuse1_backend_name(), flush=True)
+    """)
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}  # the script runs autoload itself, simulated
+    first = subprocess.run([sys.executable, "-c", autoload], capture_output=True, text=True, timeout=90, env=env)
+    assert "after autoload: privateuseone" in first.stdout, first.stdout + first.stderr
+    used = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env)
+    assert "after genie.device: remote_accelerator" in used.stdout, used.stdout + used.stderr
+    assert "161129" in used.stderr and "local CUDA" in used.stderr, used.stderr

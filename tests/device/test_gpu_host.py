@@ -102,3 +102,22 @@ def test_a_device_side_assert_ends_only_the_session_that_hit_it() -> None:
             genie.shutdown_sync()
         """)
         assert after.returncode == 0, after.stdout + after.stderr + server.log()[-3000:]
+
+
+def test_genie_installed_leaves_local_cuda_training_working_until_its_device_is_used() -> None:
+    """torch's autoload imports genie at ``import torch``; on a GPU host it must not register the device, or
+    every CUDA backward of the process fails inside PyTorch (pytorch/pytorch#161129). Using genie's device
+    registers it and warns that this process's CUDA backward is now off."""
+    done = _python("""
+        import logging, torch
+        logging.basicConfig(level=logging.WARNING)
+        assert torch._C._get_privateuse1_backend_name() == "privateuseone", "registered at torch import"
+        x = torch.randn(64, 64, device="cuda", requires_grad=True)
+        (x @ x).sum().backward()
+        assert x.grad is not None and torch.accelerator.current_accelerator().type == "cuda"
+        import genie.device
+        assert torch._C._get_privateuse1_backend_name() == "remote_accelerator"
+        print("ok", flush=True)
+    """)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
+    assert "161129" in done.stderr, done.stderr
