@@ -196,6 +196,10 @@ def test_batchnorm_cnn_training_then_eval_replayed_matches_op_by_op_bit_for_bit(
 
 
 def test_inference_under_no_grad_is_replayed_and_matches_eager() -> None:
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_transformer_encoder_layer_fwd", "Meta"):
+        # Seen with torch 2.11 (the GPU image's): the eval fast path's fused op has no meta kernel there, so the
+        # graph runs op by op, with genie's warning naming the op; torch 2.13 (the pinned version) has one.
+        pytest.skip(f"torch {torch.__version__} has no meta kernel for _transformer_encoder_layer_fwd")
     torch.manual_seed(0)
     model = _transformer().eval().to(D0)
     x = torch.randn(2, 5, 16).to(D0)
