@@ -348,21 +348,26 @@ def _prepare(ex: Executor, plan: CommandPlan, ids: tuple[int, ...], outputs: int
         used: dict[int, torch.UntypedStorage] = {}
         tensors: list[torch.Tensor] = []
         device = plan.device
+        if plan.fresh:  # what _fresh_outs asks of the outputs (else the full path would not run the functional
+            for slot in plan.fresh_slots:  # form); asked first, as the full path does, before inputs are made
+                if store.seen(ids[slot]):
+                    return None
         for slot, nbytes, offset, shape, strides, base in plan.inputs:
             storage_id = ids[slot]
             storage = storages.get(storage_id)
-            # Unknown (made on first use), freed, poisoned, or resized since: the full path says what happens.
-            if storage is None or sizes[storage_id] != nbytes:
+            if storage is None:
+                # Never seen: made here on first use, zero-filled, as the full path makes it (the client makes a
+                # tensor without a command: `x.to(torch.bfloat16)` is an empty tensor and a copy_ into it).
+                # Freed or poisoned: the full path says what happens.
+                if store.seen(storage_id):
+                    return None
+                storage = store.make(storage_id, nbytes, device)
+            elif sizes[storage_id] != nbytes:  # resized since: the full path says what happens
                 return None
             used[storage_id] = storage
             # base.new(): an empty tensor of the input's dtype on the plan's device, faster than torch.empty()
             empty = base.new() if storage.device == device else torch.empty(0, dtype=base.dtype, device=storage.device)
             tensors.append(empty.set_(storage, offset, shape, strides))
-        if plan.fresh:  # what _fresh_outs asks of the outputs (else the full path would not run the functional form)
-            for slot in plan.fresh_slots:
-                storage_id = ids[slot]
-                if store.seen(storage_id):
-                    return None
         if len(storages) + len(tables.poisoned) + outputs > tables.max_storages:
             return None
         if tables.max_bytes and plan.new_bytes > tables.max_bytes - store.bytes_used:

@@ -304,6 +304,32 @@ def warm_uploads(warm: list[bytes]) -> list[tuple[int, torch.Tensor]]:
     return sorted(out.items())
 
 
+def test_an_in_place_op_into_a_storage_made_on_first_use_runs_by_its_plan(server, connect) -> None:
+    """The client makes a tensor without a command (``x.to(torch.bfloat16)``: an empty tensor, then a copy_
+    into it; ``torch.full``: fill_): its storage is made, zero-filled, by its first command. Every such copy_
+    after the first runs by the plan (it took the full path each time before: over 500 commands of a GPT-2
+    training step under autocast), with the full path's result."""
+    srv = server()
+    c = connect(srv)
+    n = 40
+    src = torch.tensor([1.5, -2.25, 3.0])
+    half = src.to(torch.bfloat16)
+    c.send_batch([op("aten::copy_", [T(i + 1, half), T(1, src)], {}, [T(i + 1, half)]) for i in range(1, n + 1)],
+                 uploads=[(1, 0, src)])
+    assert c.sync().deferred == []
+    for i in (2, n + 1):
+        assert torch.equal(c.fetch(i, half), half)
+    assert _planned(srv) == n - 1
+
+
+def test_a_first_use_of_a_freed_storage_by_plan_fails_as_on_the_full_path(server, connect) -> None:
+    src = torch.tensor([1.5, -2.25, 3.0])
+    copy = op("aten::copy_", [T(5, src), T(6, src)], {}, [T(5, src)])
+    warm = [op("aten::copy_", [T(1, src), T(2, src)], {}, [T(1, src)])]
+    errors = _compare(server, connect, warm, [free(5)], copy, uploads=[(5, 0, src), (6, 0, src)])
+    assert errors[0]["kind"] == "storage" and "freed" in errors[0]["message"]
+
+
 def test_a_freed_input_fails_as_on_the_full_path(server, connect) -> None:
     errors = _compare(server, connect, [_add(1, 2)], [free(5)], _add(5, 6), uploads=[(5, 0, F)])
     assert errors[0]["kind"] == "storage" and "freed" in errors[0]["message"]
