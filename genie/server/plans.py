@@ -97,7 +97,8 @@ class CommandPlan:
 
     __slots__ = ("arg_fill", "args", "call", "device", "device_index", "call_outs", "fresh", "fresh_slots", "in_descs", "inputs", "kernel",
                  "kw_fill", "kwargs", "label", "max_op_elements", "nested_fill", "new_bytes", "op", "out_descs",
-                 "out_id_slots", "out_slots", "single", "validator", "writes", "float_fill", "float_values", "serial")
+                 "out_id_slots", "out_slots", "single", "validator", "writes", "float_fill", "float_values", "serial",
+                 "random")
 
     def __init__(self) -> None:
         self.label = ""
@@ -127,6 +128,8 @@ class CommandPlan:
         self.float_values: tuple[float, ...] | None = None
         #: a small op on a CPU device: it runs on one intra-op thread (genie._C_plans.use_serial)
         self.serial = False
+        #: a random op run by a Python runner bound to the session's generator (never native)
+        self.random = False
         self.in_descs: list[Descriptor] = []
         #: output descriptors by output position (None: no output wanted), and each one's index in the ids
         self.out_descs: list[Descriptor | None] = []
@@ -209,8 +212,9 @@ _PLACEHOLDERS = _placeholder_types()
 
 def coverable(op_plan: OpFacts) -> bool:
     """Whether commands of this op may get a plan: not ops whose full path does more than run the kernel
-    (random ops and their generators, Device arguments, the empty family's zeroing)."""
-    return not (op_plan.generator_arg or op_plan.generatorless or op_plan.devargs or op_plan.uninitialised)
+    (random ops with a generator argument, Device arguments, the empty family's zeroing). A random op
+    without one (native_dropout) runs by its plan with the session's generator bound, as the full path runs it."""
+    return not (op_plan.generator_arg or op_plan.devargs or op_plan.uninitialised)
 
 
 def _float_paths(args: list[Any], kwargs: dict[str, Any]) -> list[tuple[int | str, int]] | None:
@@ -302,10 +306,17 @@ def build(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: OpFacts, checked:
     plan.op = op_plan.op
     plan.kernel = op_plan.functional if functional and op_plan.functional is not None else op_plan.op
     plan.call = plan.kernel._op
+    if op_plan.generatorless:  # drawn from the session's generator of the device (an object reseeded in place)
+        runner = ex.generators.generatorless(cmd[2], cmd[1])
+        if runner is None:
+            return None
+        plan.call = lambda *args, **kwargs: runner(list(args), kwargs)
+        plan.random = True
     plan.device_index = cmd[1]
     plan.device = ex.device(cmd[1])
     plan.validator = validators.check_for(plan.kernel) if plan.kernel is not op_plan.op else op_plan.validator
-    plan.writes = op_plan.writes or functional  # the full path re-measures storages after a functional run too
+    # The full path re-measures storages after a functional run, and after a generatorless runner, too.
+    plan.writes = op_plan.writes or functional or op_plan.generatorless
     plan.new_bytes = checked.new_bytes
     plan.max_op_elements = ex.max_op_elements
     plan.in_descs = [tagged[slot] for slot in inputs]
@@ -542,8 +553,8 @@ def new_runner(store: StorageStore) -> Any:
 
 def native_plan(plan: CommandPlan) -> Any:
     """The native form of ``plan``, or None when it has a shape only Python runs (a validator reads data,
-    tensors nested in lists) or its constants do not convert as torch converts them."""
-    if NativePlan is None or plan.validator is not None or plan.nested_fill:
+    tensors nested in lists, a random op's runner) or its constants do not convert as torch converts them."""
+    if NativePlan is None or plan.validator is not None or plan.nested_fill or plan.random:
         return None
     try:
         return NativePlan(plan)

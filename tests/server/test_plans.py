@@ -21,7 +21,7 @@ import torch
 from genie._C_keys import command_key
 from genie.server import DataPlaneServer, codec, plans
 from genie.wire.values import EXT_TENSOR, inline_tensor
-from tests.raw_client import RawClient, T, call, desc, free, op, sync
+from tests.raw_client import RawClient, T, call, desc, free, op, seed, sync
 from tests.raw_client import fetch as raw_fetch
 
 F = torch.empty(1)  # one float32: the layout of most commands below
@@ -320,6 +320,29 @@ def test_an_in_place_op_into_a_storage_made_on_first_use_runs_by_its_plan(server
     for i in (2, n + 1):
         assert torch.equal(c.fetch(i, half), half)
     assert _planned(srv) == n - 1
+
+
+def test_dropout_runs_by_its_plan_drawing_from_the_sessions_generator_as_the_full_path(server, connect) -> None:
+    """native_dropout has no generator argument: the full path draws from the session's generator of the device,
+    and so does its plan (bound at build, reseeded in place by CMD_SEED). After a reseed, the same draws come
+    back whether the full path or the plan ran them; the plan is never the native runner's."""
+    x = torch.arange(1.0, 65.0)
+
+    def dropouts(first: int) -> list[bytes]:
+        return [op("aten::native_dropout", [T(1, x), 0.5, True], {},
+                   [T(first + 2 * i, x), T(first + 2 * i + 1, x.bool())]) for i in range(3)]
+
+    srv = server()
+    c = connect(srv)
+    c.send_batch([seed(0, 0, 1234), *dropouts(10), seed(0, 0, 1234), *dropouts(20)], uploads=[(1, 0, x)])
+    assert c.sync().deferred == []
+    first = [c.fetch(10 + i, x) for i in range(0, 6, 2)]
+    again = [c.fetch(20 + i, x) for i in range(0, 6, 2)]
+    assert _planned(srv) == 5 and _native(srv) == 0  # all but the first by the plan, none natively
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)
+        assert set(a.unique().tolist()) <= {0.0, *(2 * x).tolist()}
+    assert not torch.equal(first[0], first[1])  # each draw moves the generator on
 
 
 def test_a_first_use_of_a_freed_storage_by_plan_fails_as_on_the_full_path(server, connect) -> None:
