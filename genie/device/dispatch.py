@@ -86,7 +86,7 @@ class OpInfo:
                     (writes if a.alias_info.is_write else reads)[s] = i
             if "Generator" in str(a.type):
                 self.generator_pos = i
-            if a.name == "output_mask":
+            if a.name in ("output_mask", "grad_input_mask"):  # masked-off outputs are undefined tensors
                 self.mask_pos = i
         #: draws random numbers (with its generator argument, or the device's default one)
         self.random = self.generator_pos is not None or self.name in RANDOM_WITHOUT_GENERATOR
@@ -309,7 +309,9 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None, teach:
     for i, m in enumerate(metas):
         if m is None:
             outs.append(values[i])
-            if info.mask_pos is not None and i < len(info.returns):
+            # An undefined tensor (a masked-off gradient, the fused attention's cum_seq_q) is a nil on the wire,
+            # as genie._C's fast path sends it and the server's output rule counts it; numbers are not sent.
+            if values[i] is None or info.mask_pos is not None and i < len(info.returns):
                 wire_outs.append(None)
             continue
         kind, pos = kinds[i]

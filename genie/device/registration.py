@@ -41,7 +41,9 @@ _libraries: list[Any] = []
 #: kernel (``math_native_layer_norm``, ``math_group_norm``, ``math_addr``) would otherwise run for
 #: PrivateUse1 on the client, as several ops rounding each intermediate to a float16/bfloat16 result
 #: where the server's kernel (and CUDA's) accumulates in float32: sent to the server whole instead.
-WHOLE_OPS = ("convolution", "convolution_backward", "native_layer_norm", "native_group_norm", "addr", "addr.out")
+WHOLE_OPS = ("convolution", "convolution_backward", "native_layer_norm", "native_group_norm", "addr", "addr.out",
+             "_scaled_dot_product_fused_attention_overrideable",
+             "_scaled_dot_product_fused_attention_overrideable_backward")
 
 
 def _whole(op: Any) -> Any:

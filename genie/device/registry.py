@@ -102,12 +102,12 @@ def _route(table: DeviceTable | None) -> None:
 def _sdp_kind(kind: str) -> str:
     """The server kind sdpa.cpp chooses attention's kernel for.
 
-    A CUDA server's fused path (ATen's ``overrideable`` op) is opt-in (``GENIE_SDPA_CUDA_FUSED=1``) until it
-    passes on a GPU: on the first GPU check (H200, torch 2.11) the op's own CompositeExplicitAutograd kernel
-    refused PrivateUse1 before genie's fallback saw it, so every model with attention failed. Without the
-    opt-in a CUDA server gets the math path, as before (correct, a dozen ops instead of one).
+    A CUDA server gets ATen's fused ``overrideable`` op (flash or memory-efficient attention there); the
+    client sends it whole (registration's WHOLE_OPS: the op's own CompositeExplicitAutograd kernel would
+    refuse PrivateUse1 before genie's fallback sees it, as on the first GPU check). ``GENIE_SDPA_CUDA_FUSED=0``
+    keeps a CUDA server on the math path (a dozen ops instead of one, for comparing the two).
     """
-    if kind == "cuda" and os.environ.get("GENIE_SDPA_CUDA_FUSED") != "1":
+    if kind == "cuda" and os.environ.get("GENIE_SDPA_CUDA_FUSED") == "0":
         return "cuda-math"
     return kind
 

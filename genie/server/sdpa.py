@@ -69,11 +69,37 @@ def _backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, va
     return gq, gk, gv, gb
 
 
+def _cpu_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: torch.Tensor | None = None,
+                 dropout_p: float = 0.0, is_causal: bool = False, return_debug_mask: bool = False, *,
+                 scale: float | None = None) -> tuple[Any, ...]:
+    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
+                                                                 attn_mask=attn_bias, scale=scale)
+    seed = torch.zeros((), dtype=torch.long, device=query.device)
+    return out, lse, None, None, query.size(-2), key.size(-2), seed, seed.clone(), None
+
+
+def _cpu_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attn_bias: torch.Tensor | None, grad_input_mask: list[bool], out: torch.Tensor,
+                  logsumexp: torch.Tensor, cum_seq_q: Any, cum_seq_k: Any, max_q: int, max_k: int, dropout_p: float,
+                  is_causal: bool, philox_seed: torch.Tensor, philox_offset: torch.Tensor, *,
+                  scale: float | None = None) -> tuple[Any, ...]:
+    if attn_bias is not None and len(grad_input_mask) > 3 and grad_input_mask[3]:
+        raise NotImplementedError("the gradient of an attention bias is computed on CUDA servers only (the CPU "
+                                  "flash kernel has none); detach the bias, or serve on a GPU")
+    gq, gk, gv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask=attn_bias, scale=scale)
+    return gq, gk, gv, None
+
+
 def install() -> None:
-    """Register the CUDA kernels of the overrideable SDPA ops (idempotent; inert where nothing runs on CUDA)."""
+    """Register the overrideable SDPA ops' kernels (idempotent): CUDA's run flash or memory-efficient attention;
+    the CPU's run the CPU flash kernel, so a client that chose the fused path (the choice a CUDA server gets)
+    runs whole on a CPU server too: CI covers the client's side of that path there."""
     if _library:
         return
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
     lib.impl("_scaled_dot_product_fused_attention_overrideable", _forward, "CUDA")
     lib.impl("_scaled_dot_product_fused_attention_overrideable_backward", _backward, "CUDA")
+    lib.impl("_scaled_dot_product_fused_attention_overrideable", _cpu_forward, "CPU")
+    lib.impl("_scaled_dot_product_fused_attention_overrideable_backward", _cpu_backward, "CPU")
     _library.append(lib)

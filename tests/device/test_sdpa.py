@@ -20,8 +20,8 @@ from genie.testing import shared_server_devices
 
 D0 = "remote_accelerator:0"
 CUDA = "cuda" in shared_server_devices()
-#: A CUDA server's fused attention is opt-in until it passes on a GPU (genie/device/registry.py, _sdp_kind).
-CUDA_FUSED = CUDA and os.environ.get("GENIE_SDPA_CUDA_FUSED") == "1"
+#: A CUDA server's fused attention can be turned off (genie/device/registry.py, _sdp_kind).
+CUDA_FUSED = CUDA and os.environ.get("GENIE_SDPA_CUDA_FUSED") != "0"
 FLASH, MATH, OVERRIDEABLE = 1, 0, 4  # at::SDPBackend
 
 pytestmark = [pytest.mark.usefixtures("remote")]
@@ -76,7 +76,7 @@ def test_attention_sends_what_a_local_cpu_run_runs(case: str) -> None:
 
 def test_transformer_layer_uses_the_fused_kernel() -> None:
     if CUDA and not CUDA_FUSED:
-        pytest.skip("a CUDA server's fused attention is opt-in (GENIE_SDPA_CUDA_FUSED=1)")
+        pytest.skip("a CUDA server's fused attention is off (GENIE_SDPA_CUDA_FUSED=0)")
     layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True).to(D0)
     x = torch.randn(2, 8, 16, device=D0)
     with _Ops() as ops:
@@ -113,6 +113,32 @@ def test_choice_for_a_cpu_server_is_the_local_cpu_choice() -> None:
             torch._fused_sdp_choice(local, local, local)
 
 
+@pytest.mark.cpu_server
+@pytest.mark.parametrize("case", ["plain", "causal", "float_mask"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_cuda_servers_fused_op_is_sent_whole_and_runs_on_a_cpu_server(case: str, dtype: torch.dtype) -> None:
+    """The client's side of a CUDA server's fused attention, end to end on the CPU server: the choice for a CUDA
+    kind sends ATen's overrideable op and its backward whole (one op each; on the first GPU check the client could
+    not dispatch them), undefined outputs (cum_seq_q, a masked-off bias gradient) travel as nils, and the
+    server's CPU kernels of those ops (the CPU flash kernel, genie/server/sdpa.py) give a local CPU run's values.
+    The CUDA kernels behind the same ops run in scripts/gpu-check."""
+    fn, shapes = CASES[case]
+    kinds = [d.kind for d in registry.table().devices]
+    try:
+        _C.set_sdp_kinds(["cuda"] * len(kinds))
+        remote_ops, remote = _attention_ops(D0, fn, *(s[:-1] + (64,) if len(s) == 4 else s for s in shapes),
+                                            dtype=dtype)
+    finally:
+        _C.set_sdp_kinds(kinds)
+    _, local = _attention_ops("cpu", fn, *(s[:-1] + (64,) if len(s) == 4 else s for s in shapes), dtype=dtype)
+    assert "aten._scaled_dot_product_fused_attention_overrideable.default" in remote_ops
+    assert "aten._scaled_dot_product_fused_attention_overrideable_backward.default" in remote_ops
+    assert not any("softmax" in n for n in remote_ops)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-5}
+    for r, c in zip(remote, local, strict=True):
+        torch.testing.assert_close(r, c, **tol)
+
+
 def test_fused_adamw_is_sent_whole_and_matches_cpu() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
@@ -134,8 +160,8 @@ def test_fused_adamw_is_sent_whole_and_matches_cpu() -> None:
 
 
 @pytest.mark.hardware
-@pytest.mark.skipif(not CUDA_FUSED, reason="needs the shared server on a CUDA device (scripts/gpu-check) and "
-                    "GENIE_SDPA_CUDA_FUSED=1")
+@pytest.mark.skipif(not CUDA_FUSED, reason="needs the shared server on a CUDA device (scripts/gpu-check), fused "
+                    "attention on")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["flash", "efficient"])
 def test_cuda_server_runs_attention_on_fused_kernels(dtype: torch.dtype) -> None:
     fn = CASES["causal"][0]
