@@ -25,6 +25,15 @@
   (contiguous, the source's dtype and shape) into the destination storage, copies them into the
   described tensor where it is a view or of another dtype, and answers ``{"ok"}``.
 
+Connections are kept: the source's worker asks for it in its first message (``"keep": true``); after a
+copy that ended with ``{"ok"}`` the destination's listener waits on the same connection for the next
+ticket (at most :func:`idle_timeout` seconds), and the source keeps it in its session's pool
+(:class:`genie.server.peer_link.PeerPool`, keyed by destination node and port), checks it before the
+next copy to that destination and dials again, once, when it was closed meanwhile. A kept connection
+carries no authority of its own: every copy on it sends a fresh ticket, checked as on a new one. The
+source also keeps the destination's address from the membership for :data:`ADDRESS_TTL` seconds (forgotten
+at once when a copy with that node fails).
+
 Order: each half runs in its session's op order: the source's earlier writes are done before its
 bytes leave, and the destination's later commands run after they arrived. A half that fails leaves a
 deferred error of kind ``lost`` (the peer went away or never came) or ``protocol`` (a ticket or proof
@@ -47,7 +56,7 @@ import torch
 
 from genie.errors import ConnectError, FrameError, GenieError, ProtocolError
 from genie.server.codec import Descriptor, is_int
-from genie.server.peer_link import PeerChannel, PeerListener, connect, mac
+from genie.server.peer_link import PeerChannel, PeerListener, PeerPool, mac
 from genie.server.per_session import PerSession
 from genie.server.records import error as _error
 from genie.server.records import message as _message
@@ -77,6 +86,25 @@ LIVENESS_INTERVAL = 0.25
 #: a moment ago is learnt of at the next heartbeat).
 RESOLVE_WAIT = 30.0
 NONCE_BYTES = 16
+#: Seconds the source's worker keeps a destination's address from the membership (forgotten sooner when a copy
+#: with that node fails): the membership itself learns of a lost node only after its heartbeat timeout.
+ADDRESS_TTL = 2.0
+#: Seconds a kept connection may stay idle (no ticket) before the destination closes it, unless
+#: GENIE_PEER_IDLE_TIMEOUT (the node's environment) says otherwise.
+IDLE_TIMEOUT = 300.0
+
+
+def idle_timeout() -> float:
+    """Seconds a kept node-to-node connection waits idle for its next copy (GENIE_PEER_IDLE_TIMEOUT, else
+    :data:`IDLE_TIMEOUT`)."""
+    given = os.environ.get("GENIE_PEER_IDLE_TIMEOUT", "")
+    try:
+        seconds = float(given) if given else IDLE_TIMEOUT
+    except ValueError:
+        raise ProtocolError(f"GENIE_PEER_IDLE_TIMEOUT={given!r:.40} is not a number of seconds") from None
+    if not 0 < seconds <= 86400:
+        raise ProtocolError(f"GENIE_PEER_IDLE_TIMEOUT={given!r:.40} must lie in (0, 86400] seconds")
+    return seconds
 
 
 def _ticket_body(nonce: bytes, storage_id: int, nbytes: int, expires: float) -> bytes:
@@ -90,17 +118,36 @@ def ticket_mac(secret: bytes, nonce: bytes, storage_id: int, nbytes: int, expire
 
 
 class _Parked:
-    __slots__ = ("channel", "expires", "nbytes", "storage_id")
+    """A sender's connection with a checked ticket, waiting for its CMD_PEER_RECV.
 
-    def __init__(self, channel: PeerChannel, storage_id: int, nbytes: int, expires: float) -> None:
+    The receive that claims it sets ``done`` when it is over, with ``reusable`` True when the copy ended cleanly
+    and the sender asked to keep the connection (the listener's thread then waits on it for the next ticket).
+    """
+
+    __slots__ = ("channel", "done", "expires", "keep", "nbytes", "reusable", "storage_id")
+
+    def __init__(self, channel: PeerChannel, storage_id: int, nbytes: int, expires: float, keep: bool) -> None:
         self.channel = channel
         self.storage_id = storage_id
         self.nbytes = nbytes
         self.expires = expires
+        self.keep = keep
+        self.reusable = False
+        self.done = threading.Event()
+
+    def finish(self, reusable: bool) -> None:
+        """The copy is over: hand the connection back to its thread (``reusable``) or close it."""
+        self.reusable = reusable and self.keep
+        if not self.reusable:
+            self.channel.close()
+        self.done.set()
 
 
 class SessionPeers:
-    """One session's receiving side: its listener, ticket secret, used nonces and parked connections."""
+    """One session's receiving side: its listener, ticket secret, used nonces, parked and kept connections.
+
+    ``accepted`` counts the connections its listener handed over (a kept one serves many copies).
+    """
 
     def __init__(self) -> None:
         self.secret = os.urandom(32)
@@ -108,6 +155,9 @@ class SessionPeers:
         self.proof = b""
         self.used: dict[bytes, float] = {}  # nonce -> expiry (forgotten after it)
         self.parked: dict[bytes, _Parked] = {}
+        self.live: set[PeerChannel] = set()  # every connection handed over and not closed yet
+        self.accepted = 0
+        self.closed = False
         self.cond = threading.Condition()
 
     def open(self) -> PeerListener:
@@ -122,9 +172,13 @@ class SessionPeers:
         if self.listener is not None:
             self.listener.close()
         with self.cond:
-            for parked in self.parked.values():
-                parked.channel.close()
-            self.parked.clear()
+            self.closed = True
+            parked, self.parked = list(self.parked.values()), {}
+            live, self.live = list(self.live), set()
+        for waiting in parked:
+            waiting.finish(False)
+        for channel in live:  # kept connections: their threads wake from their reads and end
+            channel.close()
 
     def check_ticket(self, ticket: Any, nbytes: Any) -> tuple[bytes, int, int, float]:
         """The ticket's (nonce, storage id, nbytes, expiry) if its MAC, expiry, size and nonce pass (marks it used)."""
@@ -150,18 +204,32 @@ class SessionPeers:
         return nonce, storage_id, ticket_nbytes, expires
 
     def _arrived(self, channel: PeerChannel) -> None:
-        """A sender proved the peer key (the listener's thread): check its ticket, park it for its CMD_PEER_RECV."""
+        """A sender proved the peer key (the listener's thread, for as long as the connection lives): check each
+        ticket it sends, park the connection for that ticket's CMD_PEER_RECV, and, when the sender asked to keep
+        it and the copy ended cleanly, wait (at most :func:`idle_timeout` seconds) for its next ticket."""
+        with self.cond:
+            if self.closed:
+                channel.close()
+                return
+            self.live.add(channel)
+            self.accepted += 1
+        log.debug("%s: peer connection accepted (%d for this session)", channel.peer, self.accepted)
         try:
-            hello = channel.recv_msg()
-            if not isinstance(hello, dict):
-                raise ProtocolError("a peer transfer starts with {ticket, nbytes}")
-            nonce, storage_id, nbytes, expires = self.check_ticket(hello.get("ticket"), hello.get("nbytes"))
-            with self.cond:
-                self._drop_expired()
-                if len(self.parked) >= MAX_PARKED:
-                    raise ProtocolError(f"{MAX_PARKED} transfers wait for this session already")
-                self.parked[nonce] = _Parked(channel, storage_id, nbytes, expires)
-                self.cond.notify_all()
+            first = True
+            while True:
+                if not first:
+                    try:
+                        channel.settimeout(idle_timeout())
+                        hello = channel.recv_msg()
+                    except (TimeoutError, ConnectionError, OSError):  # idle too long, or the sender closed it
+                        channel.close()
+                        return
+                else:
+                    hello = channel.recv_msg()
+                first = False
+                parked = self._park(channel, hello)
+                if not self._wait_done(parked):
+                    return
         except (GenieError, OSError, ConnectionError) as exc:
             log.warning("%s: peer transfer refused: %s", channel.peer, exc)
             try:
@@ -169,6 +237,33 @@ class SessionPeers:
             except (OSError, GenieError):
                 pass
             channel.close()
+        finally:
+            with self.cond:
+                self.live.discard(channel)
+
+    def _park(self, channel: PeerChannel, hello: Any) -> _Parked:
+        """Check the ticket of ``hello`` ({ticket, nbytes, keep}) and park ``channel`` under its nonce."""
+        if not isinstance(hello, dict):
+            raise ProtocolError("a peer transfer starts with {ticket, nbytes}")
+        nonce, storage_id, nbytes, expires = self.check_ticket(hello.get("ticket"), hello.get("nbytes"))
+        parked = _Parked(channel, storage_id, nbytes, expires, hello.get("keep") is True)
+        with self.cond:
+            self._drop_expired()
+            if self.closed:
+                raise ProtocolError("the destination's session ended")
+            if len(self.parked) >= MAX_PARKED:
+                raise ProtocolError(f"{MAX_PARKED} transfers wait for this session already")
+            self.parked[nonce] = parked
+            self.cond.notify_all()
+        return parked
+
+    def _wait_done(self, parked: _Parked) -> bool:
+        """Wait until the receive that claims ``parked`` is over (True: the connection is ours again), or its
+        ticket expired unclaimed (False: refused and closed)."""
+        while not parked.done.wait(max(0.0, parked.expires - time.time()) + 1.0):
+            with self.cond:
+                self._drop_expired()
+        return parked.reusable
 
     def _drop_expired(self) -> None:
         now = time.time()
@@ -178,7 +273,7 @@ class SessionPeers:
                 parked.channel.send_msg({"error": "the destination never reached this copy before its ticket expired"})
             except (OSError, GenieError):
                 pass
-            parked.channel.close()
+            parked.finish(False)
 
     def claim(self, nonce: bytes, src_node: str, label: str) -> _Parked:
         """Wait for the sender of ``nonce`` (until the ticket lifetime ends, or the source node is lost: listed by
@@ -212,13 +307,49 @@ class SessionPeers:
                 self.cond.wait(LIVENESS_INTERVAL)
 
 
+class SessionSender:
+    """One session's sending side: its kept connections to destinations, and the destinations' addresses."""
+
+    def __init__(self) -> None:
+        self.pool = PeerPool(_key)
+        self._addresses: dict[str, tuple[str, float]] = {}  # node id -> (address, when the membership gave it)
+
+    def address(self, node_id: str) -> str | None:
+        """The membership's address of ``node_id`` (kept :data:`ADDRESS_TTL` seconds); None when not a member."""
+        known = self._addresses.get(node_id)
+        if known is not None and time.monotonic() - known[1] < ADDRESS_TTL:
+            return known[0]
+        address = _address_of(node_id)
+        if address is None or (known is not None and known[0] != address):
+            self.pool.forget(node_id)
+        if address is None:
+            self._addresses.pop(node_id, None)
+            return None
+        self._addresses[node_id] = (address, time.monotonic())
+        return address
+
+    def forget(self, node_id: str) -> None:
+        """A copy with ``node_id`` failed: ask the membership again next time, and dial afresh."""
+        self._addresses.pop(node_id, None)
+        self.pool.forget(node_id)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
 _sessions: PerSession[SessionPeers] = PerSession(SessionPeers, SessionPeers.close)
+_senders: PerSession[SessionSender] = PerSession(SessionSender, SessionSender.close)
 _key_cache: list[bytes] = []
 
 
 def session_peers(executor: Executor) -> SessionPeers:
     """The receiving side of ``executor``'s session (made on first use; closed when the executor goes)."""
     return _sessions.get(executor)
+
+
+def session_sender(executor: Executor) -> SessionSender:
+    """The sending side of ``executor``'s session (made on first use; its connections closed when it goes)."""
+    return _senders.get(executor)
 
 
 def _link() -> Any:
@@ -297,8 +428,15 @@ def _open(ex: Executor, cmd: list[Any]) -> None:
     except (GenieError, OSError) as exc:
         ex.reply(cmd[1], _error("copy between nodes", [], "protocol", _message(exc)), None)
         return
+    sender = session_sender(ex)
+    with peers.cond:
+        live = len(peers.live)
     ex.reply(cmd[1], None, {"port": listener.port, "proof": peers.proof, "secret": peers.secret,
-                            "time": time.time()})
+                            "time": time.time(),
+                            # counters (for tests and inspection): connections this session's listener took, how
+                            # many are open now, and the connections this session's sends dialled and reused
+                            "accepted": peers.accepted, "live": live, "dialled": sender.pool.dialled,
+                            "reused": sender.pool.reused})
 
 
 def _recv(ex: Executor, cmd: list[Any]) -> None:
@@ -317,6 +455,7 @@ def _recv(ex: Executor, cmd: list[Any]) -> None:
     nbytes = numel * dtype.itemsize
     parked: _Parked | None = None
     kind = "lost"
+    clean = False
     try:
         ex.begin(device)
         dst = ex.tensor(dst_desc)
@@ -338,6 +477,7 @@ def _recv(ex: Executor, cmd: list[Any]) -> None:
         if not direct:
             dst.copy_(into)
         channel.send_msg({"ok": True})
+        clean = True
     except (GenieError, RuntimeError, OSError, ConnectionError) as exc:
         if parked is not None:
             try:
@@ -348,7 +488,7 @@ def _recv(ex: Executor, cmd: list[Any]) -> None:
                         [dst_desc.storage_id])
     finally:
         if parked is not None:
-            parked.channel.close()
+            parked.finish(clean)
 
 
 def _send(ex: Executor, cmd: list[Any]) -> None:
@@ -358,23 +498,35 @@ def _send(ex: Executor, cmd: list[Any]) -> None:
     _, device, src_desc, dst_node, port, proof, ticket, label = cmd
     src_desc, label = _descriptor(src_desc, "copy source"), _label(label)
     kind = "protocol"
+    sender = session_sender(ex)
     channel: PeerChannel | None = None
+    host = ""
+    clean = False
     try:
         if not (isinstance(dst_node, str) and is_int(port) and 0 < port < 65536 and isinstance(proof, bytes)):
             raise ProtocolError("the destination must be a node id, a port and its proof")
         if not hmac.compare_digest(proof, mac(_key(), b"endpoint", str(port).encode())):
             raise ProtocolError(f"port {port} is not a peer listener a node of this cluster opened")
-        host = _address_of(dst_node)
-        if host is None:
+        found = sender.address(dst_node)
+        if found is None:
             kind = "lost"
             raise ProtocolError(f"node {dst_node!r:.80} is not a member of this cluster (or it was lost)")
+        host = found
         ex.begin(device)
         data = _contiguous_cpu(ex.tensor(src_desc))
         kind = "lost"
-        channel = connect(host, port, _key(), timeout=CONNECT_TIMEOUT)
-        channel.settimeout(TICKET_LIFETIME + CLOCK_SLACK)  # the destination may be busy with earlier commands
-        channel.send_msg({"ticket": ticket, "nbytes": data.nbytes})
-        answer = channel.recv_msg()
+        channel, reused = sender.pool.take(dst_node, host, port, timeout=CONNECT_TIMEOUT)
+        try:
+            answer = _offer(channel, ticket, data.nbytes)
+        except (ConnectionError, OSError) as exc:
+            if not reused or isinstance(exc, TimeoutError):
+                raise
+            # A kept connection the destination closed (idle) as this copy began: it never read the ticket.
+            log.info("%s: a kept connection was closed (%s); dialling again", channel.peer, exc)
+            channel.close()
+            channel = None
+            channel = sender.pool.dial(host, port, timeout=CONNECT_TIMEOUT)
+            answer = _offer(channel, ticket, data.nbytes)
         if not isinstance(answer, dict) or not answer.get("go"):
             kind = "protocol"
             raise ProtocolError(f"the destination refused: {_reason(answer)}")
@@ -384,13 +536,26 @@ def _send(ex: Executor, cmd: list[Any]) -> None:
         answer = channel.recv_msg()
         if not isinstance(answer, dict) or not answer.get("ok"):
             raise ConnectionError(f"the destination failed: {_reason(answer)}")
+        clean = True
     except (GenieError, RuntimeError, OSError, ConnectionError) as exc:
         if isinstance(exc, ConnectError):
             kind = "lost"
+        if isinstance(dst_node, str):
+            sender.forget(dst_node)
         ex.defer(_error(label, [list(src_desc.sizes)], kind, f"sending failed: {_message(exc)}"))
     finally:
         if channel is not None:
-            channel.close()
+            if clean:
+                sender.pool.give(dst_node, host, port, channel)
+            else:
+                channel.close()
+
+
+def _offer(channel: PeerChannel, ticket: Any, nbytes: int) -> Any:
+    """Offer a copy on ``channel`` (its ticket, its size; keep the connection afterwards): the destination's answer."""
+    channel.settimeout(TICKET_LIFETIME + CLOCK_SLACK)  # the destination may be busy with earlier commands
+    channel.send_msg({"ticket": ticket, "nbytes": nbytes, "keep": True})
+    return channel.recv_msg()
 
 
 def _reason(answer: Any) -> str:

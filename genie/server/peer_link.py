@@ -20,6 +20,12 @@ two nodes' workers (copies today, other bulk paths later) can use it::
     listener = PeerListener(host, key, handle)    # handle(channel) runs on its own thread
     channel = connect(host, listener.port, key, timeout=10.0)
     channel.send_msg({"hello": 1}); channel.sendall(memoryview(buffer)); channel.close()
+
+Connections are worth keeping: a new one pays a connect, the proof both ways, a thread on the
+listening side and a cold TCP window. :class:`PeerPool` keeps a worker's connections after use, keyed
+by (peer node, peer port), checks each one before handing it out again (:meth:`PeerChannel.alive`)
+and dials a fresh one otherwise. Both ends ask for :data:`BULK_BUFFER`-byte socket buffers where the
+kernel allows that much (else they leave its autotuning alone).
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ import hashlib
 import hmac
 import logging
 import os
+import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,7 +57,33 @@ MAX_MESSAGE = 64 << 10
 HANDSHAKE_TIMEOUT = 5.0
 #: Connections one listener serves at once (handshakes and handlers together).
 MAX_CONNECTIONS = 64
+#: Socket send and receive buffers asked for on node-to-node connections: a whole window of bulk bytes in flight.
+BULK_BUFFER = 4 << 20
 _LEN = struct.Struct("!I")
+_buffer_ok: list[bool] = []
+
+
+def _kernel_allows_bulk_buffers() -> bool:
+    """Whether ``net.core.rmem_max`` and ``wmem_max`` allow :data:`BULK_BUFFER` (asking for less than TCP's
+    autotuning would reach fixes the buffer smaller, so below that nothing is asked)."""
+    if not _buffer_ok:
+        try:
+            limits = []
+            for name in ("rmem_max", "wmem_max"):
+                with open(f"/proc/sys/net/core/{name}", encoding="ascii") as f:
+                    limits.append(int(f.read().split()[0]))
+            _buffer_ok.append(min(limits) >= BULK_BUFFER)
+        except (OSError, ValueError, IndexError):  # not Linux, or no /proc: leave the kernel's defaults
+            _buffer_ok.append(False)
+    return _buffer_ok[0]
+
+
+def tune(sock: socket.socket) -> None:
+    """Set a node-to-node socket up for small messages and bulk bytes: no Nagle delay, large buffers."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if _kernel_allows_bulk_buffers():
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, option, BULK_BUFFER)
 
 
 def peer_key(token: bytes) -> bytes:
@@ -71,6 +105,16 @@ class PeerChannel:
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
         self.peer = peer
+
+    def alive(self) -> bool:
+        """Whether the connection looks usable, checked without waiting: False when the peer closed or reset it,
+        or sent something nobody asked for (an idle connection has nothing to read)."""
+        try:
+            poller = select.poll()
+            poller.register(self.sock, select.POLLIN | select.POLLPRI)
+            return not poller.poll(0)
+        except (OSError, ValueError):  # closed here already
+            return False
 
     def settimeout(self, seconds: float | None) -> None:
         self.sock.settimeout(seconds)
@@ -135,7 +179,7 @@ def connect(host: str, port: int, key: bytes, *, timeout: float) -> PeerChannel:
     except OSError as exc:
         raise ConnectError(f"cannot reach {where}: {exc}") from exc
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune(sock)
         head = _recv_exact(sock, len(MAGIC) + NONCE_BYTES)
         if head[: len(MAGIC)] != MAGIC:
             raise AuthenticationError(f"{where} is not a genie peer listener (it sent no peer greeting)")
@@ -173,6 +217,8 @@ class PeerListener:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if _kernel_allows_bulk_buffers():  # before listen(): accepted sockets inherit it, and the window offered
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BULK_BUFFER)
         self._sock.bind((host, 0))
         self._sock.listen(64)
         self.host = host
@@ -217,7 +263,7 @@ class PeerListener:
     def _accept(self, sock: socket.socket, peer: str) -> PeerChannel | None:
         sock.settimeout(HANDSHAKE_TIMEOUT)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune(sock)
             ns = os.urandom(NONCE_BYTES)
             sock.sendall(MAGIC + ns)
             answer = _recv_exact(sock, len(MAGIC) + NONCE_BYTES + MAC_BYTES)
@@ -232,3 +278,73 @@ class PeerListener:
             sock.close()
             return None
         return PeerChannel(sock, peer)
+
+
+class PeerPool:
+    """One worker's node-to-node connections kept after use, keyed by (peer node, peer port).
+
+    :meth:`take` hands out a kept connection when it is still alive and went to the same address (else it closes
+    it and dials a fresh one); :meth:`give` keeps a connection whose last exchange ended cleanly. A connection is
+    used by one thread at a time: taken, it is out of the pool until given back. At most ``limit`` are kept (the
+    longest idle goes first), none longer than ``max_idle`` seconds. ``dialled`` and ``reused`` count what
+    :meth:`take` did.
+    """
+
+    def __init__(self, key: Callable[[], bytes], *, limit: int = 16, max_idle: float = 240.0) -> None:
+        self._key = key
+        self._limit = limit
+        self._max_idle = max_idle
+        self._idle: dict[tuple[str, int], tuple[PeerChannel, str, float]] = {}
+        self._lock = threading.Lock()
+        self.dialled = 0
+        self.reused = 0
+
+    def take(self, node: str, host: str, port: int, *, timeout: float) -> tuple[PeerChannel, bool]:
+        """A connection to ``node``'s listener ``port`` at ``host``, and whether it is a kept one.
+
+        ConnectError or AuthenticationError as :func:`connect` when a new one cannot be made.
+        """
+        with self._lock:
+            kept = self._idle.pop((node, port), None)
+        if kept is not None:
+            channel, at_host, since = kept
+            if at_host == host and time.monotonic() - since < self._max_idle and channel.alive():
+                self.reused += 1
+                return channel, True
+            log.debug("%s: a kept connection was closed, idle too long or went elsewhere; dialling again",
+                      channel.peer)
+            channel.close()
+        return self.dial(host, port, timeout=timeout), False
+
+    def dial(self, host: str, port: int, *, timeout: float) -> PeerChannel:
+        """A new connection (counted in ``dialled``), not kept until given back."""
+        channel = connect(host, port, self._key(), timeout=timeout)
+        self.dialled += 1
+        return channel
+
+    def give(self, node: str, host: str, port: int, channel: PeerChannel) -> None:
+        """Keep ``channel`` (its last exchange ended cleanly) for the next :meth:`take` of ``(node, port)``."""
+        with self._lock:
+            old = self._idle.pop((node, port), None)
+            self._idle[(node, port)] = (channel, host, time.monotonic())
+            dropped = [old[0]] if old is not None else []
+            while len(self._idle) > self._limit:
+                dropped.append(self._idle.pop(next(iter(self._idle)))[0])
+        for stale in dropped:
+            stale.close()
+
+    def forget(self, node: str) -> None:
+        """Close every kept connection to ``node`` (a copy with it failed, or its address changed)."""
+        with self._lock:
+            gone = [k for k in self._idle if k[0] == node]
+            channels = [self._idle.pop(k)[0] for k in gone]
+        for channel in channels:
+            channel.close()
+
+    def close(self) -> None:
+        """Close every kept connection."""
+        with self._lock:
+            channels = [entry[0] for entry in self._idle.values()]
+            self._idle.clear()
+        for channel in channels:
+            channel.close()

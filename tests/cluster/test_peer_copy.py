@@ -28,7 +28,8 @@ from genie.errors import AuthenticationError, GenieError, ProtocolError, RemoteD
 from genie.server.peer_link import connect, peer_key
 from genie.testing import LocalCluster, wait_until
 from genie.wire import messages as wm
-from genie.wire.values import tensor_ext
+from genie.wire.buffers import tensor_bytes
+from genie.wire.values import dtype_code, tensor_ext
 from tests.cluster.test_netns import TOKEN, A, in_ns, two_hosts  # noqa: F401  (a fixture)
 
 CLUSTER_TOKEN = "peer-copy-test-token-41c9"
@@ -192,6 +193,98 @@ def test_a_port_without_its_proof_is_refused_at_the_source(cluster) -> None:
     with pytest.raises(GenieError, match=r"remote_accelerator:2 to remote_accelerator:4.*not a peer listener"):
         table().get(2).connection.sync()
     assert x.sum().item() == 10.0
+
+
+def _peer_stats(index: int) -> dict[str, Any]:
+    """The peer-copy counters of this client's session with device ``index``'s node (a fresh CMD_PEER_OPEN)."""
+    device = table().get(index)
+    answer = device.connection.request([wm.CMD_PEER_OPEN, 0], device=device.label)
+    assert isinstance(answer, dict)
+    return answer
+
+
+def test_copies_in_a_row_reuse_one_connection(cluster) -> None:
+    x = torch.arange(1 << 16, dtype=torch.float32, device="remote_accelerator:2")
+    for step in range(3):
+        x.add_(1)
+        y = x.to("remote_accelerator:4")
+        assert y[-1].item() == float((1 << 16) - 1 + step + 1)
+    source, destination = _peer_stats(2), _peer_stats(4)
+    assert (source["dialled"], source["reused"]) == (1, 2), source
+    assert destination["accepted"] == 1, destination
+    assert destination["live"] == 1, destination      # kept, waiting for the next copy's ticket
+
+
+def _hostile_copy(channel: Any, ticket: list[Any], data: torch.Tensor) -> Any:
+    """Play a source node on ``channel``: offer ``ticket`` (keeping the connection), and send ``data`` on "go"."""
+    channel.send_msg({"ticket": ticket, "nbytes": data.nbytes, "keep": True})
+    answer = channel.recv_msg()
+    if not answer.get("go"):
+        return answer
+    channel.sendall(tensor_bytes(data))
+    return channel.recv_msg()
+
+
+def test_a_kept_connection_refuses_a_copy_without_a_fresh_ticket(cluster) -> None:
+    """Each copy on a kept connection needs its own ticket: a replayed one, or bytes with none, close it."""
+    dst = table().get(4)
+    ep = peers.endpoint(dst.connection, dst.label)
+    y = torch.zeros(64, device="remote_accelerator:4")
+    y_desc = tensor_ext(dispatch.descriptor(y))
+    label = "copy from remote_accelerator:2 to remote_accelerator:4"
+
+    def receive(ticket: list[Any]) -> None:  # the client's half of a copy: the destination waits for the bytes
+        dst.connection.command([wm.CMD_PEER_RECV, dst.local_index, y_desc, ticket[0], dtype_code(y.dtype),
+                                list(y.shape), "w1", label])
+        dst.connection.flush()
+
+    key = peer_key(CLUSTER_TOKEN.encode())   # this test plays a node of the cluster that turned hostile
+    channel = connect("127.0.0.1", ep.port, key, timeout=5.0)
+    try:
+        channel.settimeout(10.0)
+        for value in (1.0, 2.0):             # two copies, each with a fresh ticket, on one connection
+            ticket = peers.mint_ticket(ep, int(dispatch.descriptor(y)[0]), y.nbytes)
+            receive(ticket)
+            assert _hostile_copy(channel, ticket, torch.full((64,), value)) == {"ok": True}
+            assert y[0].item() == value
+        answer = _hostile_copy(channel, ticket, torch.full((64,), 3.0))   # the last ticket again
+        assert "used already" in answer["error"]
+        with pytest.raises(ConnectionError):  # refused and closed
+            channel.recv_msg()
+    finally:
+        channel.close()
+    channel = connect("127.0.0.1", ep.port, key, timeout=5.0)
+    try:
+        channel.settimeout(10.0)
+        ticket = peers.mint_ticket(ep, int(dispatch.descriptor(y)[0]), y.nbytes)
+        receive(ticket)
+        assert _hostile_copy(channel, ticket, torch.full((64,), 4.0)) == {"ok": True}
+        channel.sendall(memoryview(b"\xff" * 256))   # bulk bytes with no ticket before them
+        assert "sent a message of 4294967295 bytes" in channel.recv_msg()["error"]
+        with pytest.raises(ConnectionError):
+            channel.recv_msg()
+    finally:
+        channel.close()
+    assert torch.equal(y.cpu(), torch.full((64,), 4.0))   # nothing but the ticketed copies landed
+    wait_until(lambda: _peer_stats(4)["live"] == 0, 5)
+
+
+def test_a_kept_connection_the_destination_closed_is_dialled_again() -> None:
+    """The destination closes a kept connection left idle; the next copy finds it closed and dials once more."""
+    env = {**ENV, "GENIE_PEER_IDLE_TIMEOUT": "0.5"}
+    with LocalCluster(("w1",), devices="cpu,cpu", master_args=HB, worker_args=HB, env=env) as nodes:
+        genie.init_sync(master_addr="127.0.0.1", master_port=nodes.port, **CLIENT)
+        try:
+            x = torch.arange(1000.0, device="remote_accelerator:2")        # w1
+            assert x.to("remote_accelerator:0")[-1].item() == 999.0          # the master: dialled, kept
+            wait_until(lambda: _peer_stats(0)["live"] == 0, 10)              # idle for 0.5 s: closed there
+            x.add_(1)
+            assert x.to("remote_accelerator:0")[-1].item() == 1000.0
+            source, destination = _peer_stats(2), _peer_stats(0)
+            assert (source["dialled"], source["reused"]) == (2, 0), source
+            assert destination["accepted"] == 2, destination
+        finally:
+            genie.shutdown_sync()
 
 
 def _tree(pid: int) -> list[int]:
