@@ -40,6 +40,7 @@ from genie.errors import (
     TransportError,
 )
 from genie.transport.base import Channel
+from genie.transport.features import native_stream
 from genie.transport.record import INLINE
 from genie.wire import compress
 from genie.wire import frame as wf
@@ -158,8 +159,8 @@ class NodeConnection:
                                          address=self.address, where=f"node {self.node_id} at {self.address}")
             self.channel.settimeout(self.op_timeout)
             offer = offer_of(reply, self.reconnect_window) if self.reconnect is not None else None
-            plain = getattr(self.channel, "native_stream", None)  # a plain stream: what a resume reconnects
-            if offer is not None and self.reconnect is not None and plain is not None and plain() is not None:
+            # a plain stream (Feature.NATIVE_STREAM, offered now): what a resume reconnects
+            if offer is not None and self.reconnect is not None and native_stream(self.channel) is not None:
                 self.resumable = ResumeState(offer[0], window=offer[1], hello=hello, token=token,
                                              reconnect=self.reconnect)
             self._start_lane()
@@ -168,8 +169,7 @@ class NodeConnection:
     def _start_lane(self) -> None:
         """Let genie._C answer ``.item()`` over this channel's stream itself, where the channel offers it
         (``native_stream``: plain TCP and shared memory; TLS and the RDMA and DPDK paths do not)."""
-        native_stream = getattr(self.channel, "native_stream", None)
-        stream = native_stream() if native_stream is not None else None
+        stream = native_stream(self.channel)
         if stream is not None:
             fd, records = stream
             _C.set_lane_wire(wf.PROTOCOL_VERSION, int(wf.MsgKind.BATCH), int(wf.MsgKind.REPLY), wm.CMD_FREE, INLINE,
@@ -182,8 +182,7 @@ class NodeConnection:
     def restart_lane(self) -> None:
         """The channel was replaced (a resume): the lane answers ``.item()`` over the new one."""
         if self._lane:
-            native_stream = getattr(self.channel, "native_stream", None)
-            stream = native_stream() if native_stream is not None else None
+            stream = native_stream(self.channel)
             _C.queue_lane(self.qid, stream[0] if stream is not None else -1, False, self)
             self._lane = stream is not None
 
@@ -614,6 +613,8 @@ class NodeConnection:
         STATS.round_trip(command, started, payload_len)  # stats
 
     # -- the lane's replies (genie/csrc/lane.cpp calls these with the session lock held) -----------------
+    # lane_done, lane_reply, lane_resume and lane_failed are all the lane reads of this class: public, since
+    # C++ reads no private Python name (tests/test_privates.py).
     def _lane_channel(self) -> Any:
         """The channel, with the lane's optional methods (genie.transport.base.Channel)."""
         return self.channel
@@ -634,14 +635,14 @@ class NodeConnection:
         STATS.batch_sent()  # stats
         self.last_send = time.monotonic()
 
-    def _lane_done(self, taken: int, started: float) -> None:
+    def lane_done(self, taken: int, started: float) -> None:
         """The lane's ``.item()`` was answered with a number and nothing else (lane.cpp checked the reply as
         _finish would), in an interval the batching policy measures: its bookkeeping, as _finish keeps it."""
         self._lane_sent(taken)
         self._replied(_lane_command(0), started, 0)
         self._room()
 
-    def _lane_reply(self, req: int, started: float, taken: int, device: int, head: bytes, body: bytes | None,
+    def lane_reply(self, req: int, started: float, taken: int, device: int, head: bytes, body: bytes | None,
                     leftover: bytes) -> Any:
         """The lane sent ``.item()``'s request ``req`` and read the reply frame (``head`` and ``body``;
         ``leftover``: stream bytes past it, which the channel gives first)."""
@@ -658,7 +659,7 @@ class NodeConnection:
             assert body is not None  # the lane reads the body of every header that passes the checks
             return self._finish(req, _lane_command(req), started, kind, body, payload_len, None, label)
 
-    def _lane_resume(self, req: int, started: float, taken: int, device: int, partial: bytes, record_kind: int,
+    def lane_resume(self, req: int, started: float, taken: int, device: int, partial: bytes, record_kind: int,
                      record_len: int) -> Any:
         """The lane sent request ``req``; the reply goes on in a record only the channel reads: ``partial``
         is the frame so far, then the record (``record_kind``, ``record_len``) whose header the lane read."""
@@ -673,7 +674,7 @@ class NodeConnection:
                 raise self._device_lost(label) from exc
             return self._finish(req, _lane_command(req), started, kind, body, payload_len, None, label)
 
-    def _lane_failed(self, req: int, started: float, taken: int, device: int, reason: str, frame: bytes = b"") -> Any:
+    def lane_failed(self, req: int, started: float, taken: int, device: int, reason: str, frame: bytes = b"") -> Any:
         """The lane's send or receive of request ``req`` (its BATCH ``frame``) failed: a resumable session
         resumes and returns the reply's result; otherwise the node is lost."""
         with self.lock:

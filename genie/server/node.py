@@ -51,6 +51,7 @@ from genie.server.metrics import ServerMetrics
 from genie.server.preauth import Admitted, PreAuthGate, Ticket, authenticate, reject
 from genie.server.session import Session
 from genie.transport.base import Listener, Transport
+from genie.transport.features import handover_of, preauth_limits_of
 from genie.wire.frame import MAX_BODY_BYTES, MAX_ECHO_BYTES, PROTOCOL_VERSION
 from genie.wire.values import MAX_INLINE_TENSOR_BYTES
 
@@ -245,9 +246,9 @@ class DataPlaneServer:
                 log.warning("data plane of node %s does not serve %s: listening failed: %s",
                             self.node_id, transport.name, exc)
         for listener in [self._listener, *self._more.values()]:
-            set_limits = getattr(listener, "set_limits", None)  # a listener that sniffs applies the caps too
-            if set_limits is not None:
-                set_limits(per_source=self.config.max_preauth_per_source, total=self.config.max_preauth)
+            limits = preauth_limits_of(listener)  # a listener that sniffs applies the caps too
+            if limits is not None:
+                limits.set_limits(per_source=self.config.max_preauth_per_source, total=self.config.max_preauth)
         for name, listener in [("main", self._listener), *self._more.items()]:
             thread = threading.Thread(target=self._accept_loop, args=(listener,), name=f"genie-accept-{name}",
                                       daemon=True)
@@ -388,8 +389,8 @@ class DataPlaneServer:
             raise
 
     def _can_hand_over(self, channel: Any) -> bool:
-        handover = getattr(channel, "handover_socket", None)
-        if handover is not None and hasattr(channel, "handover_factory") and handover() is not None:
+        handover = handover_of(channel)
+        if handover is not None and handover.handover_socket() is not None:
             return True
         log.info("session from %s runs in the node's process: its %s channel cannot be handed to a worker",
                  getattr(channel, "peer", "?"), type(channel).__name__)

@@ -42,7 +42,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -50,6 +50,7 @@ from genie.errors import (
     ConnectionClosedError,
     FrameError,
     GenieError,
+    PluginError,
     ProtocolError,
     QuotaExceededError,
     RemoteDeviceLost,
@@ -59,6 +60,7 @@ from genie.server.preauth import Admitted, authenticate, reject
 from genie.server.resume import ResumeLink
 from genie.server.store import StorageStore
 from genie.transport.base import Channel
+from genie.transport.features import NativeRecords, allow_upgrade, native_records_of, native_stream, native_stream_of
 from genie.wire.compress import available_codecs
 from genie.wire.frame import (
     HEADER,
@@ -202,9 +204,7 @@ class Session:
             welcome["auth"] = admitted.auth
         self.channel.settimeout(self.idle_timeout or None)
         send_frame(self.channel, MsgKind.WELCOME, pack_body(welcome))
-        allow_upgrade = getattr(self.channel, "allow_upgrade", None)
-        if allow_upgrade is not None:
-            allow_upgrade()  # a backend's UPGRADE is served only after WELCOME (genie.transport.record)
+        allow_upgrade(self.channel)  # a backend's UPGRADE is served only after WELCOME (genie.transport.record)
         self.serving = True
         log.info("session %d opened for %s (node %r)", self.session_id, self.peer, self.client.get("node_id"))
         return True
@@ -304,29 +304,37 @@ class Session:
         """A duplicate of the channel's socket for the native runner to read batches from (genie._C_plans:
         a batch of commands it finishes never reaches Python), where the channel offers its stream (plain
         TCP; shared memory once upgraded) and the handshake is done."""
-        native_stream = getattr(self.channel, "native_stream", None)
-        got = native_stream() if native_stream is not None and self.serving else None
+        got = native_stream(self.channel) if self.serving else None
         return (os.dup(got[0]), got[1]) if got is not None else None
 
     def _channel_at_rest(self) -> bool:
-        return bool(cast(Any, self.channel).at_rest())
+        native = native_stream_of(self.channel)  # declared: it gave _native_stream its stream
+        return native is not None and native.at_rest()
 
     def _take_over(self, got: tuple[Any, ...], head: memoryview, max_payload: int) -> tuple[MsgKind, Any, int]:
         """A frame the native runner read but leaves to Python (Executor.serve_native): (kind, body, payload
         length), the channel then where it would be after recv_frame."""
-        channel: Any = self.channel
         if got[0] == "frame":
             _, header, body, leftover = got
             if leftover:
-                channel.unread(leftover)
+                self._native_records().unread(leftover)
             kind, _, payload_len = check_header(header, max_payload=max_payload)
             return kind, body, payload_len
         if got[0] == "resume":
-            channel.resume_record(got[1], got[2], got[3])
+            self._native_records().resume_record(got[1], got[2], got[3])
             return recv_frame(self.channel, head, max_payload=max_payload)
         why, text = got[1], got[2]
         cause = TimeoutError(text) if why == "timeout" else OSError(text)
         raise ConnectionClosedError(f"connection to {self.peer}: {text}") from cause
+
+    def _native_records(self) -> NativeRecords:
+        """The channel's NativeRecords: declared by every channel whose native stream carries records."""
+        records = native_records_of(self.channel)
+        if records is None:
+            raise PluginError(f"the {type(self.channel).__name__} of {self.peer} handed the native runner a stream "
+                              "but does not declare Feature.NATIVE_RECORDS to take back what it read; its backend "
+                              "must declare it (genie.transport.features)")
+        return records
 
     def _echo(self, nbytes: int) -> None:
         """Send an ECHO's payload back as it came: what a client measures a backend's path to this node with."""

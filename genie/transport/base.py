@@ -16,17 +16,20 @@ region. Backends with their own memory (shared-memory rings, RDMA memory regions
 implement it natively; :func:`bulk_path` gives every other channel the same API
 over its stream, so a caller never needs two code paths. A channel may also want
 to know when the peers' handshake is done (:func:`handshake_complete`): the
-shared-memory backend hands its segments over only then. docs/backends.md is the
-guide for transport authors; :mod:`genie.transport.conformance` the tests every
-backend runs.
+shared-memory backend hands its segments over only then. Every optional part of a
+channel is a :class:`~genie.transport.features.Feature` its class declares
+(``features``); the core finds them only through :mod:`genie.transport.features`.
+docs/backends.md is the guide for transport authors; :mod:`genie.transport.conformance`
+the tests every backend runs.
 """
 
 from __future__ import annotations
 
 import abc
+import enum
 import threading
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 import attrs
 
@@ -47,15 +50,75 @@ class ProbeTarget:
     timeout: float = 2.0
 
 
+class Feature(enum.Enum):
+    """An optional part of a channel or listener; the value names the Protocol that defines it.
+
+    A class declares the features it offers in ``features`` (a frozenset); the core reads the
+    declaration (:func:`declared`), never probes for methods. See :mod:`genie.transport.features`.
+    """
+
+    #: :class:`BulkChannel`: a native bulk path (shm, rdma, dpdk).
+    BULK = "BulkChannel"
+    #: :class:`HandshakeAware`: told when the client's handshake succeeded (shm, rdma, dpdk move to their path).
+    HANDSHAKE = "HandshakeAware"
+    #: ``features.UpgradeGate``: the server side serves a backend upgrade only once WELCOME went out.
+    UPGRADE_GATE = "UpgradeGate"
+    #: ``features.NativeStream``: a plain socket genie._C reads frames from (the lane, the native runner).
+    NATIVE_STREAM = "NativeStream"
+    #: ``features.NativeRecords``: takes back what genie._C read past its frame on a record stream.
+    NATIVE_RECORDS = "NativeRecords"
+    #: ``features.TlsUpgradable``: a TLS handshake on the stream, and the version in use.
+    TLS = "TlsUpgradable"
+    #: ``features.Peekable``: the first bytes on the stream, left there (the server's TLS sniffing).
+    PEEK = "Peekable"
+    #: ``features.HandOver``: the connection can move to a session worker process.
+    HANDOVER = "HandOver"
+    #: ``features.RelayStream``: partial receives and a descriptor to poll (the node relays TLS plaintext).
+    RELAY = "RelayStream"
+    #: ``features.Layered``: a channel over another (the record backends' TCP control stream).
+    LAYERED = "Layered"
+    #: ``features.PreauthLimits`` (listeners): caps on connections still in their handshake.
+    PREAUTH_LIMITS = "PreauthLimits"
+
+
+class HandshakeAware(Protocol):
+    """``Feature.HANDSHAKE``: a channel that wants the moment the client's handshake succeeded."""
+
+    def handshake_complete(self, welcome: dict[str, Any]) -> None:
+        """Client side: the server's WELCOME checked out; move to the fast path now (see base.handshake_complete)."""
+
+
+_NONE: frozenset[Feature] = frozenset()
+
+
+def declared(obj: object) -> frozenset[Feature]:
+    """The features ``obj``'s class declares in its ``features`` class attribute (none when it declares none).
+
+    The one place a declaration is read. A declaration that is not a frozenset of :class:`Feature`
+    is a bug in the backend: PluginError naming the class.
+    """
+    features = getattr(type(obj), "features", _NONE)
+    if not isinstance(features, frozenset) or not all(isinstance(f, Feature) for f in features):
+        from genie.errors import PluginError
+
+        raise PluginError(f"{type(obj).__qualname__}.features must be a frozenset of genie.transport.base.Feature, "
+                          f"not {features!r}")
+    return features
+
+
+def offers(obj: object, feature: Feature) -> bool:
+    """Whether ``obj``'s class declares ``feature``."""
+    return feature in declared(obj)
+
+
 @runtime_checkable
 class Channel(Protocol):
     """A connected, reliable, ordered byte stream between two nodes.
 
-    Optional, for genie._C's lane (``.item()`` answered without Python's op path, genie/csrc/lane.cpp):
-    ``native_stream() -> (descriptor, records) | None``, a plain blocking socket whose byte stream is
-    this channel's while ``at_rest() -> bool`` says nothing of it is kept on this side (``records``:
-    frames travel inside INLINE records, genie.transport.record); a record channel also offers
-    ``unread(data)`` and ``resume_record(partial, kind, length)``, what the lane hands back.
+    Everything beyond these four methods is optional and declared: the channel's class lists
+    the :class:`~genie.transport.features.Feature` s it offers in ``features`` (a frozenset;
+    none when absent), each defined by a small Protocol in :mod:`genie.transport.features`
+    (the bulk path, TLS, hand-over to a session worker, genie._C's native stream, ...).
     """
 
     peer: str
@@ -183,6 +246,8 @@ class StreamBulk:
     ``sendv``/``recv_into`` of its bytes. Use it through :func:`bulk_path`.
     """
 
+    features: ClassVar[frozenset[Feature]] = frozenset({Feature.BULK})
+
     def __init__(self, channel: Channel, backend: str = "stream") -> None:
         self.channel = channel
         self.peer = channel.peer
@@ -217,9 +282,10 @@ class StreamBulk:
 
 
 def bulk_path(channel: Channel) -> BulkChannel:
-    """``channel`` itself when it has a native bulk path, else the :class:`StreamBulk` over its stream."""
-    if isinstance(channel, BulkChannel):
-        return channel
+    """``channel`` itself when it declares a bulk path (``Feature.BULK``), else the :class:`StreamBulk` over
+    its stream."""
+    if offers(channel, Feature.BULK):
+        return cast(BulkChannel, channel)
     return StreamBulk(channel)
 
 
@@ -231,13 +297,12 @@ def capabilities_of(channel: Channel) -> Capabilities:
 def handshake_complete(channel: Channel, welcome: dict[str, Any]) -> None:
     """Tell a channel that the client's handshake succeeded (the server authenticated and proved itself).
 
-    Called by the client after it checked WELCOME; a channel that wants the moment
-    (``handshake_complete(welcome)`` method) gets it, others nothing. The
-    shared-memory backend hands its segments over here, never before.
+    Called by the client after it checked WELCOME; a channel that declares
+    ``Feature.HANDSHAKE`` (:class:`HandshakeAware`) gets it,
+    others nothing. The shared-memory backend hands its segments over here, never before.
     """
-    hook = getattr(channel, "handshake_complete", None)
-    if hook is not None:
-        hook(welcome)
+    if offers(channel, Feature.HANDSHAKE):
+        cast(HandshakeAware, channel).handshake_complete(welcome)
 
 
 def flat_views(buffers: Sequence[Buffer]) -> list[memoryview]:
@@ -259,6 +324,8 @@ class ChannelLifecycle:
     stream can no longer be trusted.
     """
 
+    #: The optional features this class offers (genie.transport.features); subclasses extend the set.
+    features: ClassVar[frozenset[Feature]] = frozenset()
     peer: str
 
     def _init_lifecycle(self) -> None:
@@ -297,7 +364,7 @@ class ChannelLifecycle:
 
 @runtime_checkable
 class Listener(Protocol):
-    """Accepts channels from peers."""
+    """Accepts channels from peers. Optional, declared as for channels: ``Feature.PREAUTH_LIMITS``."""
 
     host: str
     port: int

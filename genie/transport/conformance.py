@@ -24,8 +24,11 @@ The suite checks behaviour only through the public interface
 (:mod:`genie.transport.base`): ordering and exact fills across mismatched
 boundaries, scatter/gather beyond IOV_MAX, full-duplex bulk, the bulk path,
 timeouts, a dead peer, close from another thread, use after close, refused
-connects and listener timeouts. Every thread it starts is joined with a bound
-and every channel closed, even when a test fails.
+connects and listener timeouts; and, for every optional feature (:mod:`genie.transport.features`),
+that the channels and listener implement each one their class declares, with its Protocol's
+signatures, in a round trip, and none they do not declare
+(:class:`~genie.transport.feature_conformance.FeatureConformance`). Every thread it starts is
+joined with a bound and every channel closed, even when a test fails.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from genie.transport.base import (
     capabilities_of,
     handshake_complete,
 )
+from genie.transport.feature_conformance import FeatureConformance
+from genie.transport.features import allow_upgrade
 from genie.types import ProbeResult
 
 _JOIN = 30.0
@@ -96,7 +101,7 @@ def _closed_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-class TransportConformance:
+class TransportConformance(FeatureConformance):
     """Subclass as ``Test<Backend>Conformance`` and set ``transport_class``; see the module docstring."""
 
     transport_class: ClassVar[type[Transport]]
@@ -106,8 +111,8 @@ class TransportConformance:
     timeout: ClassVar[float] = 20.0
 
     # -- fixtures ----------------------------------------------------------------------------
-    def make_pair(self) -> tuple[Channel, Channel, Listener]:
-        """A listener and a connected (client, server) pair, the client told its handshake is done."""
+    def connect_pair(self) -> tuple[Channel, Channel, Listener]:
+        """A listener and a connected (client, server) pair, nothing sent on it yet (no handshake)."""
         transport = self.transport_class()
         listener = transport.listen(self.host, 0)
         try:
@@ -118,12 +123,15 @@ class TransportConformance:
             raise
         for channel in (client, server):
             channel.settimeout(self.timeout)
+        return client, server, listener
+
+    def make_pair(self) -> tuple[Channel, Channel, Listener]:
+        """A listener and a connected (client, server) pair, the client told its handshake is done."""
+        client, server, listener = self.connect_pair()
         if self.complete_handshake:
             # The server must be reading while the client finishes (a backend may switch paths then).
             marker = _Worker(lambda: _recv(server, 1))
-            allow_upgrade = getattr(server, "allow_upgrade", None)
-            if allow_upgrade is not None:  # the server sent WELCOME: a record backend may upgrade now
-                allow_upgrade()
+            allow_upgrade(server)  # the server sent WELCOME: a record backend may upgrade now
             try:
                 handshake_complete(client, {})
                 client.sendv([b"!"])

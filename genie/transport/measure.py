@@ -39,6 +39,7 @@ from typing import Any
 
 from genie.transport.base import Buffer, Channel, handshake_complete
 from genie.transport.cache import cache_enabled, default_cache_dir
+from genie.transport.features import allow_upgrade
 from genie.types import Figure
 
 log = logging.getLogger("genie.transport.measure")
@@ -189,9 +190,7 @@ def local_echo(opener: Opener, budget: float) -> Iterator[Echo]:
 
         thread = threading.Thread(target=serve, name="genie-measure-echo", daemon=True)
         thread.start()
-        allow_upgrade = getattr(server, "allow_upgrade", None)
-        if allow_upgrade is not None:  # both ends are ours: the server side may take the upgrade at once
-            allow_upgrade()
+        allow_upgrade(server)  # both ends are ours: the server side may take the upgrade at once
         handshake_complete(client, {})
 
         def echo(data: Buffer, out: memoryview) -> None:

@@ -29,11 +29,12 @@ import socket
 import ssl
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from genie.errors import ConnectionClosedError, TransportError
 from genie.security import REFUSALS
 from genie.transport.base import ChannelLifecycle, MemoryRegion, host_view, region_view
+from genie.transport.features import Feature
 from genie.wire import spec
 
 if TYPE_CHECKING:
@@ -85,6 +86,9 @@ class RecordChannel(ChannelLifecycle):
     """
 
     _protocol = "record"
+    #: A backend adds ``Feature.BULK`` (it defines ``capabilities()``) and ``Feature.HANDSHAKE``.
+    features: ClassVar[frozenset[Feature]] = frozenset(
+        {Feature.UPGRADE_GATE, Feature.NATIVE_STREAM, Feature.NATIVE_RECORDS, Feature.LAYERED})
 
     def __init__(self, inner: Channel, *, server_side: bool) -> None:
         self.inner = inner

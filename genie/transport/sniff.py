@@ -33,12 +33,13 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
 from genie.errors import ConnectionClosedError
 from genie.security import REFUSALS, RefusalLog
+from genie.transport.features import Feature
 from genie.transport.stream import TcpChannel, TcpListener, connect_stream, describe_address
 
 log = logging.getLogger("genie.transport.tcp")
@@ -77,6 +78,8 @@ class SniffingListener:
     :param max_per_source: connections from one address not yet accepted by the node.
     :param max_pending: such connections from all addresses.
     """
+
+    features: ClassVar[frozenset[Feature]] = frozenset({Feature.PREAUTH_LIMITS})
 
     def __init__(self, host: str, port: int, magic: bytes, greet: Greeter, *, greet_timeout: float = 10.0,
                  name: str = "sniff", preamble_bytes: int = 0, max_per_source: int = 32, max_pending: int = 512,

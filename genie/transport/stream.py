@@ -26,10 +26,11 @@ import socket
 import ssl
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from genie.errors import ConnectError, ConnectionClosedError
 from genie.transport.base import Buffer, ChannelLifecycle, flat_views
+from genie.transport.features import Feature
 
 log = logging.getLogger("genie.transport.tcp")
 
@@ -87,6 +88,9 @@ class TcpChannel(ChannelLifecycle):
     One thread sends and one thread receives at a time; :meth:`close` may be
     called from any thread and wakes a thread blocked in a receive.
     """
+
+    features: ClassVar[frozenset[Feature]] = frozenset(
+        {Feature.NATIVE_STREAM, Feature.TLS, Feature.PEEK, Feature.HANDOVER, Feature.RELAY})
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self._sock = sock

@@ -38,6 +38,7 @@ from genie import security as sec
 from genie._version import __version__
 from genie.errors import AuthenticationError, ConnectionClosedError, FrameError, HandshakeError, RemoteDeviceLost
 from genie.transport.base import Channel, handshake_complete
+from genie.transport.features import peekable, tls_of
 from genie.wire import control
 from genie.wire import frame as wf
 from genie.wire import resume as wr
@@ -197,14 +198,14 @@ def secure_server_channel(channel: Channel, context: ssl.SSLContext, *, timeout:
     ``{"code": "tls"}`` saying TLS is required; a peer that leaves before saying
     anything (a probe) is not logged above debug.
     """
-    start_tls = getattr(channel, "start_tls", None)
-    if start_tls is None:
+    tls = tls_of(channel)
+    if tls is None:
         refusals.warning("cannot serve TLS to %s: the %s channel does not support TLS", peer, type(channel).__name__)
         return False
     channel.settimeout(timeout)
-    peek = getattr(channel, "peek", None)
+    peek = peekable(channel)
     try:
-        head = peek(len(wf.MAGIC)) if peek is not None else b"\x16"
+        head = peek.peek(len(wf.MAGIC)) if peek is not None else b"\x16"
     except ConnectionClosedError:
         return False
     if not head:
@@ -218,7 +219,7 @@ def secure_server_channel(channel: Channel, context: ssl.SSLContext, *, timeout:
             pass
         return False
     try:
-        start_tls(context, server_side=True)
+        tls.start_tls(context, server_side=True)
     except ConnectionClosedError as exc:
         refusals.warning("TLS handshake with %s failed: %s", peer, exc)
         return False
@@ -227,13 +228,13 @@ def secure_server_channel(channel: Channel, context: ssl.SSLContext, *, timeout:
 
 def secure_client_channel(channel: Channel, context: ssl.SSLContext, *, server_hostname: str, where: str) -> Channel:
     """Run the client's TLS handshake on a connected channel; HandshakeError naming the cause when it fails."""
-    start_tls = getattr(channel, "start_tls", None)
-    if start_tls is None:
+    tls = tls_of(channel)
+    if tls is None:
         channel.close()
         raise HandshakeError(f"TLS is configured (GENIE_TLS_CA/GENIE_TLS_CERT) but the {type(channel).__name__} "
                              f"to {where} cannot do TLS; use the tcp backend or unset the TLS options")
     try:
-        start_tls(context, server_side=False, server_hostname=server_hostname)
+        tls.start_tls(context, server_side=False, server_hostname=server_hostname)
     except ConnectionClosedError as exc:
         raise HandshakeError(f"TLS handshake with {where} failed: {exc}; check that it serves TLS and that "
                              "its certificate is signed by GENIE_TLS_CA and names this address") from None

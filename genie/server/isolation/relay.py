@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 from genie.errors import GenieError
+from genie.transport.features import inner_of, relay_stream_of, tls_of
 
 log = logging.getLogger("genie.server.isolation")
 
@@ -24,9 +25,11 @@ CHUNK = 1 << 20
 
 
 def tls_stream(channel: Any) -> Any | None:
-    """The TLS byte stream under ``channel`` (itself, or a record channel's ``inner``), None when plain."""
-    for stream in (channel, getattr(channel, "inner", None)):
-        if stream is not None and getattr(stream, "tls_version", None) and hasattr(stream, "recv_some"):
+    """The TLS byte stream under ``channel`` (itself, or the channel under a layered one), None when plain:
+    a stream that declares both TLS (in use) and RelayStream (partial receives, a descriptor to poll)."""
+    for stream in (channel, inner_of(channel)):
+        tls = tls_of(stream)
+        if tls is not None and tls.tls_version and relay_stream_of(stream) is not None:
             return stream
     return None
 

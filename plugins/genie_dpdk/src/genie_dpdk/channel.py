@@ -42,10 +42,11 @@ import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from genie.errors import BackendUnavailableError, ConnectionClosedError, TransportError
 from genie.transport.base import Buffer, Capabilities, flat_views
+from genie.transport.features import Feature, relay_stream_of
 from genie.transport.record import DATA, INLINE, RECORD, UPGRADE, UPGRADE_OK, RecordChannel, read_body, read_header
 from genie_dpdk import engine
 from genie_dpdk.engine import Port, Stream
@@ -156,6 +157,7 @@ class DpdkChannel(RecordChannel):
     """A DPDK channel (see the module docstring); also a :class:`~genie.transport.base.BulkChannel`."""
 
     _protocol = "dpdk"
+    features: ClassVar[frozenset[Feature]] = RecordChannel.features | {Feature.BULK, Feature.HANDSHAKE}
 
     def __init__(self, inner: TcpChannel, *, server_side: bool) -> None:
         super().__init__(inner, server_side=server_side)
@@ -314,8 +316,8 @@ class DpdkChannel(RecordChannel):
 
     def _start_stream(self, chan_id: int, peer_mac: bytes, mss: int) -> None:
         assert self._port is not None
-        sock = getattr(self.inner, "_sock", None)
-        self._ctl = os.dup(sock.fileno()) if sock is not None else -1
+        control = relay_stream_of(self.inner)  # the TCP control stream: the engine polls it for a dead peer
+        self._ctl = os.dup(control.fileno()) if control is not None else -1
         try:
             self.stream = Stream(self._port, chan_id, self.server_side, peer_mac, mss, self._ctl, self._release)
         except BaseException:

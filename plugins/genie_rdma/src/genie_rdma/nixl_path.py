@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from genie.errors import BackendUnavailableError, ConnectionClosedError, TransportError
 from genie.transport.base import (
@@ -44,6 +44,7 @@ from genie.transport.base import (
     host_view,
     region_view,
 )
+from genie.transport.features import Feature
 from genie.transport.record import (
     DATA,
     INLINE,
@@ -151,6 +152,7 @@ class RdmaChannel(RecordChannel):
     """A NIXL-backed channel (see the module docstring); also a :class:`~genie.transport.base.BulkChannel`."""
 
     _protocol = "rdma"
+    features: ClassVar[frozenset[Feature]] = RecordChannel.features | {Feature.BULK, Feature.HANDSHAKE}
 
     def __init__(self, inner: TcpChannel, agent: Agent, *, server_side: bool) -> None:
         super().__init__(inner, server_side=server_side)

@@ -42,7 +42,7 @@ import ssl
 import struct
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from genie.errors import ConnectionClosedError, TransportError
 from genie.security import REFUSALS
@@ -51,6 +51,7 @@ from genie.transport.base import (
     Capabilities,
     flat_views,
 )
+from genie.transport.features import Feature
 from genie.transport.record import DATA, INLINE, MAX_IOV, RECORD, UPGRADE, UPGRADE_NO, UPGRADE_OK, RecordChannel
 from genie.transport.stream import sendmsg_all
 from genie_shm.ring import create_ring, map_peer_ring
@@ -75,6 +76,8 @@ class ShmChannel(RecordChannel):
     """A shared-memory channel (see the module docstring); also a :class:`~genie.transport.base.BulkChannel`."""
 
     _protocol = "shm"
+    features: ClassVar[frozenset[Feature]] = RecordChannel.features | {
+        Feature.BULK, Feature.HANDSHAKE, Feature.TLS, Feature.PEEK, Feature.HANDOVER}
 
     def __init__(self, inner: TcpChannel, *, server_side: bool, ring_bytes: int) -> None:
         super().__init__(inner, server_side=server_side)
