@@ -20,8 +20,8 @@ from genie.testing import shared_server_devices
 
 D0 = "remote_accelerator:0"
 CUDA = "cuda" in shared_server_devices()
-#: A CUDA server's fused attention can be turned off (genie/device/registry.py, _sdp_kind).
-CUDA_FUSED = CUDA and os.environ.get("GENIE_SDPA_CUDA_FUSED") != "0"
+#: A CUDA server's fused attention is opt-in (genie/device/registry.py, _sdp_kind).
+CUDA_FUSED = CUDA and os.environ.get("GENIE_SDPA_CUDA_FUSED") == "1"
 FLASH, MATH, OVERRIDEABLE = 1, 0, 4  # at::SDPBackend
 
 pytestmark = [pytest.mark.usefixtures("remote")]
@@ -76,7 +76,7 @@ def test_attention_sends_what_a_local_cpu_run_runs(case: str) -> None:
 
 def test_transformer_layer_uses_the_fused_kernel() -> None:
     if CUDA and not CUDA_FUSED:
-        pytest.skip("a CUDA server's fused attention is off (GENIE_SDPA_CUDA_FUSED=0)")
+        pytest.skip("a CUDA server's fused attention is opt-in (GENIE_SDPA_CUDA_FUSED=1)")
     layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True).to(D0)
     x = torch.randn(2, 8, 16, device=D0)
     with _Ops() as ops:
@@ -160,8 +160,8 @@ def test_fused_adamw_is_sent_whole_and_matches_cpu() -> None:
 
 
 @pytest.mark.hardware
-@pytest.mark.skipif(not CUDA_FUSED, reason="needs the shared server on a CUDA device (scripts/gpu-check), fused "
-                    "attention on")
+@pytest.mark.skipif(not CUDA_FUSED, reason="needs the shared server on a CUDA device (scripts/gpu-check) and "
+                    "GENIE_SDPA_CUDA_FUSED=1")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["flash", "efficient"])
 def test_cuda_server_runs_attention_on_fused_kernels(dtype: torch.dtype) -> None:
     fn = CASES["causal"][0]
