@@ -564,6 +564,7 @@ def test_the_native_runner_keeps_the_op_clock_of_a_session_worker() -> None:
     ex = Executor(FakeChannel("test"), StorageStore(), [torch.device("cpu")])
     ex.clock = clock
     x = torch.empty(1200, 1200)
+    grad = torch.is_grad_enabled()  # a session's executor turns grad mode off in its thread: this one, here
 
     def batch(a: int, b: int, out: int) -> tuple[FrameHeader, bytes]:
         body = pack_body({"uploads": [], "cmds": [op("aten::mm", [T(a, x), T(b, x)], {}, [T(out, x)])]})
@@ -590,6 +591,7 @@ def test_the_native_runner_keeps_the_op_clock_of_a_session_worker() -> None:
     finally:
         ex.clock = NULL_CLOCK  # the runner forgets the page's address before it is unmapped
         clock.close()
+        torch.set_grad_enabled(grad)  # later tests in this process take gradients
 
 
 def test_random_command_streams_end_the_same_with_and_without_the_native_runner(
