@@ -393,7 +393,7 @@ class DataPlaneServer:
         if handover is not None and handover.handover_socket() is not None:
             return True
         log.info("session from %s runs in the node's process: its %s channel cannot be handed to a worker",
-                 getattr(channel, "peer", "?"), type(channel).__name__)
+                 channel.peer, type(channel).__name__)
         return False
 
     def _preauth(self, channel: Any, ticket: Ticket, session_id: int) -> None:

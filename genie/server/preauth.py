@@ -94,7 +94,7 @@ class PreAuthGate:
 
     def admit(self, channel: Any) -> Ticket | None:
         """A ticket for ``channel``, or None (the channel closed, the refusal logged) when a cap is reached."""
-        source = source_of(str(getattr(channel, "peer", "?")))
+        source = source_of(str(channel.peer))  # every Channel names its peer
         with self._cond:
             held = self._per_source.get(source, 0)
             full = self._closed or held >= self.per_source or len(self._tickets) >= self.total
@@ -183,7 +183,7 @@ def authenticate(channel: Any, *, token: bytes, tls: ssl.SSLContext | None, time
     works and logged through ``refusals`` (rate-limited: strangers may send floods); a peer that
     leaves before HELLO is logged at debug only. Never raises for what the peer does.
     """
-    peer = str(getattr(channel, "peer", "?"))
+    peer = str(channel.peer)
     try:
         if tls is not None and not secure_server_channel(channel, tls, timeout=timeout, peer=peer,
                                                          refusals=refusals):
@@ -243,7 +243,7 @@ def authenticate(channel: Any, *, token: bytes, tls: ssl.SSLContext | None, time
 
 def reject(channel: Any, code: str, reason: str, refusals: RefusalLog = REFUSALS) -> None:
     """Log (rate-limited) and answer REJECT ``{"code", "reason"}``; the caller closes."""
-    _reject(channel, str(getattr(channel, "peer", "?")), code, reason, refusals)
+    _reject(channel, str(channel.peer), code, reason, refusals)
 
 
 def _reject(channel: Any, peer: str, code: str, reason: str, refusals: RefusalLog) -> Admitted | None:

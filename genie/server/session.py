@@ -100,7 +100,7 @@ class Session:
     ) -> None:
         self.channel = channel
         self.session_id = session_id
-        self.peer = getattr(channel, "peer", "?")
+        self.peer = channel.peer
         self.store = StorageStore(max_storages=max_storages, max_bytes=max_bytes)
         self.executor = Executor(channel, self.store, devices)
         self.client: dict[str, Any] = {}
