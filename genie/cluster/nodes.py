@@ -22,6 +22,7 @@ from genie.device.registry import DeviceTable, RemoteDevice
 from genie.errors import ConnectError
 from genie.plugins import PluginManager
 from genie.security import ClientSecurity
+from genie.transport.base import Channel
 from genie.transport.selection import connect_with_fallback, select
 from genie.types import ClusterEvent, EventType, GPUInfo
 from genie.wire.handshake import secure_client_channel
@@ -64,9 +65,18 @@ def _open_session(pm: PluginManager, config: ClusterConfig, security: ClientSecu
                           op_timeout=config.op_timeout)
     conn.backend = outcome.backend
     conn.upload_cache = config.upload_cache
-    if outcome.backend == "tcp" and security.tls is None:  # a plain stream: the session may resume after a drop
-        reopen = transports[outcome.backend]
-        conn.reconnect = lambda timeout: reopen().connect(address, port_of("tcp"), timeout=timeout)
+    if outcome.backend == "tcp":  # a TCP stream, plain or TLS: the session may resume after a drop
+        reopen, tls = transports[outcome.backend], security.tls
+
+        def reconnect(timeout: float) -> Channel:
+            fresh = reopen().connect(address, port_of("tcp"), timeout=timeout)
+            if tls is None:
+                return fresh
+            fresh.settimeout(timeout)
+            return secure_client_channel(fresh, tls, server_hostname=address,
+                                         where=f"node {node['node_id']} at {address}:{port_of('tcp')}")
+
+        conn.reconnect = reconnect
         conn.reconnect_window = config.reconnect_window
     conn.compression_policy = CompressionPolicy.from_config(config)
     started = time.perf_counter()

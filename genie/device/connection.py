@@ -159,8 +159,8 @@ class NodeConnection:
                                          address=self.address, where=f"node {self.node_id} at {self.address}")
             self.channel.settimeout(self.op_timeout)
             offer = offer_of(reply, self.reconnect_window) if self.reconnect is not None else None
-            # a plain stream (Feature.NATIVE_STREAM, offered now): what a resume reconnects
-            if offer is not None and self.reconnect is not None and native_stream(self.channel) is not None:
+            # a TCP stream, plain or TLS (the transport's reconnect): what a resume reconnects
+            if offer is not None and self.reconnect is not None:
                 self.resumable = ResumeState(offer[0], window=offer[1], hello=hello, token=token,
                                              reconnect=self.reconnect)
             self._start_lane()

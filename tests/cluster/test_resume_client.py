@@ -231,3 +231,46 @@ def test_an_outage_longer_than_the_window_raises_remote_device_lost_naming_it(
         driver.close()
     assert got["error"] == "RemoteDeviceLost", got
     assert "reconnect window of 1.5 s" in got["message"], got
+
+
+# -- the same over TLS: the node relays the session's plaintext to its worker, a resume through a new relay --
+
+
+@pytest.fixture(scope="module")
+def tls_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NodeProcess, LinkEmulator, dict[str, str]]]:
+    """A TLS node behind an emulated 20 ms link, and the client environment that trusts it."""
+    from tests.security.certs import make_pki
+
+    pki = make_pki(tmp_path_factory.mktemp("pki"))
+    with LinkEmulator(("127.0.0.1", 1), delay=0.01) as data:
+        env = {**ENV, "GENIE_RECONNECT_WINDOW": str(NODE_WINDOW), "GENIE_LOG_LEVEL": "INFO",
+               "GENIE_TLS_CERT": pki.server_cert, "GENIE_TLS_KEY": pki.server_key, "GENIE_TLS_CA": pki.ca}
+        with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--advertise-ports", str(data.port),
+                         env=env, ready_timeout=120) as node:
+            data.target = ("127.0.0.1", node.data_port)
+            yield node, data, {**ENV, "GENIE_TLS_CA": pki.ca}
+
+
+def test_a_tls_session_resumes_after_a_cut_and_through_an_outage(
+        tls_path: tuple[NodeProcess, LinkEmulator, dict[str, str]]) -> None:
+    """A TLS session survives what a plain one does: the client redoes the TLS handshake, the node hands the
+    new connection's plaintext to the same worker through a new relay; nothing lost, nothing run twice."""
+    node, link, env = tls_path
+    driver = Driver(node.control_port, env)
+    try:
+        driver.step("stream")
+        assert driver.answer() == {"streaming": True}
+        assert link.cut() == 1
+        driver.go()
+        got = driver.answer()
+        assert got["ok"] and got["first"] == 600.0, got
+        assert got["resumes"] >= 1 and not got["lane"], got  # TLS: no native lane, the Python path resumed
+        driver.step("train")
+        assert driver.answer() == {"step": 8}
+        link.down(2.0)
+        driver.go()
+        trained = driver.answer(60)
+        assert trained["through"] == trained["plain"], trained
+        assert trained["resumes"] > got["resumes"], trained
+    finally:
+        driver.close()

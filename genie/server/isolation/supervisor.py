@@ -248,23 +248,31 @@ class WorkerSession:
             if detached is not None and time.monotonic() - detached > self.window:
                 return (f"session {self.session_id} was not resumed within the reconnect window of "
                         f"{self.window:g} s; its tensors are gone")
-            sock = channel.handover_socket()
-            if sock is None:
-                return "this connection cannot be handed to a session worker (TLS sessions are not resumed)"
+            try:  # a plain connection goes to the worker itself; a TLS one through a new relay, as at the start
+                sock, watch, ours = self.supervisor.handover(channel)
+            except GenieError as exc:
+                return str(exc)
             info = {"auth": admitted.auth, "welcome": welcome, "sent": request["sent"], "await": request["await"]}
             try:
                 with self._send_lock:
                     self._conn.send_bytes(pack_body(["resume", info]))
                     reduction.send_handle(self._conn, sock.fileno(), self.pid)
             except (OSError, ValueError) as exc:
+                if ours is not None:
+                    sock.close()
+                    ours.close()
                 return f"the worker of session {self.session_id} is gone ({exc})"
+            if ours is not None:  # the relay of the dropped connection ended with it
+                sock.close()  # the worker has its own copy now
+                self.relay = TlsRelay(tls_stream(channel), ours, f"genie-session-{self.session_id}")
+                self.relay.start()
             # The watcher closes the connection the client gave up on once it no longer polls it (the worker,
             # if it still reads it, then sees it end).
             self._retired, self.channel = self.channel, channel
             self.peer = str(channel.peer)
             self.detached_at = None
             self.resumes += 1
-            self._rewatch = sock.fileno()
+            self._rewatch = watch
         log.info("session %d resumed by %s (attempt %d)", self.session_id, self.peer, request["attempt"])
         return None
 
@@ -509,12 +517,12 @@ class Supervisor:
         (:mod:`~genie.server.isolation.relay`). Runs on the node's pre-authentication thread of that
         connection, never on an accept loop: taking the spare may mean waiting for a fork.
         """
-        sock, watch, ours = self._handover(channel)
+        sock, watch, ours = self.handover(channel)
         session = WorkerSession(self, session_id, channel, sock, watch)
         session.client = dict(admitted.client)
-        # Only a client that said it will reconnect gets a session that outlives its connection (a relayed TLS
-        # session is not resumed): any other ends at a drop, its work cancelled, as before.
-        if self.config.reconnect_window and admitted.wants_resume and ours is None:
+        # Only a client that said it will reconnect gets a session that outlives its connection (a TLS session
+        # too: a resume relays the new connection to the same worker): any other ends at a drop, as before.
+        if self.config.reconnect_window and admitted.wants_resume:
             session.window, session.secret = self.config.reconnect_window, admitted.secret
             offer: dict[str, Any] = {"session": session_id, "window": session.window}
             if not self.security.token:
@@ -552,7 +560,7 @@ class Supervisor:
         return session
 
     @staticmethod
-    def _handover(channel: Any) -> tuple[socket.socket, int, socket.socket | None]:
+    def handover(channel: Any) -> tuple[socket.socket, int, socket.socket | None]:
         """(the socket for the worker, the descriptor to watch for the client's hang-up, the node's end of a
         TLS relay or None)."""
         sock = channel.handover_socket()
