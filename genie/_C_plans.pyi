@@ -1,11 +1,13 @@
-"""Types of genie._C_plans, the server's native plan runner (genie/csrc/server_plans.cpp)."""
+"""Types of genie._C_plans, the server's native plan runner (genie/csrc/server_plans.cpp).
+
+Everything it reads of the Python core is listed in genie.server.runner_api."""
 
 from typing import Any
 
 class NativePlan:
-    """The native form of a genie.server.plans.CommandPlan (raises when it has a shape C++ does not run)."""
+    """The native form of a genie.server.runner_api.NativeSpec (raises when it has a shape C++ does not run)."""
 
-    def __init__(self, plan: Any) -> None: ...
+    def __init__(self, spec: Any) -> None: ...
 
 class Runner:
     """One session's native plans and the loop that runs a batch's commands by them."""
@@ -16,11 +18,23 @@ class Runner:
     def __len__(self) -> int: ...
     def set_clock(self, address: int, /) -> None: ...
     def set_wire(self, version: int, batch: int, reply: int, inline_record: int, max_body: int, /) -> None: ...
-    def run(self, cmds: list[Any], start: int, store: Any, max_op_elements: int, metrics: Any, pool_min: int,
+    def bind(self, binding: Any) -> None: ...
+    def run(self, cmds: list[Any], start: int, bytes_used: int, max_op_elements: int, pool_min: int,
             quiet: bool, /) -> tuple[int, int, tuple[Any, ...] | None]: ...
+    def serve(self, fd: int, records: bool, bytes_used: int, max_op_elements: int, pool_min: int, quiet: bool,
+              max_commands: int, /) -> tuple[Any, ...]: ...
+    def take_grown(self) -> int: ...
+    def served(self) -> int: ...
+    def take_reply(self) -> bytes | None: ...
 
 #: Ops whose input tensors all have fewer elements run on one intra-op thread (2**18).
 SERIAL_BELOW: int
+#: The field names, in order, of the tuples the runner reads by position (genie.server.runner_api).
+SPEC_FIELDS: tuple[str, ...]
+LAYOUT_FIELDS: tuple[str, ...]
+BINDING_FIELDS: tuple[str, ...]
+TABLES_FIELDS: tuple[str, ...]
+TALLY_FIELDS: tuple[str, ...]
 
 def use_serial(serial: bool) -> None:
     """One intra-op thread on this thread (True) or its own count (False); only a change calls torch."""

@@ -9,11 +9,11 @@
 // reply frame read back whole, never a byte past it. The session lock (NodeConnection.lock, a
 // SessionLock) is held throughout, so Python's own sends and receives never interleave with it.
 //
-// Everything about the reply is Python's: the connection's `_lane_reply` checks the header, matches
+// Everything about the reply is Python's: the connection's `lane_reply` checks the header, matches
 // the request id, raises the node's errors and keeps the statistics and the batching policy, as for
 // its own requests (genie.device.connection). A record only Python can read (a shared-memory ring
-// record) is handed back to it with the bytes read so far (`_lane_resume`); a failed send or receive
-// goes to `_lane_failed` with the frame sent, which resumes the session after a dropped link (or
+// record) is handed back to it with the bytes read so far (`lane_resume`); a failed send or receive
+// goes to `lane_failed` with the frame sent, which resumes the session after a dropped link (or
 // declares the node lost). The GIL is taken only for those calls.
 
 #include "queue.h"
@@ -272,9 +272,9 @@ bool lane_request(const std::shared_ptr<Queue>& q, int device, uint64_t req, con
   if (io != Io::ok) {
     // The frame goes along: a session that resumes after a dropped link sends it again if the node never
     // received it whole (genie.device.resume); then Python reads the reply and returns the result.
-    result = conn.attr("_lane_failed")(req, started, taken, device,
-                                       genie_io::io_text(io, err, reply.frame.empty() ? "sending" : "receiving"),
-                                       py::bytes(frame));
+    result = conn.attr("lane_failed")(req, started, taken, device,
+                                      genie_io::io_text(io, err, reply.frame.empty() ? "sending" : "receiving"),
+                                      py::bytes(frame));
     on_result(result);
     return true;
   }
@@ -282,15 +282,15 @@ bool lane_request(const std::shared_ptr<Queue>& q, int device, uint64_t req, con
   if (!reply.resume && reply.leftover.empty()) number = number_reply(reply.frame, req);
   if (number.kind != Number::none) {  // the usual answer: Python only keeps the books
     result = number_object(number);
-    if (!book_natively(*q, taken, started)) conn.attr("_lane_done")(taken, started);
+    if (!book_natively(*q, taken, started)) conn.attr("lane_done")(taken, started);
   } else if (reply.resume) {
-    result = conn.attr("_lane_resume")(req, started, taken, device, py::bytes(reply.frame), reply.record_kind,
-                                       reply.record_len);
+    result = conn.attr("lane_resume")(req, started, taken, device, py::bytes(reply.frame), reply.record_kind,
+                                      reply.record_len);
   } else {
     const std::string& f = reply.frame;
     py::object body = genie_io::whole(f) ? py::object(py::bytes(f.data() + kHeader, f.size() - kHeader)) : py::none();
-    result = conn.attr("_lane_reply")(req, started, taken, device, py::bytes(reply.frame.data(), kHeader), body,
-                                      py::bytes(reply.leftover));
+    result = conn.attr("lane_reply")(req, started, taken, device, py::bytes(reply.frame.data(), kHeader), body,
+                                     py::bytes(reply.leftover));
   }
   on_result(result);
   return true;
@@ -361,7 +361,7 @@ void init_lane(py::module_& m, std::shared_ptr<Queue> (*queue_of)(int64_t)) {
     Py_XDECREF(old);
   }, py::arg("qid"), py::arg("fd"), py::arg("records"), py::arg("conn"),
      "Answer this session's .item() natively over a duplicate of socket `fd` (-1: stop), frames inside INLINE "
-     "records when `records`; `conn` finishes each reply (_lane_reply, _lane_resume, _lane_failed).");
+     "records when `records`; `conn` finishes each reply (lane_reply, lane_resume, lane_failed).");
 }
 
 }  // namespace genie

@@ -19,6 +19,9 @@
 // judge, a storage resized in place, a CALL's answer), the outcome goes back to Python, which finishes the
 // command as genie.server.plans does. Nothing here reads a value from the network that the full path did
 // not check: a NativePlan is built only from a plan, and the bytes are only keyed and matched.
+//
+// It reads the Python core only through genie.server.runner_api (the binding section below): tuples by
+// position, never a private name.
 
 #include <torch/extension.h>
 
@@ -120,43 +123,96 @@ int64_t monotonic_ns() {
   return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
+// -- the binding: what the runner reads of the Python core (genie.server.runner_api), all of it ------------
+// Named tuples, read by position; their field names, in order, are exported (SPEC_FIELDS, ...) and a test
+// compares them with the Python classes' _fields.
+
+// genie.server.runner_api.NativeSpec
+enum SpecField : size_t {
+  kOpName, kOverload, kLabel, kDevice, kCallOuts, kWrites, kNewBytes, kMaxOpElements, kArgs, kKwargs, kArgFill,
+  kKwFill, kFloatValues, kFloatFill, kInputs, kFreshSlots, kOutputs, kSpecFields
+};
+const char* const kSpecNames[kSpecFields] = {
+    "op_name", "overload", "label", "device", "call_outs", "writes", "new_bytes", "max_op_elements", "args",
+    "kwargs", "arg_fill", "kw_fill", "float_values", "float_fill", "inputs", "fresh_slots", "outputs"};
+// genie.server.runner_api.Layout
+enum LayoutField : size_t { kSlot, kNbytes, kOffset, kSizes, kStrides, kDtype, kLayoutFields };
+const char* const kLayoutNames[kLayoutFields] = {"slot", "nbytes", "offset", "sizes", "strides", "dtype"};
+// genie.server.runner_api.RunnerBinding
+enum BindingField : size_t { kTables, kTally, kBindingFields };
+const char* const kBindingNames[kBindingFields] = {"tables", "tally"};
+// genie.server.store.StoreTables
+enum TablesField : size_t { kStorages, kSizesMap, kPoisoned, kFreed, kMaxStorages, kMaxBytes, kTablesFields };
+const char* const kTablesNames[kTablesFields] = {"storages", "sizes", "poisoned", "freed", "max_storages",
+                                                 "max_bytes"};
+// genie.server.metrics.OkTally; of its latency (genie.server.metrics.Latency) the public counts and sum
+enum TallyField : size_t { kOps, kLatency, kBuckets, kRecordOp, kTallyFields };
+const char* const kTallyNames[kTallyFields] = {"ops", "latency", "buckets", "record_op"};
+
+py::tuple field_names(const char* const* names, size_t n) {
+  py::tuple out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = py::str(names[i]);
+  return out;
+}
+
+// `obj` as one of the binding's tuples of `n` fields (named `what` in the error).
+py::tuple fields_of(py::handle obj, size_t n, const char* what) {
+  if (!PyTuple_Check(obj.ptr()) || static_cast<size_t>(PyTuple_GET_SIZE(obj.ptr())) != n)
+    throw std::runtime_error(std::string("genie: expected a ") + what + " (genie.server.runner_api)");
+  return py::reinterpret_borrow<py::tuple>(obj);
+}
+
+struct Layout {
+  size_t slot;
+  int64_t nbytes;
+  int64_t offset;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  at::ScalarType dtype;
+};
+
+Layout layout_of(py::handle obj) {
+  py::tuple t = fields_of(obj, kLayoutFields, "Layout");
+  return Layout{t[kSlot].cast<size_t>(), t[kNbytes].cast<int64_t>(), t[kOffset].cast<int64_t>(),
+                int_list(t[kSizes]), int_list(t[kStrides]), dtype_of(t[kDtype])};
+}
+
 }  // namespace
 
-// What running one command signature natively needs (made from a genie.server.plans.CommandPlan).
+// What running one command signature natively needs (made from a genie.server.runner_api.NativeSpec).
 class NativePlan {
  public:
-  explicit NativePlan(py::handle plan) {
-    py::object kernel = plan.attr("kernel");
-    py::object schema = kernel.attr("_schema");
-    auto name = schema.attr("name").cast<std::string>();
-    auto overload = schema.attr("overload_name").cast<std::string>();
+  explicit NativePlan(py::handle spec_object) {
+    py::tuple spec = fields_of(spec_object, kSpecFields, "NativeSpec");
+    auto name = spec[kOpName].cast<std::string>();
+    auto overload = spec[kOverload].cast<std::string>();
     auto handle = c10::Dispatcher::singleton().findSchema({name, overload});
     if (!handle) throw std::runtime_error("no operator " + name + "." + overload);
     op_.emplace(*handle);
-    label_ = plan.attr("label");
+    label_ = spec[kLabel];
     label_text_ = label_.cast<std::string>();
     clock_label_.assign(kClockLabel, '\0');
     std::memcpy(clock_label_.data(), label_text_.data(), std::min(label_text_.size(), kClockLabel));
-    py::object device = plan.attr("device");
-    if (!THPDevice_Check(device.ptr())) throw std::runtime_error("plan.device is not a torch.device");
+    py::object device = spec[kDevice];
+    if (!THPDevice_Check(device.ptr())) throw std::runtime_error("NativeSpec.device is not a torch.device");
     device_ = reinterpret_cast<THPDevice*>(device.ptr())->device;
-    call_outs_ = plan.attr("call_outs").cast<int64_t>();
-    writes_ = plan.attr("writes").cast<bool>();
-    new_bytes_ = plan.attr("new_bytes").cast<int64_t>();
-    max_op_elements_ = plan.attr("max_op_elements").cast<int64_t>();
+    call_outs_ = spec[kCallOuts].cast<int64_t>();
+    writes_ = spec[kWrites].cast<bool>();
+    new_bytes_ = spec[kNewBytes].cast<int64_t>();
+    max_op_elements_ = spec[kMaxOpElements].cast<int64_t>();
 
     // The argument stack: every schema argument, constants converted as torch converts a Python call's.
     const auto& arguments = op_->schema().arguments();
-    py::list args = plan.attr("args");
-    py::dict kwargs = plan.attr("kwargs");
+    py::list args = spec[kArgs];
+    py::dict kwargs = spec[kKwargs];
     if (args.size() > arguments.size()) throw std::runtime_error("more arguments than the schema has");
     std::unordered_map<size_t, size_t> positional_fill;  // argument position -> input index
-    for (py::handle pair : plan.attr("arg_fill")) {
+    for (py::handle pair : spec[kArgFill]) {
       auto t = pair.cast<py::tuple>();
       positional_fill[t[0].cast<size_t>()] = t[1].cast<size_t>();
     }
     std::unordered_map<std::string, size_t> keyword_fill;
-    for (py::handle pair : plan.attr("kw_fill")) {
+    for (py::handle pair : spec[kKwFill]) {
       auto t = pair.cast<py::tuple>();
       keyword_fill[t[0].cast<std::string>()] = t[1].cast<size_t>();
     }
@@ -195,19 +251,19 @@ class NativePlan {
         throw std::runtime_error("argument " + argument.name() + " has no value");
       }
     }
-    if (keywords_used != kwargs.size())  // plan.kwargs names its tensor slots too (their values are None)
+    if (keywords_used != kwargs.size())  // kwargs names its tensor slots too (their values are None)
       throw std::runtime_error("a keyword argument the schema does not have");
 
     // The command's floats: compared with the ones checked (float_values), or filled in per command
     // (float_fill: top-level float or Scalar arguments, and numbers where a Tensor goes, wrapped as torch
     // wraps them; a float inside a list leaves the plan to Python).
-    py::object values = plan.attr("float_values");
+    py::object values = spec[kFloatValues];
     if (!values.is_none()) {
       has_float_values_ = true;
       for (py::handle v : values) float_values_.push_back(v.cast<double>());
     }
     size_t float_index = 0;
-    for (py::handle entry : plan.attr("float_fill")) {
+    for (py::handle entry : spec[kFloatFill]) {
       auto t = entry.cast<py::tuple>();
       if (t[1].cast<int64_t>() >= 0) throw std::runtime_error("a float inside a list");
       size_t position;
@@ -228,26 +284,21 @@ class NativePlan {
       float_fills_.push_back(FloatFill{position, float_index++, wrapped});
     }
 
-    for (py::handle entry : plan.attr("inputs")) {
-      auto t = entry.cast<py::tuple>();  // (slot, nbytes, offset, sizes, strides, empty tensor of its dtype)
-      inputs_.push_back(Input{t[0].cast<size_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(), int_list(t[3]),
-                              int_list(t[4]), THPVariable_Unpack(t[5].ptr()).scalar_type()});
+    for (py::handle entry : spec[kInputs]) {
+      Layout in = layout_of(entry);
+      inputs_.push_back(Input{in.slot, in.nbytes, in.offset, std::move(in.sizes), std::move(in.strides), in.dtype});
     }
     if (fills_.size() != inputs_.size()) throw std::runtime_error("inputs and argument slots differ");
-    // An out= op run in its functional form (plan.fresh): its out arguments' storages must be new ones.
-    for (py::handle slot : plan.attr("fresh_slots")) fresh_slots_.push_back(slot.cast<size_t>());
-    py::list descs = plan.attr("out_descs");
-    py::list slots = plan.attr("out_slots");
-    for (size_t i = 0; i < descs.size(); ++i) {
-      py::handle d = descs[i];
-      if (d.is_none()) {
+    // An out= op run in its functional form: its out arguments' storages must be new ones.
+    for (py::handle slot : spec[kFreshSlots]) fresh_slots_.push_back(slot.cast<size_t>());
+    for (py::handle entry : spec[kOutputs]) {
+      if (entry.is_none()) {
         outputs_.push_back(Output{false, 0, 0, 0, {}, {}, at::ScalarType::Undefined});
         continue;
       }
-      outputs_.push_back(Output{true, slots[i].cast<size_t>(), d.attr("storage_nbytes").cast<int64_t>(),
-                                d.attr("offset").cast<int64_t>(), int_list(d.attr("sizes")),
-                                int_list(d.attr("strides")),
-                                dtype_of(d.attr("dtype"))});
+      Layout out = layout_of(entry);
+      outputs_.push_back(Output{true, out.slot, out.nbytes, out.offset, std::move(out.sizes), std::move(out.strides),
+                                out.dtype});
       ++kept_outputs_;
     }
     int64_t largest = 0;
@@ -323,8 +374,8 @@ class Runner {
   // body or None, leftover) a frame read whole (Python's path checks and runs it; leftover: stream bytes
   // past it), ("resume", partial, kind, length) a record only the channel reads, ("io", why, text) the
   // socket ended (why: "closed", "timeout", "failed"). Other arguments as run()'s.
-  py::tuple serve(int fd, bool records, py::object store, int64_t max_op_elements, py::object metrics,
-                  int64_t pool_min, bool quiet, size_t max_commands) {
+  py::tuple serve(int fd, bool records, int64_t bytes_used, int64_t max_op_elements, int64_t pool_min, bool quiet,
+                  size_t max_commands) {
     using genie_io::Io;
     using genie_io::kHeader;
     genie_io::Frame frame;
@@ -350,6 +401,7 @@ class Runner {
       return py::make_tuple("frame", py::bytes(f.data(), std::min(f.size(), kHeader)), body, py::bytes(frame.leftover));
     }
     c10::AutoGradMode no_grad(false);  // what Executor.run_batch sets per batch
+    bytes_ = bytes_used;
     ++served_;  // a BATCH read whole and taken on here: a resumed session counts it (genie.server.resume)
     py::list cmds(spans.size());
     for (size_t i = 0; i < spans.size(); ++i) {
@@ -359,7 +411,7 @@ class Runner {
     Py_ssize_t index = 0;
     size_t ran = 0;
     while (index < n) {
-      py::tuple r = run(cmds, index, store, max_op_elements, metrics, pool_min, quiet);
+      py::tuple r = walk(cmds, index, max_op_elements, pool_min, quiet);
       index = r[0].cast<Py_ssize_t>();
       ran += r[1].cast<size_t>();
       py::object outcome = r[2];
@@ -400,28 +452,69 @@ class Runner {
   // ("failed", key, ids, exception, tensors, used), where used maps the input storage ids to their storages.
   // pool_min: freed live storages this large go to the staging pool, so FREEs with one are Python's (0: every
   // FREE of a live storage is). quiet: no deferred errors wait for the next reply (a CALL may answer here).
-  py::tuple run(py::list cmds, Py_ssize_t start, py::object store, int64_t max_op_elements, py::object metrics,
-                int64_t pool_min, bool quiet) {
-    storages_ = store.attr("_storages").ptr();
-    sizes_ = store.attr("_sizes").ptr();
-    poisoned_ = store.attr("_poisoned").ptr();
-    freed_ = store.attr("_freed").ptr();
-    max_storages_ = store.attr("max_storages").cast<int64_t>();
-    max_bytes_ = store.attr("max_bytes").cast<int64_t>();
-    bytes_ = store.attr("_bytes").cast<int64_t>();
-    int64_t bytes_before = bytes_;
-    metrics_ = metrics;
-    // Borrowed for this run: the session's metrics keep them (SessionMetrics._ok, its counts, tally.ops).
-    ok_latency_ = ok_counts_ = ops_ = nullptr;
-    if (!metrics.is_none() && py::hasattr(metrics, "_ok")) {
-      if (buckets_.empty()) {
-        for (auto b : py::module_::import("genie.server.metrics").attr("DURATION_BUCKETS")) buckets_.push_back(b.cast<double>());
-      }
-      ok_latency_ = metrics.attr("_ok").ptr();
-      ok_counts_ = metrics.attr("_ok").attr("counts").ptr();
-      ops_ = metrics.attr("tally").attr("ops").ptr();
-      if (!PyList_Check(ok_counts_) || !PyDict_Check(ops_)) ok_counts_ = nullptr;
+  // bytes_used: the store's byte count now (StorageStore.bytes_used); what the run changes it by, take_grown()
+  // says. The store and metrics are the bound ones (bind()).
+  py::tuple run(py::list cmds, Py_ssize_t start, int64_t bytes_used, int64_t max_op_elements, int64_t pool_min,
+                bool quiet) {
+    bytes_ = bytes_used;
+    return walk(cmds, start, max_op_elements, pool_min, quiet);
+  }
+
+  // Bind the session's store and metrics (a genie.server.runner_api.RunnerBinding); kept until the next bind.
+  void bind(py::object binding) {
+    py::tuple b = fields_of(binding, kBindingFields, "RunnerBinding");
+    py::tuple tables = fields_of(b[kTables], kTablesFields, "StoreTables");
+    if (!PyDict_Check(tables[kStorages].ptr()) || !PyDict_Check(tables[kSizesMap].ptr()) ||
+        !PyDict_Check(tables[kPoisoned].ptr()) || !PySet_Check(tables[kFreed].ptr()))
+      throw std::runtime_error("genie: StoreTables holds dicts of storages, sizes and poisoned ids, a set of freed");
+    int64_t max_storages = tables[kMaxStorages].cast<int64_t>();
+    int64_t max_bytes = tables[kMaxBytes].cast<int64_t>();
+    std::vector<double> buckets;
+    PyObject* ops = nullptr;
+    PyObject* latency = nullptr;
+    PyObject* counts = nullptr;
+    py::object record_op = py::none();
+    if (!b[kTally].is_none()) {
+      py::tuple tally = fields_of(b[kTally], kTallyFields, "OkTally");
+      for (py::handle v : tally[kBuckets]) buckets.push_back(v.cast<double>());
+      latency = tally[kLatency].ptr();
+      py::object latency_counts = tally[kLatency].attr("counts");
+      if (!PyDict_Check(tally[kOps].ptr()) || !PyList_Check(latency_counts.ptr()) ||
+          static_cast<size_t>(PyList_GET_SIZE(latency_counts.ptr())) != buckets.size() + 1 ||
+          !PyCallable_Check(tally[kRecordOp].ptr()))
+        throw std::runtime_error("genie: OkTally holds a dict of ops, a latency with a count per bucket and one "
+                                 "more, and record_op");
+      ops = tally[kOps].ptr();
+      counts = latency_counts.ptr();
+      record_op = tally[kRecordOp];
     }
+    // Everything checked: bound. The pointers are borrowed from binding_, which the runner keeps.
+    binding_ = binding;
+    storages_ = tables[kStorages].ptr();
+    sizes_ = tables[kSizesMap].ptr();
+    poisoned_ = tables[kPoisoned].ptr();
+    freed_ = tables[kFreed].ptr();
+    max_storages_ = max_storages;
+    max_bytes_ = max_bytes;
+    buckets_ = std::move(buckets);
+    ops_ = ops;
+    ok_latency_ = latency;
+    ok_counts_ = counts;
+    record_op_ = record_op;
+  }
+
+  // The bytes the runs since the last call adopted (positive) and freed (negative), for the store to count
+  // (StorageStore.count_native); counted even when a run raised.
+  int64_t take_grown() {
+    int64_t grown = grown_;
+    grown_ = 0;
+    return grown;
+  }
+
+ private:
+  py::tuple walk(py::list cmds, Py_ssize_t start, int64_t max_op_elements, int64_t pool_min, bool quiet) {
+    if (storages_ == nullptr) throw std::runtime_error("genie: the runner was not bound to a store (Runner.bind)");
+    int64_t bytes_before = bytes_;
     Py_ssize_t n = PyList_GET_SIZE(cmds.ptr());
     Py_ssize_t i = start;
     size_t ran = 0;
@@ -429,22 +522,13 @@ class Runner {
     std::string key;
     std::vector<uint64_t> ids;
     std::vector<double> floats;
-    // The store's byte count follows what ran here even when something below raises (the session then ends).
-    struct WriteBack {
-      py::object& store;
-      int64_t& bytes;
+    // What changed the store's byte count is counted even when something below raises (the session then ends).
+    struct Grown {
+      int64_t& grown;
+      const int64_t& bytes;
       int64_t before;
-      ~WriteBack() {
-        if (bytes != before) {
-          PyObject *type, *value, *trace;
-          PyErr_Fetch(&type, &value, &trace);  // keep an exception being raised
-          PyObject* now = PyLong_FromLongLong(bytes);
-          if (now == nullptr || PyObject_SetAttrString(store.ptr(), "_bytes", now) != 0) PyErr_Clear();
-          Py_XDECREF(now);
-          PyErr_Restore(type, value, trace);
-        }
-      }
-    } write_back{store, bytes_, bytes_before};
+      ~Grown() { grown += bytes - before; }
+    } count_grown{grown_, bytes_, bytes_before};
     for (; i < n; ++i) {
       PyObject* cmd = PyList_GET_ITEM(cmds.ptr(), i);
       if (!PyBytes_CheckExact(cmd)) break;
@@ -473,11 +557,9 @@ class Runner {
       ++ran;
       if (result == kOutcome) break;
     }
-    metrics_ = py::none();
     return py::make_tuple(i, ran, outcome);
   }
 
- private:
   static constexpr int kDone = 0;     // ran and stored: nothing left for Python
   static constexpr int kNotRun = 1;   // nothing done: Python runs it by its full path
   static constexpr int kOutcome = 2;  // ran; Python finishes it from the outcome
@@ -609,25 +691,24 @@ class Runner {
   }
 
   void record(const NativePlan& plan, bool ok, int64_t started) {
-    if (metrics_.is_none()) return;
-    static PyObject* method = PyUnicode_InternFromString("record_op");
+    if (ops_ == nullptr) return;  // no metrics bound
     static PyObject* ok_status = PyUnicode_InternFromString("ok");
     static PyObject* error_status = PyUnicode_InternFromString("error");
     double elapsed = double(monotonic_ns() - started) / 1e9;
     if (ok && record_ok(plan, ok_status, elapsed)) return;
     PyObject* seconds = PyFloat_FromDouble(elapsed);
     PyObject* done = seconds == nullptr ? nullptr
-                                        : PyObject_CallMethodObjArgs(metrics_.ptr(), method, plan.label_.ptr(),
-                                                                     ok ? ok_status : error_status, seconds, nullptr);
+                                        : PyObject_CallFunctionObjArgs(record_op_.ptr(), plan.label_.ptr(),
+                                                                       ok ? ok_status : error_status, seconds, nullptr);
     Py_XDECREF(seconds);
     if (done == nullptr) throw py::error_already_set();
     Py_DECREF(done);
   }
 
   // SessionMetrics.record_op for an op that ran ("ok") and whose name the session counted before, without a
-  // Python call (three per `.item()` round trip otherwise); false leaves it to record_op (a new name).
+  // Python call (three per `.item()` round trip otherwise), as genie.server.metrics.OkTally says; false leaves
+  // it to record_op (a new name).
   bool record_ok(const NativePlan& plan, PyObject* ok_status, double seconds) {
-    if (ok_counts_ == nullptr) return false;
     PyObject* key = PyTuple_Pack(2, plan.label_.ptr(), ok_status);
     if (key == nullptr) throw py::error_already_set();
     PyObject* count = PyDict_GetItemWithError(ops_, key);  // borrowed
@@ -850,19 +931,21 @@ class Runner {
   Py_ssize_t max_freed_;
   genie_io::Wire wire_;
   char* clock_ = nullptr;
-  // Per run(): the store's maps (borrowed: the store keeps them for the session's life) and quotas.
+  // The bound RunnerBinding, and borrowed from it: the store's maps and quotas, the metrics' tally.
+  py::object binding_ = py::none();
   PyObject* storages_ = nullptr;
   PyObject* sizes_ = nullptr;
   PyObject* poisoned_ = nullptr;
   PyObject* freed_ = nullptr;
   int64_t max_storages_ = 0;
   int64_t max_bytes_ = 0;
-  int64_t bytes_ = 0;
-  py::object metrics_ = py::none();
+  int64_t bytes_ = 0;  // the store's byte count during a run (from run()'s or serve()'s bytes_used)
+  int64_t grown_ = 0;  // what the runs changed it by since take_grown()
+  py::object record_op_ = py::none();
   PyObject* ok_latency_ = nullptr;
   PyObject* ok_counts_ = nullptr;
   PyObject* ops_ = nullptr;
-  std::vector<double> buckets_;  // genie.server.metrics.DURATION_BUCKETS
+  std::vector<double> buckets_;  // OkTally.buckets
   uint64_t served_ = 0;     // BATCH frames serve() took on
   std::string last_reply_;  // the last REPLY frame serve() sent, until take_reply()
 };
@@ -872,14 +955,16 @@ class Runner {
 PYBIND11_MODULE(_C_plans, m) {
   m.doc() = "The server's native plan runner (genie.server.plans).";
   py::class_<genie_plans::NativePlan, std::shared_ptr<genie_plans::NativePlan>>(m, "NativePlan")
-      .def(py::init<py::handle>(), py::arg("plan"));
+      .def(py::init<py::handle>(), py::arg("spec"));
   py::class_<genie_plans::Runner>(m, "Runner")
       .def(py::init<size_t, Py_ssize_t>(), py::arg("max_keyed"), py::arg("max_freed"))
       .def("add", &genie_plans::Runner::add)
       .def("clear", &genie_plans::Runner::clear)
       .def("__len__", &genie_plans::Runner::size)
       .def("set_clock", &genie_plans::Runner::set_clock)
+      .def("bind", &genie_plans::Runner::bind, py::arg("binding"))
       .def("run", &genie_plans::Runner::run)
+      .def("take_grown", &genie_plans::Runner::take_grown)
       .def("set_wire", &genie_plans::Runner::set_wire)
       .def("serve", &genie_plans::Runner::serve)
       .def("served", &genie_plans::Runner::served)
@@ -887,4 +972,10 @@ PYBIND11_MODULE(_C_plans, m) {
   m.def("use_serial", &genie_plans::set_threads, py::arg("serial"),
         "One intra-op thread on this thread (True) or its own count (False); a change only calls torch.");
   m.attr("SERIAL_BELOW") = genie_plans::kSerialBelow;
+  using genie_plans::field_names;
+  m.attr("SPEC_FIELDS") = field_names(genie_plans::kSpecNames, genie_plans::kSpecFields);
+  m.attr("LAYOUT_FIELDS") = field_names(genie_plans::kLayoutNames, genie_plans::kLayoutFields);
+  m.attr("BINDING_FIELDS") = field_names(genie_plans::kBindingNames, genie_plans::kBindingFields);
+  m.attr("TABLES_FIELDS") = field_names(genie_plans::kTablesNames, genie_plans::kTablesFields);
+  m.attr("TALLY_FIELDS") = field_names(genie_plans::kTallyNames, genie_plans::kTallyFields);
 }

@@ -56,6 +56,7 @@ from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
 from genie.server.records import shapes
 from genie.server.rng import SessionGenerators
+from genie.server.runner_api import runner_binding
 from genie.server.store import StorageStore, zeroed_storage
 from genie.transport.base import Channel
 from genie.wire.frame import FrameHeader, MsgKind, send_frame
@@ -137,6 +138,8 @@ class Executor:
     @metrics.setter
     def metrics(self, metrics: SessionMetrics) -> None:
         self.kernels.metrics = metrics
+        if self.native is not None:  # the runner counts into the same figures (genie.server.runner_api)
+            self.native.bind(runner_binding(self.store, metrics if metrics is not NULL_SESSION_METRICS else None))
 
     @property
     def ops_run(self) -> int:
@@ -180,9 +183,12 @@ class Executor:
         it natively where the runner can (genie._C_plans.Runner.serve): None once the frame was handled;
         else ("frame", ...), ("resume", ...) or ("io", ...), which the session takes on."""
         assert self.native is not None
-        metrics = self.metrics if self.metrics is not NULL_SESSION_METRICS else None
-        got = self.native.serve(fd, records, self.store, self.max_op_elements, metrics, *self._runner_state(),
-                                min(MAX_COMMANDS, self.max_inflight))
+        store = self.store
+        try:
+            got = self.native.serve(fd, records, store.bytes_used, self.max_op_elements, *self._runner_state(),
+                                    min(MAX_COMMANDS, self.max_inflight))
+        finally:
+            store.count_native(self.native.take_grown())
         if got[0] == "done":
             self._natively_ran(got[1], got[2], None)
             self.metrics.queue_depth = 0  # metrics
@@ -197,12 +203,11 @@ class Executor:
         """Run a batch's commands in order (``ran``: what the native runner already did from the first)."""
         self.metrics.queue_depth = len(cmds)  # metrics
         keyer, known, run_plan, native = plans.command_key, self.plans, plans.run, self.native
-        metrics = self.metrics if self.metrics is not NULL_SESSION_METRICS else None
         index, count = 0, len(cmds)
         while index < count:
             keyed = None
             if native is not None:
-                index, keyed, finished = self._run_natively(cmds, index, metrics, ran)
+                index, keyed, finished = self._run_natively(cmds, index, ran)
                 ran = None
                 self.metrics.queue_depth = count - index  # metrics
                 if finished:  # it finished a command the runner handed back: the runner goes on after it
@@ -227,7 +232,7 @@ class Executor:
             self._run_command(codec.decode(cmd), keyed)
             self.metrics.queue_depth = count - index  # metrics
 
-    def _run_natively(self, cmds: list[Any], index: int, metrics: SessionMetrics | None,
+    def _run_natively(self, cmds: list[Any], index: int,
                       ran_before: tuple[int, int, Any] | None = None) -> tuple[int, plans.Keyed | None, bool]:
         """Run ``cmds[index:]`` by native plans (and FREEs) as far as the runner goes: (the index it stopped
         at, that command's key when the runner keyed it, whether a command the runner handed back was
@@ -236,8 +241,12 @@ class Executor:
         assert self.native is not None
         start = index
         if ran_before is None:
-            ran_before = self.native.run(cmds, index, self.store, self.max_op_elements, metrics,
-                                         *self._runner_state())
+            store = self.store
+            try:
+                ran_before = self.native.run(cmds, index, store.bytes_used, self.max_op_elements,
+                                             *self._runner_state())
+            finally:
+                store.count_native(self.native.take_grown())
         index, ran, outcome = ran_before
         self._natively_ran(index - start, ran, outcome)
         if outcome is None:

@@ -94,12 +94,12 @@ class Tally:
 
 
 class OkTally(NamedTuple):
-    """Where a session counts its ops that ran cleanly, as the native runner (genie/csrc/server_plans.cpp)
+    """Where a session counts its ops that ran cleanly, as the native runner (genie._C_plans)
     counts an op whose name the session counted before without a Python call, the way
     :meth:`SessionMetrics.record_op` counts it: one more in ``ops[(name, "ok")]``, one more in
     ``latency.counts`` at its bucket of ``buckets``, its seconds added to ``latency.sum``; anything else (a
-    new name, an error) goes to ``record_op``. Meant as the one object the runner binds per session; the
-    runner does not use it yet (it reads ``_ok`` and ``tally.ops`` by name: docs/server.md)."""
+    new name, an error) goes to ``record_op``. The runner binds it per session
+    (genie.server.runner_api.RunnerBinding)."""
 
     ops: dict[tuple[str, str], int]  #: the session's tally.ops
     latency: Latency  #: the session's latency histogram of ops that ran cleanly

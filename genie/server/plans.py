@@ -54,6 +54,7 @@ from genie.server.outputs import adopt_described, fits_outs
 from genie.server.records import error as _error
 from genie.server.records import kind_of, shapes
 from genie.server.records import message as _message
+from genie.server.runner_api import native_spec, runner_binding
 from genie.server.store import MAX_REMEMBERED_FREES, StorageStore
 from genie.wire.floats import floats_decide_metadata
 from genie.wire.messages import CMD_OP
@@ -539,8 +540,8 @@ def _shapes(args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
 
 
 def new_runner(store: StorageStore) -> Any:
-    """A session's native plan runner over ``store`` (bound once to its genie.server.store.StoreTables), or
-    None where the extension was not built."""
+    """A session's native plan runner bound to ``store`` (its metrics are bound when the executor gets them:
+    genie.server.runner_api), or None where the extension was not built."""
     if Runner is None:
         return None
     from genie.transport.record import INLINE
@@ -548,6 +549,7 @@ def new_runner(store: StorageStore) -> Any:
 
     runner = Runner(MAX_KEYED_BYTES, MAX_REMEMBERED_FREES)
     runner.set_wire(PROTOCOL_VERSION, int(MsgKind.BATCH), int(MsgKind.REPLY), INLINE, MAX_BODY_BYTES)
+    runner.bind(runner_binding(store, None))
     return runner
 
 
@@ -557,7 +559,7 @@ def native_plan(plan: CommandPlan) -> Any:
     if NativePlan is None or plan.validator is not None or plan.nested_fill or plan.random:
         return None
     try:
-        return NativePlan(plan)
+        return NativePlan(native_spec(plan))
     except Exception as exc:  # noqa: BLE001 - Python runs it, as before
         log.debug("no native plan for %s: %s", plan.label, exc)
         return None

@@ -58,11 +58,10 @@ class StoreTables(NamedTuple):
     """The store's maps and quotas as the per-command fast path reads them (:mod:`genie.server.plans`).
 
     The maps are the store's own (never replaced, only emptied by :meth:`StorageStore.clear`). Readers
-    only look; writes go through the store's methods. It is also the interface meant for the native runner
-    (genie/csrc/server_plans.cpp) to bind once per session: it adopting and freeing through these maps by
-    the rules of :meth:`StorageStore.adopt` and :meth:`StorageStore.free` and reporting the bytes that
-    changed through :meth:`StorageStore.count_native`. The runner does not use it yet: it still reads
-    ``_storages``, ``_sizes``, ``_poisoned``, ``_freed`` and writes ``_bytes`` by name (docs/server.md).
+    only look; writes go through the store's methods. It is also what the native runner (genie._C_plans)
+    binds once per session (genie.server.runner_api.RunnerBinding): it adopts and frees through these maps
+    by the rules of :meth:`StorageStore.adopt` and :meth:`StorageStore.free` and reports the bytes that
+    changed, which :meth:`StorageStore.count_native` counts.
     """
 
     storages: dict[int, torch.UntypedStorage]  #: live storages by id

@@ -78,16 +78,16 @@ def check_node_errors_come_through_the_lane_as_through_python(monkeypatch: pytes
     """Errors deferred from queued ops reach the item: Python's errors, and the session goes on. 300 failing
     scatters (three 64-dimension shapes in each record) make a reply of 256 deferred records, over 64 KiB:
     on shared memory more than an INLINE record holds, so it goes on in a ring record that the channel reads
-    (_lane_resume)."""
+    (lane_resume)."""
     conn = registry.table().devices[0].connection
     resumed: list[int] = []
-    real = conn._lane_resume
+    real = conn.lane_resume
 
     def spy(*args: Any) -> Any:
         resumed.append(1)
         return real(*args)
 
-    monkeypatch.setattr(conn, "_lane_resume", spy)
+    monkeypatch.setattr(conn, "lane_resume", spy)
     x = torch.ones([8] + [1] * 63, device=D0)  # 64 dims, the most a tensor may have: long shapes in each record
     index = torch.full([1] * 64, 10**17, dtype=torch.int64, device=D0)
     for _ in range(3):
