@@ -10,7 +10,9 @@ Copies between devices (issue 32):
   with the client's own data-plane bytes per copy (the kernel's count on its sockets). Targets: rate at
   least 0.9 of the raw send's; the client's bytes at most 1 KiB. The raw send runs before and after the
   copies (a busy host drifts within a run): the ratio is against the mean of the two, and the row shows
-  both, and the load average at its start.
+  both, and the load average at its start. Beside it: the first copy of the session (cold), and what a
+  copy costs beside its bytes: the median 4 KiB copy (call to the destination's sync answer) against a bare
+  sync round trip to the destination.
 
 torch.distributed rows (issue 32):
 
@@ -25,7 +27,7 @@ torch.distributed rows (issue 32):
 The whole benchmark re-executes itself in a private network namespace with only loopback up
 (``unshare -n``), as torch.distributed peers are started: ``--no-netns`` runs in place.
 
-    python benchmarks/bench_multi.py [--rows peer_copy_64mib,all_reduce_64mib,ddp_step] [--iters 5]
+    python benchmarks/bench_multi.py [--rows peer_copy_64mib,all_reduce_64mib,ddp_step] [--iters 5] [--warmup 5]
 """
 
 from __future__ import annotations
@@ -120,9 +122,10 @@ out["parameters"] = sum(p.numel() for p in model.parameters())
 class Bench:
     """What the rows share: the cluster (started on first use), the child processes, the iteration count."""
 
-    def __init__(self, children: Children, iters: int) -> None:
+    def __init__(self, children: Children, iters: int, warmup: float = 5.0) -> None:
         self.children = children
         self.iters = iters
+        self.warmup = warmup
         self._cluster: Any = None
 
     def cluster(self) -> Any:
@@ -187,8 +190,11 @@ def ddp_step(bench: Bench) -> dict[str, Any]:
 
 
 #: A genie client that copies 64 MiB between a device of w1 and one of w2 (node to node), ITERS times after a
-#: warm-up; each copy is timed from its call to the destination's sync answer. The client's own data-plane bytes
-#: during the timed copies come from the kernel (TCP_INFO: bytes acknowledged and received on its sockets).
+#: warm-up of WARMUP seconds of copies (a node forks its next spare session worker when a session starts: on a
+#: 2-core host that import competes with the first copies for about two seconds); each copy is timed from its call
+#: to the destination's sync answer. The first copy (a new session: its connections, the endpoint's round trip) is
+#: reported apart. The client's own data-plane bytes during the timed copies come from the kernel (TCP_INFO: bytes
+#: acknowledged and received on its sockets).
 PEER_COPY = """
 import json, os, socket, statistics, struct, time
 import torch, genie
@@ -206,7 +212,11 @@ src = next(d for d in table().devices if d.node_id == "w1")
 dst = next(d for d in table().devices if d.node_id == "w2")
 x = torch.randn(16 << 20).to(f"remote_accelerator:{src.index}")
 y = torch.empty(16 << 20, device=f"remote_accelerator:{dst.index}")
-y.copy_(x); dst.connection.sync()                       # warm-up: the peer endpoint, pages on both nodes
+started = time.perf_counter()
+y.copy_(x); dst.connection.sync()                       # the first copy: the peer endpoint, pages on both nodes
+first = time.perf_counter() - started
+while time.perf_counter() - started < float(os.environ["WARMUP"]):
+    y.copy_(x); dst.connection.sync()
 src.connection.sync()
 times, before = [], wire()
 for _ in range(int(os.environ["ITERS"])):
@@ -215,9 +225,19 @@ for _ in range(int(os.environ["ITERS"])):
     dst.connection.sync()
     times.append(time.perf_counter() - started)
 spent = (wire() - before) / len(times)
+small, syncs = [], []                                   # what a copy costs beside its bytes: 4 KiB copies
+for _ in range(50):
+    started = time.perf_counter()
+    y[:1024].copy_(x[:1024])
+    dst.connection.sync()
+    small.append(time.perf_counter() - started)
+    started = time.perf_counter()
+    dst.connection.sync()                               # against a bare round trip to the destination
+    syncs.append(time.perf_counter() - started)
 assert torch.equal(y[-8:].cpu(), x[-8:].cpu())
 genie.shutdown_sync()
-print("RESULT " + json.dumps({"seconds": statistics.median(times), "client_bytes": spent}), flush=True)
+print("RESULT " + json.dumps({"seconds": statistics.median(times), "first": first, "client_bytes": spent,
+                              "small": statistics.median(small), "sync": statistics.median(syncs)}), flush=True)
 """
 
 #: The anchor: 64 MiB sent over a TCP socket on loopback from one process to another (a sender from tensor
@@ -277,13 +297,16 @@ def peer_copy_64mib(bench: Bench) -> dict[str, Any]:
     processes on the same loopback, and the client's own bytes during each copy."""
     load = os.getloadavg()[0]
     raw_before = _child(bench, RAW_TCP, {})["seconds"]
-    remote = _child(bench, PEER_COPY, {"MASTER_CONTROL_PORT": str(bench.cluster().port)})
+    remote = _child(bench, PEER_COPY, {"MASTER_CONTROL_PORT": str(bench.cluster().port),
+                                       "WARMUP": str(bench.warmup)})
     raw_after = _child(bench, RAW_TCP, {})["seconds"]
     raw = (raw_before + raw_after) / 2
     mib = 64
     return {"row": "peer_copy_64mib", "backend": "tcp", "load_average": round(load, 1), "raw_ms": round(raw * 1e3, 1),
             "raw_before_ms": round(raw_before * 1e3, 1), "raw_after_ms": round(raw_after * 1e3, 1),
-            "genie_ms": round(remote["seconds"] * 1e3, 1), "raw_mib_s": round(mib / raw),
+            "genie_ms": round(remote["seconds"] * 1e3, 1), "genie_first_ms": round(remote["first"] * 1e3, 1),
+            "warmup_s": bench.warmup, "small_copy_ms": round(remote["small"] * 1e3, 2),
+            "sync_ms": round(remote["sync"] * 1e3, 2), "raw_mib_s": round(mib / raw),
             "genie_mib_s": round(mib / remote["seconds"]), "rate_ratio": round(raw / remote["seconds"], 2),
             "client_bytes_per_copy": round(remote["client_bytes"]), "target": ">= 0.9, client bytes <= 1024"}
 
@@ -296,12 +319,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="", help="comma-separated row names (default: every row)")
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=float, default=5.0,
+                        help="seconds of untimed copies before peer_copy_64mib's timed ones (default 5)")
     parser.add_argument("--no-netns", action="store_true", help="run in place, not in a private network namespace")
     args = parser.parse_args()
     wanted = [r for r in args.rows.split(",") if r]
     rows = [row for row in ROWS if not wanted or row.__name__ in wanted]
     with Children() as children:
-        bench = Bench(children, args.iters)
+        bench = Bench(children, args.iters, args.warmup)
         try:
             for row in rows:
                 emit(row(bench))

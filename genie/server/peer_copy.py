@@ -60,7 +60,7 @@ from genie.server.peer_link import PeerChannel, PeerListener, PeerPool, mac
 from genie.server.per_session import PerSession
 from genie.server.records import error as _error
 from genie.server.records import message as _message
-from genie.wire.buffers import tensor_bytes
+from genie.wire.buffers import prefault, tensor_bytes
 from genie.wire.messages import CMD_DEVICE_COPY, CMD_PEER_OPEN, CMD_PEER_RECV, CMD_PEER_SEND
 from genie.wire.values import DTYPES
 
@@ -472,6 +472,8 @@ def _recv(ex: Executor, cmd: list[Any]) -> None:
         direct = (dst.device.type == "cpu" and dst.dtype == dtype and tuple(dst.shape) == tuple(sizes)
                   and dst.is_contiguous() and not dst.is_conj() and not dst.is_neg())
         into = dst if direct else torch.empty(tuple(sizes), dtype=dtype)
+        if not direct:
+            prefault(into)  # fresh pages: one system call, not a fault per page during the receive
         if nbytes:
             channel.recv_into(tensor_bytes(into))
         if not direct:

@@ -33,7 +33,10 @@ from genie.wire.values import dtype_code, tensor_ext
 from tests.cluster.test_netns import TOKEN, A, in_ns, two_hosts  # noqa: F401  (a fixture)
 
 CLUSTER_TOKEN = "peer-copy-test-token-41c9"
-ENV = {"GENIE_AUTH_TOKEN": CLUSTER_TOKEN}
+#: Kept node-to-node connections close after 2 s idle (300 s by default), so a test can watch one close: the
+#: copies of a test that counts reuse are queued back to back (milliseconds apart on the workers).
+IDLE = 2.0
+ENV = {"GENIE_AUTH_TOKEN": CLUSTER_TOKEN, "GENIE_PEER_IDLE_TIMEOUT": str(IDLE)}
 #: Heartbeats fast enough to see a killed node within seconds, slow enough that a loaded CI host loses none.
 HB = ("--heartbeat-interval", "0.3", "--heartbeat-timeout", "3")
 #: The client: the same heartbeats; tcp, whose bytes the kernel counts (TCP_INFO) for the client-bytes test.
@@ -205,10 +208,11 @@ def _peer_stats(index: int) -> dict[str, Any]:
 
 def test_copies_in_a_row_reuse_one_connection(cluster) -> None:
     x = torch.arange(1 << 16, dtype=torch.float32, device="remote_accelerator:2")
-    for step in range(3):
+    copies = []
+    for _ in range(3):                       # queued back to back: each send follows the last at once
         x.add_(1)
-        y = x.to("remote_accelerator:4")
-        assert y[-1].item() == float((1 << 16) - 1 + step + 1)
+        copies.append(x.to("remote_accelerator:4"))
+    assert [y[-1].item() for y in copies] == [float(1 << 16), float((1 << 16) + 1), float((1 << 16) + 2)]
     source, destination = _peer_stats(2), _peer_stats(4)
     assert (source["dialled"], source["reused"]) == (1, 2), source
     assert destination["accepted"] == 1, destination
@@ -269,22 +273,16 @@ def test_a_kept_connection_refuses_a_copy_without_a_fresh_ticket(cluster) -> Non
     wait_until(lambda: _peer_stats(4)["live"] == 0, 5)
 
 
-def test_a_kept_connection_the_destination_closed_is_dialled_again() -> None:
+def test_a_kept_connection_the_destination_closed_is_dialled_again(cluster) -> None:
     """The destination closes a kept connection left idle; the next copy finds it closed and dials once more."""
-    env = {**ENV, "GENIE_PEER_IDLE_TIMEOUT": "0.5"}
-    with LocalCluster(("w1",), devices="cpu,cpu", master_args=HB, worker_args=HB, env=env) as nodes:
-        genie.init_sync(master_addr="127.0.0.1", master_port=nodes.port, **CLIENT)
-        try:
-            x = torch.arange(1000.0, device="remote_accelerator:2")        # w1
-            assert x.to("remote_accelerator:0")[-1].item() == 999.0          # the master: dialled, kept
-            wait_until(lambda: _peer_stats(0)["live"] == 0, 10)              # idle for 0.5 s: closed there
-            x.add_(1)
-            assert x.to("remote_accelerator:0")[-1].item() == 1000.0
-            source, destination = _peer_stats(2), _peer_stats(0)
-            assert (source["dialled"], source["reused"]) == (2, 0), source
-            assert destination["accepted"] == 2, destination
-        finally:
-            genie.shutdown_sync()
+    x = torch.arange(1000.0, device="remote_accelerator:2")
+    assert x.to("remote_accelerator:4")[-1].item() == 999.0          # dialled, then kept on both ends
+    wait_until(lambda: _peer_stats(4)["live"] == 0, IDLE + 10)        # idle for IDLE seconds: closed there
+    x.add_(1)
+    assert x.to("remote_accelerator:4")[-1].item() == 1000.0
+    source, destination = _peer_stats(2), _peer_stats(4)
+    assert (source["dialled"], source["reused"]) == (2, 0), source
+    assert destination["accepted"] == 2, destination
 
 
 def _tree(pid: int) -> list[int]:
