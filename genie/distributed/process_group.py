@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import secrets
 import threading
 import time
@@ -72,6 +73,11 @@ def _op_name(op: Any) -> str:
         if op == known:
             return name
     raise DeviceError(f"reduce op {op} is not supported on remote devices; use SUM, AVG, MAX, MIN or PRODUCT")
+
+
+def _row(t: torch.Tensor) -> int:
+    """Elements of one row (past dimension 0) of ``t``."""
+    return math.prod(t.shape[1:])
 
 
 def _is_remote(t: torch.Tensor) -> bool:
@@ -181,10 +187,30 @@ class GenieProcessGroup(dist.ProcessGroup):
         self._binding: _Binding | None = None
         self._cpu: Any = None
         self._lock = threading.Lock()
+        self._group_name = ""
+        self._group_desc = ""
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         """``genie``."""
         return BACKEND_NAME
+
+    # torch keeps a group's name in its backends; this group is its own backend, so it keeps them itself
+    # (DeviceMesh.from_group, FSDP2 and the functional collectives look groups up by name).
+    def setGroupName(self, name: str) -> None:  # noqa: N802 - torch's name
+        """Called by torch.distributed when the group is made."""
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        """The name torch.distributed gave this group."""
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        """Called by torch.distributed when the group is made."""
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        """The description torch.distributed gave this group."""
+        return self._group_desc
 
     # -- binding ----------------------------------------------------------------------------------
     def _gloo(self) -> Any:
@@ -313,6 +339,119 @@ class GenieProcessGroup(dist.ProcessGroup):
                               opts: Any = None) -> GenieWork:
         """``dist.reduce_scatter_tensor`` (torch 2.13 calls it by this name)."""
         return self._reduce_scatter_base(output, input, opts)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> GenieWork:  # type: ignore[override]  # noqa: D102
+        opts = opts if opts is not None else dist.ReduceOptions()
+        if len(tensors) != 1:
+            raise DeviceError("reduce on remote devices takes one tensor per rank")
+        b = self._remote_binding(tensors, "reduce")
+        if b is None:
+            return self._cpu_work(self._gloo().reduce(tensors, opts), tensors)
+        root = self._root(opts.rootRank, "reduce")
+        # gloo leaves partial sums in the other ranks' tensors too: they are outputs everywhere
+        return self._start(b, "reduce", tensors, {"op": _op_name(opts.reduceOp), "root": root}, tensors)
+
+    def gather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
+               input_tensors: list[torch.Tensor], opts: Any = None) -> GenieWork:  # noqa: D102
+        opts = opts if opts is not None else dist.GatherOptions()
+        root = self._root(opts.rootRank, "gather")
+        if len(input_tensors) != 1:
+            raise DeviceError("gather on remote devices takes one input tensor per rank")
+        outs = self._root_list(output_tensors, root, "gather", "gather_list", input_tensors[0])
+        b = self._remote_binding([*outs, *input_tensors], "gather")
+        if b is None:
+            return self._cpu_work(self._gloo().gather(output_tensors, input_tensors, opts), outs)
+        return self._start(b, "gather", [outs, input_tensors[0]], {"root": root}, outs)
+
+    def scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
+                input_tensors: list[list[torch.Tensor]], opts: Any = None) -> GenieWork:  # noqa: D102
+        opts = opts if opts is not None else dist.ScatterOptions()
+        root = self._root(opts.rootRank, "scatter")
+        if len(output_tensors) != 1:
+            raise DeviceError("scatter on remote devices takes one output tensor per rank")
+        ins = self._root_list(input_tensors, root, "scatter", "scatter_list", output_tensors[0])
+        b = self._remote_binding([*output_tensors, *ins], "scatter")
+        if b is None:
+            return self._cpu_work(self._gloo().scatter(output_tensors, input_tensors, opts), output_tensors)
+        return self._start(b, "scatter", [output_tensors[0], ins], {"root": root}, output_tensors)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # type: ignore[override]
+                          output_split_sizes: list[int], input_split_sizes: list[int],
+                          opts: Any = None) -> GenieWork:
+        """``dist.all_to_all_single`` (torch 2.13 calls it by this name; older ones ``alltoall_base``)."""
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        out_splits = self._splits(output, list(output_split_sizes), "output")
+        in_splits = self._splits(input, list(input_split_sizes), "input")
+        if output.dtype != input.dtype:
+            raise DeviceError(f"all_to_all_single's output is {output.dtype} and its input {input.dtype}; "
+                              "give both one dtype")
+        if _row(output) != _row(input):
+            raise DeviceError(f"all_to_all_single's output rows hold {_row(output)} elements and its input rows "
+                              f"{_row(input)}; both must have the same sizes past dimension 0")
+        b = self._remote_binding([output, input], "all_to_all_single")
+        if b is None:
+            return self._cpu_work(self._gloo().alltoall_base(output, input, list(output_split_sizes),
+                                                             list(input_split_sizes), opts), [output])
+        return self._start(b, "all_to_all_single", [output, input],
+                           {"out_splits": out_splits, "in_splits": in_splits}, [output])
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                      input_split_sizes: list[int], opts: Any = None) -> GenieWork:
+        """The older name of :meth:`all_to_all_single`."""
+        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],  # type: ignore[override]
+                 opts: Any = None) -> GenieWork:
+        """``dist.all_to_all``: input ``i`` goes to rank ``i``, output ``i`` comes from rank ``i``."""
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        size = self.size()
+        if len(output_tensors) != size or len(input_tensors) != size:
+            raise DeviceError(f"all_to_all takes one output and one input tensor per rank ({size} each), got "
+                              f"{len(output_tensors)} and {len(input_tensors)}; give lists of world_size tensors")
+        dtypes = {t.dtype for t in (*output_tensors, *input_tensors)}
+        if len(dtypes) != 1:
+            raise DeviceError("all_to_all's tensors have several dtypes; give them all one dtype")
+        b = self._remote_binding([*output_tensors, *input_tensors], "all_to_all")
+        if b is None:
+            return self._cpu_work(self._gloo().alltoall(output_tensors, input_tensors, opts), output_tensors)
+        return self._start(b, "all_to_all", [list(output_tensors), list(input_tensors)], {}, list(output_tensors))
+
+    # -- argument checks (the node checks them again: it trusts no client) ------------------------
+    def _root(self, root: Any, what: str) -> int:
+        if not 0 <= int(root) < self.size():
+            raise DeviceError(f"{what}'s root rank {root} is not in this group of {self.size()} ranks")
+        return int(root)
+
+    def _root_list(self, lists: list[list[torch.Tensor]], root: int, what: str, name: str,
+                   mine: torch.Tensor) -> list[torch.Tensor]:
+        """The root's list of one tensor per rank (each with ``mine``'s elements and dtype); [] on other ranks."""
+        if self.rank() != root:
+            if lists and lists[0]:
+                raise DeviceError(f"{what}: only the root rank ({root}) gives a {name}; pass none on rank "
+                                  f"{self.rank()}")
+            return []
+        tensors = lists[0] if len(lists) == 1 else []
+        if len(tensors) != self.size():
+            raise DeviceError(f"{what}'s {name} on the root holds {len(tensors)} tensors; give one per rank "
+                              f"({self.size()})")
+        for t in tensors:
+            if t.numel() != mine.numel() or t.dtype != mine.dtype:
+                raise DeviceError(f"{what}'s {name} holds a {t.dtype} tensor of {t.numel()} elements; each must "
+                                  f"have the {mine.numel()} {mine.dtype} elements of this rank's tensor")
+        return list(tensors)
+
+    def _splits(self, t: torch.Tensor, splits: list[int], what: str) -> list[int]:
+        size = self.size()
+        rows = t.shape[0] if t.dim() else 1
+        if not splits:
+            if rows % size:
+                raise DeviceError(f"all_to_all_single's {what} has {rows} rows, not a multiple of the world size "
+                                  f"({size}); give {what}_split_sizes")
+            return []
+        if len(splits) != size or any(int(s) < 0 for s in splits) or sum(int(s) for s in splits) != rows:
+            raise DeviceError(f"all_to_all_single's {what}_split_sizes {splits} must be {size} non-negative "
+                              f"numbers adding up to the {what}'s {rows} rows (dimension 0)")
+        return [int(s) for s in splits]
 
     def barrier(self, opts: Any = None) -> GenieWork:
         """A barrier among the ranks' session workers (the CPU group's when no remote device is bound yet and the

@@ -19,8 +19,15 @@ built: see docs/multi-gpu.md), never through the clients. The commands (codes in
   ``tensors``: ``all_reduce`` ``[t, ...]`` ``{"op"}``; ``broadcast`` ``[t, ...]`` ``{"root"}``;
   ``all_gather`` ``[[out, ...], input]``; ``all_gather_into`` ``[out, input]``; ``reduce_scatter``
   ``[out, [input, ...]]`` ``{"op"}``; ``reduce_scatter_tensor`` ``[out, input]`` ``{"op"}``;
-  ``barrier`` ``[]``; ``send``/``recv`` ``[t, ...]`` ``{"peer", "tag"}``. ``op`` is one of
-  ``sum avg max min product``. The group's thread hands it to gloo in ``seq`` order (gloo runs it on
+  ``barrier`` ``[]``; ``send``/``recv`` ``[t, ...]`` ``{"peer", "tag"}``; ``reduce`` ``[t]``
+  ``{"op", "root"}``; ``gather`` ``[[out, ...], input]`` ``{"root"}`` (the output list empty except on
+  the root); ``scatter`` ``[out, [input, ...]]`` ``{"root"}`` (the input list empty except on the
+  root); ``all_to_all_single`` ``[out, input]`` ``{"out_splits", "in_splits"}`` (row counts per rank,
+  or ``[]`` for equal parts); ``all_to_all`` ``[[out, ...], [input, ...]]`` (any sizes, as NCCL's: it
+  runs as one all_to_all_single of the tensors laid end to end). ``op`` is one of
+  ``sum avg max min product``. Every list of one tensor per rank holds exactly world-size tensors of
+  one dtype; gather's and scatter's hold the element count of the rank's own tensor; split sizes add up
+  to their tensor's rows. The group's thread hands it to gloo in ``seq`` order (gloo runs it on
   its own threads); the command thread goes on with the commands after it.
 - ``[CMD_DIST_WAIT, req, group_id, seq, budget_s]``: with a request id, waits at most ``budget_s``
   for collective ``seq`` and replies ``None`` (done), ``{"pending": true}`` (ask again) or
@@ -79,7 +86,7 @@ RESOLVE_WAIT = 30.0
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
         "product": dist.ReduceOp.PRODUCT}
 KINDS = ("all_reduce", "broadcast", "all_gather", "all_gather_into", "reduce_scatter", "reduce_scatter_tensor",
-         "barrier", "send", "recv")
+         "barrier", "send", "recv", "reduce", "gather", "scatter", "all_to_all_single", "all_to_all")
 
 
 # -- what a session worker asks its node -----------------------------------------------------------------
@@ -486,6 +493,101 @@ def _reduce_scatter(out: torch.Tensor, chunks: list[torch.Tensor], params: dict[
     return (lambda pg: pg.allreduce([flat], opts)), [out], after
 
 
+def _alike(tensors: list[torch.Tensor], like: torch.Tensor, what: str) -> None:
+    """Each of ``tensors`` has ``like``'s dtype and element count (what gloo's gather and scatter move)."""
+    for t in tensors:
+        if t.dtype != like.dtype or t.numel() != like.numel():
+            raise ProtocolError(f"{what} holds a {t.dtype} tensor of {t.numel()} elements; each must have the "
+                                f"{like.numel()} {like.dtype} elements of this rank's own tensor")
+
+
+def _root_list(value: Any, rank: int, root: int, world: int, what: str, like: torch.Tensor) -> list[torch.Tensor]:
+    """The root's one tensor per rank (checked against ``like``); an empty list on every other rank."""
+    tensors = _tensors(value, what)
+    if rank != root:
+        if tensors:
+            raise ProtocolError(f"{what} is given on the root rank ({root}) only, not on rank {rank}")
+        return tensors
+    if len(tensors) != world:
+        raise ProtocolError(f"{what} holds {len(tensors)} tensors; the root gives one per rank ({world})")
+    _alike(tensors, like, what)
+    return tensors
+
+
+def _splits(params: dict[str, Any], key: str, t: torch.Tensor, world: int) -> list[int]:
+    """all_to_all_single's split sizes ``params[key]`` for ``t``: [] (equal parts) or one row count per rank."""
+    value: Any = params.get(key, [])
+    rows = t.shape[0] if t.dim() else 1
+    if not isinstance(value, list) or not all(is_int(v) and v >= 0 for v in value):
+        raise ProtocolError(f"{key} must be a list of non-negative row counts")
+    if not value:
+        if rows % world:
+            raise ProtocolError(f"{rows} rows do not split into {world} equal parts; give {key}")
+        return []
+    if len(value) != world or sum(value) != rows:
+        raise ProtocolError(f"{key} must be {world} row counts adding up to the tensor's {rows} rows")
+    return [int(v) for v in value]
+
+
+def _all_to_all_single(args: Any, params: dict[str, Any], world: int) -> Starter:
+    if not isinstance(args, list) or len(args) != 2:
+        raise ProtocolError("all_to_all_single takes [output, input]")
+    out, inp = _tensors(args, "all_to_all_single's tensors")
+    if out.dtype != inp.dtype or out.shape[1:] != inp.shape[1:]:
+        raise ProtocolError("all_to_all_single's output and input must have one dtype and the same sizes past "
+                            "dimension 0")
+    out_splits, in_splits = _splits(params, "out_splits", out, world), _splits(params, "in_splits", inp, world)
+    opts = dist.AllToAllOptions()
+    return (lambda pg: pg.alltoall_base(out, inp, out_splits, in_splits, opts)), [out], None
+
+
+def _all_to_all(args: Any, world: int) -> Starter:
+    if not isinstance(args, list) or len(args) != 2:
+        raise ProtocolError("all_to_all takes [outputs, inputs]")
+    outs, ins = _tensors(args[0], "all_to_all's outputs"), _tensors(args[1], "all_to_all's inputs")
+    if len(outs) != world or len(ins) != world:
+        raise ProtocolError(f"all_to_all takes one output and one input per rank ({world} each)")
+    if len({t.dtype for t in (*outs, *ins)}) != 1:
+        raise ProtocolError("all_to_all's tensors must have one dtype")
+    # As one all_to_all_single of the tensors laid end to end: gloo's own alltoall wants every tensor of one
+    # size, NCCL's (and torch's API) does not.
+    flat_in = torch.cat([t.reshape(-1) for t in ins])
+    flat_out = torch.empty(sum(t.numel() for t in outs), dtype=outs[0].dtype, device=outs[0].device)
+    out_splits, in_splits = [t.numel() for t in outs], [t.numel() for t in ins]
+    opts = dist.AllToAllOptions()
+
+    def after() -> None:
+        for t, part in zip(outs, flat_out.split(out_splits), strict=True):
+            t.copy_(part.view(t.shape))
+
+    return (lambda pg: pg.alltoall_base(flat_out, flat_in, out_splits, in_splits, opts)), outs, after
+
+
+def _rooted(kind: str, args: Any, params: dict[str, Any], world: int, rank: int) -> Starter:
+    """reduce, gather and scatter: collectives with a root rank."""
+    root = _rank_param(params, "root", world)
+    if kind == "reduce":
+        ts, ropts = _tensors(args, "reduce's tensors"), dist.ReduceOptions()
+        if len(ts) != 1:
+            raise ProtocolError("reduce takes one tensor")
+        ropts.reduceOp, ropts.rootRank = _reduce_op(params), root
+        # gloo leaves partial results in the other ranks' tensors: they are written everywhere
+        return (lambda pg: pg.reduce(ts, ropts)), ts, None
+    if not isinstance(args, list) or len(args) != 2:
+        raise ProtocolError(f"{kind} takes [output, input]")
+    if kind == "gather":
+        (inp,) = _tensors([args[1]], "gather's input")
+        outs = _root_list(args[0], rank, root, world, "gather's output list", inp)
+        gopts = dist.GatherOptions()
+        gopts.rootRank = root
+        return (lambda pg: pg.gather([outs] if outs else [], [inp], gopts)), outs, None
+    (out,) = _tensors([args[0]], "scatter's output")
+    ins = _root_list(args[1], rank, root, world, "scatter's input list", out)
+    sopts = dist.ScatterOptions()
+    sopts.rootRank = root
+    return (lambda pg: pg.scatter([out], [ins] if ins else [], sopts)), [out], None
+
+
 def _starter(kind: str, args: Any, params: dict[str, Any], world: int, rank: int) -> Starter:
     """How to start collective ``kind`` on a gloo group, the tensors it writes, and what to do once it ended."""
     if kind == "all_reduce":
@@ -514,6 +616,12 @@ def _starter(kind: str, args: Any, params: dict[str, Any], world: int, rank: int
         if i.numel() != o.numel() * world:
             raise ProtocolError(f"reduce_scatter_tensor's input must hold {world} times its output's elements")
         return _reduce_scatter(o, list(i.reshape(-1).chunk(world)), params, rank)
+    if kind in ("reduce", "gather", "scatter"):
+        return _rooted(kind, args, params, world, rank)
+    if kind == "all_to_all_single":
+        return _all_to_all_single(args, params, world)
+    if kind == "all_to_all":
+        return _all_to_all(args, world)
     if kind == "barrier":
         return (lambda pg: pg.barrier()), [], None
     if kind in ("send", "recv"):

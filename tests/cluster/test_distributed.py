@@ -108,6 +108,77 @@ dist.all_reduce(i)
 out["integers"] = bool(torch.equal(i.cpu(), torch.tensor([3])))
 """
 
+ROOTED_AND_ALL_TO_ALL = """
+# reduce (gloo leaves partial results on the other rank: both ranks compare), gather, scatter
+for op in ("SUM", "MAX"):
+    r, c = x.to(device), x.clone()
+    dist.reduce(r, dst=1, op=getattr(dist.ReduceOp, op))
+    dist.reduce(c, dst=1, op=getattr(dist.ReduceOp, op))
+    same("reduce_" + op, r, c)
+rs = [torch.empty(6, device=device) for _ in range(2)] if rank == 0 else None
+cs = [torch.empty(6) for _ in range(2)] if rank == 0 else None
+dist.gather(x.to(device), rs, dst=0)
+dist.gather(x, cs, dst=0)
+out["gather"] = rank != 0 or bool(torch.equal(torch.stack([t.cpu() for t in rs]), torch.stack(cs)))
+parts = [x * (i + 2) for i in range(2)]
+r, c = torch.empty(6, device=device), torch.empty(6)
+dist.scatter(r, [p.to(device) for p in parts] if rank == 1 else None, src=1)
+dist.scatter(c, parts if rank == 1 else None, src=1)
+same("scatter", r, c)
+# all_to_all_single in equal parts and in uneven splits of a 2-D tensor's rows; all_to_all of lists
+m = torch.arange(8.0).reshape(4, 2) + 100 * rank
+r, c = torch.empty(4, 2, device=device), torch.empty(4, 2)
+dist.all_to_all_single(r, m.to(device))
+dist.all_to_all_single(c, m)
+same("all_to_all_single", r, c)
+sent, got = ([1, 3], [1, 2]) if rank == 0 else ([2, 2], [3, 2])
+r, c = torch.empty(sum(got), 2, device=device), torch.empty(sum(got), 2)
+dist.all_to_all_single(r, m.to(device), got, sent)
+dist.all_to_all_single(c, m, got, sent)
+same("all_to_all_single_splits", r, c)
+# uneven sizes, as NCCL allows (gloo's all_to_all on CPU wants one size: the reference is all_to_all_single)
+ins = [torch.arange(2.0 + peer) + 10 * rank for peer in range(2)]  # rank `peer` receives 2 + peer elements
+rl, c = [torch.empty(2 + rank, device=device) for _ in range(2)], torch.empty(4 + 2 * rank)
+dist.all_to_all(rl, [t.to(device) for t in ins])
+dist.all_to_all_single(c, torch.cat(ins), [2 + rank] * 2, [2, 3])
+same("all_to_all", torch.cat([t.cpu() for t in rl]), c)
+
+# wrong sizes: the client refuses before anything is sent, naming the fix (both ranks refuse: nobody waits)
+def refused(call, *words):
+    try:
+        call()
+    except Exception as exc:
+        text = type(exc).__name__ + ": " + str(exc)
+        return all(w in text for w in words) or text
+    return "not refused"
+out["refuses_bad_splits"] = refused(lambda: dist.all_to_all_single(torch.empty(4, 2, device=device), m.to(device),
+                                                                   [1, 1], [2, 2]),
+                                    "DeviceError", "output_split_sizes", "adding up to", "4 rows")
+short = [torch.empty(5, device=device) for _ in range(2)]
+# (torch itself refuses a gather_list on rank 1: then neither rank waits for the other)
+out["refuses_bad_gather_list"] = refused(lambda: dist.gather(x.to(device), short, dst=0),
+                                         *(("DeviceError", "gather_list", "each must have the 6") if rank == 0 else
+                                           ("ValueError", "gather_list", "non-destination")))
+out["refuses_bad_all_to_all"] = refused(lambda: dist.all_to_all([r], [x.to(device)]), "DeviceError",
+                                        "one output and one input tensor per rank")
+# the same mistakes sent past the client's checks: the node refuses them (the work handle raises), and the
+# group goes on
+pg = dist.distributed_c10d._get_default_group()
+b = pg._binding
+bad = [("all_to_all_single", [torch.empty(4, 2, device=device), m.to(device)],
+        {"out_splits": [1, 1], "in_splits": [2, 2]}, "out_splits must be 2 row counts adding up to"),
+       ("gather", [short if rank == 0 else [short[0]], x.to(device)], {"root": 0},
+        "each must have the 6" if rank == 0 else "on the root rank (0) only"),
+       ("scatter", [torch.empty(6, device=device), []], {"root": 5}, "root must be a rank from 0 to 1"),
+       ("all_to_all", [[r], [x.to(device)]], {}, "one output and one input per rank")]
+for kind, tensors, params, words in bad:
+    out["node_refuses_" + kind] = refused(lambda: pg._start(b, kind, tensors, params, []).wait(),
+                                          "RemoteExecutionError", words)
+r = x.to(device)
+dist.all_reduce(r)
+same("after_refusals", r, torch.arange(6.0) * 3 + 1)
+"""
+
 DDP = """
 import copy
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -219,19 +290,32 @@ def cluster() -> Iterator[LocalCluster]:
 @pytest.fixture(scope="module")
 def two_ranks(cluster: LocalCluster) -> list[dict[str, object]]:
     """One pair of client processes (on w1 and w2) runs every collective, then DDP: one start-up for both tests."""
-    ranks = Ranks(cluster, ("w1", "w2"), COLLECTIVES + DDP)
+    ranks = Ranks(cluster, ("w1", "w2"), COLLECTIVES + ROOTED_AND_ALL_TO_ALL + DDP)
     try:
         return ranks.results(180)
     finally:
         ranks.stop()
 
 
+def _refusals(name: str) -> bool:
+    return name.startswith(("refuses_", "node_refuses_"))
+
+
 def test_every_collective_on_remote_devices_equals_gloo_on_cpu(two_ranks: list[dict[str, object]]) -> None:
     for rank, result in enumerate(two_ranks):
-        checks = {name: ok for name, ok in result.items() if not name.startswith("ddp_")}
+        checks = {name: ok for name, ok in result.items() if not name.startswith("ddp_") and not _refusals(name)}
         failed = sorted(name for name, ok in checks.items() if ok is not True)
         assert not failed, f"rank {rank}: remote results differ from gloo's on CPU: {failed}"
-        assert len(checks) == 15
+        assert len(checks) == 15 + 8  # 8: reduce (2 ops), gather, scatter, all_to_all (3), after the refusals
+
+
+def test_wrong_sizes_are_refused_by_the_client_and_by_the_node_naming_the_fix(
+        two_ranks: list[dict[str, object]]) -> None:
+    for rank, result in enumerate(two_ranks):
+        checks = {name: ok for name, ok in result.items() if _refusals(name)}
+        assert len(checks) == 3 + 4, checks
+        wrong = {name: ok for name, ok in checks.items() if ok is not True}
+        assert not wrong, f"rank {rank}: not refused, or refused without naming the fix: {wrong}"
 
 
 def test_ddp_on_two_remote_devices_trains_as_ddp_on_cpu(two_ranks: list[dict[str, object]]) -> None:
