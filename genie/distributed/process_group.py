@@ -176,6 +176,38 @@ class GenieWork(dist.Work):
         return future
 
 
+class GenieWorks(dist.Work):
+    """The handle of a coalesced call: one collective per tensor, waited together."""
+
+    def __init__(self, works: list[GenieWork], outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._works = works
+        self._outputs = outputs
+
+    def is_completed(self) -> bool:  # noqa: D102 - torch.distributed.Work's API
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:  # noqa: D102
+        return all(w.is_success() for w in self._works)
+
+    def result(self) -> list[torch.Tensor]:  # noqa: D102
+        return self._outputs
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Wait for each collective (a sync point; the first failure is raised)."""
+        for work in self._works:
+            work.wait(timeout)
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        """A completed future of the outputs; the device's later ops run after every collective of the call."""
+        for work in self._works:
+            work.get_future()
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(self._outputs)
+        return future
+
+
 class GenieProcessGroup(dist.ProcessGroup):
     """torch.distributed's process group for remote tensors (and, through gloo, CPU tensors)."""
 
@@ -415,6 +447,50 @@ class GenieProcessGroup(dist.ProcessGroup):
         if b is None:
             return self._cpu_work(self._gloo().alltoall(output_tensors, input_tensors, opts), output_tensors)
         return self._start(b, "all_to_all", [list(output_tensors), list(input_tensors)], {}, list(output_tensors))
+
+    # -- coalesced calls: one collective per tensor, in order (what the functional collectives use) --
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> GenieWorks:  # type: ignore[override]
+        """``dist.all_reduce_coalesced``: an all_reduce of each tensor."""
+        one = dist.AllreduceOptions()
+        if opts is not None:
+            one.reduceOp = opts.reduceOp
+        return GenieWorks([self.allreduce([t], one) for t in tensors], tensors)
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],  # type: ignore[override]
+                                    opts: Any = None) -> GenieWorks:
+        """All-gathers into tensors, one per pair (DTensor's and torch.compile's functional all_gather)."""
+        if len(outputs) != len(inputs):
+            raise DeviceError(f"a coalesced all_gather pairs outputs with inputs: {len(outputs)} outputs for "
+                              f"{len(inputs)} inputs; give one output per input")
+        return GenieWorks([self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)], outputs)
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],  # type: ignore[override]
+                                        inputs: list[torch.Tensor], opts: Any = None) -> GenieWorks:
+        """Reduce-scatters of tensors, one per pair (the functional reduce_scatter_tensor)."""
+        if len(outputs) != len(inputs):
+            raise DeviceError(f"a coalesced reduce_scatter pairs outputs with inputs: {len(outputs)} outputs for "
+                              f"{len(inputs)} inputs; give one output per input")
+        return GenieWorks([self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)],
+                          outputs)
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],  # type: ignore[override]
+                                        opts: Any = None) -> GenieWorks:
+        """The older name of :meth:`all_gather_single_coalesced`."""
+        return self.all_gather_single_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],  # type: ignore[override]
+                                        inputs: list[torch.Tensor], opts: Any = None) -> GenieWorks:
+        """The older name of :meth:`reduce_scatter_single_coalesced`."""
+        return self.reduce_scatter_single_coalesced(outputs, inputs, opts)
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],  # type: ignore[override]
+                            inputs: list[torch.Tensor], opts: Any = None) -> GenieWorks:
+        """``dist.all_gather_coalesced``: an all_gather of each input into its list."""
+        if len(output_lists) != len(inputs):
+            raise DeviceError(f"all_gather_coalesced takes one output list per input: {len(output_lists)} lists "
+                              f"for {len(inputs)} inputs")
+        works = [self.allgather([outs], [i]) for outs, i in zip(output_lists, inputs, strict=True)]
+        return GenieWorks(works, [t for outs in output_lists for t in outs])
 
     # -- argument checks (the node checks them again: it trusts no client) ------------------------
     def _root(self, root: Any, what: str) -> int:

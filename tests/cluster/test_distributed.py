@@ -2,9 +2,10 @@
 
 A real cluster on loopback (a master and worker nodes, :class:`~genie.testing.LocalCluster`), two
 client processes joined by a ``TCPStore`` this test hosts, ``init_process_group("cpu:gloo,
-remote_accelerator:genie")``. Every collective on remote tensors is checked against the same
-collective on CPU tensors through gloo in the same process group; DDP on the remote devices
-against DDP on the CPU; a worker node killed while both ranks wait fails both handles with
+remote_accelerator:genie")``. Every collective on remote tensors (and DTensor's redistributions,
+through torch's functional collectives) is checked against the same collective on CPU tensors
+through gloo in the same process group; wrong sizes are refused by the client and by the node; DDP
+on the remote devices against DDP on the CPU; a worker node killed while both ranks wait fails both handles with
 RemoteDeviceLost naming it. torch.distributed binds and connects loopback only
 (``GLOO_SOCKET_IFNAME=lo``, ``MASTER_ADDR=127.0.0.1``).
 """
@@ -179,6 +180,30 @@ dist.all_reduce(r)
 same("after_refusals", r, torch.arange(6.0) * 3 + 1)
 """
 
+DTENSOR = """
+# DTensor's redistributions run torch's functional collectives, which reach the group by name and call its
+# coalesced methods; the same redistributions over the group's CPU side (gloo) are the reference
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+meshes = {"remote": DeviceMesh.from_group(dist.group.WORLD, "remote_accelerator"),
+          "cpu": DeviceMesh.from_group(dist.group.WORLD, "cpu")}
+full, mine = torch.arange(24.0).reshape(4, 6), torch.arange(24.0).reshape(4, 6) * (rank + 1)
+got = {}
+for where, mesh in meshes.items():
+    dev = device if where == "remote" else "cpu"
+    sharded = distribute_tensor(full.to(dev), mesh, [Shard(0)])
+    partial = DTensor.from_local(mine.to(dev), mesh, [Partial()])
+    got[where] = [sharded.full_tensor(), partial.full_tensor(), partial.redistribute(mesh, [Shard(0)]).to_local(),
+                  sharded.redistribute(mesh, [Shard(1)]).to_local()]
+for i, name in enumerate(("all_gather", "all_reduce", "reduce_scatter", "shard_to_shard")):
+    same("dtensor_" + name, got["remote"][i], got["cpu"][i])
+rs, cs = [x.to(device), (x * 2).to(device)], [x.clone(), x * 2]
+dist.all_reduce_coalesced(rs)
+dist.all_reduce_coalesced(cs)
+same("all_reduce_coalesced", torch.stack([t.cpu() for t in rs]), torch.stack(cs))
+"""
+
 DDP = """
 import copy
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -289,8 +314,9 @@ def cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def two_ranks(cluster: LocalCluster) -> list[dict[str, object]]:
-    """One pair of client processes (on w1 and w2) runs every collective, then DDP: one start-up for both tests."""
-    ranks = Ranks(cluster, ("w1", "w2"), COLLECTIVES + ROOTED_AND_ALL_TO_ALL + DDP)
+    """One pair of client processes (on w1 and w2) runs every collective, DTensor's, then DDP: one start-up for the
+    tests that read its results."""
+    ranks = Ranks(cluster, ("w1", "w2"), COLLECTIVES + ROOTED_AND_ALL_TO_ALL + DTENSOR + DDP)
     try:
         return ranks.results(180)
     finally:
@@ -306,7 +332,8 @@ def test_every_collective_on_remote_devices_equals_gloo_on_cpu(two_ranks: list[d
         checks = {name: ok for name, ok in result.items() if not name.startswith("ddp_") and not _refusals(name)}
         failed = sorted(name for name, ok in checks.items() if ok is not True)
         assert not failed, f"rank {rank}: remote results differ from gloo's on CPU: {failed}"
-        assert len(checks) == 15 + 8  # 8: reduce (2 ops), gather, scatter, all_to_all (3), after the refusals
+        # 8: reduce (2 ops), gather, scatter, all_to_all (3), after the refusals; 5: DTensor (4), coalesced
+        assert len(checks) == 15 + 8 + 5
 
 
 def test_wrong_sizes_are_refused_by_the_client_and_by_the_node_naming_the_fix(
