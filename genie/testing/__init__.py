@@ -409,9 +409,21 @@ class LocalCluster:
         return ([self.master] if self.master is not None else []) + list(self.workers.values())
 
     def stop(self) -> None:
-        """Stop every node, workers first (so none reports the master lost on the way out)."""
-        for proc in [*reversed(self.workers.values()), *([self.master] if self.master else [])]:
-            proc.stop()
+        """Stop every node, workers first (so none reports the master lost on the way out).
+
+        The workers stop side by side (a node takes a second or more to shut down its session
+        workers), then the master.
+        """
+        workers = list(reversed(self.workers.values()))
+        if len(workers) > 1:
+            stoppers = [threading.Thread(target=proc.stop, name=f"stop-{proc.node_id or 'worker'}", daemon=True)
+                        for proc in workers]
+            for thread in stoppers:
+                thread.start()
+            for thread in stoppers:
+                thread.join()
+        for proc in [*workers, *([self.master] if self.master else [])]:
+            proc.stop()  # once more: nothing left to do for a stopped worker; the master now
             proc.cleanup()
 
     def __enter__(self) -> LocalCluster:

@@ -38,9 +38,7 @@ class EventWatcher:
         return any(e.type.value == type_ and e.source == source for e in self.events)
 
 
-@pytest.fixture
-def cluster() -> Iterator[dict]:
-    """A master (on any free port) and workers w1, w2; ``procs`` is [master, w1, w2]."""
+def _three_nodes() -> Iterator[dict]:
     with LocalCluster(("w1", "w2"), master_args=HB, worker_args=HB) as nodes:
         port = nodes.port
         wait_until(lambda: len(query_master_sync("127.0.0.1", port)["devices"]) == 3, 10)
@@ -52,7 +50,21 @@ def cluster() -> Iterator[dict]:
                 proc.stop()
 
 
-def test_master_two_workers_and_a_client_run_work_on_every_node(cluster) -> None:
+@pytest.fixture
+def cluster() -> Iterator[dict]:
+    """A master (on any free port) and workers w1, w2; ``procs`` is [master, w1, w2]. Its own for each test
+    that kills or restarts a node."""
+    yield from _three_nodes()
+
+
+@pytest.fixture(scope="module")
+def shared_cluster() -> Iterator[dict]:
+    """The same cluster, shared by the module's tests that only connect clients to it (and disconnect them)."""
+    yield from _three_nodes()
+
+
+def test_master_two_workers_and_a_client_run_work_on_every_node(shared_cluster) -> None:
+    cluster = shared_cluster
     import torch
 
     import genie
@@ -186,12 +198,12 @@ def test_restarted_master_is_rejoined_by_workers_and_clients(cluster) -> None:
         genie.shutdown_sync()
 
 
-def test_a_client_busy_in_a_long_computation_is_not_declared_lost(cluster) -> None:
+def test_a_client_busy_in_a_long_computation_is_not_declared_lost(shared_cluster) -> None:
     import torch
 
     import genie
 
-    port = cluster["port"]
+    port = shared_cluster["port"]
     genie.init_sync(master_addr="127.0.0.1", master_port=port, heartbeat_interval=0.2, heartbeat_timeout=1,
                     timeout=20, node_id="busy-client")
     try:
