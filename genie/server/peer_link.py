@@ -324,10 +324,14 @@ class PeerPool:
 
     def give(self, node: str, host: str, port: int, channel: PeerChannel) -> None:
         """Keep ``channel`` (its last exchange ended cleanly) for the next :meth:`take` of ``(node, port)``."""
+        now = time.monotonic()
         with self._lock:
             old = self._idle.pop((node, port), None)
-            self._idle[(node, port)] = (channel, host, time.monotonic())
             dropped = [old[0]] if old is not None else []
+            for k in [k for k, (kept, _, since) in self._idle.items()  # closed by their peers, or idle too long
+                      if now - since >= self._max_idle or not kept.alive()]:
+                dropped.append(self._idle.pop(k)[0])
+            self._idle[(node, port)] = (channel, host, now)
             while len(self._idle) > self._limit:
                 dropped.append(self._idle.pop(next(iter(self._idle)))[0])
         for stale in dropped:
