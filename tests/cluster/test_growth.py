@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 
@@ -79,10 +80,18 @@ def test_the_event_relay_and_new_sessions_use_the_token_given_to_init(monkeypatc
             genie.shutdown_sync()
 
 
-def test_genie_worker_finds_the_master_through_GENIE_MASTER_variables_and_arguments_win() -> None:
-    with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--node-id", "master", *HB) as master, \
-            refused_port() as nowhere:
-        port = master.control_port
+@pytest.fixture(scope="module")
+def plain_master() -> Iterator[NodeProcess]:
+    """A master without a token, shared by the tests that only point commands and workers at it (nobody
+    counts its devices)."""
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--node-id", "master", *HB) as master:
+        yield master
+
+
+def test_genie_worker_finds_the_master_through_GENIE_MASTER_variables_and_arguments_win(
+        plain_master: NodeProcess) -> None:
+    with refused_port() as nowhere:
+        port = plain_master.control_port
         to_master = {"GENIE_MASTER_ADDR": "127.0.0.1", "GENIE_MASTER_PORT": str(port)}
         elsewhere = {"GENIE_MASTER_ADDR": "127.0.0.1", "GENIE_MASTER_PORT": str(nowhere)}
         with NodeProcess("worker", "--devices", "cpu", "--node-id", "by-env", *HB, env=to_master), \
@@ -92,10 +101,10 @@ def test_genie_worker_finds_the_master_through_GENIE_MASTER_variables_and_argume
                        and node_status(port, "by-arg") == "connected", 5)
 
 
-def test_genie_discover_probes_the_master_of_GENIE_MASTER_variables_unless_told_otherwise() -> None:
-    with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--node-id", "master", *HB) as master, \
-            refused_port() as other:
-        port = master.control_port
+def test_genie_discover_probes_the_master_of_GENIE_MASTER_variables_unless_told_otherwise(
+        plain_master: NodeProcess) -> None:
+    with refused_port() as other:
+        port = plain_master.control_port
         env = {"GENIE_MASTER_ADDR": "127.0.0.1", "GENIE_MASTER_PORT": str(port)}
         by_env = run_genie("discover", "--json", env=env)
         assert by_env.returncode == 0, by_env.stderr
