@@ -1,4 +1,4 @@
-"""Types of genie._C_keys, the server's command signatures (genie/csrc/server_keys.cpp)."""
+"""Types of genie._C_keys, the server's command signatures (genie/csrc/server/keys_module.cpp)."""
 
 def command_key(data: bytes, /) -> tuple[bytes, tuple[int, ...], tuple[float, ...]] | None:
     """A command's key (its bytes with every tensor tag's storage id and every float taken out, then the

@@ -1,4 +1,4 @@
-"""Types of genie._C_plans, the server's native plan runner (genie/csrc/server_plans.cpp).
+"""Types of genie._C_plans, the server's native plan runner (genie/csrc/server/).
 
 Everything it reads of the Python core is listed in genie.server.runner_api."""
 

@@ -107,7 +107,7 @@ def _cpp_sources() -> dict[str, str]:
 
 def test_no_cpp_source_looks_up_a_private_python_name() -> None:
     sources = _cpp_sources()
-    assert any(path.endswith("server_plans.cpp") for path in sources)  # the scan reads the runner's binding
+    assert any(path.endswith("server/runner_binding.cpp") for path in sources)  # the scan reads the binding
     found = _cpp_violations(sources)
     assert not found, "C++ reads Python private names (bind to a public, documented name instead: " \
         "genie/server/runner_api.py for the native runner):\n" + "\n".join(found)

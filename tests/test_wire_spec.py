@@ -18,7 +18,7 @@ import torch
 
 from genie.wire import frame, messages, spec, values
 
-HEADER_PATH = Path(__file__).resolve().parent.parent / "genie" / "csrc" / "wire_spec.h"
+HEADER_PATH = Path(__file__).resolve().parent.parent / "genie" / "csrc" / "wire" / "wire_spec.h"
 D0 = "remote_accelerator:0"
 
 
@@ -26,8 +26,8 @@ def test_the_checked_in_header_is_generated_from_the_spec() -> None:
     generated = subprocess.run([sys.executable, "-m", "genie.wire.spec", "--header"], capture_output=True,
                                text=True, check=True, timeout=60).stdout
     assert generated == HEADER_PATH.read_text(), (
-        "genie/csrc/wire_spec.h differs from genie/wire/spec.py: regenerate it with "
-        "`.venv/bin/python -m genie.wire.spec --header > genie/csrc/wire_spec.h`, rebuild the extensions "
+        "genie/csrc/wire/wire_spec.h differs from genie/wire/spec.py: regenerate it with "
+        "`.venv/bin/python -m genie.wire.spec --header > genie/csrc/wire/wire_spec.h`, rebuild the extensions "
         "(pip install --no-build-isolation --no-deps -e .) and commit both")
 
 

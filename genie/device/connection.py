@@ -88,9 +88,9 @@ class NodeConnection:
         self.op_timeout = op_timeout
         self.devices: list[dict[str, Any]] = []
         self.limits: dict[str, Any] = {}
-        #: genie._C's queue for this session: ops it encodes itself (genie/csrc/fastpath.cpp); room set by _room()
+        #: genie._C's queue for this session: ops it encodes itself (genie/csrc/device/fastpath.cpp); room set by _room()
         self.qid: int = _C.queue_new()
-        #: every send and receive of the session holds it; shared with genie._C's lane (genie/csrc/lane.cpp)
+        #: every send and receive of the session holds it; shared with genie._C's lane (genie/csrc/device/lane.cpp)
         self.lock = _C.SessionLock(self.qid)
         self._lane = False  # whether genie._C answers .item() on this session's channel itself
         self._cmds: list[bytes] = []
@@ -612,7 +612,7 @@ class NodeConnection:
         self.flush_at = MIN_BATCH_CMDS if small else MAX_BATCH_CMDS
         STATS.round_trip(command, started, payload_len)  # stats
 
-    # -- the lane's replies (genie/csrc/lane.cpp calls these with the session lock held) -----------------
+    # -- the lane's replies (genie/csrc/device/lane.cpp calls these with the session lock held) -----------------
     # lane_done, lane_reply, lane_resume and lane_failed are all the lane reads of this class: public, since
     # C++ reads no private Python name (tests/test_privates.py).
     def _lane_channel(self) -> Any:

@@ -1,7 +1,7 @@
 """The PrivateUse1 fallback: every aten op on ``remote_accelerator`` that C++ does not answer.
 
 Remote tensors are ordinary tensors whose storage is a number (a *storage id*, see
-``genie/csrc/device.cpp``). For an op the fallback
+``genie/csrc/device/allocator.h``). For an op the fallback
 
 1. finds the one device its tensors live on (mixing devices fails like CUDA),
 2. gets the outputs' dtype/sizes/strides/offset from meta tensors (cached per signature),
@@ -365,7 +365,7 @@ def _run_meta(func: Any, args: Any, kwargs: Any) -> tuple[list[Any], Any, list[A
 
 
 def _teach(info: OpInfo, metas: list[Any], values: list[Any], conform: list[bool], kinds: list[Any]) -> None:
-    """Teach genie._C this call's signature (genie/csrc/fastpath.cpp): its outputs, when it can answer
+    """Teach genie._C this call's signature (genie/csrc/device/fastpath.cpp): its outputs, when it can answer
     the next call with the same signature alone (fresh or in-place outputs that keep their layout)."""
     plan: list[tuple[Any, ...]] = []
     for i, m in enumerate(metas):

@@ -91,7 +91,7 @@ class FlushChooser:
     def unmeasured_left(self, ops_total: int) -> int:
         """How many more ops the interval running since the last sync point may take and still not be
         measured (``ops_total``: the connection's ops so far); genie._C's lane keeps the books of such
-        sync points itself (genie/csrc/lane.cpp) and tells :meth:`restarted` later."""
+        sync points itself (genie/csrc/device/lane.cpp) and tells :meth:`restarted` later."""
         return MEASURED_OPS - 1 - (ops_total - self._ops)
 
     def restarted(self, now: float, ops_total: int) -> None:

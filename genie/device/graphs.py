@@ -2,7 +2,7 @@
 
 torch 2.13 builds ``torch.accelerator.Graph`` over ``at::GraphImplInterface`` and lets each device
 type register its implementation (``ATen/core/GraphImplInterface.h``); genie._C registers one for the
-renamed PrivateUse1 (``genie/csrc/graph.cpp``) that forwards each call to a :class:`RemoteGraph`.
+renamed PrivateUse1 (``genie/csrc/device/graph.cpp``) that forwards each call to a :class:`RemoteGraph`.
 So the CUDA idiom works unchanged::
 
     g = torch.accelerator.Graph()

@@ -178,7 +178,7 @@ def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
 
 def empty_cache() -> None:
     """Send pending frees now, and give back the host memory large downloads keep for the next one
-    (genie/csrc/host_pool.cpp: what ``.cpu()`` of 4 MiB or more allocates from).
+    (genie/csrc/device/host_pool.cpp: what ``.cpu()`` of 4 MiB or more allocates from).
     ``torch.accelerator.empty_cache()`` calls it too (genie._C's allocator)."""
     _C.host_pool_clear()
     try:

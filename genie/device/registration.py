@@ -109,7 +109,7 @@ def ensure_registered() -> None:
                 _C.set_dtype_code(dtype, code)
         torch._register_device_module(dispatch.BACKEND, module.make_module())
         torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
-        # genie._C registers the PrivateUse1 fallback (genie/csrc/fastpath.cpp): signatures it learned are
+        # genie._C registers the PrivateUse1 fallback (genie/csrc/device/fastpath.cpp): signatures it learned are
         # queued natively, the rest come here.
         _C.set_python_fallback(dispatch.fallback, dispatch.overload_of)
         aten = torch.library.Library("aten", "IMPL")  # noqa: TOR901
@@ -125,7 +125,7 @@ def ensure_registered() -> None:
         _libraries.append(refusals)
         _C.set_sync_hook(module._sync_hook)
         _inductor.install()  # torch.compile's default backend hands remote graphs to backend="genie"
-        _graphs.install()  # torch.accelerator.Graph on the device (genie/csrc/graph.cpp)
+        _graphs.install()  # torch.accelerator.Graph on the device (genie/csrc/device/graph.cpp)
         _done = True
     if local_cuda_here():
         log.warning(

@@ -25,7 +25,7 @@ writes reaches one of these:
 
 - the Python op path (:func:`after_op`): every argument the op's schema marks as written (in-place ops,
   ``out=``, ``_foreach_*_``, fused optimizer steps) loses its shadow unless the op was derived on it;
-- ``genie._C``'s native op path (``genie/csrc/fastpath.cpp``) steps aside to Python for any call whose
+- ``genie._C``'s native op path (``genie/csrc/device/fastpath.cpp``) steps aside to Python for any call whose
   tensors include a shadowed storage, and for ``fill_``/``zero_`` of small storages, so it never writes one;
 - copies (:func:`after_copy`), ``resize_``/``set_`` growing a storage (a shadow of another size is never
   read: :func:`host_view` checks), a compiled graph's replay (:func:`forget_tensors` on its inputs).

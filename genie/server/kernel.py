@@ -17,7 +17,7 @@ A kernel's exception passes through unchanged, after it is counted; :func:`kerne
 deferred-error record (the message scrubbed of server paths and addresses by
 :func:`genie.server.records.message`). :func:`zero_fresh` zeroes what the ``empty`` family hands out.
 
-The native runner (genie/csrc/server_plans.cpp) applies the same rules in C++ for the plans it runs (the
+The native runner (genie/csrc/server/runner.cpp) applies the same rules in C++ for the plans it runs (the
 same serial threshold, the op clock's page, the same metrics counters, the store's fast adoption) and
 hands back to Python what it cannot finish; its runs are counted here by :meth:`Kernels.natively_ran`.
 Python per op would cost the native path more than its own work, so its rules are a second
@@ -43,7 +43,7 @@ from genie.server.records import error, message, shapes, tensor_leaves
 from genie.server.rng import GENERATORLESS, generator_arg
 from genie.server.store import StorageStore, zero_from
 
-try:  # the native plan runner's thread switch (genie/csrc/server_plans.cpp), shared so both sides agree
+try:  # the native plan runner's thread switch (genie/csrc/server/runner.cpp), shared so both sides agree
     from genie._C_plans import SERIAL_BELOW, use_serial
 except ImportError:  # pragma: no cover - an install that did not build the extension
     SERIAL_BELOW = 1 << 18
@@ -66,7 +66,7 @@ class CommandFailed(Exception):
 def serial_size(shapes: list[Any]) -> bool:
     """Whether every input tensor of these shapes has fewer than SERIAL_BELOW elements: such an op runs on
     one intra-op thread, since waking the pool costs more than its work. The same rule on every path that
-    runs ops (genie/csrc/server_plans.cpp too), so no result depends on the path."""
+    runs ops (genie/csrc/server/runner.cpp too), so no result depends on the path."""
     return all(math.prod(shape) < SERIAL_BELOW for shape in shapes)
 
 

@@ -17,7 +17,7 @@ dtype or size disagreement between the result and the descriptor is a
 :func:`store_outputs` is the rule; :func:`adopt_described` is its common cases in a few comparisons
 (every result fresh, dense and laid out as described, or already the described tensor), for the
 per-command plans: anything else it leaves to :func:`store_outputs`. The native runner
-(genie/csrc/server_plans.cpp) implements the same common cases and hands the rest back to Python.
+(genie/csrc/server/runner.cpp) implements the same common cases and hands the rest back to Python.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ each differs from the last time only in its storage ids: a fresh output per op. 
 ``CMD_OP`` (msgpack decode, op resolution and the allow-list, descriptor checks, the pre-flight meta
 run, the output rule) is the same work every time. So:
 
-- :func:`genie._C_keys.command_key` (genie/csrc/server_keys.cpp) walks a command's msgpack bytes,
+- :func:`genie._C_keys.command_key` (genie/csrc/server/keys_module.cpp) walks a command's msgpack bytes,
   bounds-checked, and returns its *key*: the bytes with every tensor tag's storage id and every float
   taken out, plus which ids alias which (and which are storage 0); the ids in order; the floats in
   order. An optimizer's step sizes change every step: with the floats out of the key its ops keep
@@ -73,7 +73,7 @@ except ImportError:  # pragma: no cover - an install that did not build the exte
     command_key = None
 NativePlan: Any
 Runner: Any
-try:  # the native plan runner (genie/csrc/server_plans.cpp); without it plans run in Python
+try:  # the native plan runner (genie/csrc/server/runner.cpp); without it plans run in Python
     from genie._C_plans import NativePlan, Runner
 except ImportError:  # pragma: no cover - an install that did not build the extension
     NativePlan = Runner = None
@@ -536,7 +536,7 @@ def _shapes(args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
     return shapes((args, kwargs))
 
 
-# -- the native runner (genie/csrc/server_plans.cpp) ------------------------------------------------------
+# -- the native runner (genie/csrc/server/runner.cpp) ------------------------------------------------------
 
 
 def new_runner(store: StorageStore) -> Any:

@@ -1,6 +1,6 @@
 """The one interface between the server core and its native plan runner (genie._C_plans).
 
-The runner (genie/csrc/server/, bound in genie/csrc/server/binding.cpp) reads nothing of the Python core
+The runner (genie/csrc/server/, bound in genie/csrc/server/runner_binding.cpp) reads nothing of the Python core
 by attribute name except what this module lists. It is handed three kinds of object, all made here:
 
 - a :class:`NativeSpec` per plan, made from a :class:`genie.server.plans.CommandPlan` by

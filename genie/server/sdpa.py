@@ -3,7 +3,7 @@
 A client's ``F.scaled_dot_product_attention`` on a device served by CUDA sends ATen's
 ``_scaled_dot_product_fused_attention_overrideable`` (and, in backward, its ``_backward``): genie._C
 answers ATen's kernel choice with ``overrideable`` for calls those kernels serve
-(``genie/csrc/sdpa.cpp``). Those ops have no CUDA kernel of torch's own; this module registers one
+(``genie/csrc/device/sdpa.cpp``). Those ops have no CUDA kernel of torch's own; this module registers one
 that runs what a local CUDA run would: flash attention for float16/bfloat16 without a mask,
 memory-efficient attention otherwise (float32, or an attention bias). The choice is a function of
 dtypes and the bias alone, so forward and backward always agree.

@@ -1,6 +1,6 @@
 """Which ops' float arguments may change their outputs' metadata: both sides key repeated ops by it.
 
-The client's signature cache (genie.device.dispatch, genie/csrc/fastpath.cpp) and the node's command plans
+The client's signature cache (genie.device.dispatch, genie/csrc/device/fastpath.cpp) and the node's command plans
 (genie.server.plans) both remember per op signature what the first call found (output layouts; on the node
 also the pre-flight's byte and element answer). An optimizer step sends the same ops with new float
 scalars every time (step sizes, bias corrections), so both key those floats by type: one signature for

@@ -1,4 +1,4 @@
-"""The native op path (genie/csrc/fastpath.cpp), against a real server process.
+"""The native op path (genie/csrc/device/fastpath.cpp), against a real server process.
 
 A signature Python handled once is queued by C++ alone afterwards; every test here repeats a call so
 that its later rounds take that path, and compares each round with local CPU results: what C++

@@ -1,4 +1,4 @@
-"""genie._C's lane (genie/csrc/lane.cpp) and the node's native serving (Runner.serve), against a real node.
+"""genie._C's lane (genie/csrc/device/lane.cpp) and the node's native serving (Runner.serve), against a real node.
 
 `.item()` is answered over the channel's own socket by C++ at both ends while Python holds nothing for
 the batch; everything else (the statistics, the errors, the node's refusals) must come out as Python's

@@ -82,7 +82,7 @@ def test_prefault_populates_fresh_memory_and_keeps_contents() -> None:
 
 
 def test_large_downloads_reuse_freed_host_blocks_and_stay_ordinary_cpu_tensors() -> None:
-    """``.cpu()`` of 4 MiB or more takes its memory from genie's host pool (genie/csrc/host_pool.cpp): a block
+    """``.cpu()`` of 4 MiB or more takes its memory from genie's host pool (genie/csrc/device/host_pool.cpp): a block
     the last download's tensor freed comes back without a page fault per page. The result is a plain,
     resizable CPU tensor; other ``_to_copy`` forms (dtype change, small, strided) run ATen's own."""
     from genie import _C

@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "msgpack.h"
-#include "wire_spec.h"
+#include "wire/msgpack.h"
+#include "wire/wire_spec.h"
 
 namespace genie_keys {
 

@@ -16,9 +16,9 @@
 // goes to `lane_failed` with the frame sent, which resumes the session after a dropped link (or
 // declares the node lost). The GIL is taken only for those calls.
 
-#include "queue.h"
+#include "device/queue.h"
 
-#include "frame_io.h"
+#include "wire/frame_io.h"
 
 #include <Python.h>
 #include <fcntl.h>
@@ -97,7 +97,7 @@ std::string batch_frame(const std::vector<std::string>& cmds, const std::vector<
 }
 
 // The value of a REPLY [req, nil, number, []] to request `req` with nothing else in it (no payload, no
-// error, no deferred errors): what the node's runner sends for .item() (server_plans.cpp, number_reply).
+// error, no deferred errors): what the node's runner sends for .item() (server/runner.cpp, number_reply).
 struct Number {
   enum Kind : uint8_t { none, boolean, integer, unsigned_integer, real } kind = none;
   bool b = false;
@@ -309,7 +309,7 @@ void init_lane(py::module_& m, std::shared_ptr<Queue> (*queue_of)(int64_t)) {
   m.def("set_lane_wire", [](int version, int batch, int reply, int cmd_free, int inline_record, uint64_t max_body) {
     if (!genie_io::same_spec(version, batch, reply, inline_record) || cmd_free != genie_wire::kCmdFree)
       throw std::invalid_argument("genie: the wire's numbers differ between genie/wire/spec.py and the built genie._C: "
-                                  "regenerate genie/csrc/wire_spec.h (python -m genie.wire.spec --header) and rebuild");
+                                  "regenerate genie/csrc/wire/wire_spec.h (python -m genie.wire.spec --header) and rebuild");
     g_wire.version = static_cast<uint8_t>(version);
     g_wire.max_body = max_body;
   }, "Turn the lane on: the wire's numbers (protocol version, BATCH, REPLY, CMD_FREE, INLINE; checked against the "

@@ -6,7 +6,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include "command_key.h"
+#include "server/command_key.h"
 
 namespace {
 

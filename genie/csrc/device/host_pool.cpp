@@ -19,7 +19,7 @@
 #include <mutex>
 #include <vector>
 
-#include "wire.h"
+#include "device/bindings.h"
 
 namespace genie {
 namespace {

@@ -11,7 +11,7 @@
 
 #include <torch/extension.h>
 
-#include "wire.h"
+#include "device/bindings.h"
 
 // torch before 2.13 has no graph registry (a GPU image's older torch): genie._C then has no
 // register_graph_impl, and genie.device.graphs says so instead of registering.

@@ -13,8 +13,8 @@
 #include <thread>
 #include <vector>
 
-#include "msgpack.h"
-#include "wire_spec.h"
+#include "wire/msgpack.h"
+#include "wire/wire_spec.h"
 
 namespace genie {
 
@@ -98,9 +98,9 @@ using genie_msgpack::pack_nil;
 using genie_msgpack::pack_str;
 using genie_msgpack::pack_tagged;
 using genie_msgpack::pack_uint;
-// A storage id no other storage of this process has (device.cpp).
+// A storage id no other storage of this process has (allocator.cpp).
 uint64_t new_storage_id();
-// Storages freed since the last call, (global device index, storage id) (device.cpp).
+// Storages freed since the last call, (global device index, storage id) (allocator.cpp).
 std::vector<std::pair<int, uint64_t>> take_freed_all();
 
 // lane.cpp: send `q`'s batch with `request` (a msgpack command, request id `req`) last and read the reply;

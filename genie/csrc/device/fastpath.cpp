@@ -31,10 +31,12 @@
 #include <unordered_set>
 #include <vector>
 
-#include "wire.h"
+#include "device/allocator.h"
+#include "device/bindings.h"
+#include "device/queue.h"
+#include "device/tensor_wire.h"
 
 namespace genie {
-uint64_t storage_id_of_data(const void* data);  // device.cpp: the storage id behind a data pointer
 
 namespace {
 
@@ -888,7 +890,7 @@ void init_fastpath(py::module_& m) {
     std::lock_guard<std::mutex> g(g_mu);
     TORCH_CHECK(cmd_op == genie_wire::kCmdOp && cmd_call == genie_wire::kCmdCall, "genie: CMD_OP and CMD_CALL are ",
                 cmd_op, " and ", cmd_call, " in genie/wire/spec.py but ", int(genie_wire::kCmdOp), " and ",
-                int(genie_wire::kCmdCall), " in the built genie._C: regenerate genie/csrc/wire_spec.h and rebuild");
+                int(genie_wire::kCmdCall), " in the built genie._C: regenerate genie/csrc/wire/wire_spec.h and rebuild");
     g_routes.clear();
     for (const auto& [qid, local] : routes) {
       auto it = g_queues.find(qid);

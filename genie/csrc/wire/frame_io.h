@@ -1,5 +1,5 @@
 // Frames on a socket without Python, for the client's lane (lane.cpp) and the node's native serving
-// (server_plans.cpp): genie.wire.frame's frames, straight on the stream (tcp) or inside INLINE records
+// (server/runner.cpp): genie.wire.frame's frames, straight on the stream (tcp) or inside INLINE records
 // (genie.transport.record: the shared-memory channel's small frames). Blocking sockets whose timeouts are
 // the kernel's (SO_RCVTIMEO / SO_SNDTIMEO, genie_tcp.transport.kernel_timeouts). A frame is read whole and
 // never a byte past it: what follows it in the last record is handed back (`leftover`), and a record of
@@ -19,8 +19,8 @@
 #include <string_view>
 #include <vector>
 
-#include "msgpack.h"
-#include "wire_spec.h"
+#include "wire/msgpack.h"
+#include "wire/wire_spec.h"
 
 namespace genie_io {
 

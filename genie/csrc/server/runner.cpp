@@ -1,4 +1,4 @@
-// genie._C_plans: the server's native plan runner (genie.server.plans, genie.server.executor).
+// genie._C_plans' runner (runner.h): the server's native plan runner (genie.server.plans, genie.server.executor).
 //
 // A command plan (genie.server.plans.CommandPlan) is made in Python from a command the full path ran and
 // checked. A plan of the common shape (tensors as direct arguments, no validator) also gets a NativePlan:
@@ -23,21 +23,16 @@
 // It reads the Python core only through genie.server.runner_api (the binding section below): tuples by
 // position, never a private name.
 
-#include <torch/extension.h>
-
-#include "frame_io.h"
+#include "server/runner.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ScalarOps.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/TensorOptions.h>
-#include <torch/csrc/Device.h>
-#include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
-#include <torch/csrc/utils/python_arg_parser.h>
 
 #include <time.h>
 
@@ -51,7 +46,9 @@
 #include <utility>
 #include <vector>
 
-#include "command_key.h"
+#include "server/command_key.h"
+#include "server/runner_binding.h"
+#include "wire/frame_io.h"
 
 namespace py = pybind11;
 
@@ -59,11 +56,6 @@ namespace genie_plans {
 namespace {
 
 constexpr uint64_t kMaxStorageId = (uint64_t(1) << 63) - 1;
-constexpr size_t kClockLabel = 96;  // genie.server.isolation.clock: started_ns, then 96 bytes of op name
-// Ops whose input tensors all have fewer elements than this run on one intra-op thread. Inputs only, on
-// every path that runs an op (full path, plans, graph replays), so a result never depends on the path:
-// a parallel reduction may differ from a serial one in its last bits.
-constexpr int64_t kSerialBelow = int64_t(1) << 18;
 
 // The calling thread's intra-op threads: one for a small op, its own count otherwise. On a CPU node a
 // parallel region wakes the pool's sleeping threads (passive OpenMP: genie.server.isolation.supervisor),
@@ -73,6 +65,8 @@ constexpr int64_t kSerialBelow = int64_t(1) << 18;
 thread_local int tl_serial = -1;  // -1: not set yet on this thread
 thread_local int tl_threads = 0;  // the thread's count before the first change
 
+}  // namespace
+
 void set_threads(bool serial) {
   if (tl_serial == static_cast<int>(serial)) return;
   if (tl_serial < 0) tl_threads = at::get_num_threads();
@@ -80,35 +74,7 @@ void set_threads(bool serial) {
   tl_serial = serial;
 }
 
-struct Input {
-  size_t slot;  // index in the command's storage ids
-  int64_t nbytes;
-  int64_t offset;
-  std::vector<int64_t> sizes;
-  std::vector<int64_t> strides;
-  at::ScalarType dtype;
-};
-
-struct Output {
-  bool wanted;  // false: an output the client does not keep
-  size_t slot;
-  int64_t nbytes;
-  int64_t offset;
-  std::vector<int64_t> sizes;
-  std::vector<int64_t> strides;
-  at::ScalarType dtype;
-};
-
-std::vector<int64_t> int_list(py::handle seq) {
-  std::vector<int64_t> out;
-  for (py::handle v : seq) out.push_back(v.cast<int64_t>());
-  return out;
-}
-
-at::ScalarType dtype_of(py::handle obj) {
-  if (!THPDtype_Check(obj.ptr())) throw std::runtime_error("not a torch.dtype");
-  return reinterpret_cast<THPDtype*>(obj.ptr())->scalar_type;
-}
+namespace {
 
 // A storage id as the key of the store's maps (a Python int, owned).
 py::object id_key(uint64_t id) {
@@ -123,227 +89,12 @@ int64_t monotonic_ns() {
   return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
-// -- the binding: what the runner reads of the Python core (genie.server.runner_api), all of it ------------
-// Named tuples, read by position; their field names, in order, are exported (SPEC_FIELDS, ...) and a test
-// compares them with the Python classes' _fields.
-
-// genie.server.runner_api.NativeSpec
-enum SpecField : size_t {
-  kOpName, kOverload, kLabel, kDevice, kCallOuts, kWrites, kNewBytes, kMaxOpElements, kArgs, kKwargs, kArgFill,
-  kKwFill, kFloatValues, kFloatFill, kInputs, kFreshSlots, kOutputs, kSpecFields
-};
-const char* const kSpecNames[kSpecFields] = {
-    "op_name", "overload", "label", "device", "call_outs", "writes", "new_bytes", "max_op_elements", "args",
-    "kwargs", "arg_fill", "kw_fill", "float_values", "float_fill", "inputs", "fresh_slots", "outputs"};
-// genie.server.runner_api.Layout
-enum LayoutField : size_t { kSlot, kNbytes, kOffset, kSizes, kStrides, kDtype, kLayoutFields };
-const char* const kLayoutNames[kLayoutFields] = {"slot", "nbytes", "offset", "sizes", "strides", "dtype"};
-// genie.server.runner_api.RunnerBinding
-enum BindingField : size_t { kTables, kTally, kBindingFields };
-const char* const kBindingNames[kBindingFields] = {"tables", "tally"};
-// genie.server.store.StoreTables
-enum TablesField : size_t { kStorages, kSizesMap, kPoisoned, kFreed, kMaxStorages, kMaxBytes, kTablesFields };
-const char* const kTablesNames[kTablesFields] = {"storages", "sizes", "poisoned", "freed", "max_storages",
-                                                 "max_bytes"};
-// genie.server.metrics.OkTally; of its latency (genie.server.metrics.Latency) the public counts and sum
-enum TallyField : size_t { kOps, kLatency, kBuckets, kRecordOp, kTallyFields };
-const char* const kTallyNames[kTallyFields] = {"ops", "latency", "buckets", "record_op"};
-
-py::tuple field_names(const char* const* names, size_t n) {
-  py::tuple out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = py::str(names[i]);
-  return out;
-}
-
-// `obj` as one of the binding's tuples of `n` fields (named `what` in the error).
-py::tuple fields_of(py::handle obj, size_t n, const char* what) {
-  if (!PyTuple_Check(obj.ptr()) || static_cast<size_t>(PyTuple_GET_SIZE(obj.ptr())) != n)
-    throw std::runtime_error(std::string("genie: expected a ") + what + " (genie.server.runner_api)");
-  return py::reinterpret_borrow<py::tuple>(obj);
-}
-
-struct Layout {
-  size_t slot;
-  int64_t nbytes;
-  int64_t offset;
-  std::vector<int64_t> sizes;
-  std::vector<int64_t> strides;
-  at::ScalarType dtype;
-};
-
-Layout layout_of(py::handle obj) {
-  py::tuple t = fields_of(obj, kLayoutFields, "Layout");
-  return Layout{t[kSlot].cast<size_t>(), t[kNbytes].cast<int64_t>(), t[kOffset].cast<int64_t>(),
-                int_list(t[kSizes]), int_list(t[kStrides]), dtype_of(t[kDtype])};
-}
-
 }  // namespace
 
-// What running one command signature natively needs (made from a genie.server.runner_api.NativeSpec).
-class NativePlan {
- public:
-  explicit NativePlan(py::handle spec_object) {
-    py::tuple spec = fields_of(spec_object, kSpecFields, "NativeSpec");
-    auto name = spec[kOpName].cast<std::string>();
-    auto overload = spec[kOverload].cast<std::string>();
-    auto handle = c10::Dispatcher::singleton().findSchema({name, overload});
-    if (!handle) throw std::runtime_error("no operator " + name + "." + overload);
-    op_.emplace(*handle);
-    label_ = spec[kLabel];
-    label_text_ = label_.cast<std::string>();
-    clock_label_.assign(kClockLabel, '\0');
-    std::memcpy(clock_label_.data(), label_text_.data(), std::min(label_text_.size(), kClockLabel));
-    py::object device = spec[kDevice];
-    if (!THPDevice_Check(device.ptr())) throw std::runtime_error("NativeSpec.device is not a torch.device");
-    device_ = reinterpret_cast<THPDevice*>(device.ptr())->device;
-    call_outs_ = spec[kCallOuts].cast<int64_t>();
-    writes_ = spec[kWrites].cast<bool>();
-    new_bytes_ = spec[kNewBytes].cast<int64_t>();
-    max_op_elements_ = spec[kMaxOpElements].cast<int64_t>();
-
-    // The argument stack: every schema argument, constants converted as torch converts a Python call's.
-    const auto& arguments = op_->schema().arguments();
-    py::list args = spec[kArgs];
-    py::dict kwargs = spec[kKwargs];
-    if (args.size() > arguments.size()) throw std::runtime_error("more arguments than the schema has");
-    std::unordered_map<size_t, size_t> positional_fill;  // argument position -> input index
-    for (py::handle pair : spec[kArgFill]) {
-      auto t = pair.cast<py::tuple>();
-      positional_fill[t[0].cast<size_t>()] = t[1].cast<size_t>();
-    }
-    std::unordered_map<std::string, size_t> keyword_fill;
-    for (py::handle pair : spec[kKwFill]) {
-      auto t = pair.cast<py::tuple>();
-      keyword_fill[t[0].cast<std::string>()] = t[1].cast<size_t>();
-    }
-    size_t keywords_used = 0;
-    // Numbers where a Tensor is expected (x + 1) convert as torch's Python op call converts them.
-    std::string bare = name.substr(name.find("::") == std::string::npos ? 0 : name.find("::") + 2);
-    torch::jit::ToIValueAllowNumbersAsTensors numbers(torch::should_allow_numbers_as_tensors(bare));
-    for (size_t i = 0; i < arguments.size(); ++i) {
-      const auto& argument = arguments[i];
-      auto fill = positional_fill.find(i);
-      bool written = argument.alias_info() != nullptr && argument.alias_info()->isWrite();
-      bool slot = (i < args.size() && fill != positional_fill.end()) ||
-                  (i >= args.size() && keyword_fill.count(argument.name()));
-      // A constant is converted once and shared by every run: never one the op writes.
-      if (written && !slot) throw std::runtime_error("a written argument that is not a storage");
-      if (i < args.size()) {
-        if (fill != positional_fill.end()) {
-          fills_.emplace_back(i, fill->second);
-          stack_.emplace_back();
-        } else {
-          stack_.push_back(torch::jit::toIValue(args[i], argument.type()));
-        }
-        continue;
-      }
-      auto keyword = keyword_fill.find(argument.name());
-      if (keyword != keyword_fill.end()) {
-        fills_.emplace_back(i, keyword->second);
-        stack_.emplace_back();
-        ++keywords_used;
-      } else if (kwargs.contains(argument.name())) {
-        stack_.push_back(torch::jit::toIValue(kwargs[py::str(argument.name())], argument.type()));
-        ++keywords_used;
-      } else if (argument.default_value()) {
-        stack_.push_back(*argument.default_value());
-      } else {
-        throw std::runtime_error("argument " + argument.name() + " has no value");
-      }
-    }
-    if (keywords_used != kwargs.size())  // kwargs names its tensor slots too (their values are None)
-      throw std::runtime_error("a keyword argument the schema does not have");
-
-    // The command's floats: compared with the ones checked (float_values), or filled in per command
-    // (float_fill: top-level float or Scalar arguments, and numbers where a Tensor goes, wrapped as torch
-    // wraps them; a float inside a list leaves the plan to Python).
-    py::object values = spec[kFloatValues];
-    if (!values.is_none()) {
-      has_float_values_ = true;
-      for (py::handle v : values) float_values_.push_back(v.cast<double>());
-    }
-    size_t float_index = 0;
-    for (py::handle entry : spec[kFloatFill]) {
-      auto t = entry.cast<py::tuple>();
-      if (t[1].cast<int64_t>() >= 0) throw std::runtime_error("a float inside a list");
-      size_t position;
-      if (py::isinstance<py::int_>(t[0])) {
-        position = t[0].cast<size_t>();
-      } else {
-        auto name = t[0].cast<std::string>();
-        position = arguments.size();
-        for (size_t i = 0; i < arguments.size(); ++i)
-          if (arguments[i].name() == name) position = i;
-      }
-      if (position >= arguments.size()) throw std::runtime_error("a float for an argument the schema does not have");
-      auto type = arguments[position].type();
-      if (auto optional = type->cast<c10::OptionalType>()) type = optional->getElementType();
-      bool wrapped = type->kind() == c10::TypeKind::TensorType;
-      if (!wrapped && type->kind() != c10::TypeKind::FloatType && type->kind() != c10::TypeKind::NumberType)
-        throw std::runtime_error("a float for an argument of type " + type->str());
-      float_fills_.push_back(FloatFill{position, float_index++, wrapped});
-    }
-
-    for (py::handle entry : spec[kInputs]) {
-      Layout in = layout_of(entry);
-      inputs_.push_back(Input{in.slot, in.nbytes, in.offset, std::move(in.sizes), std::move(in.strides), in.dtype});
-    }
-    if (fills_.size() != inputs_.size()) throw std::runtime_error("inputs and argument slots differ");
-    // An out= op run in its functional form: its out arguments' storages must be new ones.
-    for (py::handle slot : spec[kFreshSlots]) fresh_slots_.push_back(slot.cast<size_t>());
-    for (py::handle entry : spec[kOutputs]) {
-      if (entry.is_none()) {
-        outputs_.push_back(Output{false, 0, 0, 0, {}, {}, at::ScalarType::Undefined});
-        continue;
-      }
-      Layout out = layout_of(entry);
-      outputs_.push_back(Output{true, out.slot, out.nbytes, out.offset, std::move(out.sizes), std::move(out.strides),
-                                out.dtype});
-      ++kept_outputs_;
-    }
-    int64_t largest = 0;
-    auto count = [](const std::vector<int64_t>& sizes) {
-      int64_t n = 1;
-      for (int64_t d : sizes) n *= d;
-      return n;
-    };
-    for (const auto& in : inputs_) largest = std::max(largest, count(in.sizes));
-    serial_ = largest < kSerialBelow && device_.is_cpu();
-  }
-
-  std::optional<c10::OperatorHandle> op_;
-  py::object label_;
-  std::string label_text_;
-  std::string clock_label_;
-  c10::Device device_{c10::kCPU};
-  int64_t call_outs_ = -1;  // a CALL's plan: how many output storage ids it gives
-  bool writes_ = false;
-  int64_t new_bytes_ = 0;
-  int64_t max_op_elements_ = 0;
-  std::vector<c10::IValue> stack_;
-  std::vector<std::pair<size_t, size_t>> fills_;  // (stack position, input index)
-  std::vector<Input> inputs_;
-  std::vector<Output> outputs_;
-  std::vector<size_t> fresh_slots_;  // ids that must be storages the session never made (out= run functional)
-  struct FloatFill {
-    size_t position;  // in the stack
-    size_t index;     // in the command's floats
-    bool wrapped;     // a number where a Tensor goes: a wrapped 0-dim double tensor, as torch makes it
-  };
-  std::vector<FloatFill> float_fills_;
-  bool has_float_values_ = false;  // the floats decide metadata: only these values run by the plan
-  std::vector<double> float_values_;
-  size_t kept_outputs_ = 0;
-  bool serial_ = false;  // small inputs on a CPU device: one intra-op thread (see kSerialBelow)
-  bool decomposes_ = false;  // the device has no kernel: torch's decomposition runs, in Python
-};
-
-// One session's native plans and their runner.
-class Runner {
- public:
+struct Runner::Impl {
   // max_keyed: the longest command keyed (genie.server.plans.MAX_KEYED_BYTES); max_freed: freed ids the store
   // remembers before starting over (genie.server.store.MAX_REMEMBERED_FREES).
-  Runner(size_t max_keyed, Py_ssize_t max_freed) : max_keyed_(max_keyed), max_freed_(max_freed) {}
+  Impl(size_t max_keyed, Py_ssize_t max_freed) : max_keyed_(max_keyed), max_freed_(max_freed) {}
 
 
 
@@ -361,7 +112,7 @@ class Runner {
   void set_wire(int version, int batch, int reply, int inline_record, uint64_t max_body) {
     if (!genie_io::same_spec(version, batch, reply, inline_record))
       throw std::invalid_argument("genie: the wire's numbers differ between genie/wire/spec.py and the built "
-                                  "genie._C_plans: regenerate genie/csrc/wire_spec.h (python -m genie.wire.spec "
+                                  "genie._C_plans: regenerate genie/csrc/wire/wire_spec.h (python -m genie.wire.spec "
                                   "--header) and rebuild");
     wire_.version = static_cast<uint8_t>(version);
     wire_.max_body = max_body;
@@ -460,47 +211,18 @@ class Runner {
     return walk(cmds, start, max_op_elements, pool_min, quiet);
   }
 
-  // Bind the session's store and metrics (a genie.server.runner_api.RunnerBinding); kept until the next bind.
-  void bind(py::object binding) {
-    py::tuple b = fields_of(binding, kBindingFields, "RunnerBinding");
-    py::tuple tables = fields_of(b[kTables], kTablesFields, "StoreTables");
-    if (!PyDict_Check(tables[kStorages].ptr()) || !PyDict_Check(tables[kSizesMap].ptr()) ||
-        !PyDict_Check(tables[kPoisoned].ptr()) || !PySet_Check(tables[kFreed].ptr()))
-      throw std::runtime_error("genie: StoreTables holds dicts of storages, sizes and poisoned ids, a set of freed");
-    int64_t max_storages = tables[kMaxStorages].cast<int64_t>();
-    int64_t max_bytes = tables[kMaxBytes].cast<int64_t>();
-    std::vector<double> buckets;
-    PyObject* ops = nullptr;
-    PyObject* latency = nullptr;
-    PyObject* counts = nullptr;
-    py::object record_op = py::none();
-    if (!b[kTally].is_none()) {
-      py::tuple tally = fields_of(b[kTally], kTallyFields, "OkTally");
-      for (py::handle v : tally[kBuckets]) buckets.push_back(v.cast<double>());
-      latency = tally[kLatency].ptr();
-      py::object latency_counts = tally[kLatency].attr("counts");
-      if (!PyDict_Check(tally[kOps].ptr()) || !PyList_Check(latency_counts.ptr()) ||
-          static_cast<size_t>(PyList_GET_SIZE(latency_counts.ptr())) != buckets.size() + 1 ||
-          !PyCallable_Check(tally[kRecordOp].ptr()))
-        throw std::runtime_error("genie: OkTally holds a dict of ops, a latency with a count per bucket and one "
-                                 "more, and record_op");
-      ops = tally[kOps].ptr();
-      counts = latency_counts.ptr();
-      record_op = tally[kRecordOp];
-    }
-    // Everything checked: bound. The pointers are borrowed from binding_, which the runner keeps.
-    binding_ = binding;
-    storages_ = tables[kStorages].ptr();
-    sizes_ = tables[kSizesMap].ptr();
-    poisoned_ = tables[kPoisoned].ptr();
-    freed_ = tables[kFreed].ptr();
-    max_storages_ = max_storages;
-    max_bytes_ = max_bytes;
-    buckets_ = std::move(buckets);
-    ops_ = ops;
-    ok_latency_ = latency;
-    ok_counts_ = counts;
-    record_op_ = record_op;
+  // Bind the session's store and metrics (a genie.server.runner_api.RunnerBinding, read in
+  // runner_binding.cpp); kept until the next bind.
+  void bind(py::handle binding) {
+    Binding b = read_binding(binding);  // raises, keeping the binding there was, when it is not one
+    binding_ = std::move(b.keep);
+    storages_ = b.store.storages;
+    sizes_ = b.store.sizes;
+    poisoned_ = b.store.poisoned;
+    freed_ = b.store.freed;
+    max_storages_ = b.store.max_storages;
+    max_bytes_ = b.store.max_bytes;
+    metrics_ = std::move(b.metrics);
   }
 
   // The bytes the runs since the last call adopted (positive) and freed (negative), for the store to count
@@ -511,7 +233,6 @@ class Runner {
     return grown;
   }
 
- private:
   py::tuple walk(py::list cmds, Py_ssize_t start, int64_t max_op_elements, int64_t pool_min, bool quiet) {
     if (storages_ == nullptr) throw std::runtime_error("genie: the runner was not bound to a store (Runner.bind)");
     int64_t bytes_before = bytes_;
@@ -691,51 +412,8 @@ class Runner {
   }
 
   void record(const NativePlan& plan, bool ok, int64_t started) {
-    if (ops_ == nullptr) return;  // no metrics bound
-    static PyObject* ok_status = PyUnicode_InternFromString("ok");
-    static PyObject* error_status = PyUnicode_InternFromString("error");
-    double elapsed = double(monotonic_ns() - started) / 1e9;
-    if (ok && record_ok(plan, ok_status, elapsed)) return;
-    PyObject* seconds = PyFloat_FromDouble(elapsed);
-    PyObject* done = seconds == nullptr ? nullptr
-                                        : PyObject_CallFunctionObjArgs(record_op_.ptr(), plan.label_.ptr(),
-                                                                       ok ? ok_status : error_status, seconds, nullptr);
-    Py_XDECREF(seconds);
-    if (done == nullptr) throw py::error_already_set();
-    Py_DECREF(done);
-  }
-
-  // SessionMetrics.record_op for an op that ran ("ok") and whose name the session counted before, without a
-  // Python call (three per `.item()` round trip otherwise), as genie.server.metrics.OkTally says; false leaves
-  // it to record_op (a new name).
-  bool record_ok(const NativePlan& plan, PyObject* ok_status, double seconds) {
-    PyObject* key = PyTuple_Pack(2, plan.label_.ptr(), ok_status);
-    if (key == nullptr) throw py::error_already_set();
-    PyObject* count = PyDict_GetItemWithError(ops_, key);  // borrowed
-    if (count == nullptr) {
-      Py_DECREF(key);
-      if (PyErr_Occurred()) throw py::error_already_set();
-      return false;
-    }
-    auto bump = [](PyObject* v) { return PyLong_FromLongLong(PyLong_AsLongLong(v) + 1); };
-    PyObject* next = bump(count);
-    int failed = next == nullptr || PyDict_SetItem(ops_, key, next) != 0;
-    Py_XDECREF(next);
-    Py_DECREF(key);
-    if (failed) throw py::error_already_set();
-    auto bucket = static_cast<Py_ssize_t>(std::lower_bound(buckets_.begin(), buckets_.end(), seconds) - buckets_.begin());
-    if (bucket >= PyList_GET_SIZE(ok_counts_)) throw std::runtime_error("genie: latency buckets out of step");
-    PyObject* in_bucket = bump(PyList_GET_ITEM(ok_counts_, bucket));
-    if (in_bucket == nullptr) throw py::error_already_set();
-    PyList_SetItem(ok_counts_, bucket, in_bucket);  // steals in_bucket, drops the old count
-    static PyObject* sum_name = PyUnicode_InternFromString("sum");
-    PyObject* sum = PyObject_GetAttr(ok_latency_, sum_name);
-    PyObject* total = sum == nullptr ? nullptr : PyFloat_FromDouble(PyFloat_AsDouble(sum) + seconds);
-    failed = total == nullptr || PyObject_SetAttr(ok_latency_, sum_name, total) != 0;
-    Py_XDECREF(sum);
-    Py_XDECREF(total);
-    if (failed) throw py::error_already_set();
-    return true;
+    if (metrics_.ops == nullptr) return;  // no metrics bound
+    record_op(metrics_, plan.label_, ok, double(monotonic_ns() - started) / 1e9);
   }
 
   py::list py_tensors(const std::vector<at::Tensor>& tensors) {
@@ -931,7 +609,8 @@ class Runner {
   Py_ssize_t max_freed_;
   genie_io::Wire wire_;
   char* clock_ = nullptr;
-  // The bound RunnerBinding, and borrowed from it: the store's maps and quotas, the metrics' tally.
+  // The bound RunnerBinding (runner_binding.h), and borrowed from it: the store's maps and quotas, the
+  // metrics' tally.
   py::object binding_ = py::none();
   PyObject* storages_ = nullptr;
   PyObject* sizes_ = nullptr;
@@ -941,41 +620,31 @@ class Runner {
   int64_t max_bytes_ = 0;
   int64_t bytes_ = 0;  // the store's byte count during a run (from run()'s or serve()'s bytes_used)
   int64_t grown_ = 0;  // what the runs changed it by since take_grown()
-  py::object record_op_ = py::none();
-  PyObject* ok_latency_ = nullptr;
-  PyObject* ok_counts_ = nullptr;
-  PyObject* ops_ = nullptr;
-  std::vector<double> buckets_;  // OkTally.buckets
+  BoundMetrics metrics_;
   uint64_t served_ = 0;     // BATCH frames serve() took on
   std::string last_reply_;  // the last REPLY frame serve() sent, until take_reply()
 };
 
-}  // namespace genie_plans
-
-PYBIND11_MODULE(_C_plans, m) {
-  m.doc() = "The server's native plan runner (genie.server.plans).";
-  py::class_<genie_plans::NativePlan, std::shared_ptr<genie_plans::NativePlan>>(m, "NativePlan")
-      .def(py::init<py::handle>(), py::arg("spec"));
-  py::class_<genie_plans::Runner>(m, "Runner")
-      .def(py::init<size_t, Py_ssize_t>(), py::arg("max_keyed"), py::arg("max_freed"))
-      .def("add", &genie_plans::Runner::add)
-      .def("clear", &genie_plans::Runner::clear)
-      .def("__len__", &genie_plans::Runner::size)
-      .def("set_clock", &genie_plans::Runner::set_clock)
-      .def("bind", &genie_plans::Runner::bind, py::arg("binding"))
-      .def("run", &genie_plans::Runner::run)
-      .def("take_grown", &genie_plans::Runner::take_grown)
-      .def("set_wire", &genie_plans::Runner::set_wire)
-      .def("serve", &genie_plans::Runner::serve)
-      .def("served", &genie_plans::Runner::served)
-      .def("take_reply", &genie_plans::Runner::take_reply);
-  m.def("use_serial", &genie_plans::set_threads, py::arg("serial"),
-        "One intra-op thread on this thread (True) or its own count (False); a change only calls torch.");
-  m.attr("SERIAL_BELOW") = genie_plans::kSerialBelow;
-  using genie_plans::field_names;
-  m.attr("SPEC_FIELDS") = field_names(genie_plans::kSpecNames, genie_plans::kSpecFields);
-  m.attr("LAYOUT_FIELDS") = field_names(genie_plans::kLayoutNames, genie_plans::kLayoutFields);
-  m.attr("BINDING_FIELDS") = field_names(genie_plans::kBindingNames, genie_plans::kBindingFields);
-  m.attr("TABLES_FIELDS") = field_names(genie_plans::kTablesNames, genie_plans::kTablesFields);
-  m.attr("TALLY_FIELDS") = field_names(genie_plans::kTallyNames, genie_plans::kTallyFields);
+Runner::Runner(size_t max_keyed, Py_ssize_t max_freed) : impl_(std::make_unique<Impl>(max_keyed, max_freed)) {}
+Runner::~Runner() = default;
+void Runner::add(py::bytes key, std::shared_ptr<NativePlan> plan) { impl_->add(std::move(key), std::move(plan)); }
+void Runner::clear() { impl_->clear(); }
+size_t Runner::size() const { return impl_->size(); }
+void Runner::set_wire(int version, int batch, int reply, int inline_record, uint64_t max_body) {
+  impl_->set_wire(version, batch, reply, inline_record, max_body);
 }
+void Runner::set_clock(uintptr_t address) { impl_->set_clock(address); }
+void Runner::bind(py::handle binding) { impl_->bind(binding); }
+py::tuple Runner::run(py::list cmds, Py_ssize_t start, int64_t bytes_used, int64_t max_op_elements, int64_t pool_min,
+                      bool quiet) {
+  return impl_->run(std::move(cmds), start, bytes_used, max_op_elements, pool_min, quiet);
+}
+py::tuple Runner::serve(int fd, bool records, int64_t bytes_used, int64_t max_op_elements, int64_t pool_min, bool quiet,
+                        size_t max_commands) {
+  return impl_->serve(fd, records, bytes_used, max_op_elements, pool_min, quiet, max_commands);
+}
+int64_t Runner::take_grown() { return impl_->take_grown(); }
+uint64_t Runner::served() const { return impl_->served(); }
+py::object Runner::take_reply() { return impl_->take_reply(); }
+
+}  // namespace genie_plans

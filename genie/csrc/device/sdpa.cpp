@@ -23,7 +23,7 @@
 #include <array>
 #include <atomic>
 
-#include "wire.h"
+#include "device/bindings.h"
 
 namespace genie {
 namespace {
