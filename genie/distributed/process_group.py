@@ -420,6 +420,12 @@ class GenieProcessGroup(dist.ProcessGroup):
         if _row(output) != _row(input):
             raise DeviceError(f"all_to_all_single's output rows hold {_row(output)} elements and its input rows "
                               f"{_row(input)}; both must have the same sizes past dimension 0")
+        rank, size = self.rank(), self.size()
+        to_self = in_splits[rank] if in_splits else (input.shape[0] if input.dim() else 1) // size
+        from_self = out_splits[rank] if out_splits else (output.shape[0] if output.dim() else 1) // size
+        if to_self != from_self:
+            raise DeviceError(f"all_to_all_single: rank {rank} sends itself {to_self} rows but expects {from_self} "
+                              f"from itself; input_split_sizes[{rank}] and output_split_sizes[{rank}] must be equal")
         b = self._remote_binding([output, input], "all_to_all_single")
         if b is None:
             return self._cpu_work(self._gloo().alltoall_base(output, input, list(output_split_sizes),

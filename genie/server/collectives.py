@@ -529,7 +529,7 @@ def _splits(params: dict[str, Any], key: str, t: torch.Tensor, world: int) -> li
     return [int(v) for v in value]
 
 
-def _all_to_all_single(args: Any, params: dict[str, Any], world: int) -> Starter:
+def _all_to_all_single(args: Any, params: dict[str, Any], world: int, rank: int) -> Starter:
     if not isinstance(args, list) or len(args) != 2:
         raise ProtocolError("all_to_all_single takes [output, input]")
     out, inp = _tensors(args, "all_to_all_single's tensors")
@@ -537,6 +537,11 @@ def _all_to_all_single(args: Any, params: dict[str, Any], world: int) -> Starter
         raise ProtocolError("all_to_all_single's output and input must have one dtype and the same sizes past "
                             "dimension 0")
     out_splits, in_splits = _splits(params, "out_splits", out, world), _splits(params, "in_splits", inp, world)
+    to_self = in_splits[rank] if in_splits else (inp.shape[0] if inp.dim() else 1) // world
+    from_self = out_splits[rank] if out_splits else (out.shape[0] if out.dim() else 1) // world
+    if to_self != from_self:
+        raise ProtocolError(f"rank {rank} sends itself {to_self} rows but expects {from_self} from itself; "
+                            f"in_splits[{rank}] and out_splits[{rank}] must be equal")
     opts = dist.AllToAllOptions()
     return (lambda pg: pg.alltoall_base(out, inp, out_splits, in_splits, opts)), [out], None
 
@@ -619,7 +624,7 @@ def _starter(kind: str, args: Any, params: dict[str, Any], world: int, rank: int
     if kind in ("reduce", "gather", "scatter"):
         return _rooted(kind, args, params, world, rank)
     if kind == "all_to_all_single":
-        return _all_to_all_single(args, params, world)
+        return _all_to_all_single(args, params, world, rank)
     if kind == "all_to_all":
         return _all_to_all(args, world)
     if kind == "barrier":

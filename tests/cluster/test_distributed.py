@@ -155,6 +155,9 @@ def refused(call, *words):
 out["refuses_bad_splits"] = refused(lambda: dist.all_to_all_single(torch.empty(4, 2, device=device), m.to(device),
                                                                    [1, 1], [2, 2]),
                                     "DeviceError", "output_split_sizes", "adding up to", "4 rows")
+out["refuses_unequal_self_part"] = refused(
+    lambda: dist.all_to_all_single(torch.empty(4, 2, device=device), m.to(device), [1, 3] if rank else [3, 1], [2, 2]),
+    "DeviceError", f"input_split_sizes[{rank}] and output_split_sizes[{rank}] must be equal")
 short = [torch.empty(5, device=device) for _ in range(2)]
 # (torch itself refuses a gather_list on rank 1: then neither rank waits for the other)
 out["refuses_bad_gather_list"] = refused(lambda: dist.gather(x.to(device), short, dst=0),
@@ -202,6 +205,20 @@ rs, cs = [x.to(device), (x * 2).to(device)], [x.clone(), x * 2]
 dist.all_reduce_coalesced(rs)
 dist.all_reduce_coalesced(cs)
 same("all_reduce_coalesced", torch.stack([t.cpu() for t in rs]), torch.stack(cs))
+# _coalescing_manager without a device records the all_reduces and runs them as one coalesced call
+from torch.distributed.distributed_c10d import _coalescing_manager
+rs = [x.to(device), (x * 3).to(device)]
+with _coalescing_manager():
+    for t in rs:
+        dist.all_reduce(t)
+same("coalescing_manager", torch.stack([t.cpu() for t in rs]), torch.stack([torch.arange(6.0) * 3 + 1,
+                                                                          (torch.arange(6.0) * 3 + 1) * 3]))
+# batch_isend_irecv: a ring exchange (each rank sends its x and receives the other's)
+box = torch.zeros(6, device=device)
+for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, x.to(device), 1 - rank),
+                                   dist.P2POp(dist.irecv, box, 1 - rank)]):
+    req.wait()
+same("batch_isend_irecv", box, torch.arange(6, dtype=torch.float32) * (2 - rank) + (1 - rank))
 """
 
 DDP = """
@@ -327,20 +344,25 @@ def _refusals(name: str) -> bool:
     return name.startswith(("refuses_", "node_refuses_"))
 
 
+def _others(name: str) -> bool:
+    return name.startswith("ddp_") or _refusals(name)
+
+
 def test_every_collective_on_remote_devices_equals_gloo_on_cpu(two_ranks: list[dict[str, object]]) -> None:
     for rank, result in enumerate(two_ranks):
-        checks = {name: ok for name, ok in result.items() if not name.startswith("ddp_") and not _refusals(name)}
+        checks = {name: ok for name, ok in result.items() if not _others(name)}
         failed = sorted(name for name, ok in checks.items() if ok is not True)
         assert not failed, f"rank {rank}: remote results differ from gloo's on CPU: {failed}"
-        # 8: reduce (2 ops), gather, scatter, all_to_all (3), after the refusals; 5: DTensor (4), coalesced
-        assert len(checks) == 15 + 8 + 5
+        # 8: reduce (2 ops), gather, scatter, all_to_all (3), after the refusals; 7: DTensor (4), coalesced (2),
+        # batch_isend_irecv
+        assert len(checks) == 15 + 8 + 7
 
 
 def test_wrong_sizes_are_refused_by_the_client_and_by_the_node_naming_the_fix(
         two_ranks: list[dict[str, object]]) -> None:
     for rank, result in enumerate(two_ranks):
         checks = {name: ok for name, ok in result.items() if _refusals(name)}
-        assert len(checks) == 3 + 4, checks
+        assert len(checks) == 4 + 4, checks
         wrong = {name: ok for name, ok in checks.items() if ok is not True}
         assert not wrong, f"rank {rank}: not refused, or refused without naming the fix: {wrong}"
 
