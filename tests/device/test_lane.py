@@ -28,8 +28,10 @@ def session(request: pytest.FixtureRequest) -> Iterator[NodeProcess]:
     """genie initialised with one backend against a node of its own (one CPU device)."""
     with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--heartbeat-interval", "0.2",
                      "--heartbeat-timeout", "2") as node:
+        # A 2 s reconnect window: a TCP session tries to resume after a drop for the whole window (30 s by
+        # default) before its device is lost, and the test that kills the node waited that out.
         genie.init_sync(master_addr=node.host, master_port=node.control_port, backend=request.param,
-                        heartbeat_interval=0.2, heartbeat_timeout=2, timeout=20)
+                        heartbeat_interval=0.2, heartbeat_timeout=2, timeout=20, reconnect_window=2)
         try:
             yield node
         finally:
