@@ -19,8 +19,8 @@ docs/multi-gpu.md.
 
 from __future__ import annotations
 
-from genie.distributed.process_group import BACKEND_NAME, GenieProcessGroup, GenieWork, register
+from genie.distributed.process_group import BACKEND_NAME, GenieProcessGroup, GenieWork, GenieWorks, register
 
-__all__ = ["BACKEND_NAME", "GenieProcessGroup", "GenieWork", "register"]
+__all__ = ["BACKEND_NAME", "GenieProcessGroup", "GenieWork", "GenieWorks", "register"]
 
 register()
