@@ -39,9 +39,10 @@ IDLE = 2.0
 ENV = {"GENIE_AUTH_TOKEN": CLUSTER_TOKEN, "GENIE_PEER_IDLE_TIMEOUT": str(IDLE)}
 #: Heartbeats fast enough to see a killed node within seconds, slow enough that a loaded CI host loses none.
 HB = ("--heartbeat-interval", "0.3", "--heartbeat-timeout", "3")
-#: The client: the same heartbeats; tcp, whose bytes the kernel counts (TCP_INFO) for the client-bytes test.
+#: The client: the same heartbeats; tcp, whose bytes the kernel counts (TCP_INFO) for the client-bytes test; a
+#: 2 s reconnect window (30 s by default), so a session to a node a test killed stops trying to resume soon.
 CLIENT: dict[str, Any] = {"heartbeat_interval": 0.3, "heartbeat_timeout": 3.0, "timeout": 30, "backend": "tcp",
-                          "auth_token": CLUSTER_TOKEN}
+                          "auth_token": CLUSTER_TOKEN, "reconnect_window": 2}
 
 
 def _start(workers: tuple[str, ...] = ("w1", "w2")) -> LocalCluster:
