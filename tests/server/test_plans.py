@@ -320,6 +320,18 @@ def test_an_in_place_op_into_a_storage_made_on_first_use_runs_by_its_plan(server
     for i in (2, n + 1):
         assert torch.equal(c.fetch(i, half), half)
     assert _planned(srv) == n - 1
+    assert _native(srv) == (n - 1 if _native_mode() else 0)  # the native runner makes the storage too
+
+
+def test_a_first_use_past_the_byte_quota_fails_as_on_the_full_path(server, connect) -> None:
+    """Making a storage on first use counts against the session's bytes as the full path's make does: past
+    the quota the command falls back, and the full path records the quota error."""
+    src = torch.zeros(64)
+    copy = op("aten::copy_", [T(5, src), T(6, src)], {}, [T(5, src)])
+    warm = [op("aten::copy_", [T(1, src), T(2, src)], {}, [T(1, src)])]
+    errors = _compare(server, connect, warm, [], copy, uploads=[(6, 0, src), (7, 0, torch.zeros(150))],
+                      max_session_bytes=1000)
+    assert errors[0]["kind"] == "quota" and "max_session_bytes" in errors[0]["message"], errors
 
 
 def test_dropout_runs_by_its_plan_drawing_from_the_sessions_generator_as_the_full_path(server, connect) -> None:

@@ -311,6 +311,25 @@ struct Runner::Impl {
     return storage;
   }
 
+  // A storage the session never had (not made, freed nor poisoned) on its first use, made zero-filled as
+  // StorageStore.make makes it (the client makes tensors without a command: `x.to(torch.bfloat16)` is a copy_
+  // into one); nullptr, with nothing made, for a bad id, a known one, or no room (the full path says why).
+  // Borrowed from the store's map.
+  PyObject* first_use(uint64_t id, int64_t nbytes, const c10::Device& device) {
+    if (id == 0 || id > kMaxStorageId || nbytes < 0 || known(id)) return nullptr;
+    if (PyDict_Size(storages_) + PyDict_Size(poisoned_) + 1 > max_storages_) return nullptr;
+    if (max_bytes_ && nbytes > 0 && bytes_ + nbytes > max_bytes_) return nullptr;
+    at::Tensor zeros = at::zeros({nbytes}, at::TensorOptions().dtype(at::kByte).device(device));
+    auto wrapped = py::reinterpret_steal<py::object>(THPStorage_Wrap(zeros.storage()));
+    if (!wrapped) throw py::error_already_set();
+    py::object key = id_key(id);
+    py::int_ size(nbytes);
+    if (PyDict_SetItem(storages_, key.ptr(), wrapped.ptr()) != 0 || PyDict_SetItem(sizes_, key.ptr(), size.ptr()) != 0)
+      throw py::error_already_set();
+    bytes_ += nbytes;
+    return PyDict_GetItem(storages_, key.ptr());
+  }
+
   // A FREE (genie.server.store.StorageStore.free, with the staging pool's offer): false, with nothing done,
   // when Python must run it (an id that is not a plain unsigned int, a storage the pool may take).
   bool free_command(const uint8_t* data, size_t size, int64_t pool_min) {
@@ -445,7 +464,8 @@ struct Runner::Impl {
     for (const auto& in : plan.inputs_) {
       if (base + in.slot >= ids.size()) return kNotRun;
       PyObject* storage = live(ids[base + in.slot], in.nbytes, plan.device_);
-      if (storage == nullptr) return kNotRun;  // unknown, freed, poisoned or resized: the full path says
+      if (storage == nullptr) storage = first_use(ids[base + in.slot], in.nbytes, plan.device_);
+      if (storage == nullptr) return kNotRun;  // freed, poisoned, resized or no room: the full path says
       used.push_back(storage);
       auto t = at::detail::make_tensor<c10::TensorImpl>(
           c10::Storage(THPStorage_Unpack(storage)),
