@@ -35,9 +35,8 @@ from __future__ import annotations
 
 import random
 import socket
-import threading
-from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from collections.abc import Iterator
+from typing import ClassVar
 
 import pytest
 
@@ -52,42 +51,9 @@ from genie.transport.base import (
     capabilities_of,
     handshake_complete,
 )
-from genie.transport.feature_conformance import FeatureConformance
+from genie.transport.feature_conformance import FeatureConformance, Worker, recv_exact
 from genie.transport.features import allow_upgrade
 from genie.types import ProbeResult
-
-_JOIN = 30.0
-
-
-class _Worker(threading.Thread):
-    """Runs ``fn`` on a thread and hands back its result or exception (joined with a bound)."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        super().__init__(daemon=True)
-        self.fn = fn
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.result = self.fn()
-        except BaseException as exc:  # handed to the test thread
-            self.error = exc
-
-    def outcome(self, timeout: float = _JOIN) -> Any:
-        self.join(timeout)
-        if self.is_alive():
-            raise AssertionError(f"worker thread still running after {timeout} s")
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-def _recv(channel: Channel, n: int) -> bytes:
-    buf = bytearray(n)
-    channel.recv_into(memoryview(buf))
-    return bytes(buf)
 
 
 def _pattern(n: int, seed: int) -> bytes:
@@ -130,7 +96,7 @@ class TransportConformance(FeatureConformance):
         client, server, listener = self.connect_pair()
         if self.complete_handshake:
             # The server must be reading while the client finishes (a backend may switch paths then).
-            marker = _Worker(lambda: _recv(server, 1))
+            marker = Worker(lambda: recv_exact(server, 1))
             allow_upgrade(server)  # the server sent WELCOME: a record backend may upgrade now
             try:
                 handshake_complete(client, {})
@@ -186,7 +152,7 @@ class TransportConformance(FeatureConformance):
             b"a", _pattern(1000, 1), b"", bytearray(_pattern(70_000, 2)), memoryview(_pattern(5, 3))]
         whole = b"".join(bytes(p) for p in parts)
         client.sendv(parts)
-        got = _recv(server, 7) + _recv(server, len(whole) - 8) + _recv(server, 1)
+        got = recv_exact(server, 7) + recv_exact(server, len(whole) - 8) + recv_exact(server, 1)
         assert got == whole
 
     def test_both_directions_and_empty_sends(self, pair: tuple[Channel, Channel]) -> None:
@@ -194,24 +160,24 @@ class TransportConformance(FeatureConformance):
         client.sendv([])
         client.sendv([b""])
         client.sendv([b"ping"])
-        assert _recv(server, 4) == b"ping"
+        assert recv_exact(server, 4) == b"ping"
         server.sendv([b"pong"])
-        assert _recv(client, 4) == b"pong"
+        assert recv_exact(client, 4) == b"pong"
 
     def test_more_buffers_than_iov_max(self, pair: tuple[Channel, Channel]) -> None:
         client, server = pair
         parts = [bytes([i % 251]) * (1 + i % 7) for i in range(3000)]
         whole = b"".join(parts)
-        reader = _Worker(lambda: _recv(server, len(whole)))
+        reader = Worker(lambda: recv_exact(server, len(whole)))
         client.sendv(parts)
         assert reader.outcome() == whole
 
     def test_bulk_full_duplex_every_byte_right(self, pair: tuple[Channel, Channel]) -> None:
         client, server = pair
         up, down = _pattern(self.bulk_bytes, 4), _pattern(self.bulk_bytes + 12345, 5)
-        server_reads = _Worker(lambda: _recv(server, len(up)))
-        server_sends = _Worker(lambda: server.sendv([down]))
-        client_reads = _Worker(lambda: _recv(client, len(down)))
+        server_reads = Worker(lambda: recv_exact(server, len(up)))
+        server_sends = Worker(lambda: server.sendv([down]))
+        client_reads = Worker(lambda: recv_exact(client, len(down)))
         client.sendv([up])
         server_sends.outcome()
         assert server_reads.outcome() == up
@@ -223,7 +189,7 @@ class TransportConformance(FeatureConformance):
         frames = [[_pattern(rng.choice([0, 1, 24, 900, 70_000, 300_000]), rng.randrange(1 << 30))
                    for _ in range(rng.randrange(1, 4))] for _ in range(60)]
         expected = b"".join(b"".join(f) for f in frames)
-        reader = _Worker(lambda: b"".join(_recv(server, n) for n in _cuts(len(expected), rng.randrange(1 << 30))))
+        reader = Worker(lambda: b"".join(recv_exact(server, n) for n in _cuts(len(expected), rng.randrange(1 << 30))))
         for frame in frames:
             client.sendv(frame)
         assert reader.outcome() == expected
@@ -237,11 +203,11 @@ class TransportConformance(FeatureConformance):
         target = bytearray(1 << 20)
         out, into = sender.register(source), receiver.register(target)
         try:
-            reader = _Worker(lambda: receiver.recv_region(into, 4096, 65536))
+            reader = Worker(lambda: receiver.recv_region(into, 4096, 65536))
             sender.send_region(out, 1000, 65536)
             reader.outcome()
             assert bytes(target[4096:4096 + 65536]) == bytes(source[1000:1000 + 65536])
-            reader = _Worker(lambda: receiver.recv_region(into))
+            reader = Worker(lambda: receiver.recv_region(into))
             sender.send_region(out)
             reader.outcome()
             assert target == source
@@ -258,7 +224,7 @@ class TransportConformance(FeatureConformance):
         target = torch.empty_like(source)
         sender, receiver = bulk_path(client), bulk_path(server)
         out, into = sender.register(source), receiver.register(target)
-        reader = _Worker(lambda: receiver.recv_region(into))
+        reader = Worker(lambda: receiver.recv_region(into))
         sender.send_region(out)
         reader.outcome()
         assert torch.equal(source, target)
@@ -269,20 +235,20 @@ class TransportConformance(FeatureConformance):
         client.sendv([b"half"])
         client.close()
         with pytest.raises(ConnectionClosedError):
-            _recv(server, 8)
+            recv_exact(server, 8)
 
     def test_receive_timeout_raises_connection_closed_and_closes(self, pair: tuple[Channel, Channel]) -> None:
         _, server = pair
         server.settimeout(0.2)
         with pytest.raises(ConnectionClosedError, match="timed out"):
-            _recv(server, 1)
+            recv_exact(server, 1)
         with pytest.raises(ConnectionClosedError):
             server.sendv([b"x"])
 
     def test_close_from_another_thread_wakes_a_blocked_receiver(self, pair: tuple[Channel, Channel]) -> None:
         _, server = pair
         server.settimeout(None)
-        blocked = _Worker(lambda: _recv(server, 1))
+        blocked = Worker(lambda: recv_exact(server, 1))
         blocked.join(0.2)
         server.close()
         with pytest.raises(ConnectionClosedError):
@@ -302,7 +268,7 @@ class TransportConformance(FeatureConformance):
         with pytest.raises(ConnectionClosedError):
             client.sendv([b"x"])
         with pytest.raises(ConnectionClosedError):
-            _recv(client, 1)
+            recv_exact(client, 1)
 
     def test_connect_to_a_closed_port_raises_connect_error(self) -> None:
         with pytest.raises(TransportError) as info:
@@ -328,8 +294,8 @@ class TransportConformance(FeatureConformance):
                 channel.settimeout(self.timeout)
             ends[0].sendv([b"one"])
             ends[2].sendv([b"two"])
-            assert _recv(ends[3], 3) == b"two"
-            assert _recv(ends[1], 3) == b"one"
+            assert recv_exact(ends[3], 3) == b"two"
+            assert recv_exact(ends[1], 3) == b"one"
         finally:
             for channel in ends:
                 channel.close()

@@ -44,7 +44,7 @@ from genie.transport.features import (
     tls_of,
 )
 
-_JOIN = 30.0
+JOIN = 30.0  #: the longest a conformance test waits for its worker thread
 
 
 def members(protocol: type) -> dict[str, Any]:
@@ -85,7 +85,10 @@ def check_declared_members(obj: object) -> list[str]:
     return problems
 
 
-class _Thread(threading.Thread):
+class Worker(threading.Thread):
+    """Runs ``fn`` on a thread and hands back its result or exception (joined with a bound): the conformance
+    suites' other end of a channel."""
+
     def __init__(self, fn: Callable[[], Any]) -> None:
         super().__init__(daemon=True)
         self.fn = fn
@@ -99,16 +102,16 @@ class _Thread(threading.Thread):
         except BaseException as exc:  # handed to the test thread
             self.error = exc
 
-    def outcome(self) -> Any:
-        self.join(_JOIN)
+    def outcome(self, timeout: float = JOIN) -> Any:
+        self.join(timeout)
         if self.is_alive():
-            raise AssertionError(f"worker thread still running after {_JOIN} s")
+            raise AssertionError(f"worker thread still running after {timeout} s")
         if self.error is not None:
             raise self.error
         return self.result
 
 
-def _recv(channel: Channel, n: int) -> bytes:
+def recv_exact(channel: Channel, n: int) -> bytes:
     buf = bytearray(n)
     channel.recv_into(memoryview(buf))
     return bytes(buf)
@@ -186,7 +189,7 @@ class FeatureConformance:
             assert raw.recv(7, socket.MSG_WAITALL) == b"native!"
         assert native.at_rest()
         client.sendv([b"after"])  # the channel is still in step with the stream
-        assert _recv(server, 5) == b"after"
+        assert recv_exact(server, 5) == b"after"
 
     def test_native_records_take_back_what_the_native_reader_read(self, pair: tuple[Channel, Channel]) -> None:
         client, server = pair
@@ -197,7 +200,7 @@ class FeatureConformance:
         native = native_stream_of(server)
         assert native is None or not native.at_rest()  # bytes are kept on this side now
         client.sendv([b"read"])
-        assert _recv(server, 6) == b"unread"
+        assert recv_exact(server, 6) == b"unread"
         got = native.native_stream() if native is not None else None
         if got is None or not got[1]:
             return  # resume_record needs a record stream genie._C can read
@@ -210,7 +213,7 @@ class FeatureConformance:
             two = raw.recv(2, socket.MSG_WAITALL)
         records.resume_record(b"", kind, length)  # the header was read natively, then two bytes of the body
         records.unread(two)
-        assert _recv(server, 7) == b"resumed"
+        assert recv_exact(server, 7) == b"resumed"
 
     def test_tls_upgrades_the_stream(self, fresh_pair: tuple[Channel, Channel], tmp_path: Path) -> None:
         client, server = fresh_pair
@@ -225,14 +228,14 @@ class FeatureConformance:
         client_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         client_ctx.load_verify_locations(cert)
         assert client_tls.tls_version is None and server_tls.tls_version is None
-        accepting = _Thread(lambda: server_tls.start_tls(server_ctx, server_side=True))
+        accepting = Worker(lambda: server_tls.start_tls(server_ctx, server_side=True))
         client_tls.start_tls(client_ctx, server_side=False, server_hostname="127.0.0.1")
         accepting.outcome()
         assert client_tls.tls_version in ("TLSv1.2", "TLSv1.3") and server_tls.tls_version == client_tls.tls_version
         client.sendv([b"sealed"])
-        assert _recv(server, 6) == b"sealed"
+        assert recv_exact(server, 6) == b"sealed"
         server.sendv([b"back"])
-        assert _recv(client, 4) == b"back"
+        assert recv_exact(client, 4) == b"back"
 
     def test_peek_leaves_the_bytes_in_the_stream(self, fresh_pair: tuple[Channel, Channel]) -> None:
         client, server = fresh_pair
@@ -243,7 +246,7 @@ class FeatureConformance:
         head = peek.peek(2)
         assert len(head) == 2  # the first bytes on the stream (a record backend's record header)
         assert peek.peek(2) == head
-        assert _recv(server, 4) == b"look"
+        assert recv_exact(server, 4) == b"look"
 
     def test_handover_rebuilds_the_server_channel_elsewhere(self, fresh_pair: tuple[Channel, Channel]) -> None:
         client, server = fresh_pair
@@ -259,9 +262,9 @@ class FeatureConformance:
             assert declared(moved) == declared(server)
             moved.settimeout(self.timeout)
             client.sendv([b"moved"])
-            assert _recv(moved, 5) == b"moved"
+            assert recv_exact(moved, 5) == b"moved"
             moved.sendv([b"ok"])
-            assert _recv(client, 2) == b"ok"
+            assert recv_exact(client, 2) == b"ok"
         finally:
             moved.close()
 
@@ -315,7 +318,7 @@ class FeatureConformance:
             for end in ends:
                 end.settimeout(self.timeout)
             ends[2].sendv([b"third"])
-            assert _recv(ends[3], 5) == b"third"
+            assert recv_exact(ends[3], 5) == b"third"
         finally:
             for end in ends:
                 end.close()
