@@ -51,7 +51,7 @@ from genie.transport.base import (
     capabilities_of,
     handshake_complete,
 )
-from genie.transport.feature_conformance import FeatureConformance, Worker, recv_exact
+from genie.transport.feature_conformance import FeatureConformance, Worker, held_pair, recv_exact
 from genie.transport.features import allow_upgrade
 from genie.types import ProbeResult
 
@@ -111,13 +111,8 @@ class TransportConformance(FeatureConformance):
 
     @pytest.fixture
     def pair(self) -> Iterator[tuple[Channel, Channel]]:
-        client, server, listener = self.make_pair()
-        try:
-            yield client, server
-        finally:
-            client.close()
-            server.close()
-            listener.close()
+        with held_pair(*self.make_pair()) as pair:
+            yield pair
 
     @pytest.fixture
     def listener(self) -> Iterator[Listener]:

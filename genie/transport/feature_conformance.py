@@ -17,6 +17,7 @@ on a fresh pair from :meth:`connect_pair`; the others on the suite's ``pair``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import socket
@@ -111,6 +112,17 @@ class Worker(threading.Thread):
         return self.result
 
 
+@contextlib.contextmanager
+def held_pair(client: Any, server: Any, listener: Any) -> Iterator[tuple[Any, Any]]:
+    """The connected pair for a test's body; the two ends and their listener closed after it, whatever happened."""
+    try:
+        yield client, server
+    finally:
+        client.close()
+        server.close()
+        listener.close()
+
+
 def recv_exact(channel: Channel, n: int) -> bytes:
     buf = bytearray(n)
     channel.recv_into(memoryview(buf))
@@ -155,13 +167,8 @@ class FeatureConformance:
     @pytest.fixture
     def fresh_pair(self) -> Iterator[tuple[Channel, Channel]]:
         """A connected pair nothing has crossed yet (no handshake, no upgrade)."""
-        client, server, listener = self.connect_pair()
-        try:
-            yield client, server
-        finally:
-            client.close()
-            server.close()
-            listener.close()
+        with held_pair(*self.connect_pair()) as pair:
+            yield pair
 
     def test_declared_features_are_there_with_their_signatures_and_nothing_undeclared(
             self, pair: tuple[Channel, Channel], listener: Listener) -> None:

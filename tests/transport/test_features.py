@@ -15,7 +15,7 @@ import pytest
 
 from genie.errors import HandshakeError, PluginError
 from genie.transport.base import StreamBulk, bulk_path, handshake_complete
-from genie.transport.feature_conformance import check_declared_members
+from genie.transport.feature_conformance import check_declared_members, held_pair
 from genie.transport.features import Feature, declared, native_stream, protocols, tls_of
 from genie.transport.stream import TcpChannel, TcpListener, connect_stream
 from genie.wire.handshake import secure_client_channel
@@ -25,13 +25,8 @@ from genie.wire.handshake import secure_client_channel
 def tcp_pair() -> Iterator[tuple[TcpChannel, TcpChannel]]:
     listener = TcpListener("127.0.0.1", 0)
     client = connect_stream("127.0.0.1", listener.port, timeout=5)
-    server = listener.accept(timeout=5)
-    try:
-        yield client, server
-    finally:
-        client.close()
-        server.close()
-        listener.close()
+    with held_pair(client, listener.accept(timeout=5), listener) as pair:
+        yield pair
 
 
 class TcpWithoutTls(TcpChannel):
