@@ -196,6 +196,8 @@ class NodeConnection:
         """Declare the node lost (a failed sync point, or the runtime's failure detector)."""
         if self._lost is None:
             self._lost = reason
+            if self.resumable is not None:  # a resume under way on another thread ends now (genie.device.resume)
+                self.resumable.stop(reason)
             _C.queue_room(self.qid, 0, 0)  # every op goes through Python now, which raises
             log.warning("node %s at %s lost: %s", self.node_id, self.address, reason)
             try:
@@ -789,7 +791,12 @@ class NodeConnection:
         return self._request(command, default=default, device=device)
 
     def close(self) -> None:
-        """Say goodbye (best effort) and close the channel."""
+        """Say goodbye (best effort) and close the channel.
+
+        A resume under way on another thread (which holds the lock) ends first, and none starts here: closing
+        never waits out a reconnect window."""
+        if self.resumable is not None:
+            self.resumable.stop("this client closed the session (genie.shutdown())")
         with self.lock:
             if self._lost is None:
                 try:

@@ -10,6 +10,14 @@ for a reply the node had already sent, reads the node's copy of that reply. It t
 node's reconnect window (``reconnect_window``, told in WELCOME) has passed since the drop, then
 raises :class:`~genie.errors.RemoteDeviceLost` naming the window, as it does when the node refuses.
 
+The window is for a link that is down, not for a node that is gone. The attempts end at once with
+RemoteDeviceLost when the node answers and refuses (a restarted node has no such session), when the
+connection is declared lost meanwhile (the runtime marks it so when the master, still reachable, says
+the node is lost: :meth:`ResumeState.stop` through ``NodeConnection.mark_lost``), and when the session
+is closed (``genie.shutdown()``). Only while neither the node nor the master says so do they go on
+for the window. Each attempt's connect is bounded by :data:`CONNECT_TIMEOUT`, and a stop closes the
+attempt's handshake under way, so a stop is seen within about that long.
+
 Kept batches cost memory: uploads are copied (the caller may change its tensor after the upload),
 up to :data:`KEEP_BYTES` unacknowledged; past that a drop before the next sync point cannot be
 resumed, and says so.
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,6 +48,9 @@ log = logging.getLogger("genie.device")
 KEEP_BYTES = 256 << 20
 #: Longest pause between two reconnect attempts.
 MAX_BACKOFF = 0.5
+#: Longest wait for one attempt's TCP connect: a stop (shutdown, the master's verdict) cannot interrupt a
+#: connect under way, so it is short; a connect takes one round trip, and a lost SYN is sent again after 1 s.
+CONNECT_TIMEOUT = 2.0
 
 
 class ResumeLog:
@@ -103,6 +115,32 @@ class ResumeState:
         self.attempts = 0  #: resume attempts made (each is good once at the node)
         self.resumes = 0  #: drops survived
         self.log = ResumeLog()
+        #: why the session must not be resumed any more (set from any thread by :meth:`stop`), or None
+        self.stopped: str | None = None
+        self._wake = threading.Event()  # ends the pause between two attempts early
+        self._attempt: Channel | None = None  # the attempt's channel while its handshake runs
+        self._attempt_lock = threading.Lock()
+
+    def stop(self, reason: str) -> None:
+        """End any resume of this session now, and refuse later ones (``reason`` says why). Called from any
+        thread, without the session lock (a resume holds it): the pause between attempts ends and an
+        attempt's handshake under way is closed; the resuming thread then raises RemoteDeviceLost."""
+        with self._attempt_lock:
+            if self.stopped is None:
+                self.stopped = reason
+            attempt = self._attempt
+        self._wake.set()
+        if attempt is not None:
+            try:
+                attempt.close()
+            except Exception:  # closing an attempt that failed already may fail again; it ends either way
+                pass
+
+    def _attempting(self, channel: Channel | None) -> bool:
+        """Record the attempt's channel (None: no attempt under way); False when stopped meanwhile."""
+        with self._attempt_lock:
+            self._attempt = channel
+            return self.stopped is None
 
 
 def offer_of(reply: dict[str, Any], client_window: float) -> tuple[dict[str, Any], float] | None:
@@ -127,9 +165,11 @@ def recover(conn: NodeConnection, reason: str, *, awaiting: bool, device: str = 
 
     state = conn.resumable
     assert state is not None
+    with_reason = f"the link dropped ({reason})"
+    if conn.lost is not None:  # declared lost meanwhile (the master's verdict, a close): nothing to resume
+        raise conn._device_lost(device)
     dropped = time.monotonic()
     deadline = dropped + state.window
-    with_reason = f"the link dropped ({reason})"
     log.warning("node %s at %s: %s; resuming session %d (reconnect window %g s)", conn.node_id, conn.address,
                 with_reason, state.session, state.window)
     try:
@@ -139,6 +179,7 @@ def recover(conn: NodeConnection, reason: str, *, awaiting: bool, device: str = 
     backoff = 0.05
     last = with_reason
     while True:
+        _check_stopped(conn, state, device, with_reason)
         left = deadline - time.monotonic()
         if left <= 0:
             raise _lost(conn, device, f"{last}; it could not be resumed within the reconnect window of "
@@ -147,7 +188,10 @@ def recover(conn: NodeConnection, reason: str, *, awaiting: bool, device: str = 
         channel: Channel | None = None
         final: str | None = None  # why the session cannot be resumed at all
         try:
-            channel = state.reconnect(min(left, 5.0))
+            channel = state.reconnect(min(left, CONNECT_TIMEOUT))
+            if not state._attempting(channel):  # stopped while connecting: the loop's check raises
+                channel.close()
+                continue
             channel.settimeout(min(left, 10.0))
             reply = client_handshake(channel, state.hello, token=state.token,
                                      where=f"node {conn.node_id} at {conn.address}",
@@ -172,14 +216,20 @@ def recover(conn: NodeConnection, reason: str, *, awaiting: bool, device: str = 
             last = f"{with_reason}; the last attempt to resume failed: {exc}"
             if channel is not None:
                 channel.close()
-            time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))  # not a busy loop: the link is down
+            if state._attempting(None):  # not a busy loop: the link is down; a stop ends the pause
+                state._wake.wait(min(backoff, max(0.0, deadline - time.monotonic())))
             backoff = min(backoff * 2, MAX_BACKOFF)
             continue
+        finally:
+            state._attempting(None)
         if final is not None or isinstance(frames, str):
             if channel is not None:
                 channel.close()
             raise _lost(conn, device, f"{with_reason}; {final}")
         assert channel is not None
+        if state.stopped is not None or conn.lost is not None:  # stopped as the attempt succeeded
+            channel.close()
+            _check_stopped(conn, state, device, with_reason)
         conn.channel = channel
         conn._broken = None  # a background send's failure is answered by this resume too
         channel.settimeout(conn.op_timeout)
@@ -189,6 +239,14 @@ def recover(conn: NodeConnection, reason: str, *, awaiting: bool, device: str = 
                     state.session, time.monotonic() - dropped, len(frames),
                     ", the last reply sent again" if awaiting and not frames else "")
         return
+
+
+def _check_stopped(conn: NodeConnection, state: ResumeState, device: str, with_reason: str) -> None:
+    """Raise RemoteDeviceLost when the resume was stopped (the connection declared lost, or closed)."""
+    if conn.lost is not None:  # the master's verdict (mark_lost): its reason names the node
+        raise conn._device_lost(device)
+    if state.stopped is not None:
+        raise _lost(conn, device, f"{with_reason}; {state.stopped} while it was resuming")
 
 
 def _lost(conn: NodeConnection, device: str, reason: str) -> RemoteDeviceLost:
