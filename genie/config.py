@@ -166,6 +166,9 @@ _OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
                   "process (each session in its own worker process) or none (sessions in threads, one trusted user)"),
     "op_deadline": (float, 300.0, _positive, "a positive number of seconds one op may run before its session "
                     "worker is killed"),
+    "compile_replays": (str, "off", lambda v: v in ("off", "inductor"),
+                        "off (replayed graphs run node by node) or inductor (an admitted replay's graph is compiled "
+                        "by inductor on the node; see genie/server/inductor_replays.py)"),
     "worker_memory_overhead": (int, 2 << 30, lambda v: v >= 0, "a byte count a session worker may hold beyond "
                                "max_session_bytes (its cgroup's memory.max)"),
     "worker_cpu_weight": (int, 100, lambda v: 1 <= v <= 10000, "a cgroup cpu.weight from 1 to 10000"),
@@ -256,6 +259,7 @@ class ClusterConfig:
     isolation: str
     cuda_mps: bool
     op_deadline: float
+    compile_replays: str
     worker_memory_overhead: int
     worker_cpu_weight: int
     sources: Mapping[str, str] = attrs.field(factory=dict, repr=False, eq=False)

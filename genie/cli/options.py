@@ -18,7 +18,7 @@ from genie.config import ClusterConfig
 
 #: argparse dest -> ClusterConfig field of every option :func:`add_session_options` adds.
 SESSION_OPTIONS = ("devices", "node_id", "insecure", "cache_bytes", "share_cache", "isolation", "op_deadline",
-                   "cuda_mps")
+                   "cuda_mps", "compile_replays")
 
 
 def add_session_options(p: argparse.ArgumentParser) -> None:
@@ -40,6 +40,10 @@ def add_session_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-mps", action="store_true", default=None,
                    help="share each GPU among the session workers through the host's CUDA MPS daemon (it must run: "
                         "nvidia-cuda-mps-control -d); refused where it does not (GENIE_CUDA_MPS)")
+    p.add_argument("--compile-replays", choices=("off", "inductor"), default=None,
+                   help="off (default): replayed graphs (torch.compile(backend='genie')) run node by node; inductor: "
+                        "a graph's admitted replays run the kernels inductor generates for it on this node "
+                        "(docs/compile.md; GENIE_COMPILE_REPLAYS)")
     p.add_argument("--op-deadline", type=float, default=None,
                    help="seconds one op may run before its session's worker is killed (default 300; "
                         "GENIE_OP_DEADLINE)")

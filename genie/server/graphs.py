@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from genie.errors import ForbiddenOpError, FrameError, GenieError, ProtocolError, QuotaExceededError
-from genie.server import cuda_graphs, preflight
+from genie.server import cuda_graphs, inductor_replays, preflight
 from genie.server.codec import Descriptor, DeviceRef, GeneratorRef, is_int
 from genie.server.devargs import check_device_args
 from genie.server.graph_gate import CheckedReplay, Gate
@@ -413,7 +413,9 @@ def _run_admitted(ex: Executor, graph: Graph, env: list[Any], held: set[int], la
             node = graph.nodes[over[0]]
             raise CommandFailed(_error(f"{label} node {over[0]} ({node.label})", [], "quota", _message(
                 preflight.over_quota(node.label, over[1], over[2])), storage_ids))
-        cuda_graphs.run(ex, graph, env, held, label, storage_ids, _run_nodes)  # issue 33 hook: a CUDA graph on CUDA
+        # issue 33: compiled by inductor where the node was told to (--compile-replays), else a CUDA graph on CUDA
+        if not inductor_replays.run(ex, graph, env, label, key, storage_ids):
+            cuda_graphs.run(ex, graph, env, held, label, storage_ids, _run_nodes)
         return
     graph.checked_runs += 1
     checked = CheckedReplay(ex, remaining)

@@ -44,7 +44,7 @@ from genie._version import __version__
 from genie.config import ClusterConfig
 from genie.errors import ConfigError, ConnectionClosedError
 from genie.security import REFUSALS, ServerSecurity, check_bind
-from genie.server import mps
+from genie.server import inductor_replays, mps
 from genie.server.content import ContentCache
 from genie.server.isolation.supervisor import Supervisor, WorkerSession
 from genie.server.metrics import ServerMetrics
@@ -366,6 +366,7 @@ class DataPlaneServer:
         )
         session.executor.transfers.cache = self.cache
         session.executor.max_op_elements = self.config.max_op_elements
+        inductor_replays.configure(session.executor, self.config.compile_replays)  # --compile-replays
         session.executor.metrics = self.metrics.open_session(session.session_id, session)  # metrics
         session.thread = threading.Thread(target=session.run, name=f"genie-session-{session.session_id}", daemon=True)
         with self._lock:

@@ -12,9 +12,11 @@ from genie.cli.options import SESSION_OPTIONS, session_config
 from genie.server.__main__ import add_arguments
 
 FLAGS = ["--devices", "cpu,cpu", "--node-id", "n7", "--insecure", "--cache-bytes", "4096", "--share-cache",
-         "--isolation", "none", "--op-deadline", "12.5", "--cuda-mps"]
+         "--isolation", "none", "--op-deadline", "12.5", "--cuda-mps",
+         "--compile-replays", "inductor"]
 EXPECTED = {"devices": "cpu,cpu", "node_id": "n7", "insecure": True, "cache_bytes": 4096, "share_cache": True,
-            "isolation": "none", "op_deadline": 12.5, "cuda_mps": True}
+            "isolation": "none", "op_deadline": 12.5, "cuda_mps": True,
+            "compile_replays": "inductor"}
 
 
 def bare_server_parser() -> argparse.ArgumentParser:

@@ -46,7 +46,7 @@ import attrs
 import torch
 
 from genie.config import ClusterConfig
-from genie.server import collectives, preflight
+from genie.server import collectives, inductor_replays, preflight
 from genie.server.executor import Executor
 from genie.server.isolation.cache import WorkerCache
 from genie.server.isolation.clock import OpClock
@@ -270,6 +270,7 @@ def serve_session(spec: WorkerSpec, sock: socket.socket, conn: Connection, clock
     warming = bool(_warming) and not _warmed.is_set()
     session.executor.clock = _AfterWarmUp(clock, session.executor) if warming else clock  # type: ignore[assignment]
     session.executor.max_op_elements = spec.config.max_op_elements
+    inductor_replays.configure(session.executor, spec.config.compile_replays)  # --compile-replays
     if spec.cache is not None:
         control.cache = WorkerCache(spec.cache, conn, control._send_lock)
         session.executor.transfers.cache = control.cache  # type: ignore[assignment]
