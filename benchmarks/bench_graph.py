@@ -15,8 +15,11 @@ compiled with ``backend="genie"``; the optimizer step op by op), and remote repl
 optimizer step compiled too (``torch.compile(opt.step, backend="genie")`` with AdamW's
 ``capturable=True``, so its step counters live on the device: the whole step is three commands), and the model
 compiled with ``AdamW(fused=True)`` (one optimizer op a step). Also the step compiled with ``aot_eager`` on the local
-CPU, to show what compiling alone changes. Prints medians with
-their ratios to the baseline, and the closing table. Asserts nothing.
+CPU, to show what compiling alone changes, and with inductor (``torch.compile``'s default) on the local CPU. The
+replayed ways run twice: on the master (node by node) and on a ``genie worker`` started with ``--compile-replays
+inductor`` (``remote_accelerator:1``: the node compiles each replayed graph with inductor, docs/compile.md), whose
+log says how many graphs it compiled. Prints medians with their ratios to the baseline, and the closing table.
+Asserts nothing.
 """
 
 from __future__ import annotations
@@ -98,21 +101,31 @@ def _stepper(make: Callable[[str], Any], device: str, backend: str | None, optim
     return step
 
 
+#: The device of the worker that compiles replays with inductor (``--compile-replays inductor``).
+INDUCTOR_NODE = "remote_accelerator:1"
+#: The ways reported against the baseline, in order.
+WAYS = ("local CPU aot_eager", "local CPU inductor", "remote op by op", "remote replayed", "remote replayed, inductor",
+        "remote replayed, optimizer too", "remote replayed, optimizer too, inductor", "remote replayed, fused AdamW")
+
+
 def measure(make: Callable[[str], Any], rounds: int) -> dict[str, list[float]]:
     ways = {
         "local CPU": _stepper(make, "cpu", None),
         "local CPU aot_eager": _stepper(make, "cpu", "aot_eager"),
+        "local CPU inductor": _stepper(make, "cpu", "inductor"),
         "remote op by op": _stepper(make, "remote_accelerator:0", None),
         "remote replayed": _stepper(make, "remote_accelerator:0", "genie"),
+        "remote replayed, inductor": _stepper(make, INDUCTOR_NODE, "genie"),
         "remote replayed, optimizer too": _stepper(make, "remote_accelerator:0", "genie", optimizer_too=True),
+        "remote replayed, optimizer too, inductor": _stepper(make, INDUCTOR_NODE, "genie", optimizer_too=True),
         "remote replayed, fused AdamW": _stepper(make, "remote_accelerator:0", "genie", fused=True),
     }
     times: dict[str, list[float]] = {name: [] for name in ways}
-    for i in range(rounds + 2):
+    for i in range(rounds + 3):
         for name, step in ways.items():
             t0 = time.perf_counter()
             step()
-            if i >= 2:  # the first steps compile and fill the caches
+            if i >= 3:  # the first steps compile and fill the caches (the node compiles at a signature's 2nd replay)
                 times[name].append(time.perf_counter() - t0)
     return times
 
@@ -137,7 +150,10 @@ def main() -> int:
           "(server too)")
     load = c.MachineLoad()
     table = c.Table()
-    with NodeProcess("serve", "--port", "0", "--devices", "cpu", env={"OMP_NUM_THREADS": str(args.threads)}) as server:
+    threads = {"OMP_NUM_THREADS": str(args.threads)}
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu", env=threads) as server, \
+            NodeProcess("--log-level", "INFO", "worker", "--master", f"127.0.0.1:{server.control_port}", "--devices",
+                        "cpu", "--compile-replays", "inductor", env=threads) as compiling:
         c.quiet(server)
         genie.init_sync(master_addr="127.0.0.1", master_port=server.control_port, timeout=60)
         try:
@@ -146,13 +162,21 @@ def main() -> int:
                 times = measure(make, rounds)
                 local = statistics.median(times["local CPU"])
                 print(f"\n{label}: local CPU {c.fmt_ms(local)}  (baseline)")
-                for name in ("local CPU aot_eager", "remote op by op", "remote replayed", "remote replayed, optimizer too",
-                             "remote replayed, fused AdamW"):
+                for name in WAYS:
                     value = statistics.median(times[name])
                     print(f"  {name}: {c.fmt_ms(value)} = {value / local:.2f}x local")
                 replayed = replay.counts["replayed"] - before["replayed"]
                 fallbacks = replay.counts["op_by_op"] - before["op_by_op"]
-                print(f"  graph calls replayed {replayed}, run op by op {fallbacks}")
+                log = compiling.log()
+                print(f"  graph calls replayed {replayed}, run op by op {fallbacks}; the inductor node so far: "
+                      f"{log.count('compiled by inductor in')} graphs compiled, "
+                      f"{log.count('stays node by node under')} kept node by node, "
+                      f"{log.count('inductor could not compile')} failed")
+                inductor = statistics.median(times["local CPU inductor"])
+                for name in ("remote replayed, inductor", "remote replayed, optimizer too, inductor"):
+                    value = statistics.median(times[name])
+                    table.add(f"{label}, {name}", c.fmt_ms(value), f"local CPU inductor {c.fmt_ms(inductor)}",
+                              f"{value / inductor:.2f}x", "-", None)
                 for name, target in (("remote replayed, fused AdamW", TARGET_REPLAYED),
                                      ("remote replayed, optimizer too", TARGET_REPLAYED),
                                      ("remote replayed", TARGET_REPLAYED), ("remote op by op", TARGET_OP_BY_OP)):

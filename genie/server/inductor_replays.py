@@ -29,7 +29,7 @@ keeps them, where compiling would change what is checked or computed:
   allocator held);
 - a replay whose tensor inputs share a storage when a node writes to its arguments (inductor assumes
   distinct inputs; AOTAutograd's ``copy_`` into inputs and genie's reinplaced ``_foreach_*_`` ops are
-  honoured for distinct inputs: tests/server/test_inductor_replays.py).
+  honoured for distinct inputs: tests/device/test_compile_inductor.py).
 
 A compile that fails leaves that graph node by node for good, logged once. Bounds: a graph is compiled
 for at most :data:`MAX_SIGNATURES` input signatures, a session keeps at most :data:`MAX_COMPILED`
