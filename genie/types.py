@@ -88,6 +88,9 @@ class NodeInfo:
     data_ports: dict[str, int] = attrs.field(factory=dict)
     #: ``address`` was set by the operator (``--advertise-host``): peers use it even for the master
     advertised: bool = False
+    #: a random token of the serving process (new at each start): a node that rejoins under its id with
+    #: another one was restarted, and its sessions are gone ("" where unknown)
+    incarnation: str = ""
 
     def port_for(self, backend: str) -> int:
         """The data port that serves ``backend``."""
@@ -105,6 +108,7 @@ class NodeInfo:
             "status": self.status.value,
             "data_ports": dict(self.data_ports),
             "advertised": self.advertised,
+            "incarnation": self.incarnation,
         }
 
     @classmethod
@@ -120,7 +124,13 @@ class NodeInfo:
             status=NodeStatus(data.get("status", NodeStatus.CONNECTED.value)),
             data_ports=parse_data_ports(data.get("data_ports")),
             advertised=data.get("advertised") is True,
+            incarnation=_incarnation(data.get("incarnation")),
         )
+
+
+def _incarnation(value: Any) -> str:
+    """A node's ``incarnation`` from the network: a short string, else "" (unknown)."""
+    return value if isinstance(value, str) and len(value) <= 64 else ""
 
 
 def parse_data_ports(value: Any) -> dict[str, int]:

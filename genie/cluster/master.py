@@ -194,7 +194,7 @@ class ControlService:
             nodes = [
                 {"node_id": m.info.node_id, "status": m.status.value, "address": m.info.address,
                  "data_port": m.info.data_port, "data_ports": dict(m.info.data_ports), "role": m.info.role.value,
-                 "advertised": m.info.advertised,
+                 "advertised": m.info.advertised, "incarnation": m.info.incarnation,
                  "backends": list(m.info.backends),
                  "devices": m.devices()}
                 for m in self.membership.changed_since(since)

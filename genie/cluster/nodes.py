@@ -64,6 +64,8 @@ def _open_session(pm: PluginManager, config: ClusterConfig, security: ClientSecu
     conn = NodeConnection(channel, node_id=node["node_id"], address=f"{address}:{port_of(outcome.backend)}",
                           op_timeout=config.op_timeout)
     conn.backend = outcome.backend
+    incarnation = node.get("incarnation")
+    conn.incarnation = incarnation if isinstance(incarnation, str) else ""
     conn.upload_cache = config.upload_cache
     if outcome.backend == "tcp":  # a TCP stream, plain or TLS: the session may resume after a drop
         reopen, tls = transports[outcome.backend], security.tls
@@ -189,6 +191,13 @@ def _dead_connection(node: dict[str, Any], reason: str) -> NodeConnection:
     conn = NodeConnection(_NoChannel(), node_id=node["node_id"], address=f"{node.get('address')}:{node.get('data_port')}")
     conn.mark_lost(reason)
     return conn
+
+
+def restarted(conn: NodeConnection, node: dict[str, Any]) -> bool:
+    """Whether the master's entry ``node`` shows another process than the one ``conn``'s session was opened
+    with (its ``incarnation`` changed: the node restarted under its id, and the session is gone)."""
+    now = node.get("incarnation")
+    return bool(conn.incarnation) and isinstance(now, str) and bool(now) and now != conn.incarnation
 
 
 def reconnect_lost(pm: PluginManager, config: ClusterConfig, security: ClientSecurity, state: Any,

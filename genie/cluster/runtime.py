@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ import anyio.to_thread
 from anyio.abc import ByteStream
 
 from genie.cluster.events import EventBus
-from genie.cluster.nodes import add_devices, connect_devices, local_gpus, reconnect_lost, session_backend
+from genie.cluster.nodes import add_devices, connect_devices, local_gpus, reconnect_lost, restarted, session_backend
 from genie.cluster.placement import ClusterFigures, Decision, candidates, choose
 from genie.cluster.state import ClusterState
 from genie.config import ClusterConfig
@@ -250,7 +251,8 @@ class Runtime:
                                                        primary=selection.names[0])
             state.local_node = NodeInfo(state.local_node.node_id, state.local_node.hostname, role, host,
                                         port, state.local_node.gpus, tuple(n for n in selection.names if n in ports),
-                                        data_ports=ports, advertised=bool(cfg.advertise_host))
+                                        data_ports=ports, advertised=bool(cfg.advertise_host),
+                                        incarnation=secrets.token_hex(8))
             self._make_monitors(state)
             supervisor = self.dataplane.supervisor
             if supervisor is not None:
@@ -449,10 +451,16 @@ class Runtime:
         if self.table is None:
             return
         statuses = {n["node_id"]: n.get("status") for n in fresh}
+        nodes = {n["node_id"]: n for n in fresh}
         for device in self.table.devices:
             status = statuses.get(device.node_id)
             if status in ("lost", "disconnected") and device.connection.lost is None:
                 device.connection.mark_lost(f"the master declared node {device.node_id} {status}")
+            elif status == "connected" and device.connection.lost is None and restarted(device.connection,
+                                                                                       nodes[device.node_id]):
+                # A new process rejoined under the node's id: this session (and a resume of it) is gone.
+                device.connection.mark_lost(f"the master reports node {device.node_id} restarted (a new "
+                                            "process rejoined under its id); the session's storages are gone")
             elif status == "connected" and device.connection.lost is not None:
                 self._known_version = -1  # ask again next time, in case this attempt fails
                 self._tg.start_soon(anyio.to_thread.run_sync, self._reconnect_lost)

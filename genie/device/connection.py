@@ -104,6 +104,8 @@ class NodeConnection:
         self._lost: str | None = None
         self.last_send = time.monotonic()
         self.backend = "tcp"
+        #: the node process's incarnation when the session opened (genie.cluster.nodes.restarted); "" unknown
+        self.incarnation = ""
         self.encoder: Callable[[Any], Any] | None = None
         #: a sync point's command while it is being sent: the batch's last, after its frees (see _flush_locked)
         self._request_cmd: bytes | None = None

@@ -97,16 +97,17 @@ def test_a_killed_node_fails_the_device_when_the_master_declares_it_lost_not_aft
 
 @pytest.fixture(scope="module")
 def slow_cluster() -> Iterator[LocalCluster]:
-    """A master that declares no node lost within a test, with w1 (data port known: it restarts there) and w2."""
-    with LocalCluster(("w1", "w2"), master_args=SLOW_HB, worker_args=SLOW_HB, env=NODE_ENV) as cluster:
+    """A master that declares no node lost within a test, with a worker for each test that kills one."""
+    with LocalCluster(("w1", "w2", "w3"), master_args=SLOW_HB, worker_args=SLOW_HB, env=NODE_ENV) as cluster:
         yield cluster
 
 
-def test_a_node_restarted_on_the_same_port_refuses_the_resume_and_the_device_fails_at_once(
+def test_a_node_restarted_on_the_same_port_fails_the_device_at_once_saying_the_session_is_gone(
         slow_cluster: LocalCluster) -> None:
     """w1 is killed and started again on the same data port under the same id (the master sees it rejoin, never
-    lost): the client's resume reaches the new process, which has no such session, and the sync fails at once
-    saying the session is gone, not after the window."""
+    lost): the sync fails at once saying the session is gone, not after the window. Two answers race, both
+    final: the new process refuses the resume (it has no such session), or the master's node list shows the
+    new incarnation first."""
     cluster = slow_cluster
     old = cluster.worker("w1")
     data_port = old.data_port
@@ -123,7 +124,8 @@ def test_a_node_restarted_on_the_same_port_refuses_the_resume_and_the_device_fai
         error = got["error"]
         assert isinstance(error, RemoteDeviceLost), error
         assert error.node_id == "w1", error
-        assert "refused to resume the session" in str(error) and "no session" in str(error), error
+        refused = "refused to resume the session: no session" in str(error)
+        assert refused or "the master reports node w1 restarted" in str(error), error
         assert "tensors are gone" in str(error), error
         assert got["at"] - started < PROMPT
         assert conn.resumable is not None and conn.resumable.attempts >= 1
@@ -154,7 +156,39 @@ def test_shutdown_while_a_session_is_resuming_returns_promptly(slow_cluster: Loc
     finally:
         if not stopped:
             genie.shutdown_sync()
+        # The master still lists w2 as connected: a later client's init would fail to reach it.
+        slow_cluster.worker("w2").cleanup()
+        slow_cluster.add_worker("w2")
     assert took < 5.0, f"genie.shutdown() took {took:.1f} s while a session was resuming"
     error = got["error"]
     assert isinstance(error, RemoteDeviceLost), error
     assert "closed the session" in str(error) and "while it was resuming" in str(error), error
+
+
+def test_a_node_restarted_on_another_port_fails_the_device_when_the_master_lists_its_new_incarnation(
+        slow_cluster: LocalCluster) -> None:
+    """w3 is killed and started again under its id on a new data port: the client's resume attempts at the old
+    port are refused (nothing listens there), the master never declares w3 lost, but its node list shows a new
+    process (incarnation): the sync raises RemoteDeviceLost saying w3 restarted, at once."""
+    cluster = slow_cluster
+    old = cluster.worker("w3")
+    _client(cluster.port, "client-moved")
+    try:
+        device, conn = _on("w3")
+        x = _working_tensor(device)
+        old.kill()
+        old.cleanup()
+        got = _sync_in_thread(x)
+        state = conn.resumable
+        assert state is not None
+        wait_until(lambda: state.attempts >= 2, PROMPT, what="refused attempts to resume at the old port")
+        started = time.monotonic()
+        new = cluster.add_worker("w3")  # --data-port: any free port
+        assert new.data_port != old.data_port
+        wait_until(lambda: "at" in got, PROMPT, what="the error once the master lists w3's new process")
+        error = got["error"]
+        assert isinstance(error, RemoteDeviceLost), error
+        assert error.node_id == "w3" and "the master reports node w3 restarted" in str(error), error
+        assert got["at"] - started < PROMPT
+    finally:
+        genie.shutdown_sync()
