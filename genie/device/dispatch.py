@@ -318,7 +318,7 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None, teach:
         if kind == "inplace":
             out = _target(info, i, args, kwargs)
             if conform[i]:
-                set_layout(out, m[1], m[2], m[3], device)
+                set_layout(out, m[1], m[2], m[3])
         elif kind == "view":
             base = _arg(info, pos, args, kwargs)
             if isinstance(base, (list, tuple)):
@@ -646,20 +646,24 @@ KIND_FIXUPS: dict[Any, dict[str, Any]] = {
 }
 
 
-def set_layout(t: torch.Tensor, shape: Any, stride: Any, offset: int, device: RemoteDevice | None = None) -> None:
+def set_layout(t: torch.Tensor, shape: Any, stride: Any, offset: int) -> None:
     """Give ``t`` a new layout over its storage, growing the storage (here and on the server) if needed."""
     need = dmeta.storage_numel(shape, stride, offset) * t.element_size()
     storage = t.untyped_storage()
     if need > storage.nbytes():
-        device = device or table().get(t.get_device())
-        sid = _C.storage_id(t)
-        if sid == 0:  # an empty storage: nothing to keep, start a new one
-            storage = torch.empty(need, dtype=torch.uint8, device=t.device).untyped_storage()
-        else:
-            _C.resize_storage(t, need)
-            device.connection.command([wm.CMD_RESIZE, device.local_index, sid, need])
+        storage.resize_(need)  # genie._C's resize_storage, through the device's hook: see resize_hook
     _aten.set_.source_Storage_storage_offset(t, storage, offset, list(shape), list(stride))
 
+
+def resize_hook(index: int, storage_id: int, nbytes: int) -> None:
+    """genie._C's callback for a storage it is about to resize (``UntypedStorage.resize_``, ``Tensor.resize_``):
+    queue ``CMD_RESIZE`` in the device's op stream, in order with its ops, and drop the storage's host shadow
+    (a storage shrunk to 0 and grown back has its old size and new, zero-filled bytes). Raises, and nothing
+    changes, on a lost device or inside a graph capture."""
+    device = registry.device_at(index)
+    device.connection.command([wm.CMD_RESIZE, device.local_index, storage_id, nbytes])
+    if shadows.TABLE.entries:
+        shadows.TABLE.drop(storage_id)
 
 
 #: Ops with their own rules, filled in by genie.device.copies.

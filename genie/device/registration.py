@@ -124,6 +124,7 @@ def ensure_registered() -> None:
             refusals.fallback(arguments.refuse_dispatch_key(key), dispatch_key=key)
         _libraries.append(refusals)
         _C.set_sync_hook(module._sync_hook)
+        _C.set_resize_hook(dispatch.resize_hook)  # storage resizes (genie/csrc/device/allocator.cpp)
         _inductor.install()  # torch.compile's default backend hands remote graphs to backend="genie"
         _graphs.install()  # torch.accelerator.Graph on the device (genie/csrc/device/graph.cpp)
         _done = True

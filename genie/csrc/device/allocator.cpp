@@ -28,6 +28,9 @@ using c10::DeviceType;
 constexpr uint64_t kTag = 1ULL << 63;
 constexpr int kShift = 12;
 constexpr uint64_t kMaxId = (1ULL << (63 - kShift)) - 1;
+// The most bytes a storage may have: the node's bound (genie/server/codec.py MAX_NBYTES), which it enforces by
+// closing the connection, so a larger resize is refused here.
+constexpr int64_t kMaxStorageBytes = int64_t{1} << 62;
 
 inline void* pointer_of(uint64_t sid) {
   return reinterpret_cast<void*>(kTag | (sid << kShift));
@@ -225,21 +228,43 @@ at::Tensor make_tensor(uint64_t sid, int64_t nbytes, int device, at::ScalarType 
   return out;
 }
 
-void resize_storage(const at::Tensor& t, int64_t nbytes) {
-  auto storage = t.storage();
+void resize_storage(c10::StorageImpl& storage, int64_t nbytes) {
+  TORCH_CHECK(nbytes >= 0 && nbytes <= kMaxStorageBytes, "genie: a remote_accelerator storage holds 0 to 2**62 bytes, "
+              "not ", static_cast<uint64_t>(nbytes), "; resize it to a size in that range");
   uint64_t sid = id_of_pointer(storage.data());
-  TORCH_CHECK(sid != 0, "genie: cannot grow an empty storage in place");
+  if (sid == 0) {
+    // Never allocated (zero bytes): a fresh id, as CUDA allocates a new block. Nothing to tell the node: it
+    // makes a storage zero-filled on its first use, as for any new one (docs/server.md).
+    if (nbytes == 0) return;
+    DeviceIndex d = storage.device().index();
+    storage.set_data_ptr_noswap(data_ptr_for(next_id(), nbytes, d < 0 ? static_cast<DeviceIndex>(tl_device) : d));
+    storage.set_nbytes(static_cast<size_t>(nbytes));
+    return;
+  }
   auto& b = book();
+  DeviceIndex d;
+  int64_t old;
   {
     std::lock_guard<std::mutex> g(b.mu);
     auto it = b.live.find(sid);
-    TORCH_CHECK(it != b.live.end(), "genie: unknown storage");
-    auto& s = b.at(it->second.second);
+    TORCH_CHECK(it != b.live.end(), "genie: storage ", sid, " is not one this client holds");
+    old = it->second.first;
+    d = it->second.second;
+  }
+  if (nbytes == old) return;
+  // The node first (CMD_RESIZE, queued in order with the device's ops): if that is refused here (a lost device,
+  // a graph being captured), the storage stays as it was. The id stays the storage's at every size, 0 included.
+  call_resize_hook(static_cast<int>(d), sid, nbytes);
+  {
+    std::lock_guard<std::mutex> g(b.mu);
+    auto it = b.live.find(sid);
+    TORCH_CHECK(it != b.live.end(), "genie: storage ", sid, " is not one this client holds");
+    auto& s = b.at(d);
     count_storage(s, it->second.first, false, false);
     count_storage(s, nbytes, true, false);
     it->second.first = nbytes;
   }
-  storage.unsafeGetStorageImpl()->set_nbytes(static_cast<size_t>(nbytes));
+  storage.set_nbytes(static_cast<size_t>(nbytes));
 }
 
 }  // namespace genie

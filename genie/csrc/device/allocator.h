@@ -32,7 +32,12 @@ int64_t needed_bytes(c10::IntArrayRef size, c10::IntArrayRef stride, int64_t off
 // A tensor over storage `sid` of `nbytes` (one the server described; the id must have been handed out).
 at::Tensor make_tensor(uint64_t sid, int64_t nbytes, int device, at::ScalarType dtype, std::vector<int64_t> size,
                        std::vector<int64_t> stride, int64_t offset);
-// Record that the server grew `t`'s storage in place to `nbytes`.
-void resize_storage(const at::Tensor& t, int64_t nbytes);
+// Resize a storage of the device to `nbytes`: every resize comes here (UntypedStorage.resize_ through the
+// PrivateUse1 hook, Tensor.resize_ and grown out= arguments through genie.device.dispatch.set_layout). A storage
+// with an id keeps it at every size (shrunk to 0 it still names the node's storage, for a later grow), and the
+// node is told first (CMD_RESIZE through call_resize_hook); an empty storage without one (id 0) gets a fresh id,
+// which the node makes zero-filled on first use. The memory statistics follow: a grown or shrunk storage is still
+// one allocation, of its new size; an id's first bytes are a new allocation.
+void resize_storage(c10::StorageImpl& storage, int64_t nbytes);
 
 }  // namespace genie

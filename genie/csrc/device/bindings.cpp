@@ -152,12 +152,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wire_desc", &wire_desc, "[storage_id, dtype code, sizes, strides, offset, storage_nbytes] of a remote tensor.");
   m.def("wire_ext_payload", &wire_ext_payload, "The msgpack bytes of wire_desc(t) (the EXT_TENSOR payload).");
   m.def("make_tensor", &make_tensor);
-  m.def("resize_storage", &resize_storage);
   m.def("memory_stats", &memory_stats);
   m.def("reset_peak_memory_stats", &reset_peak);
   m.def("reset_accumulated_memory_stats", &reset_accumulated);
   m.def("set_empty_cache_hook", [](py::object hook) { set_empty_cache_hook(hook); });
   m.def("set_sync_hook", [](py::object hook) { set_sync_hook(hook); });
+  m.def("set_resize_hook", [](py::object hook) { set_resize_hook(hook); },
+        "The callback (device, storage id, new nbytes) that queues CMD_RESIZE for a storage resized here.");
   m.def("default_generator", [](int d) {
     return py::reinterpret_steal<py::object>(THPGenerator_Wrap(default_generator(static_cast<c10::DeviceIndex>(d))));
   });

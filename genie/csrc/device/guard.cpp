@@ -33,6 +33,7 @@ using c10::DeviceType;
 std::mutex g_hook_mu;
 py::object* g_sync_hook = nullptr;
 py::object* g_empty_cache_hook = nullptr;
+py::object* g_resize_hook = nullptr;
 
 }  // namespace
 
@@ -63,6 +64,22 @@ void call_empty_cache_hook() {
     hook = *g_empty_cache_hook;
   }
   hook();
+}
+
+// A storage resized here (allocator.cpp resize_storage): Python queues CMD_RESIZE in the device's op stream.
+void call_resize_hook(int device, uint64_t storage_id, int64_t nbytes) {
+  {
+    std::lock_guard<std::mutex> g(g_hook_mu);
+    TORCH_CHECK(g_resize_hook != nullptr, "genie: a remote_accelerator storage was resized before genie.device "
+                "registered the device; import genie.device first");
+  }
+  py::gil_scoped_acquire gil;
+  py::object hook;
+  {
+    std::lock_guard<std::mutex> g(g_hook_mu);
+    hook = *g_resize_hook;
+  }
+  hook(device, storage_id, nbytes);
 }
 
 namespace {
@@ -145,9 +162,9 @@ struct Hooks final : at::PrivateUse1HooksInterface {
     return old;
   }
   DeviceIndex maybeExchangeDevice(DeviceIndex d) const override { return exchangeDevice(d); }
-  void resizePrivateUse1Bytes(const c10::Storage&, size_t) const override {
-    TORCH_CHECK(false, "genie: UntypedStorage.resize_() is not supported on remote_accelerator; "
-                       "use Tensor.resize_() (which keeps the server in step)");
+  // UntypedStorage.resize_() (FSDP2 frees unsharded parameters with resize_(0) and regrows them with resize_(n)).
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t nbytes) const override {
+    resize_storage(*storage.unsafeGetStorageImpl(), static_cast<int64_t>(nbytes));
   }
 };
 
@@ -162,6 +179,7 @@ void set_hook(py::object** slot, const py::object& hook) {
 
 void set_sync_hook(const py::object& hook) { set_hook(&g_sync_hook, hook); }
 void set_empty_cache_hook(const py::object& hook) { set_hook(&g_empty_cache_hook, hook); }
+void set_resize_hook(const py::object& hook) { set_hook(&g_resize_hook, hook); }
 
 void install() {
   static std::once_flag once;

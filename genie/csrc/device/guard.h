@@ -1,7 +1,7 @@
 // The device guard and the PrivateUse1 hooks of remote_accelerator: how many devices there are, which one
 // is current on each thread, the guard torch calls to switch and synchronize devices, and the hooks
-// interface (generators, pinned memory, device of a pointer). Synchronisation and empty_cache call back
-// into Python through two hooks that genie.device sets.
+// interface (generators, pinned memory, device of a pointer, storage resizes). Synchronisation, empty_cache
+// and storage resizes call back into Python through three hooks that genie.device sets.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -49,11 +49,14 @@ extern thread_local CurrentDevice tl_device;
 // Register the allocator and the hooks with c10 (idempotent).
 void install();
 
-// The Python callbacks: the connection layer waits for a node (sync) and sends the frees waiting and
-// clears the host pool (empty_cache).
+// The Python callbacks: the connection layer waits for a node (sync), sends the frees waiting and
+// clears the host pool (empty_cache), and queues CMD_RESIZE [device, storage id, new nbytes] in the device's
+// op stream (resize; raises when it cannot: no hook yet, a lost device, a graph being captured).
 void set_sync_hook(const pybind11::object& hook);
 void set_empty_cache_hook(const pybind11::object& hook);
+void set_resize_hook(const pybind11::object& hook);
 void call_sync_hook(int device);
 void call_empty_cache_hook();
+void call_resize_hook(int device, uint64_t storage_id, int64_t nbytes);
 
 }  // namespace genie
