@@ -22,7 +22,10 @@ passes only as one of a few reviewed values of a few argument names (:data:`ALLO
 else leaves the graph node by node. Graphs also stay node by node, as :mod:`genie.server.cuda_graphs`
 keeps them, where compiling would change what is checked or computed:
 
-- a node whose validator reads data (it must run before its node on every replay);
+- a node whose validator reads data (it must run before its node on every replay), unless every tensor it
+  reads is a graph input and no node of the graph writes to its arguments: then the validator runs on
+  those inputs before the compiled code, on every replay, and sees what the node would see (an
+  embedding's indices and weight, the common case);
 - a node that draws random numbers (the session's generators are not inductor's);
 - a node that may resize a storage (``resize_``, ``set_``, ``out=``);
 - a node of the ``empty`` family (node by node it is zeroed; compiled code would hand out what the
@@ -31,14 +34,20 @@ keeps them, where compiling would change what is checked or computed:
   distinct inputs; AOTAutograd's ``copy_`` into inputs and genie's reinplaced ``_foreach_*_`` ops are
   honoured for distinct inputs: tests/device/test_compile_inductor.py).
 
+When: the replay that first finds its signature admitted builds the fx graph and fake tensors with its
+inputs' metadata (milliseconds) and queues the compile on the process's compiler thread, off the
+critical path: it is not on the op clock, and replays (this one included) run node by node until it has
+finished (10-60 s on a loaded 2-core CPU host); the first replay after that runs the compiled code. A
+client's sync point therefore never waits for a compile (its ``op_timeout`` could not cover one). The
+compiler thread works on fake tensors only, never on a session's tensors, one compile at a time per
+process; it is a daemon: a session's end does not wait for it.
+
 A compile that fails leaves that graph node by node for good, logged once. Bounds: a graph is compiled
 for at most :data:`MAX_SIGNATURES` input signatures, a session keeps at most :data:`MAX_COMPILED`
-compiled graphs; past them, replays run node by node. The compile runs on the replay that first finds
-its signature admitted, inside that replay's op clock: it counts against ``op_deadline`` (seconds to a
-minute on a loaded CPU host), and nothing else of the session runs meanwhile. Inductor's caches live in
+compiled graphs (queued ones included); past them, replays run node by node. Inductor's caches live in
 a temporary directory of the compiling process (a session worker, or the node with ``--isolation
-none``), made at its first compile and removed when it exits; remote caches are off; compiles run in
-the process (``compile_threads`` 1), under one lock per process.
+none``), made at its first compile and removed when it exits; remote caches are off; inductor compiles
+in the thread itself (``compile_threads`` 1: no pool of compile processes).
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ import atexit
 import logging
 import operator
 import os
+import queue
 import shutil
 import tempfile
 import threading
@@ -98,13 +108,17 @@ class Ineligible(Exception):
 class _Compiled:
     """One graph's compiled forms, by compile key (signature, input offsets, input aliasing)."""
 
-    __slots__ = ("callables", "failed", "full", "writes")
+    __slots__ = ("callables", "checks", "failed", "full", "jobs", "warned", "writes")
 
     def __init__(self) -> None:
         self.callables: dict[Any, Any] = {}
+        self.jobs: dict[Any, _Job] = {}  # compiles queued or running, by compile key
+        self.warned = False  # a failed compile was logged
         self.failed = False
         self.full = False  # MAX_SIGNATURES reached (logged once)
         self.writes = False  # a node writes to its arguments
+        #: (index, node) of the nodes whose validators run on the graph's inputs before the compiled code
+        self.checks: list[tuple[int, Any]] = []
 
 
 class _Session:
@@ -143,14 +157,29 @@ def _writes(op: torch._ops.OpOverload) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
 
 
-def check_graph(graph: Any) -> None:
-    """Raise :class:`Ineligible` when ``graph`` (a :class:`genie.server.graphs.Graph`) must stay node by node."""
+def _refs(value: Any) -> list[Ref]:
+    if type(value) is Ref:
+        return [value]
+    if type(value) is list or type(value) is tuple:
+        return [r for v in value for r in _refs(v)]
+    return []
+
+
+def check_graph(graph: Any) -> list[tuple[int, Any]]:
+    """Raise :class:`Ineligible` when ``graph`` (a :class:`genie.server.graphs.Graph`) must stay node by node;
+    else the (index, node) of the nodes whose validators run on the graph's inputs before each compiled run."""
     if graph.resizes:
         raise Ineligible("a node may resize a storage")
+    writes = any(_writes(node.op) for node in graph.nodes)
+    checks: list[tuple[int, Any]] = []
     for i, node in enumerate(graph.nodes):
         where = f"node {i} ({node.op.name()})"
         if node.validator is not None:
-            raise Ineligible(f"{where} has a check that reads data before every run")
+            reads = _refs(list(node.args)) + _refs(list(node.kwargs.values()))
+            if writes or any(r.slot >= graph.inputs for r in reads):
+                raise Ineligible(f"{where} has a check that reads data computed by the graph (or a node writes to "
+                                 "its arguments): it must run between the nodes")
+            checks.append((i, node))
         if node.label in GENERATORLESS or any("Generator" in str(a.type) for a in node.op._schema.arguments):
             raise Ineligible(f"{where} draws random numbers from the session's generators")
         if node.zero:
@@ -160,6 +189,7 @@ def check_graph(graph: Any) -> None:
             _check_constant(value, names[p] if p < len(names) else "", where)
         for name, value in node.kwargs.items():
             _check_constant(value, name, where)
+    return checks
 
 
 def _check_constant(value: Any, name: str, where: str) -> None:
@@ -181,7 +211,6 @@ def _check_constant(value: Any, name: str, where: str) -> None:
 def build(graph: Any, inputs: list[Any]) -> tuple[torch.fx.GraphModule, list[int]]:
     """The fx graph of ``graph`` for these input values (numbers become constants), and the input slots that
     are its placeholders, in order. Raises :class:`Ineligible`."""
-    check_graph(graph)
     g = torch.fx.Graph()
     slots: list[Any] = []
     placeholders: list[int] = []
@@ -223,8 +252,22 @@ def build(graph: Any, inputs: list[Any]) -> tuple[torch.fx.GraphModule, list[int
 
 # -- the compiling process --------------------------------------------------------------------------------
 
-_lock = threading.Lock()
-_cache_dir: tuple[int, str] | None = None  # (pid, directory): a forked worker makes its own
+
+class _Job:
+    """One compile handed to the process's compiler thread; ``done`` is set once ``fn`` or ``error`` is."""
+
+    __slots__ = ("done", "error", "fn", "seconds")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.fn: Any = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+
+
+_compiler: tuple[int, queue.SimpleQueue[Any]] | None = None  # (pid, its queue): a forked worker starts its own
+_compiler_lock = threading.Lock()
+_cache_dir: tuple[int, str] | None = None
 
 
 def _prepare_process() -> str:
@@ -241,19 +284,63 @@ def _prepare_process() -> str:
     return directory
 
 
-def _compile(gm: torch.fx.GraphModule, example: list[torch.Tensor]) -> Any:
-    _prepare_process()
+def _submit(compiled: _Compiled, gm: torch.fx.GraphModule, example: list[Any], label: str) -> _Job:
+    """Queue a compile on this process's compiler thread (started on first use)."""
+    global _compiler
+    with _compiler_lock:
+        if _compiler is None or _compiler[0] != os.getpid():
+            _prepare_process()  # before the thread imports inductor
+            jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            threading.Thread(target=_compile_loop, args=(jobs,), name="genie-inductor", daemon=True).start()
+            _compiler = (os.getpid(), jobs)
+    job = _Job()
+    _compiler[1].put((job, compiled, gm, example, label))
+    return job
+
+
+def _compile_loop(jobs: queue.SimpleQueue[Any]) -> None:
+    """The compiler thread: one compile at a time, off every session's critical path; a daemon (a worker's exit
+    does not wait for it)."""
+    while True:
+        job, compiled, gm, example, label = jobs.get()
+        started = time.perf_counter()
+        try:
+            job.fn = _compile(gm, example)
+        except BaseException as exc:  # noqa: BLE001 - whatever inductor raises leaves that graph node by node
+            job.error = exc
+        job.seconds = time.perf_counter() - started
+        job.done.set()  # before the log line: a replay after it finds the outcome
+        if job.error is not None:
+            if not compiled.warned:
+                compiled.warned = True
+                text = str(job.error).strip()
+                log.warning("%s: inductor could not compile it (%s: %s); it runs node by node", label,
+                            type(job.error).__name__, text.splitlines()[0][:300] if text else "")
+        else:
+            log.info("%s compiled by inductor in %.1f s (%d fx nodes)", label, job.seconds, len(gm.graph.nodes))
+
+
+def _compile(gm: torch.fx.GraphModule, example: list[Any]) -> Any:
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
     patches = {"compile_threads": 1, "fx_graph_remote_cache": False, "autotune_remote_cache": False}
-    with _lock, inductor_config.patch({k: v for k, v in patches.items() if hasattr(inductor_config, k)}):
+    with torch.no_grad(), inductor_config.patch({k: v for k, v in patches.items() if hasattr(inductor_config, k)}):
         # The graph is aot_eager's (genie's backend): inductor's lowering expects its own decompositions applied
-        # first, as torch.compile's AOTAutograd pass applies them. Traced on fake tensors: nothing runs.
+        # first, as torch.compile's AOTAutograd pass applies them. Traced on the fake inputs: nothing runs.
         decomposed = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*example)
         return compile_fx_inner(decomposed, example)
+
+
+def _fakes(tensors: list[torch.Tensor]) -> list[Any]:
+    """Fake tensors with the inputs' metadata (no data, no reference to their storages), made by the session's
+    thread: the compiler thread never touches a session's tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    return [mode.from_tensor(t) for t in tensors]
 
 
 # -- replays ---------------------------------------------------------------------------------------------
@@ -274,9 +361,9 @@ def _layout_key(inputs: list[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def run(ex: Executor, graph: Any, env: list[Any], label: str, key: Any, storage_ids: list[int]) -> bool:
-    """Run an admitted replay of ``graph`` compiled by inductor (compiled now if its signature has no compiled
-    form yet): its outputs left in ``env`` where the output references read them. False when the session's mode
-    is off or the replay must run node by node (the caller then runs the nodes)."""
+    """Run an admitted replay of ``graph`` compiled by inductor: its outputs left in ``env`` where the output
+    references read them. False when the session's mode is off, the graph or this replay must run node by node,
+    or its compiled form is not ready (queued now if it was never asked for): the caller then runs the nodes."""
     state = _sessions.get(ex)
     if state.mode != "inductor" or key is None:
         return False
@@ -296,6 +383,13 @@ def run(ex: Executor, graph: Any, env: list[Any], label: str, key: Any, storage_
         fn = _compile_for(ex, state, compiled, graph, inputs, ckey, label)
         if fn is None:
             return False
+    for i, node in compiled.checks:  # checks that read data: before the compiled code, on every replay
+        args, kwargs = _filled(node.args, inputs), {k: _filled(v, inputs) for k, v in node.kwargs.items()}
+        try:
+            node.validator(node.label, args, kwargs)
+        except Exception as exc:
+            raise CommandFailed(_error(f"{label} node {i} ({node.label})", [], _kind_of(exc), _message(exc),
+                                       storage_ids)) from None
     tensors = [v for v in inputs if isinstance(v, torch.Tensor)]
     started = time.perf_counter()
     try:
@@ -318,35 +412,46 @@ def run(ex: Executor, graph: Any, env: list[Any], label: str, key: Any, storage_
     return True
 
 
+def _filled(template: Any, inputs: list[Any]) -> Any:
+    """A node's argument template with its references to inputs filled in (lists rebuilt)."""
+    kind = type(template)
+    if kind is Ref:
+        value = inputs[template.slot]
+        return value if template.item < 0 else value[template.item]
+    if kind is list or kind is tuple:
+        return [_filled(v, inputs) for v in template]
+    return template
+
+
 def _compile_for(ex: Executor, state: _Session, compiled: _Compiled, graph: Any, inputs: list[Any], ckey: Any,
                  label: str) -> Any:
-    if len(compiled.callables) >= MAX_SIGNATURES or state.compiles >= MAX_COMPILED:
+    """The compiled form for ``ckey`` when its compile has finished; else None (and the compile queued)."""
+    job = compiled.jobs.get(ckey)
+    if job is not None:
+        if not job.done.is_set():
+            return None  # still compiling: node by node meanwhile
+        del compiled.jobs[ckey]
+        ex.metrics.record_op(COMPILE_OP, "ok" if job.error is None else "error", job.seconds)
+        state.seconds += job.seconds
+        if job.error is not None:  # node by node from now on (logged once by the compiler thread)
+            compiled.failed = True
+            state.compiles -= 1
+            return None
+        compiled.callables[ckey] = job.fn
+        return job.fn
+    if len(compiled.callables) + len(compiled.jobs) >= MAX_SIGNATURES or state.compiles >= MAX_COMPILED:
         if not compiled.full:
             compiled.full = True
             log.info("%s: new input signatures run node by node (at most %d signatures a graph, %d compiled "
                      "graphs a session)", label, MAX_SIGNATURES, MAX_COMPILED)
         return None
     try:
+        compiled.checks = check_graph(graph)
         gm, placeholders = build(graph, inputs)
     except Ineligible as why:
         compiled.failed = True
         log.info("%s stays node by node under --compile-replays inductor: %s", label, why)
         return None
-    started = time.perf_counter()
-    try:
-        fn = _compile(gm, [inputs[i] for i in placeholders])
-    except Exception as exc:  # inductor could not compile it: node by node from now on
-        compiled.failed = True
-        ex.metrics.record_op(COMPILE_OP, "error", time.perf_counter() - started)
-        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-        log.warning("%s: inductor could not compile it (%s: %s); it runs node by node", label,
-                    type(exc).__name__, first)
-        return None
-    seconds = time.perf_counter() - started
-    ex.metrics.record_op(COMPILE_OP, "ok", seconds)
-    state.seconds += seconds
     state.compiles += 1
-    compiled.callables[ckey] = fn
-    log.info("%s compiled by inductor in %.1f s (%d nodes, %d tensor inputs)", label, seconds, len(graph.nodes),
-             len(placeholders))
-    return fn
+    compiled.jobs[ckey] = _submit(compiled, gm, _fakes([inputs[i] for i in placeholders]), label)
+    return None
