@@ -5,7 +5,7 @@ client processes joined by a ``TCPStore`` this test hosts, ``init_process_group(
 remote_accelerator:genie")``. Every collective on remote tensors (and DTensor's redistributions,
 through torch's functional collectives) is checked against the same collective on CPU tensors
 through gloo in the same process group; wrong sizes are refused by the client and by the node; DDP
-on the remote devices against DDP on the CPU; a worker node killed while both ranks wait fails both handles with
+and FSDP2 (``fully_shard``) on the remote devices against the same on the CPU; a worker node killed while both ranks wait fails both handles with
 RemoteDeviceLost naming it. torch.distributed binds and connects loopback only
 (``GLOO_SOCKET_IFNAME=lo``, ``MASTER_ADDR=127.0.0.1``).
 """
@@ -250,6 +250,52 @@ out["ddp_max_diff"] = max(diffs)
 out["ddp_params"] = len(diffs)
 """
 
+FSDP2 = """
+# FSDP2 (fully_shard) per layer of a small MLP over the two remote devices, against the same run over gloo on the
+# CPU: FSDP2 frees each layer's unsharded parameters with untyped_storage().resize_(0) after use and regrows them
+# with resize_(n) before the next all-gather. Last in the body (it sets the current device); an error is reported
+# as a result, so the earlier sections' results still come back.
+import traceback
+def fsdp2():  # a function: its names do not replace the earlier sections' (their tensors stay held)
+    from torch.distributed.fsdp import fully_shard
+
+    torch.remote_accelerator.set_device(device.index)
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+                               torch.nn.Linear(32, 8))
+    on_remote, on_cpu = copy.deepcopy(base), copy.deepcopy(base)
+    for model, mesh in ((on_remote, meshes["remote"]), (on_cpu, meshes["cpu"])):
+        for layer in (0, 2, 4):
+            fully_shard(model[layer], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    out["fsdp_param_devices"] = sorted({str(p.device) for p in on_remote.parameters()}) == [str(device)]
+    shard_bytes = sum(p.to_local().numel() * 4 for p in on_remote.parameters())
+    before = torch.remote_accelerator.memory_allocated(device)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (on_remote, on_cpu)]
+    losses = {"remote": [], "cpu": []}
+    held = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
+        for name, m, opt, dev in (("remote", on_remote, optimizers[0], device), ("cpu", on_cpu, optimizers[1], "cpu")):
+            loss = ((m(x.to(dev)) - y.to(dev)) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(float(loss))
+        held.append(torch.remote_accelerator.memory_allocated(device) - before)
+    out["fsdp_losses"] = losses
+    # bytes held after each step, in parameter shards: AdamW's two moments and no unsharded parameter (freed)
+    out["fsdp_held_shards"] = [h / shard_bytes for h in held]
+    out["fsdp_params_equal"] = [bool(torch.equal(a.full_tensor().cpu(), b.full_tensor()))
+                                for a, b in zip(on_remote.parameters(), on_cpu.parameters(), strict=True)]
+try:
+    fsdp2()
+except Exception:
+    out["fsdp_error"] = traceback.format_exc()[-3000:]
+"""
+
+
 KILLED = """
 # Both ranks end up waiting: rank 1 in an all_reduce rank 0 never joins, rank 0 for a message rank 1
 # never sends. Then the test kills rank 1's worker node.
@@ -266,6 +312,41 @@ except Exception as exc:
     out["message"] = str(exc)
     out["node_id"] = getattr(exc, "node_id", None)
 out["failed_at"] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of this host
+"""
+
+#: A collective started inside a backward pass (as DDP's reducer starts each bucket's) and its future: rank 1
+#: joins it 2 s late. Rank 0 meanwhile runs an op on another tensor of its device and reads it; then chains a
+#: callback on the future (as a DDP comm hook does) and waits on a second collective's future, both inside the
+#: pass; after the pass it reads the reduced tensor.
+IN_BACKWARD = """
+torch.accelerator.set_device_index(remote.index)
+class Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if rank == 1:
+            time.sleep(2.0)  # not a wait: rank 1 joins the all_reduce 2 s after rank 0
+        future = dist.all_reduce(held, async_op=True).get_future()
+        out["done_in_backward"] = future.done()
+        started = time.perf_counter()
+        out["other"] = float(other.sum())  # another tensor of the device: not behind the collective
+        out["other_op_s"] = time.perf_counter() - started
+        chained.append(future.then(lambda f: f.value()[0].sum()))  # runs once the pass completes the future
+        second = torch.ones(2, device=device)
+        dist.all_reduce(second, async_op=True).get_future().wait()  # waited in the pass: completes now
+        out["second"] = second.cpu().tolist()
+        return grad
+held = torch.full((4,), float(rank + 1), device=device)
+other = torch.full((3,), 2.0, device=device)
+chained = []
+x = torch.ones(4, device=device, requires_grad=True)
+dist.barrier()
+Reduce.apply(x).sum().backward()
+out["held"] = held.cpu().tolist()
+out["chained"] = float(chained[0].wait())
 """
 
 
@@ -331,9 +412,9 @@ def cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def two_ranks(cluster: LocalCluster) -> list[dict[str, object]]:
-    """One pair of client processes (on w1 and w2) runs every collective, DTensor's, then DDP: one start-up for the
-    tests that read its results."""
-    ranks = Ranks(cluster, ("w1", "w2"), COLLECTIVES + ROOTED_AND_ALL_TO_ALL + DTENSOR + DDP)
+    """One pair of client processes (on w1 and w2) runs every collective, DTensor's, then DDP and FSDP2: one start-up
+    for the tests that read its results."""
+    ranks = Ranks(cluster, ("w1", "w2"), COLLECTIVES + ROOTED_AND_ALL_TO_ALL + DTENSOR + DDP + FSDP2)
     try:
         return ranks.results(180)
     finally:
@@ -345,7 +426,7 @@ def _refusals(name: str) -> bool:
 
 
 def _others(name: str) -> bool:
-    return name.startswith("ddp_") or _refusals(name)
+    return name.startswith(("ddp_", "fsdp_")) or _refusals(name)
 
 
 def test_every_collective_on_remote_devices_equals_gloo_on_cpu(two_ranks: list[dict[str, object]]) -> None:
@@ -373,6 +454,16 @@ def test_ddp_on_two_remote_devices_trains_as_ddp_on_cpu(two_ranks: list[dict[str
         assert float(result["ddp_max_diff"]) <= 1e-5, result  # type: ignore[arg-type]
 
 
+def test_fully_shard_on_two_remote_devices_trains_as_fully_shard_on_cpu(two_ranks: list[dict[str, object]]) -> None:
+    for rank, result in enumerate(two_ranks):
+        assert "fsdp_error" not in result, f"rank {rank}:\n{result['fsdp_error']}"
+        assert result["fsdp_param_devices"] is True, result  # each rank's shards on its own remote device
+        losses = result["fsdp_losses"]
+        assert losses["remote"] == losses["cpu"], (rank, losses)  # type: ignore[index]  # bit for bit
+        assert result["fsdp_params_equal"] == [True] * 6, (rank, result)
+        assert result["fsdp_held_shards"] == [2.0, 2.0, 2.0], (rank, result)
+
+
 def test_a_node_killed_mid_collective_fails_both_handles_with_remote_device_lost(cluster: LocalCluster) -> None:
     victim = cluster.add_worker("w3", *HB)
     process = victim.process
@@ -397,6 +488,25 @@ def test_a_node_killed_mid_collective_fails_both_handles_with_remote_device_lost
     assert late < 3.0, f"the handles failed {late:.1f} s after the kill (heartbeat timeout 3 s)"
     wait_until(lambda: process.poll() is not None, 10, what="the killed node to be reaped")
 
+
+
+def test_a_collective_started_in_backward_holds_no_other_op_of_the_device_until_the_pass_ends(
+        cluster: LocalCluster) -> None:
+    # DDP's reducer asks for each bucket's future as the bucket is ready; a wait queued into the op stream right
+    # then held the rest of the backward pass behind that bucket's all_reduce (and its slowest peer).
+    ranks = Ranks(cluster, ("w1", "w2"), IN_BACKWARD)
+    try:
+        results = ranks.results(120)
+    finally:
+        ranks.stop()
+    first = results[0]
+    assert first["done_in_backward"] is False, first
+    assert first["other"] == 6.0
+    assert float(first["other_op_s"]) < 1.0, f"an op on another tensor waited for the collective: {first}"  # type: ignore[arg-type]
+    for result in results:
+        assert result["held"] == [3.0] * 4, result  # the all_reduce's result, read after the pass
+        assert result["chained"] == 12.0, result  # the future's callback ran after the collective
+        assert result["second"] == [2.0, 2.0], result
 
 
 def test_the_group_store_refuses_a_peer_without_the_group_secret() -> None:
