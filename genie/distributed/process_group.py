@@ -11,9 +11,11 @@ store, and each rank learns where through the process group's own client store (
 
 A handle's :meth:`GenieWork.wait` is a sync point: it returns once the collective ended on this
 rank's worker, and raises :class:`~genie.errors.RemoteDeviceLost` naming the node when a peer's
-node was lost mid-collective. :meth:`GenieWork.get_future` (what DDP uses) does not block: it
-queues a wait into the op stream (later ops on the device run after the collective) and returns a
-completed future of the output tensors; a failure then surfaces at the next sync point.
+node was lost mid-collective. :meth:`GenieWork.get_future` (what DDP uses) does not block: its
+future's completion queues a wait into the op stream (ops queued after it run after the
+collective), at once outside a backward pass and at the end of the pass inside one (or when Python
+waits on it first), so DDP's later buckets and the rest of the backward pass run meanwhile; a
+failure surfaces at the next sync point.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class GenieWork(dist.Work):
         self._gloo = done  # a CPU collective's gloo handle
         self._done = binding is None and done is None
         self._error: GenieError | None = None
+        self._order_lock = threading.Lock()
 
     def is_completed(self) -> bool:  # noqa: D102 - torch.distributed.Work's API
         return self._done
@@ -161,19 +164,69 @@ class GenieWork(dist.Work):
             raise self._error
 
     def get_future(self) -> torch.futures.Future:
-        """A completed future of the output tensors; the device's later ops run after the collective.
+        """A future of the output tensors; the device's ops queued after it completes run after the collective.
 
-        No round trip: a wait joins the op stream, and a failure is raised at the next sync point.
+        No round trip: a wait joins the op stream, and a failure is raised at the next sync point. Outside a
+        backward pass the future is completed at once. Inside one (DDP's reducer asks for each bucket's future
+        as the bucket's gradients are ready) it completes at the end of the pass, or when Python waits on it
+        or reads it, whichever comes first: the rest of the backward pass runs on the node meanwhile, as
+        NCCL's collectives overlap it, where a wait queued now would hold every later op of the device
+        behind this collective and its peers.
         """
         if self._gloo is not None:
             return self._gloo.get_future()
-        b = self._binding
-        if b is not None and not self._done:
+        return _future([self], self._outputs)
+
+    def order_stream(self) -> None:
+        """Queue the op stream's wait for this collective (once): the device's later ops run after it."""
+        with self._order_lock:
+            b = self._binding
+            if b is None or self._done:
+                return
             b.conn.command([wm.CMD_DIST_WAIT, None, b.group_id, self._seq, 0.0])
             self._done = True
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(self._outputs)
-        return future
+
+
+class _DeferredFuture(torch.futures.Future):
+    """The future of collectives started inside a backward pass: completed (their stream waits queued first) by
+    :meth:`order`, which the end of the pass calls, and which a wait or read from Python calls first."""
+
+    def __init__(self, works: list[GenieWork], outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._works = works
+        self._outputs = outputs
+        self._lock = threading.Lock()
+        self._ordered = False
+
+    def order(self) -> None:
+        """Queue each collective's stream wait, then complete the future (its callbacks run now, after them)."""
+        for work in self._works:
+            work.order_stream()
+        with self._lock:
+            first, self._ordered = not self._ordered, True
+        if first:
+            self.set_result(self._outputs)
+
+    def wait(self) -> list[torch.Tensor]:  # noqa: D102 - torch.futures.Future's API
+        self.order()
+        return super().wait()
+
+    def value(self) -> list[torch.Tensor]:  # noqa: D102
+        self.order()
+        return super().value()
+
+
+def _future(works: list[GenieWork], outputs: list[torch.Tensor]) -> torch.futures.Future:
+    """``works``' future: completed now, or at the end of the backward pass this thread runs (see get_future)."""
+    if torch._C._current_graph_task_id() != -1:
+        deferred = _DeferredFuture(works, outputs)
+        torch.autograd.Variable._execution_engine.queue_callback(deferred.order)  # type: ignore[attr-defined]
+        return deferred
+    for work in works:
+        work.order_stream()
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(outputs)
+    return future
 
 
 class GenieWorks(dist.Work):
@@ -200,12 +253,9 @@ class GenieWorks(dist.Work):
         return True
 
     def get_future(self) -> torch.futures.Future:
-        """A completed future of the outputs; the device's later ops run after every collective of the call."""
-        for work in self._works:
-            work.get_future()
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(self._outputs)
-        return future
+        """A future of the outputs; the device's ops queued after it completes run after every collective of
+        the call (completed at once, or at the end of a backward pass, as :meth:`GenieWork.get_future`)."""
+        return _future(self._works, self._outputs)
 
 
 class GenieProcessGroup(dist.ProcessGroup):
