@@ -22,7 +22,8 @@ passes only as one of a few reviewed values of a few argument names (:data:`ALLO
 else leaves the graph node by node. Graphs also stay node by node, as :mod:`genie.server.cuda_graphs`
 keeps them, where compiling would change what is checked or computed:
 
-- a node whose validator reads data (it must run before its node on every replay), unless every tensor it
+- a node whose validator reads data (it must run before its node on every replay; the ``_foreach_*`` list
+  check reads only what the signature fixes, :data:`SIGNATURE_CHECKS`), unless every tensor it
   reads is a graph input and no node of the graph writes to its arguments: then the validator runs on
   those inputs before the compiled code, on every replay, and sees what the node would see (an
   embedding's indices and weight, the common case);
@@ -65,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from genie.server import validators
 from genie.server.kernel import CommandFailed
 from genie.server.per_session import PerSession
 from genie.server.records import error as _error
@@ -97,6 +99,9 @@ ALLOWED_STRINGS: dict[str, frozenset[str]] = {
 #: ``genie::replay`` every replay is counted as.
 COMPILE_OP = "genie::inductor_compile"
 REPLAY_OP = "genie::replay_inductor"
+#: Validators that read only what the input signature fixes (list lengths, devices), never data: the
+#: signature's checked replay ran them, and they hold for each replay the signature admits.
+SIGNATURE_CHECKS = frozenset({validators.check_foreach})
 #: Constant types a compiled graph may carry (exact types: a subclass is refused).
 _CONSTANTS = (type(None), bool, int, float, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
@@ -174,7 +179,7 @@ def check_graph(graph: Any) -> list[tuple[int, Any]]:
     checks: list[tuple[int, Any]] = []
     for i, node in enumerate(graph.nodes):
         where = f"node {i} ({node.op.name()})"
-        if node.validator is not None:
+        if node.validator is not None and node.validator not in SIGNATURE_CHECKS:
             reads = _refs(list(node.args)) + _refs(list(node.kwargs.values()))
             if writes or any(r.slot >= graph.inputs for r in reads):
                 raise Ineligible(f"{where} has a check that reads data computed by the graph (or a node writes to "
