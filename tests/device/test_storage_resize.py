@@ -110,3 +110,16 @@ def test_tensor_resize_grows_an_empty_storage_in_place_for_every_tensor_over_it(
     assert b.untyped_storage().nbytes() == 12  # one storage, as on the CPU
     assert torch.equal(b.set_(b.untyped_storage(), 0, (3,), (1,)).cpu(), torch.full((3,), 4.0))
 
+
+
+@pytest.mark.skipif(not hasattr(_C, "register_graph_impl"), reason="this torch has no accelerator graph registry")
+def test_a_resize_during_graph_capture_is_refused_and_changes_nothing() -> None:
+    from genie.errors import GraphCaptureError
+
+    x = torch.ones(4, device=D0)
+    before = _stats(D0)
+    graph = torch.accelerator.Graph()
+    with pytest.raises(GraphCaptureError, match="a storage resize"), graph:
+        x.untyped_storage().resize_(0)  # a captured graph replays ops, not the client's books
+    assert x.untyped_storage().nbytes() == 16 and _stats(D0) == before
+    assert torch.equal(x.cpu(), torch.ones(4))
