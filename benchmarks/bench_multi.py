@@ -22,12 +22,23 @@ torch.distributed rows (issue 32):
   on the same host. Target: genie's rate at least 0.8 of gloo's.
 - ``ddp_step``: one DDP training step of a small transformer on two remote devices against the same
   DDP step on two local CPU processes (gloo); with one round trip to a node (``.item()``) measured
-  beside it. Target: genie's step at most 1.2x the local one plus one round trip.
+  beside it. Target: genie's step at most 1.2x the local one plus one round trip. Beside the times:
+  the load average at the row's start, the CPU milliseconds per timed iteration of each kind of
+  process (the clients; the nodes; their session workers), read from /proc between the first and the
+  last timed iteration after every process of the benchmark went quiet, and genie's ops queued and
+  round trips per iteration (``genie.stats()``; an iteration is the barrier, a sync, the step and one
+  more round trip).
+- ``ddp_step_1rank``: the same with one rank: genie's client and its session worker (two busy
+  processes) against one local process. Two ranks of genie are four busy processes (two clients, two
+  session workers) against the local run's two: on a 2-core host this row is the one that fits.
+- ``ddp_step_buckets``: the two-rank step with 0.25 MB buckets (4 buckets instead of DDP's one for this
+  model): how each bucket's all_reduce overlaps the rest of the backward pass, as in a large model.
 
 The whole benchmark re-executes itself in a private network namespace with only loopback up
 (``unshare -n``), as torch.distributed peers are started: ``--no-netns`` runs in place.
 
-    python benchmarks/bench_multi.py [--rows peer_copy_64mib,all_reduce_64mib,ddp_step] [--iters 5] [--warmup 5]
+    python benchmarks/bench_multi.py [--rows peer_copy_64mib,all_reduce_64mib,ddp_step,ddp_step_1rank,ddp_step_buckets]
+                                     [--iters 5] [--warmup 5]
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import datetime
 import os
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -63,12 +75,25 @@ if os.environ["GENIE"] == "1":
     backend = "cpu:gloo,remote_accelerator:genie"
 else:
     device, backend = torch.device("cpu"), "gloo"
-store = dist.TCPStore("127.0.0.1", int(os.environ["STORE_PORT"]), 2, is_master=False,
+world = int(os.environ["WORLD"])
+store = dist.TCPStore("127.0.0.1", int(os.environ["STORE_PORT"]), world, is_master=False,
                       timeout=datetime.timedelta(seconds=60))
-dist.init_process_group(backend, rank=rank, world_size=2, store=store, timeout=datetime.timedelta(seconds=120))
+dist.init_process_group(backend, rank=rank, world_size=world, store=store, timeout=datetime.timedelta(seconds=120))
 def sync():
     if device.type != "cpu":
         torch.ones(1, device=device).sum().item()
+def timed_window():
+    # The benchmark reads every process's CPU time between "go" and each rank's "done" (Bench.pair).
+    store.set(f"bench/ready/{rank}", "1")
+    store.wait(["bench/go"])
+    if device.type != "cpu":
+        out["before"] = genie.stats()
+def window_done():
+    if device.type != "cpu":
+        after = genie.stats()
+        out.update({k + "_per_iter": (after[k] - out["before"][k]) / iters for k in ("ops_queued", "round_trips")})
+        del out["before"]
+    store.set(f"bench/done/{rank}", "1")
 out = {}
 """
 
@@ -91,7 +116,7 @@ model = torch.nn.Sequential(
     torch.nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=256, dropout=0.0, batch_first=True),
     torch.nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=256, dropout=0.0, batch_first=True),
     torch.nn.Linear(128, 128)).to(device)
-ddp = DDP(model)
+ddp = DDP(model, bucket_cap_mb=float(os.environ.get("BUCKET_MB", "25")))  # 25: DDP's default
 opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 g = torch.Generator().manual_seed(rank)
 x, y = torch.randn(8, 32, 128, generator=g).to(device), torch.randn(8, 32, 128, generator=g).to(device)
@@ -103,6 +128,8 @@ def step():
     return loss
 times, rtts = [], []
 for i in range(iters + 2):
+    if i == 2:
+        timed_window()
     dist.barrier()
     sync()
     started = time.perf_counter()
@@ -113,9 +140,11 @@ for i in range(iters + 2):
         started = time.perf_counter()
         one.sum().item()
         rtts.append(time.perf_counter() - started)
+window_done()
 out["seconds"] = statistics.median(times[2:])
 out["rtt"] = statistics.median(rtts) if rtts else 0.0
 out["parameters"] = sum(p.numel() for p in model.parameters())
+out["buckets"] = len(str(ddp._get_ddp_logging_data().get("bucket_sizes", "")).split(","))
 """
 
 
@@ -139,24 +168,35 @@ class Bench:
         if self._cluster is not None:
             self._cluster.stop()
 
-    def pair(self, body: str, *, on_genie: bool) -> list[dict[str, Any]]:
-        """Run ``body`` in two client processes (rank 0 and 1), on remote devices of w1/w2 or on the CPU."""
+    def pair(self, body: str, *, on_genie: bool, ranks: int = 2, **env: str) -> list[dict[str, Any]]:
+        """Run ``body`` in ``ranks`` client processes (rank r on a remote device of node w<r+1>, or on the CPU).
+
+        A body that calls ``timed_window()`` and ``window_done()`` gets the CPU time every process spent between
+        the two (see :func:`cpu_by_role`) in rank 0's result, under ``"cpu_ms"`` (milliseconds per iteration).
+        """
         import torch.distributed as dist
 
-        store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=60))
+        store = dist.TCPStore("127.0.0.1", 0, ranks, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=120))
         script = CLIENT + textwrap.dedent(body) + "\nprint('RESULT ' + json.dumps(out), flush=True)\n"
-        env = {**LOOPBACK, "GENIE": "1" if on_genie else "0", "ITERS": str(self.iters), "STORE_PORT": str(store.port)}
+        env = {**LOOPBACK, **env, "GENIE": "1" if on_genie else "0", "ITERS": str(self.iters),
+               "STORE_PORT": str(store.port), "WORLD": str(ranks)}
         if on_genie:
             env["MASTER_CONTROL_PORT"] = str(self.cluster().port)
         procs = [self.children.start([sys.executable, "-c", script],
                                      env={**env, "RANK": str(rank), "NODE": f"w{rank + 1}"})
-                 for rank in range(2)]
-        logs: list[list[str]] = [[], []]
+                 for rank in range(ranks)]
+        logs: list[list[str]] = [[] for _ in procs]
         for proc, log in zip(procs, logs, strict=True):
             drain(proc.stderr, log)
         try:
-            return [read_json_line(proc, 600) for proc in procs]
+            cpu: dict[str, float] | None = None
+            if "timed_window()" in body:
+                cpu = self._window(store, procs)
+            results = [read_json_line(proc, 600) for proc in procs]
+            if cpu is not None:
+                results[0]["cpu_ms"] = {role: round(seconds * 1e3 / self.iters, 2) for role, seconds in cpu.items()}
+            return results
         except Exception:
             for rank, log in enumerate(logs):
                 print(f"rank {rank}'s stderr:", *log[-30:], sep="\n", file=sys.stderr)
@@ -164,6 +204,67 @@ class Bench:
         finally:
             for proc in procs:
                 self.children.stop(proc)
+
+
+    def _window(self, store: Any, procs: list[Any]) -> dict[str, float]:
+        """The CPU seconds each role spent while the clients ran their timed iterations (after every process of
+        the benchmark went quiet: a node forks and imports its next spare session worker when a session starts)."""
+        ranks = len(procs)
+        store.wait([f"bench/ready/{r}" for r in range(ranks)], datetime.timedelta(seconds=300))
+        roots = {p.pid: "clients" for p in procs}
+        if self._cluster is not None:
+            roots.update({node.proc.pid: "nodes" for node in self._cluster.nodes() if node.proc is not None})
+        settle(roots)
+        before = cpu_by_role(roots)
+        store.set("bench/go", "1")
+        store.wait([f"bench/done/{r}" for r in range(ranks)], datetime.timedelta(seconds=300))
+        after = cpu_by_role(roots)
+        return {role: after[role] - before.get(role, 0.0) for role in after}
+
+
+def _processes() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, user + system CPU seconds) of every process, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue  # it ended meanwhile
+        out[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_by_role(roots: dict[int, str]) -> dict[str, float]:
+    """CPU seconds so far of the processes under ``roots`` (pid -> role), by role: a client and its children are
+    ``clients``; a node process and its children (its forkserver, its resource tracker) ``nodes``; a node's
+    grandchildren (its session workers, forked by its forkserver) ``session workers``."""
+    procs = _processes()
+    totals: dict[str, float] = {}
+    for pid, (_parent, seconds) in procs.items():
+        depth, up = 0, pid
+        while up not in roots and up in procs and depth < 8:
+            up, depth = procs[up][0], depth + 1
+        if up not in roots:
+            continue
+        role = "session workers" if roots[up] == "nodes" and depth >= 2 else roots[up]
+        totals[role] = totals.get(role, 0.0) + seconds
+    return totals
+
+
+def settle(roots: dict[int, str], quiet: float = 0.05, deadline: float = 20.0) -> None:
+    """Wait until the processes under ``roots`` together use under ``quiet`` of a CPU (at most ``deadline`` s)."""
+    end = time.monotonic() + deadline
+    last = sum(cpu_by_role(roots).values())
+    while time.monotonic() < end:
+        time.sleep(0.5)  # not a test: a sampling interval
+        now = sum(cpu_by_role(roots).values())
+        if now - last < quiet * 0.5:
+            return
+        last = now
 
 
 def all_reduce_64mib(bench: Bench) -> dict[str, Any]:
@@ -178,15 +279,37 @@ def all_reduce_64mib(bench: Bench) -> dict[str, Any]:
             "rate_ratio": round(gloo / genie_s, 2), "target": ">= 0.8"}
 
 
+def _ddp(bench: Bench, name: str, ranks: int, bucket_mb: float = 25.0) -> dict[str, Any]:
+    load = os.getloadavg()[0]
+    local = bench.pair(DDP_STEP, on_genie=False, ranks=ranks, BUCKET_MB=str(bucket_mb))
+    remote = bench.pair(DDP_STEP, on_genie=True, ranks=ranks, BUCKET_MB=str(bucket_mb))
+    local_s = max(r["seconds"] for r in local)
+    genie_s, rtt = max(r["seconds"] for r in remote), max(r["rtt"] for r in remote)
+    return {"row": name, "ranks": ranks, "parameters": remote[0]["parameters"], "buckets": remote[0]["buckets"],
+            "load_average": round(load, 1),
+            "local_ms": round(local_s * 1e3, 1), "genie_ms": round(genie_s * 1e3, 1), "rtt_ms": round(rtt * 1e3, 2),
+            "ratio": round(genie_s / local_s, 2), "ratio_less_rtt": round((genie_s - rtt) / local_s, 2),
+            "local_cpu_ms_per_iter": local[0]["cpu_ms"], "genie_cpu_ms_per_iter": remote[0]["cpu_ms"],
+            "genie_ops_per_iter": remote[0]["ops_queued_per_iter"],
+            "genie_round_trips_per_iter": remote[0]["round_trips_per_iter"],
+            "target": "<= 1.2 (less one round trip)"}
+
+
 def ddp_step(bench: Bench) -> dict[str, Any]:
     """A DDP step of a small transformer on two remote devices against the same step on two local CPU processes."""
-    local = max(r["seconds"] for r in bench.pair(DDP_STEP, on_genie=False))
-    remote = bench.pair(DDP_STEP, on_genie=True)
-    genie_s, rtt = max(r["seconds"] for r in remote), max(r["rtt"] for r in remote)
-    return {"row": "ddp_step", "parameters": remote[0]["parameters"], "local_ms": round(local * 1e3, 1),
-            "genie_ms": round(genie_s * 1e3, 1), "rtt_ms": round(rtt * 1e3, 2),
-            "ratio": round(genie_s / local, 2), "ratio_less_rtt": round((genie_s - rtt) / local, 2),
-            "target": "<= 1.2 (less one round trip)"}
+    return _ddp(bench, "ddp_step", 2)
+
+
+def ddp_step_1rank(bench: Bench) -> dict[str, Any]:
+    """The same DDP step with one rank: genie's client and its session worker (two busy processes) against one
+    local process, which fits a 2-core host where two ranks' four busy processes do not."""
+    return _ddp(bench, "ddp_step_1rank", 1)
+
+
+def ddp_step_buckets(bench: Bench) -> dict[str, Any]:
+    """The two-rank DDP step with 0.25 MB buckets (4 buckets, where DDP's 25 MB makes one of this model): each
+    bucket's all_reduce may overlap the backward pass of the buckets after it, as on a model of hundreds of MB."""
+    return _ddp(bench, "ddp_step_buckets", 2, bucket_mb=0.25)
 
 
 #: A genie client that copies 64 MiB between a device of w1 and one of w2 (node to node), ITERS times after a
@@ -312,7 +435,8 @@ def peer_copy_64mib(bench: Bench) -> dict[str, Any]:
 
 
 #: Every row of this benchmark, in the order they run (other rows of issue 32 join this list).
-ROWS: list[Callable[[Bench], dict[str, Any]]] = [peer_copy_64mib, all_reduce_64mib, ddp_step]
+ROWS: list[Callable[[Bench], dict[str, Any]]] = [peer_copy_64mib, all_reduce_64mib, ddp_step, ddp_step_1rank,
+                                                 ddp_step_buckets]
 
 
 def main() -> int:
