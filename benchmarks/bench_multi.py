@@ -144,7 +144,8 @@ window_done()
 out["seconds"] = statistics.median(times[2:])
 out["rtt"] = statistics.median(rtts) if rtts else 0.0
 out["parameters"] = sum(p.numel() for p in model.parameters())
-out["buckets"] = len(str(ddp._get_ddp_logging_data().get("bucket_sizes", "")).split(","))
+logged = ddp._get_ddp_logging_data()  # DDP rebuilds its buckets after the first step
+out["buckets"] = len(str(logged.get("rebuilt_bucket_sizes") or logged.get("bucket_sizes", "")).split(","))
 """
 
 
