@@ -11,6 +11,9 @@ the same run:
 - GPT-2 small greedy decode with its KV cache, tokens/s;
 - the GPT-2 step and BERT inference again under ``torch.compile`` (``backend="genie"`` remotely,
   inductor natively);
+- the two compiled workloads once more on a node started with ``--compile-replays inductor`` (the node
+  compiles each replayed graph with inductor, in the background; the client waits for those compiles,
+  read from the node's log, before timing): ``[shm+inductor]`` rows;
 - the GPT-2 step captured once and replayed: ``torch.accelerator.Graph`` remotely (one command a step;
   a CUDA graph on the server), ``torch.cuda.graph`` natively;
 - 1 GiB upload and download (pageable host memory, as a user's tensor) against ``cudaMemcpy`` from
@@ -49,6 +52,8 @@ import _common as c  # noqa: E402
 #: Targets (issue 33), genie / native.
 TARGETS = {"gpt2_train": 1.15, "gpt2_train_compiled": 1.05, "gpt2_train_graph": 1.05, "resnet50_train": 1.10, "bert_infer": 1.10,
            "bert_infer_compiled": 1.10}
+#: The workloads run again on a node with --compile-replays inductor.
+INDUCTOR_WORKLOADS = ("gpt2_train_compiled", "bert_infer_compiled")
 DECODE_TARGET = 0.85  # tokens/s, genie / native
 TRANSFER_TARGET = 0.9  # against the raw channel
 
@@ -61,8 +66,32 @@ def _autocast(dev: str) -> Any:
     return torch.autocast(device_type=torch.device(dev).type, dtype=torch.bfloat16)
 
 
-def _timed(step: Any, steps: int, warmup: int) -> dict[str, Any]:
+#: What a node with --compile-replays inductor logs of each graph it was asked to compile.
+OUTCOMES = ("compiled by inductor in", "stays node by node under", "inductor could not compile")
+
+
+def _outcomes(a: argparse.Namespace) -> int:
+    if not a.node_log:
+        return 0
+    text = Path(a.node_log).read_text(errors="replace")
+    return sum(text.count(o) for o in OUTCOMES)
+
+
+def _settle(a: argparse.Namespace, before: int, graphs: int) -> Any:
+    """After the warm-up of a compiled workload on an inductor node: wait (at most 10 minutes) until the node has
+    logged an outcome for ``graphs`` more graphs; nothing to wait for on other nodes."""
+    def wait() -> None:
+        deadline = time.monotonic() + 600
+        while a.node_log and time.monotonic() < deadline and _outcomes(a) - before < graphs:
+            time.sleep(1)
+    return wait
+
+
+def _timed(step: Any, steps: int, warmup: int, settle: Any = None) -> dict[str, Any]:
     for _ in range(warmup):
+        step()
+    if settle is not None:
+        settle()
         step()
     walls = []
     for _ in range(steps):
@@ -91,6 +120,7 @@ def gpt2_train(dev: str, a: argparse.Namespace, compiled: bool = False) -> dict[
     batch, seq = (2, 64) if a.tiny else (8, 512)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq)).to(dev)
     run = _compile(model, dev, a) if compiled else model
+    settle = _settle(a, _outcomes(a), 2) if compiled else None  # forward and backward
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -100,7 +130,7 @@ def gpt2_train(dev: str, a: argparse.Namespace, compiled: bool = False) -> dict[
         opt.step()
         loss.item()
 
-    return _timed(step, a.steps, a.warmup + (2 if compiled else 0))
+    return _timed(step, a.steps, a.warmup + (2 if compiled else 0), settle)
 
 
 def gpt2_train_graph(dev: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -194,12 +224,13 @@ def bert_infer(dev: str, a: argparse.Namespace, compiled: bool = False) -> dict[
     batch, seq = (4, 32) if a.tiny else (32, 128)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq)).to(dev)
     run = _compile(model, dev, a) if compiled else model
+    settle = _settle(a, _outcomes(a), 1) if compiled else None
 
     def step() -> None:
         with torch.no_grad():
             run(input_ids=ids).last_hidden_state.sum().item()
 
-    return _timed(step, a.steps, a.warmup + (2 if compiled else 0))
+    return _timed(step, a.steps, a.warmup + (2 if compiled else 0), settle)
 
 
 def decode(dev: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -340,9 +371,10 @@ def raw_tcp_rate(nbytes: int) -> float:
 
 
 def run_mode(kids: c.Children, a: argparse.Namespace, mode: str, port: int = 0,
-             env: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+             env: dict[str, str] | None = None, workloads: str = "", node_log: str = "") -> dict[str, dict[str, Any]]:
     argv = [sys.executable, os.path.abspath(__file__), "--role", "client", "--mode", mode, "--port", str(port),
-            "--device", a.device, "--workloads", a.workloads, "--steps", str(a.steps), "--warmup", str(a.warmup)]
+            "--device", a.device, "--workloads", workloads or a.workloads, "--steps", str(a.steps),
+            "--warmup", str(a.warmup), "--node-log", node_log]
     argv += ["--quick"] * a.quick + ["--tiny"] * a.tiny
     proc = kids.start(argv, env=env)
     results: dict[str, dict[str, Any]] = {}
@@ -371,6 +403,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--client-timeout", type=float, default=600.0)
     p.add_argument("--json", default=None, help="write every figure here")
+    p.add_argument("--inductor-backend", default="shm",
+                   help="the backend of the run on a --compile-replays inductor node ('' to skip it)")
+    p.add_argument("--node-log", default="", help="(client) the inductor node's log, to wait for its compiles")
     a = p.parse_args()
     a.steps = a.steps or (3 if a.tiny else 5 if a.quick else 20)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.tiny else 2 if a.quick else 3)
@@ -401,6 +436,18 @@ def run_parent(a: argparse.Namespace) -> int:
                 runs["gpu_memory_mib"] = {"before_node": before, "node_idle": idle}
                 report["runs"][backend] = runs
             print(f"genie over {backend} done", flush=True)
+        compiled = [w for w in a.workloads.split(",") if w in INDUCTOR_WORKLOADS]
+        if a.inductor_backend and compiled:
+            env = {"GENIE_BACKEND": a.inductor_backend, "GENIE_LOG_LEVEL": "WARNING"}
+            with NodeProcess("--log-level", "INFO", "serve", "--port", "0", "--devices", a.device,
+                             "--compile-replays", "inductor", env=env, ready_timeout=300) as node:
+                report["runs"][f"{a.inductor_backend}+inductor"] = run_mode(
+                    kids, a, "genie", node.control_port, env=env, workloads=",".join(compiled),
+                    node_log=node.log_path)
+                text = node.log()
+                report["runs"][f"{a.inductor_backend}+inductor"]["inductor_node"] = {
+                    o: text.count(o) for o in OUTCOMES}
+            print(f"genie over {a.inductor_backend} with --compile-replays inductor done", flush=True)
     report["raw_tcp_bytes_per_s"] = raw_tcp_rate((64 << 20) if a.tiny else (256 << 20))
     report["table"] = summarise(report, a)
     if a.json:
@@ -413,9 +460,12 @@ def summarise(report: dict[str, Any], a: argparse.Namespace) -> list[list[str]]:
     native = report["runs"]["native"]
     rows: list[list[str]] = []
     table = c.Table()
-    for backend in a.backends.split(","):
+    inductor = [f"{a.inductor_backend}+inductor"] if f"{a.inductor_backend}+inductor" in report["runs"] else []
+    for backend in a.backends.split(",") + inductor:
         runs = report["runs"].get(backend, {})
         for name, target in TARGETS.items():
+            if backend in inductor and name not in INDUCTOR_WORKLOADS:
+                continue
             n, g = native.get(name, {}), runs.get(name, {})
             if not (n.get("ok") and g.get("ok")):
                 why = g.get("error") or n.get("error") or "not run"
