@@ -185,7 +185,8 @@ def check_graph(graph: Any) -> list[tuple[int, Any]]:
                 raise Ineligible(f"{where} has a check that reads data computed by the graph (or a node writes to "
                                  "its arguments): it must run between the nodes")
             checks.append((i, node))
-        if node.label in GENERATORLESS or any("Generator" in str(a.type) for a in node.op._schema.arguments):
+        if node.label in GENERATORLESS or torch.Tag.nondeterministic_seeded in node.op.tags \
+                or any("Generator" in str(a.type) for a in node.op._schema.arguments):
             raise Ineligible(f"{where} draws random numbers from the session's generators")
         if node.zero:
             raise Ineligible(f"{where} hands out uninitialised memory, zeroed node by node")
