@@ -173,7 +173,7 @@ class Bench:
         """Run ``body`` in ``ranks`` client processes (rank r on a remote device of node w<r+1>, or on the CPU).
 
         A body that calls ``timed_window()`` and ``window_done()`` gets the CPU time every process spent between
-        the two (see :func:`cpu_by_role`) in rank 0's result, under ``"cpu_ms"`` (milliseconds per iteration).
+        the two (see :func:`cpu_by_process`) in rank 0's result, under ``"cpu_ms"`` (milliseconds per iteration).
         """
         import torch.distributed as dist
 
@@ -216,11 +216,10 @@ class Bench:
         if self._cluster is not None:
             roots.update({node.proc.pid: "nodes" for node in self._cluster.nodes() if node.proc is not None})
         settle(roots)
-        before = cpu_by_role(roots)
+        before = cpu_by_process(roots)
         store.set("bench/go", "1")
         store.wait([f"bench/done/{r}" for r in range(ranks)], datetime.timedelta(seconds=300))
-        after = cpu_by_role(roots)
-        return {role: after[role] - before.get(role, 0.0) for role in after}
+        return cpu_by_role(before, cpu_by_process(roots))
 
 
 def _processes() -> dict[int, tuple[int, float]]:
@@ -239,31 +238,38 @@ def _processes() -> dict[int, tuple[int, float]]:
     return out
 
 
-def cpu_by_role(roots: dict[int, str]) -> dict[str, float]:
-    """CPU seconds so far of the processes under ``roots`` (pid -> role), by role: a client and its children are
-    ``clients``; a node process and its children (its forkserver, its resource tracker) ``nodes``; a node's
+def cpu_by_process(roots: dict[int, str]) -> dict[int, tuple[str, float]]:
+    """pid -> (role, CPU seconds so far) of the processes under ``roots`` (pid -> role): a client and its children
+    are ``clients``; a node process and its children (its forkserver, its resource tracker) ``nodes``; a node's
     grandchildren (its session workers, forked by its forkserver) ``session workers``."""
     procs = _processes()
-    totals: dict[str, float] = {}
+    found: dict[int, tuple[str, float]] = {}
     for pid, (_parent, seconds) in procs.items():
         depth, up = 0, pid
         while up not in roots and up in procs and depth < 8:
             up, depth = procs[up][0], depth + 1
-        if up not in roots:
-            continue
-        role = "session workers" if roots[up] == "nodes" and depth >= 2 else roots[up]
-        totals[role] = totals.get(role, 0.0) + seconds
+        if up in roots:
+            found[pid] = ("session workers" if roots[up] == "nodes" and depth >= 2 else roots[up], seconds)
+    return found
+
+
+def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds by role between two :func:`cpu_by_process` snapshots (a process that ended in between is
+    left out: a session of an earlier row ending; one started in between counts whole)."""
+    totals: dict[str, float] = {}
+    for pid, (role, seconds) in after.items():
+        totals[role] = totals.get(role, 0.0) + seconds - before.get(pid, (role, 0.0))[1]
     return totals
 
 
 def settle(roots: dict[int, str], quiet: float = 0.05, deadline: float = 20.0) -> None:
     """Wait until the processes under ``roots`` together use under ``quiet`` of a CPU (at most ``deadline`` s)."""
     end = time.monotonic() + deadline
-    last = sum(cpu_by_role(roots).values())
+    last = cpu_by_process(roots)
     while time.monotonic() < end:
         time.sleep(0.5)  # not a test: a sampling interval
-        now = sum(cpu_by_role(roots).values())
-        if now - last < quiet * 0.5:
+        now = cpu_by_process(roots)
+        if sum(cpu_by_role(last, now).values()) < quiet * 0.5:
             return
         last = now
 
