@@ -169,11 +169,12 @@ def main() -> int:
                 done_before = sum(compiling.log().count(o) for o in OUTCOMES)
 
                 def settle(done_before: int = done_before) -> None:
-                    # 5 graphs: forward and backward of the model-only way, and of the optimizer-too way with its
-                    # step; compiled in the background one at a time (tens of seconds each on a loaded host)
+                    # 3 graphs, as the node's log shows: forward and backward (the model-only and the optimizer-too
+                    # ways replay the same two graphs there) and the optimizer step; compiled in the background one
+                    # at a time (tens of seconds each on a loaded host)
                     deadline = time.monotonic() + 600
                     while time.monotonic() < deadline and \
-                            sum(compiling.log().count(o) for o in OUTCOMES) - done_before < 5:
+                            sum(compiling.log().count(o) for o in OUTCOMES) - done_before < 3:
                         time.sleep(1)
 
                 times = measure(make, rounds, settle)
