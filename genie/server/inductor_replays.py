@@ -170,6 +170,23 @@ def _refs(value: Any) -> list[Ref]:
     return []
 
 
+def _draws(node: Any) -> bool:
+    """Whether ``node`` may draw random numbers: a generatorless random op, a generator argument, or an op tagged
+    ``nondeterministic_seeded`` unless its ``dropout_p`` is the constant 0 (attention without dropout draws
+    nothing: the CPU flash kernel and the fused-attention op carry the tag for their dropout alone)."""
+    schema = node.op._schema
+    if node.label in GENERATORLESS or any("Generator" in str(a.type) for a in schema.arguments):
+        return True
+    if torch.Tag.nondeterministic_seeded not in node.op.tags:
+        return False
+    names = [a.name for a in schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    p = names.index("dropout_p")
+    value = node.args[p] if p < len(node.args) else node.kwargs.get("dropout_p", schema.arguments[p].default_value)
+    return not (type(value) in (int, float) and value == 0)
+
+
 def check_graph(graph: Any) -> list[tuple[int, Any]]:
     """Raise :class:`Ineligible` when ``graph`` (a :class:`genie.server.graphs.Graph`) must stay node by node;
     else the (index, node) of the nodes whose validators run on the graph's inputs before each compiled run."""
@@ -185,8 +202,7 @@ def check_graph(graph: Any) -> list[tuple[int, Any]]:
                 raise Ineligible(f"{where} has a check that reads data computed by the graph (or a node writes to "
                                  "its arguments): it must run between the nodes")
             checks.append((i, node))
-        if node.label in GENERATORLESS or torch.Tag.nondeterministic_seeded in node.op.tags \
-                or any("Generator" in str(a.type) for a in node.op._schema.arguments):
+        if _draws(node):
             raise Ineligible(f"{where} draws random numbers from the session's generators")
         if node.zero:
             raise Ineligible(f"{where} hands out uninitialised memory, zeroed node by node")
