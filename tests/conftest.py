@@ -35,6 +35,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _grad_mode_kept() -> Iterator[None]:
+    """Each test starts with the grad mode it found. The server's executor switches grad off for its own
+    thread (``Executor.run_batch``); the tests that drive an executor directly do so on pytest's thread, and
+    every later test in that process would otherwise run without autograd."""
+    import torch
+
+    enabled = torch.is_grad_enabled()
+    yield
+    torch.set_grad_enabled(enabled)
+
+
 def unused_port() -> int:
     """A port found free and released, for the two places port 0 cannot serve.
 
