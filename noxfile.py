@@ -26,7 +26,7 @@ nox.options.reuse_existing_virtualenvs = True
 TORCH = "torch==2.13.0"
 # The core builds genie._C against the session's torch: torch first, then --no-build-isolation.
 CORE = ("--no-build-isolation", "-e", ".[test]", "-e", "plugins/genie_tcp")
-BUILD = (TORCH, "setuptools>=70.1", "hatchling>=1.24", "editables>=0.5", "cffi>=1.15")  # hatchling: the plugins build with it; cffi: the dpdk shim
+BUILD = (TORCH, "setuptools>=70.1", "hatchling>=1.24", "editables>=0.5", "cffi>=1.15", "ninja>=1.11")  # hatchling: the plugins build with it; cffi: the dpdk shim; ninja: genie._C's files side by side
 PLUGINS = ("tcp", "shm", "dpdk", "gpudev", "rdma", "nvml")
 #: Plugins a plugin depends on (installed from this repository, not from an index).
 PLUGIN_DEPENDS = {"gpudev": ("dpdk",)}
