@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -23,6 +24,11 @@ settings.register_profile("genie", derandomize=True)
 settings.load_profile("genie")
 
 
+#: Lines a worker's ``pytest_sessionfinish`` left in ``config.workeroutput`` for the summary (the opinfo gates').
+SUMMARY_KEY = "genie_summary"  # written by tests/device/opinfo/conftest.py
+_SUMMARY = pytest.StashKey[list[str]]()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``cpu_server`` tests are skipped when the shared server computes on a GPU: CUDA kernels round
     differently from CPU ones, and an out-of-range index is a device-side assert there, not an error."""
@@ -33,6 +39,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("cpu_server"):
             item.add_marker(skip)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's controller: a worker ended
+def pytest_testnodedown(node: Any, error: object) -> None:
+    node.config.stash.setdefault(_SUMMARY, []).extend(node.workeroutput.get(SUMMARY_KEY, []))
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """The workers' summary lines (under pytest-xdist; a run without it prints its own)."""
+    for line in config.stash.get(_SUMMARY, []):
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(autouse=True)

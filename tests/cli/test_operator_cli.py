@@ -179,7 +179,8 @@ def test_a_killed_worker_shows_lost_in_status_health_metrics_and_events(cluster:
         assert len([e for e in streamed if e["type"] == "node_joined" and e["source"] == "w1"]) == 1  # printed once
 
         follow.send_signal(signal.SIGINT)
-        assert follow.wait(15) == 130, "".join(errors)[-2000:]  # a bound for a loaded machine, not a speed check
+        # a bound for a loaded machine (the suite runs on every core), not a speed check: it exits in about 0.1 s
+        assert follow.wait(40) == 130, "".join(errors)[-2000:]
         err_reader.join(5)
         assert "Traceback" not in "".join(errors)
     finally:

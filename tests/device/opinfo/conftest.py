@@ -98,7 +98,7 @@ def _sweep(config: pytest.Config) -> Sweep:
     return config.stash[_SWEEP]
 
 
-#: The fixture each gate's cases parametrize (test_opinfo.py, test_gates.py).
+#: The fixture each gate's cases parametrize (test_gates.py).
 GATE_FIXTURES = {"opinfo_case": "opinfo", "module_case": "module", "optim_case": "optim",
                  "random_case": "random", "amp_case": "amp"}
 
@@ -143,27 +143,35 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         "denied_ops_reached": sorted({op for r in sweep.results.values() for op in r.get("denied", [])}),
         "cases": {c.test_id: r for c, r in sorted(sweep.results.items())},
     }, indent=1) + "\n", encoding="utf-8")
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: its controller prints the summary (tests/conftest.py)
+        workeroutput["genie_summary"] = _summary(sweep)  # tests/conftest.py SUMMARY_KEY
+
+
+def _summary(sweep: Sweep) -> list[str]:
+    lines = list(opinfo_expected.summary_lines(sweep.mode, opinfo_expected.pass_rates(sweep.results)))
+    reached = {op for r in sweep.results.values() for op in r.get("denied", [])}
+    lines.append(f"genie gates ({sweep.mode}): deny list {len(sweep.deny)} entries, reached: "
+                 f"{', '.join(sorted(reached)) or 'none'}")
+    if sweep.mode == "full":
+        unused = sorted(set(sweep.deny) - reached)
+        if unused:
+            lines.append(f"genie gates (full): deny-list entries no sample reached (remove them if "
+                         f"the op is allowed now): {', '.join(unused)}")
+    restarts = sweep.pool.restarts
+    lines.append(f"genie opinfo ({sweep.mode}): {len(sweep.results)} cases, worker restarts "
+                 f"{restarts['worker']}, server restarts {restarts['server']}; report {sweep.report_path}")
+    if sweep.update:
+        lines.append(f"genie opinfo: rewrote {opinfo_expected.EXPECTED_PATH}")
+    return lines
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     sweep = config.stash.get(_SWEEP, None)
     if sweep is None or not sweep.results:
         return
-    for line in opinfo_expected.summary_lines(sweep.mode, opinfo_expected.pass_rates(sweep.results)):
+    for line in _summary(sweep):
         terminalreporter.write_line(line)
-    reached = {op for r in sweep.results.values() for op in r.get("denied", [])}
-    terminalreporter.write_line(f"genie gates ({sweep.mode}): deny list {len(sweep.deny)} entries, reached: "
-                                f"{', '.join(sorted(reached)) or 'none'}")
-    if sweep.mode == "full":
-        unused = sorted(set(sweep.deny) - reached)
-        if unused:
-            terminalreporter.write_line(f"genie gates (full): deny-list entries no sample reached (remove them if "
-                                        f"the op is allowed now): {', '.join(unused)}")
-    restarts = sweep.pool.restarts
-    terminalreporter.write_line(f"genie opinfo ({sweep.mode}): {len(sweep.results)} cases, worker restarts "
-                                f"{restarts['worker']}, server restarts {restarts['server']}; report {sweep.report_path}")
-    if sweep.update:
-        terminalreporter.write_line(f"genie opinfo: rewrote {opinfo_expected.EXPECTED_PATH}")
 
 
 def _torch_version() -> str:

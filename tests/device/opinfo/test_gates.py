@@ -1,11 +1,22 @@
-"""The completeness gates beside OpInfo (gates.py), one pytest item per case, judged as OpInfo's are
-(tests/device/opinfo/expected_failures.toml for known failures, tests/device/deny_list.toml for refusals)."""
+"""The completeness gates: PyTorch's OpInfo database and the four beside it (gates.py), run on remote_accelerator
+against a real genie server and compared with CPU, one pytest item per case (op, variant, dtype, kind).
+
+See conftest.py for the sweeps and options and docs/device-testing.md for how to read and regenerate the
+expected-failure list (tests/device/opinfo/expected_failures.toml; tests/device/deny_list.toml for refusals).
+One file: the sweep is one per session (one worker process, one server, one report), and ``scripts/test``
+hands whole files to its workers.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from opinfo_cases import Case
+
+
+def test_op_matches_cpu(opinfo_case: Case, opinfo_sweep: Any) -> None:
+    """The op's outputs (forward) or gradients (backward) on the device equal CPU's within 1e-3."""
+    opinfo_sweep.judge(opinfo_case)
 
 
 def test_module_matches_cpu(module_case: Case, opinfo_sweep: Any) -> None:
