@@ -134,9 +134,9 @@ def test_the_cuda_servers_fused_op_is_sent_whole_and_runs_on_a_cpu_server(case: 
     assert "aten._scaled_dot_product_fused_attention_overrideable.default" in remote_ops
     assert "aten._scaled_dot_product_fused_attention_overrideable_backward.default" in remote_ops
     assert not any("softmax" in n for n in remote_ops)
-    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-5}
+    rtol, atol = (2e-2, 2e-2) if dtype == torch.bfloat16 else (1e-4, 1e-5)
     for r, c in zip(remote, local, strict=True):
-        torch.testing.assert_close(r, c, **tol)
+        torch.testing.assert_close(r, c, rtol=rtol, atol=atol)
 
 
 def test_fused_adamw_is_sent_whole_and_matches_cpu() -> None:
