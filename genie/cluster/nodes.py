@@ -98,25 +98,29 @@ def _sessions_for(pm: PluginManager, config: ClusterConfig, security: ClientSecu
                   why: str, links: dict[str, float] | None = None) -> list[RemoteDevice]:
     """RemoteDevices for ``entries`` (the master's device list), one new session per node.
 
-    A node that cannot be reached gets a lost connection, so indices stay aligned and
-    :func:`reconnect_lost` replaces it once the master reports the node connected.
+    A node that cannot be reached (ConnectError: nothing answered, whether the backend was
+    named or chosen under ``auto``; see :func:`connect_with_fallback`) gets a lost connection
+    whose reason says why, so indices stay aligned, using its devices raises RemoteDeviceLost
+    naming it, and :func:`reconnect_lost` replaces it once the master reports the node connected.
+    A reachable node that does not serve a named backend raises BackendUnavailableError.
     """
     sessions: dict[str, NodeConnection] = {}
     devices: list[RemoteDevice] = []
     for d in entries:
         node = nodes[d["node_id"]]
         conn = sessions.get(node["node_id"])
+        reason = why
         if conn is None and node.get("status") == "connected":
             try:
                 conn = _open_session(pm, config, security, state.local_node.node_id, node, state.probes, emit,
                                      links)
             except ConnectError as exc:
                 log.warning("cannot open a session to node %s: %s", node["node_id"], exc)
-                conn = None
+                conn, reason = None, f"{why}: {exc}"
             if conn is not None:
                 sessions[node["node_id"]] = conn
         if conn is None:
-            conn = _dead_connection(node, why)
+            conn = _dead_connection(node, reason)
             sessions[node["node_id"]] = conn
         devices.append(RemoteDevice(d["index"], d["node_id"], d["local_index"], d["kind"], d["name"], conn))
     return devices
@@ -127,11 +131,21 @@ def connect_devices(pm: PluginManager, config: ClusterConfig, security: ClientSe
     """Open one data-plane session per node that has devices; the table in the master's order.
 
     ``links`` receives each node's measured handshake time (seconds), which placement weighs.
+
+    :raises ConnectError: the master lists devices but no node that holds one could be reached;
+        the message names every node and why.
     """
     nodes = {n["node_id"]: n for n in snapshot.get("nodes", [])}
     entries = sorted(snapshot.get("devices", []), key=lambda d: d["index"])
-    return DeviceTable(_sessions_for(pm, config, security, state, nodes, entries, emit, "unreachable at init",
-                                     links))
+    devices = _sessions_for(pm, config, security, state, nodes, entries, emit, "unreachable at init", links)
+    if devices and all(d.connection.lost is not None for d in devices):
+        seen: dict[str, str] = {d.node_id: f"node {d.node_id} at {d.connection.address}: {d.connection.lost}"
+                                for d in devices}
+        raise ConnectError(
+            "genie.init() could not reach any node that holds a device (" + "; ".join(seen.values()) + "); "
+            "check that the nodes run and that this client reaches the addresses and data ports the master "
+            "lists for them (genie status --master; --advertise-host/--advertise-ports behind NAT)")
+    return DeviceTable(devices)
 
 
 def session_backend(table: DeviceTable) -> str | None:

@@ -25,7 +25,9 @@ The rules, in order:
 :func:`connect_with_fallback` then connects on the first candidate and, when that
 fails, on the next, reporting each fallback through ``emit`` as a
 ``backend_fallback`` :class:`~genie.types.ClusterEvent` and the winner as
-``backend_selected``.
+``backend_selected``. When every attempt fails it raises ConnectError if none reached the
+peer (the peer is down, explicit request or not) and, for an explicit request that some
+peer or backend refused, BackendUnavailableError.
 """
 
 from __future__ import annotations
@@ -262,10 +264,14 @@ def connect_with_fallback(
     :param emit: called with a ``backend_fallback`` event after each failed attempt that is followed
         by another, and a ``backend_selected`` event once connected.
     :param source: the node id the events are about.
-    :raises BackendUnavailableError: every candidate failed and the request was explicit.
-    :raises ConnectError: every candidate failed under ``auto`` or exclusions.
+    :raises BackendUnavailableError: every candidate failed, the request was explicit, and some failure
+        was not one of reaching the peer (a listener refused the backend, the backend itself broke).
+    :raises ConnectError: every candidate failed under ``auto`` or exclusions; or, explicit or not, no
+        candidate reached the peer at all (refused connections, timeouts): the peer is unreachable, which
+        says nothing about the backend, and callers treat it as a node that is down.
     """
     fallbacks: list[tuple[str, str]] = []
+    unreachable = True
     names = selection.names
     for i, name in enumerate(names):
         host, port = _address_for(address, name)
@@ -275,6 +281,7 @@ def connect_with_fallback(
             reason = f"connect to {host}:{port} failed: {type(exc).__name__}: {exc}"
             log.warning("backend %s: %s", name, reason, exc_info=not isinstance(exc, OSError))
             fallbacks.append((name, reason))
+            unreachable = unreachable and _is_unreachable(exc)
             if emit is not None and i + 1 < len(names):
                 _emit(emit, ClusterEvent(EventType.BACKEND_FALLBACK, source, {
                     "from": name, "to": names[i + 1], "reason": reason, "explicit": selection.explicit,
@@ -295,8 +302,22 @@ def connect_with_fallback(
     others = "; ".join(f"{b}: {r}" for b, r in selection.rejected.items())
     message = f"could not connect on any backend ({detail})" + (f"; not tried: {others}" if others else "")
     if selection.explicit:
-        raise BackendUnavailableError(f"backend {selection.spec_text!r} was requested but {message}")
+        message = f"backend {selection.spec_text!r} was requested but {message}"
+        if not unreachable:
+            raise BackendUnavailableError(message)
+        # Nothing answered on any named backend: the peer is down or cut off, not short of the backend.
+        # Still no fallback to a backend the user did not name; the caller decides what an unreachable
+        # peer means (a client marks that node's devices lost, as under auto).
+        raise ConnectError(message + "; the peer did not answer on any of them: is it running and reachable?")
     raise ConnectError(message)
+
+
+def _is_unreachable(exc: BaseException) -> bool:
+    """Whether a connect failure means the peer could not be reached (nothing there answered), as opposed to
+    a listener that refused the backend (BackendUnavailableError) or a backend that failed in itself."""
+    if isinstance(exc, BackendUnavailableError):
+        return False
+    return isinstance(exc, (ConnectError, ConnectionError, TimeoutError))
 
 
 def _address_for(address: Address | Mapping[str, Address] | Callable[[str], Address], name: str) -> Address:

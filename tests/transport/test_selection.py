@@ -184,13 +184,33 @@ def test_connect_uses_the_address_of_each_backend(genie_pm, register_plugin):
     assert outcome.backend == "tcp" and outcome.channel.peer == "h:2"
 
 
-def test_an_explicit_request_that_fails_to_connect_raises_backend_unavailable(genie_pm, register_plugin):
-    register_plugin(fake_standard_backends(connect_fails=("rdma",)))
+def test_an_explicit_request_the_peer_refuses_raises_backend_unavailable(genie_pm, register_plugin):
+    base = fake_transport("rdma", priority=PRIORITY_RDMA)
+
+    class Refused(base):
+        def connect(self, host, port, *, timeout):
+            raise BackendUnavailableError(f"{host}:{port} refused rdma: fake listener without it")
+
+    register_plugin(FakeTransportPlugin(Refused, fake_transport("tcp", priority=PRIORITY_TCP)))
     selection = select(results_of(genie_pm), pm=genie_pm, config=config("rdma"))
     events = []
     with pytest.raises(BackendUnavailableError, match="backend 'rdma' was requested but could not connect"):
         connect_with_fallback(selection, genie_pm.transports(), ("h", 1), timeout=1.0, emit=events.append)
     assert events == []  # nothing to fall back to, nothing selected
+
+
+def test_an_explicit_request_whose_peer_is_unreachable_raises_connect_error_without_fallback(genie_pm,
+                                                                                            register_plugin):
+    """Nothing answered on the named backend: the peer is down (a client treats it as a lost node, as under
+    auto), which is a ConnectError, not BackendUnavailableError; tcp, installed and not named, is never tried."""
+    calls: list[str] = []
+    register_plugin(fake_standard_backends(calls=calls, connect_fails=("rdma",)))
+    selection = select(results_of(genie_pm), pm=genie_pm, config=config("rdma"))
+    with pytest.raises(ConnectError, match="backend 'rdma' was requested but could not connect .*did not answer") \
+            as info:
+        connect_with_fallback(selection, genie_pm.transports(), ("h", 1), timeout=1.0)
+    assert not isinstance(info.value, BackendUnavailableError)
+    assert [c for c in calls if c.startswith("connect")] == ["connect:rdma"]
 
 
 def test_auto_raises_connect_error_when_every_backend_fails(genie_pm, register_plugin):
