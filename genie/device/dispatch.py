@@ -120,7 +120,9 @@ class OpInfo:
 
 
 #: Random ops with no generator argument: the server draws from the session's default generator.
-RANDOM_WITHOUT_GENERATOR = frozenset({"aten::native_dropout"})
+#: The fused attention op draws only when dropout_p > 0, but is marked random whatever its dropout_p: the seed must
+#: reach the server before it, and the C++ fast path (never taught random ops) cannot tell the calls apart.
+RANDOM_WITHOUT_GENERATOR = frozenset({"aten::native_dropout", "aten::_scaled_dot_product_fused_attention_overrideable"})
 
 #: id(op) -> OpInfo. Keyed by id: OpOverloads are process-lifetime singletons whose __hash__ is Python code.
 _infos: dict[int, OpInfo] = {}

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from genie.server.rng import GENERATORLESS
+from genie.server.rng import draws
 
 log = logging.getLogger("genie.server.cuda_graphs")
 
@@ -62,7 +62,7 @@ def eligible(graph: Any) -> bool:
     if graph.resizes:
         return False
     for node in graph.nodes:
-        if node.validator is not None or node.label in GENERATORLESS:
+        if node.validator is not None or draws(node.label, node.args, node.kwargs):
             return False
         if any("Generator" in str(a.type) for a in node.op._schema.arguments):
             return False

@@ -72,7 +72,7 @@ from genie.server.per_session import PerSession
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
-from genie.server.rng import GENERATORLESS
+from genie.server.rng import draws
 from genie.wire.graph import Ref
 
 if TYPE_CHECKING:
@@ -175,7 +175,7 @@ def _draws(node: Any) -> bool:
     ``nondeterministic_seeded`` unless its ``dropout_p`` is the constant 0 (attention without dropout draws
     nothing: the CPU flash kernel and the fused-attention op carry the tag for their dropout alone)."""
     schema = node.op._schema
-    if node.label in GENERATORLESS or any("Generator" in str(a.type) for a in schema.arguments):
+    if draws(node.label, node.args, node.kwargs) or any("Generator" in str(a.type) for a in schema.arguments):
         return True
     if torch.Tag.nondeterministic_seeded not in node.op.tags:
         return False
