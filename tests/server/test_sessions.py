@@ -130,7 +130,9 @@ def test_sessions_are_isolated_and_run_concurrently(inproc_server):
 
     def worker(k: int) -> None:
         try:
-            with RawClient(server.port) as c:
+            # Four sessions open at once: all but the node's spare worker start cold (each imports torch), which
+            # took over 10 s on a loaded 2-core machine; a bound for that, not a speed check.
+            with RawClient(server.port, timeout=30.0) as c:
                 c.handshake()
                 for i in range(20):
                     x = torch.full((64,), float(k * 100 + i))
