@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_sdpa import _Ops  # the recording dispatch mode of the attention tests (this directory is on sys.path)
 
 from genie import _C
 from genie.device import registry
@@ -33,18 +33,6 @@ def fused_draw(seed, device):
 exec(FUSED_DRAW)  # noqa: S102 - the constant above, shared with the second client's script
 
 pytestmark = [pytest.mark.usefixtures("remote")]
-
-
-class _Ops(TorchDispatchMode):
-    """The aten ops a computation dispatches below autograd (what reaches the device), by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _dropout_attention_ops() -> list[str]:
