@@ -45,8 +45,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from genie.errors import QuotaExceededError
+from genie.errors import ForbiddenOpError, QuotaExceededError
 from genie.server import sdpa
 
 #: Most generators one session may create (all devices together).
@@ -101,15 +102,123 @@ def _dropout_p(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
 
 
-#: Random ops without a generator argument, by name, and how to run them with the session's generator.
-GENERATORLESS: dict[str, Callable[[torch.Generator, list[Any], dict[str, Any]], Any]] = {
+_Runner = Callable[[torch.Generator, list[Any], dict[str, Any]], Any]
+
+#: The hand-written equivalents, by the name ``OpOverload.name()`` gives (what :class:`_SessionDraws` sees).
+_WRITTEN: dict[str, _Runner] = {
     "aten::native_dropout": _native_dropout,
     _FUSED_ATTENTION: _fused_attention,
 }
-GENERATORLESS.update({f"{name}.default": run for name, run in list(GENERATORLESS.items())})
+
+
+class _SessionDraws(TorchDispatchMode):
+    """Runs every op below it with the session's generator ``g`` wherever the op would draw random numbers.
+
+    It sees the ops a composite kernel calls (the dropout family's ``bernoulli_``, ``rand``'s ``uniform_``):
+    a None or missing generator argument becomes ``g``; an op of :data:`_WRITTEN` runs its equivalent; an op
+    tagged ``nondeterministic_seeded`` without a generator argument runs its CompositeExplicitAutograd kernel
+    under a fresh mode (``aten::rand`` calls ``rand.generator`` with None); anything else that would draw
+    from the process's generator is refused (a CUDA attention kernel with dropout, for one).
+    """
+
+    def __init__(self, g: torch.Generator) -> None:
+        super().__init__()
+        self.g = g
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        args, kwargs = list(args), dict(kwargs or {})
+        index, name = generator_arg(func)
+        if name:
+            if 0 <= index < len(args):
+                if args[index] is None:
+                    args[index] = self.g
+            elif kwargs.get(name) is None:
+                kwargs[name] = self.g
+            return func(*args, **kwargs)
+        written = _WRITTEN.get(func.name())
+        if written is not None:
+            return written(self.g, args, kwargs)
+        if torch.Tag.nondeterministic_seeded not in func.tags or not _draws_with(func, args, kwargs):
+            return func(*args, **kwargs)
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeExplicitAutograd"):
+            with _SessionDraws(self.g):
+                return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+        raise ForbiddenOpError(
+            f"op {func.name()!r} would draw from the server process's shared generator, not the session's: "
+            "genie servers refuse it; send the op's decomposition (what the genie client sends) instead")
+
+
+def _draws_with(func: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a ``nondeterministic_seeded`` op draws with these arguments: not with a ``dropout_p`` of 0."""
+    names = [a.name for a in func._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    p = names.index("dropout_p")
+    value = args[p] if p < len(args) else kwargs.get("dropout_p", func._schema.arguments[p].default_value)
+    return not (type(value) in (int, float) and value == 0)
+
+
+def _under_session(op: torch._ops.OpOverload) -> _Runner:
+    """Run ``op`` itself (its composite kernel: the same distribution, on CPU the same numbers as a local run
+    seeded alike) with every draw below it from the session's generator (:class:`_SessionDraws`)."""
+    def run(g: torch.Generator, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        with _SessionDraws(g):
+            return op(*args, **kwargs)
+    return run
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+
+
+def _sdpa(g: torch.Generator, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """``aten::scaled_dot_product_attention``: with ``dropout_p`` 0 its kernel as is; else its math path (the path
+    a CPU run takes with dropout; a CUDA run would pick a fused kernel that draws from the process's generator),
+    its dropout from ``g``."""
+    values = dict(zip(_SDPA_ARGS, args, strict=False)) | kwargs
+    if _dropout_p(args, kwargs) == 0:
+        return torch.ops.aten.scaled_dot_product_attention.default(*args, **kwargs)
+    query = values.pop("query")
+    mask = values.get("attn_mask")
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:  # what the composite does before its math path
+        values["attn_mask"] = torch.where(mask, torch.scalar_tensor(0.0, dtype=query.dtype, device=query.device),
+                                          torch.scalar_tensor(-float("inf"), dtype=query.dtype, device=query.device))
+    with _SessionDraws(g):
+        return torch.ops.aten._scaled_dot_product_attention_math.default(
+            query, values.pop("key"), values.pop("value"), **values)[0]
+
+
+#: Packets whose overloads without a generator argument draw from the process's generator when run as they are:
+#: composites whose draws :func:`_under_session` hands the session's generator. A client that decomposes them
+#: (the genie client does) never sends them; a raw client or a compiled graph may name them.
+_DRAWN_UNDER_SESSION = (
+    "dropout", "dropout_", "feature_dropout", "feature_dropout_", "alpha_dropout", "alpha_dropout_",
+    "feature_alpha_dropout", "feature_alpha_dropout_", "native_dropout",
+    "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
+)
+
+
+def _generatorless_table() -> dict[str, _Runner]:
+    table: dict[str, _Runner] = dict(_WRITTEN)
+    table["aten::scaled_dot_product_attention"] = _sdpa
+    for packet_name in _DRAWN_UNDER_SESSION:
+        packet = getattr(torch.ops.aten, packet_name)  # names of this module's own tuple, never a client's
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            if generator_arg(op)[1] or torch.Tag.nondeterministic_seeded not in op.tags:
+                continue
+            table.setdefault(op.name(), _under_session(op))
+    # A default overload's name has no suffix; a client may spell it with ".default" too.
+    table.update({f"{name}.default": run for name, run in list(table.items()) if "." not in name})
+    return table
+
+
+#: Random ops without a generator argument, by the name a client sends, and how to run them with the session's
+#: generator.
+GENERATORLESS: dict[str, _Runner] = _generatorless_table()
 
 #: Ops of GENERATORLESS that draw only when their ``dropout_p`` is not 0.
-DRAWS_ONLY_WITH_DROPOUT = frozenset({_FUSED_ATTENTION, f"{_FUSED_ATTENTION}.default"})
+DRAWS_ONLY_WITH_DROPOUT = frozenset({_FUSED_ATTENTION, f"{_FUSED_ATTENTION}.default",
+                                     "aten::scaled_dot_product_attention", "aten::scaled_dot_product_attention.default"})
 
 
 def draws(label: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
