@@ -24,6 +24,21 @@ with and without ``.default`` (a client may spell either):
   generator. That seed is the op's ``philox_seed`` output, so the backward
   rebuilds the forward's mask and draws nothing. Numbers equal to a local CUDA
   kernel's are not promised (nor are they between CUDA kernels).
+- The composites a client may name although the genie client decomposes them
+  (a raw client, a compiled graph): the dropout family (``dropout``,
+  ``feature_dropout``, ``alpha_dropout``, ``feature_alpha_dropout`` and their
+  in-place twins), ``native_dropout.out``, and ``rand``, ``randn``, ``randint``,
+  ``randperm`` and their ``_like`` forms, every overload without a generator
+  argument. Each runs its own kernel under :class:`_SessionDraws`, a dispatch mode
+  that hands the session's generator to every draw below it (``bernoulli_``,
+  ``uniform_``, ``rand.generator``; ``native_dropout`` by its equivalent above):
+  the kernel's distribution, and on CPU a local run's numbers seeded alike. With
+  ``train`` False or ``p`` 0 the kernel draws nothing. An op below that would
+  still draw from the process's generator is refused (ForbiddenOpError).
+- ``aten::scaled_dot_product_attention``: with ``dropout_p`` 0 its kernel as is;
+  else its math path (the one a CPU run takes with dropout; on CUDA the composite
+  would pick a fused kernel that draws from the process's generator) under
+  :class:`_SessionDraws`, a boolean mask turned additive as the composite does.
 
 Swapping the session's state into the device's default generator around the
 kernel was not chosen: the CPU flash kernel refuses ``dropout_p > 0`` (torch
@@ -33,7 +48,7 @@ fails when a torch accepts it), the CUDA kernels' philox seed and offset would
 have to travel to the backward, and a process-wide default generator is shared
 by every thread of the process (sessions are threads under ``--isolation none``).
 
-The fused attention op draws only when ``dropout_p`` is not 0
+The attention ops draw only when ``dropout_p`` is not 0
 (:data:`DRAWS_ONLY_WITH_DROPOUT`, :func:`draws`): graphs holding it with
 ``dropout_p`` 0 still compile or become CUDA graphs.
 """
