@@ -216,12 +216,7 @@ struct Runner::Impl {
   void bind(py::handle binding) {
     Binding b = read_binding(binding);  // raises, keeping the binding there was, when it is not one
     binding_ = std::move(b.keep);
-    storages_ = b.store.storages;
-    sizes_ = b.store.sizes;
-    poisoned_ = b.store.poisoned;
-    freed_ = b.store.freed;
-    max_storages_ = b.store.max_storages;
-    max_bytes_ = b.store.max_bytes;
+    store_ = b.store;
     metrics_ = std::move(b.metrics);
   }
 
@@ -234,7 +229,7 @@ struct Runner::Impl {
   }
 
   py::tuple walk(py::list cmds, Py_ssize_t start, int64_t max_op_elements, int64_t pool_min, bool quiet) {
-    if (storages_ == nullptr) throw std::runtime_error("genie: the runner was not bound to a store (Runner.bind)");
+    if (store_.storages == nullptr) throw std::runtime_error("genie: the runner was not bound to a store (Runner.bind)");
     int64_t bytes_before = bytes_;
     Py_ssize_t n = PyList_GET_SIZE(cmds.ptr());
     Py_ssize_t i = start;
@@ -300,8 +295,8 @@ struct Runner::Impl {
   // The live storage `id` of `nbytes` bytes on `device`, or nullptr (borrowed from the store's map).
   PyObject* live(uint64_t id, int64_t nbytes, const c10::Device& device) {
     py::object key = id_key(id);
-    PyObject* storage = PyDict_GetItemWithError(storages_, key.ptr());
-    PyObject* size = storage != nullptr ? PyDict_GetItemWithError(sizes_, key.ptr()) : nullptr;
+    PyObject* storage = PyDict_GetItemWithError(store_.storages, key.ptr());
+    PyObject* size = storage != nullptr ? PyDict_GetItemWithError(store_.sizes, key.ptr()) : nullptr;
     if (PyErr_Occurred()) throw py::error_already_set();
     if (storage == nullptr || size == nullptr || !THPStorage_Check(storage) || !PyLong_Check(size)) return nullptr;
     int overflow = 0;
@@ -317,17 +312,23 @@ struct Runner::Impl {
   // Borrowed from the store's map.
   PyObject* first_use(uint64_t id, int64_t nbytes, const c10::Device& device) {
     if (id == 0 || id > kMaxStorageId || nbytes < 0 || known(id)) return nullptr;
-    if (PyDict_Size(storages_) + PyDict_Size(poisoned_) + 1 > max_storages_) return nullptr;
-    if (max_bytes_ && nbytes > 0 && bytes_ + nbytes > max_bytes_) return nullptr;
+    if (PyDict_Size(store_.storages) + PyDict_Size(store_.poisoned) + 1 > store_.max_storages) return nullptr;
+    if (store_.max_bytes && nbytes > 0 && bytes_ + nbytes > store_.max_bytes) return nullptr;
     at::Tensor zeros = at::zeros({nbytes}, at::TensorOptions().dtype(at::kByte).device(device));
-    auto wrapped = py::reinterpret_steal<py::object>(THPStorage_Wrap(zeros.storage()));
-    if (!wrapped) throw py::error_already_set();
     py::object key = id_key(id);
-    py::int_ size(nbytes);
-    if (PyDict_SetItem(storages_, key.ptr(), wrapped.ptr()) != 0 || PyDict_SetItem(sizes_, key.ptr(), size.ptr()) != 0)
+    keep(key, zeros.storage());
+    return PyDict_GetItem(store_.storages, key.ptr());
+  }
+
+  // Puts storage `st` in the store's maps under `key` (its storage and its byte size) and counts its bytes.
+  void keep(const py::object& key, const c10::Storage& st) {
+    auto wrapped = py::reinterpret_steal<py::object>(THPStorage_Wrap(st));
+    if (!wrapped) throw py::error_already_set();
+    py::int_ nbytes(static_cast<int64_t>(st.nbytes()));
+    if (PyDict_SetItem(store_.storages, key.ptr(), wrapped.ptr()) != 0 ||
+        PyDict_SetItem(store_.sizes, key.ptr(), nbytes.ptr()) != 0)
       throw py::error_already_set();
-    bytes_ += nbytes;
-    return PyDict_GetItem(storages_, key.ptr());
+    bytes_ += static_cast<int64_t>(st.nbytes());
   }
 
   // A FREE (genie.server.store.StorageStore.free, with the staging pool's offer): false, with nothing done,
@@ -346,7 +347,7 @@ struct Runner::Impl {
     std::vector<std::pair<py::object, bool>> keys;  // (id, live)
     for (uint64_t id : ids) {
       py::object key = id_key(id);
-      PyObject* storage = PyDict_GetItemWithError(storages_, key.ptr());
+      PyObject* storage = PyDict_GetItemWithError(store_.storages, key.ptr());
       if (storage == nullptr && PyErr_Occurred()) throw py::error_already_set();
       if (storage != nullptr &&
           (!THPStorage_Check(storage) || static_cast<int64_t>(THPStorage_Unpack(storage).nbytes()) >= pool_min))
@@ -357,23 +358,23 @@ struct Runner::Impl {
       PyObject* key = key_object.ptr();
       bool ok = true;
       bool released = false;
-      if (is_live && PyDict_Contains(storages_, key) == 1) {  // freed twice in one command: once
-        PyObject* size_obj = PyDict_GetItemWithError(sizes_, key);
+      if (is_live && PyDict_Contains(store_.storages, key) == 1) {  // freed twice in one command: once
+        PyObject* size_obj = PyDict_GetItemWithError(store_.sizes, key);
         int overflow = 0;
         bool sized = size_obj != nullptr && PyLong_Check(size_obj);
         int64_t nbytes = sized ? PyLong_AsLongLongAndOverflow(size_obj, &overflow) : 0;
         if (!sized && !PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "a live storage without its size");
-        ok = sized && !overflow && PyDict_DelItem(storages_, key) == 0 && PyDict_DelItem(sizes_, key) == 0;
+        ok = sized && !overflow && PyDict_DelItem(store_.storages, key) == 0 && PyDict_DelItem(store_.sizes, key) == 0;
         bytes_ -= nbytes;
         released = ok;
       } else {
-        int poisoned = PyDict_Contains(poisoned_, key);
-        ok = poisoned >= 0 && (poisoned == 0 || PyDict_DelItem(poisoned_, key) == 0);
+        int poisoned = PyDict_Contains(store_.poisoned, key);
+        ok = poisoned >= 0 && (poisoned == 0 || PyDict_DelItem(store_.poisoned, key) == 0);
         released = ok && poisoned == 1;
       }
       if (released) {
-        if (PySet_GET_SIZE(freed_) >= max_freed_) ok = PySet_Clear(freed_) == 0;
-        ok = ok && PySet_Add(freed_, key) == 0;
+        if (PySet_GET_SIZE(store_.freed) >= max_freed_) ok = PySet_Clear(store_.freed) == 0;
+        ok = ok && PySet_Add(store_.freed, key) == 0;
       }
       if (!ok) throw py::error_already_set();
     }
@@ -402,9 +403,9 @@ struct Runner::Impl {
   // Whether the session made, freed or had poisoned storage `id`.
   bool known(uint64_t id) {
     py::object key = id_key(id);
-    int found = PyDict_Contains(storages_, key.ptr());
-    if (found == 0) found = PyDict_Contains(poisoned_, key.ptr());
-    if (found == 0) found = PySet_Contains(freed_, key.ptr());
+    int found = PyDict_Contains(store_.storages, key.ptr());
+    if (found == 0) found = PyDict_Contains(store_.poisoned, key.ptr());
+    if (found == 0) found = PySet_Contains(store_.freed, key.ptr());
     if (found < 0) throw py::error_already_set();
     return found == 1;
   }
@@ -477,9 +478,9 @@ struct Runner::Impl {
     for (size_t slot : plan.fresh_slots_) {  // what Executor._fresh_outs asks of them
       if (slot >= ids.size() || known(ids[slot])) return kNotRun;
     }
-    if (PyDict_Size(storages_) + PyDict_Size(poisoned_) + static_cast<Py_ssize_t>(outputs) > max_storages_)
+    if (PyDict_Size(store_.storages) + PyDict_Size(store_.poisoned) + static_cast<Py_ssize_t>(outputs) > store_.max_storages)
       return kNotRun;
-    if (max_bytes_ && plan.new_bytes_ > max_bytes_ - bytes_) return kNotRun;
+    if (store_.max_bytes && plan.new_bytes_ > store_.max_bytes - bytes_) return kNotRun;
 
     torch::jit::Stack stack = plan.stack_;
     for (size_t k = 0; k < plan.fills_.size(); ++k) stack[plan.fills_[k].first] = tensors[plan.fills_[k].second];
@@ -584,7 +585,7 @@ struct Runner::Impl {
       py::object key = id_key(id);
       for (const auto& f : fresh)
         if (f.first.equal(key)) return false;
-      PyObject* known = PyDict_GetItemWithError(storages_, key.ptr());
+      PyObject* known = PyDict_GetItemWithError(store_.storages, key.ptr());
       if (known != nullptr) {
         if (!THPStorage_Check(known) || THPStorage_Unpack(known).data() != st.data())
           return false;  // a copy into the known storage: the full rule does it
@@ -601,25 +602,18 @@ struct Runner::Impl {
       fresh.emplace_back(std::move(key), t);
     }
     // StorageStore.adopt's fast branch for all of them, or none (its slow branch raises the quota errors).
-    int64_t count = PyDict_Size(storages_) + PyDict_Size(poisoned_);
+    int64_t count = PyDict_Size(store_.storages) + PyDict_Size(store_.poisoned);
     int64_t added = 0;
     for (const auto& f : fresh) added += static_cast<int64_t>(f.second->storage().nbytes());
-    if (count + static_cast<int64_t>(fresh.size()) > max_storages_ || (max_bytes_ && bytes_ + added > max_bytes_))
+    if (count + static_cast<int64_t>(fresh.size()) > store_.max_storages || (store_.max_bytes && bytes_ + added > store_.max_bytes))
       return false;
-    bool poisoned = PyDict_Size(poisoned_) > 0;
+    bool poisoned = PyDict_Size(store_.poisoned) > 0;
     for (const auto& [key, t] : fresh) {
-      const c10::Storage& st = t->storage();
-      auto wrapped = py::reinterpret_steal<py::object>(THPStorage_Wrap(st));
-      if (!wrapped) throw py::error_already_set();
-      py::int_ nbytes(static_cast<int64_t>(st.nbytes()));
-      if (PyDict_SetItem(storages_, key.ptr(), wrapped.ptr()) != 0 ||
-          PyDict_SetItem(sizes_, key.ptr(), nbytes.ptr()) != 0)
-        throw py::error_already_set();
-      if (poisoned && PyDict_DelItem(poisoned_, key.ptr()) != 0) {
+      keep(key, t->storage());
+      if (poisoned && PyDict_DelItem(store_.poisoned, key.ptr()) != 0) {
         if (!PyErr_ExceptionMatches(PyExc_KeyError)) throw py::error_already_set();
         PyErr_Clear();
       }
-      bytes_ += static_cast<int64_t>(st.nbytes());
     }
     return true;
   }
@@ -632,12 +626,7 @@ struct Runner::Impl {
   // The bound RunnerBinding (runner_binding.h), and borrowed from it: the store's maps and quotas, the
   // metrics' tally.
   py::object binding_ = py::none();
-  PyObject* storages_ = nullptr;
-  PyObject* sizes_ = nullptr;
-  PyObject* poisoned_ = nullptr;
-  PyObject* freed_ = nullptr;
-  int64_t max_storages_ = 0;
-  int64_t max_bytes_ = 0;
+  BoundStore store_;
   int64_t bytes_ = 0;  // the store's byte count during a run (from run()'s or serve()'s bytes_used)
   int64_t grown_ = 0;  // what the runs changed it by since take_grown()
   BoundMetrics metrics_;

@@ -68,18 +68,10 @@ py::tuple fields_of(py::handle obj, size_t n, const char* what) {
   return py::reinterpret_borrow<py::tuple>(obj);
 }
 
-struct Layout {
-  size_t slot;
-  int64_t nbytes;
-  int64_t offset;
-  std::vector<int64_t> sizes;
-  std::vector<int64_t> strides;
-  at::ScalarType dtype;
-};
-
-Layout layout_of(py::handle obj) {
+// A genie.server.runner_api.Layout as native_plan.h's Input (an Output adds whether the client keeps it).
+Input layout_of(py::handle obj) {
   py::tuple t = fields_of(obj, kLayoutFields, "Layout");
-  return Layout{t[kSlot].cast<size_t>(), t[kNbytes].cast<int64_t>(), t[kOffset].cast<int64_t>(),
+  return Input{t[kSlot].cast<size_t>(), t[kNbytes].cast<int64_t>(), t[kOffset].cast<int64_t>(),
                 int_list(t[kSizes]), int_list(t[kStrides]), dtype_of(t[kDtype])};
 }
 
@@ -223,8 +215,7 @@ NativePlan::NativePlan(py::handle spec_object) {
   }
 
   for (py::handle entry : spec[kInputs]) {
-    Layout in = layout_of(entry);
-    inputs_.push_back(Input{in.slot, in.nbytes, in.offset, std::move(in.sizes), std::move(in.strides), in.dtype});
+    inputs_.push_back(layout_of(entry));
   }
   if (fills_.size() != inputs_.size()) throw std::runtime_error("inputs and argument slots differ");
   // An out= op run in its functional form: its out arguments' storages must be new ones.
@@ -234,7 +225,7 @@ NativePlan::NativePlan(py::handle spec_object) {
       outputs_.push_back(Output{false, 0, 0, 0, {}, {}, at::ScalarType::Undefined});
       continue;
     }
-    Layout out = layout_of(entry);
+    Input out = layout_of(entry);
     outputs_.push_back(Output{true, out.slot, out.nbytes, out.offset, std::move(out.sizes), std::move(out.strides),
                               out.dtype});
     ++kept_outputs_;
