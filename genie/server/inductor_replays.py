@@ -72,7 +72,7 @@ from genie.server.per_session import PerSession
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
-from genie.server.rng import draws
+from genie.server.rng import draws, draws_with
 from genie.wire.graph import Ref
 
 if TYPE_CHECKING:
@@ -174,17 +174,9 @@ def _draws(node: Any) -> bool:
     """Whether ``node`` may draw random numbers: a generatorless random op, a generator argument, or an op tagged
     ``nondeterministic_seeded`` unless its ``dropout_p`` is the constant 0 (attention without dropout draws
     nothing: the CPU flash kernel and the fused-attention op carry the tag for their dropout alone)."""
-    schema = node.op._schema
-    if draws(node.label, node.args, node.kwargs) or any("Generator" in str(a.type) for a in schema.arguments):
+    if draws(node.label, node.args, node.kwargs) or any("Generator" in str(a.type) for a in node.op._schema.arguments):
         return True
-    if torch.Tag.nondeterministic_seeded not in node.op.tags:
-        return False
-    names = [a.name for a in schema.arguments]
-    if "dropout_p" not in names:
-        return True
-    p = names.index("dropout_p")
-    value = node.args[p] if p < len(node.args) else node.kwargs.get("dropout_p", schema.arguments[p].default_value)
-    return not (type(value) in (int, float) and value == 0)
+    return torch.Tag.nondeterministic_seeded in node.op.tags and draws_with(node.op, node.args, node.kwargs)
 
 
 def check_graph(graph: Any) -> list[tuple[int, Any]]:

@@ -153,7 +153,7 @@ class _SessionDraws(TorchDispatchMode):
         written = _WRITTEN.get(func.name())
         if written is not None:
             return written(self.g, args, kwargs)
-        if torch.Tag.nondeterministic_seeded not in func.tags or not _draws_with(func, args, kwargs):
+        if torch.Tag.nondeterministic_seeded not in func.tags or not draws_with(func, args, kwargs):
             return func(*args, **kwargs)
         if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeExplicitAutograd"):
             with _SessionDraws(self.g):
@@ -163,8 +163,10 @@ class _SessionDraws(TorchDispatchMode):
             "genie servers refuse it; send the op's decomposition (what the genie client sends) instead")
 
 
-def _draws_with(func: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> bool:
-    """Whether a ``nondeterministic_seeded`` op draws with these arguments: not with a ``dropout_p`` of 0."""
+def draws_with(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a ``nondeterministic_seeded`` op draws with these arguments: not with a ``dropout_p`` of 0 (attention
+    without dropout draws nothing: the CPU flash kernel and the fused-attention op carry the tag for their dropout
+    alone)."""
     names = [a.name for a in func._schema.arguments]
     if "dropout_p" not in names:
         return True
