@@ -128,7 +128,8 @@ def test_a_node_restarted_on_the_same_port_fails_the_device_at_once_saying_the_s
         assert refused or "the master reports node w1 restarted" in str(error), error
         assert "tensors are gone" in str(error), error
         assert got["at"] - started < PROMPT
-        assert conn.resumable is not None and conn.resumable.attempts >= 1
+        # the refusal is an answer to a resume attempt; the master's new incarnation may come before any attempt
+        assert conn.resumable is not None and (conn.resumable.attempts >= 1 or not refused)
     finally:
         genie.shutdown_sync()
 
