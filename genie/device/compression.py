@@ -6,9 +6,11 @@ link's bandwidth it decides by, and the choice for each transfer.
 - ``auto`` compresses uploads and fetches of at least ``compression_min_bytes`` when both ends have
   a codec and the session's link measured below ``compression_below_mbit`` Mbit/s: the bandwidth
   measured earlier for this backend and node (:mod:`genie.transport.measure`'s cache, which
-  ``genie discover --master`` fills), else a short measurement over the new session itself (ECHO
-  frames: three small ones for the round trip, one of :data:`PROBE_BYTES`). Loopback and fast
-  links measure far above the threshold, so nothing is compressed there.
+  ``genie discover --master`` fills), else a short measurement over the new session itself
+  (:func:`measure_link`: ECHO frames, three small ones for the round trip, then up to
+  :data:`PROBE_SAMPLES` of :data:`PROBE_BYTES`, the best rate wins, sampling stops at the first
+  sample at or above the threshold). One slow sample (a busy host) never switches compression on.
+  Loopback and fast links measure far above the threshold, so nothing is compressed there.
 - ``zstd`` compresses every transfer of at least ``compression_min_bytes`` whatever the link; a
   node (or this client) without zstd is an error at connect, never a silent fallback.
 - ``off`` never compresses.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -45,6 +48,13 @@ DEFAULT_BELOW_MBIT = 100.0
 DEFAULT_MIN_BYTES = 256 << 10
 #: Bytes of the echo a session measures its link with when no figure was measured before.
 PROBE_BYTES = 256 << 10
+#: At most this many samples of the link's rate per measurement; the best one is the link's.
+PROBE_SAMPLES = 3
+#: Seconds of echoes after which a measurement stops sampling once it holds two samples (a slow link's
+#: measurement stays short; a fast link stops at its first fast sample, far sooner).
+PROBE_BUDGET = 0.15
+#: Seconds a small first echo (1/16 of the probe) may take before the samples stay that small (a slow link).
+SMALL_ECHO_S = 0.02
 
 
 @attrs.frozen
@@ -112,7 +122,7 @@ def negotiate(policy: CompressionPolicy, welcome: dict[str, Any], *, channel: Ch
     if not shared:
         lacking = "this client" if not mine else where
         return SessionCompression(None, 0, f"no codec both ends have ({lacking} has none)")
-    mbit, how = _link_mbit(channel, backend, address, welcome)
+    mbit, how = _link_mbit(channel, backend, address, welcome, enough_mbit=policy.below_mbit)
     if mbit is None:
         return SessionCompression(None, 0, "the link could not be measured", None)
     if mbit >= policy.below_mbit:
@@ -124,8 +134,10 @@ def negotiate(policy: CompressionPolicy, welcome: dict[str, Any], *, channel: Ch
                               f"compression_below_mbit ({policy.below_mbit:g})", mbit)
 
 
-def _link_mbit(channel: Channel, backend: str, address: str, welcome: dict[str, Any]) -> tuple[float | None, str]:
-    """The session's bandwidth in Mbit/s, and how it was known: a cached figure, else measured now."""
+def _link_mbit(channel: Channel, backend: str, address: str, welcome: dict[str, Any], *,
+               enough_mbit: float = float("inf")) -> tuple[float | None, str]:
+    """The session's bandwidth in Mbit/s, and how it was known: a cached figure, else measured now (sampling stops
+    at a sample of ``enough_mbit`` or more)."""
     from genie.transport.measure import cached_figures
 
     figure = cached_figures(backend, address).get("bandwidth")
@@ -135,19 +147,40 @@ def _link_mbit(channel: Channel, backend: str, address: str, welcome: dict[str, 
     limit = limits.get("max_echo_bytes") if isinstance(limits, dict) else None
     if not isinstance(limit, int) or limit <= 0:
         return None, ""
-    return measure_session(channel, min(PROBE_BYTES, limit)), "measured"
+    return measure_session(channel, min(PROBE_BYTES, limit), enough_mbit=enough_mbit), "measured"
 
 
-def measure_session(channel: Channel, nbytes: int = PROBE_BYTES) -> float:
-    """The bandwidth of an open session's link in Mbit/s: an echo of ``nbytes`` each way, less the round trip
-    of a small one (the best of three). A first echo of 1/16 of that stops early on a slow link (so that a
-    1 Mbit/s link costs a quarter of a second, not four). Only between WELCOME and the session's first batch."""
-    rtt = min(_echo(channel, b"\0" * 64) for _ in range(3))
-    for size in (max(1, nbytes // 16), nbytes):
-        took = _echo(channel, bytes(size)) - rtt
-        if took > 0.02 or size == nbytes:
-            break
-    return float("inf") if took <= 0 else 2 * size * 8 / took / 1e6
+def measure_session(channel: Channel, nbytes: int = PROBE_BYTES, *, enough_mbit: float = float("inf")) -> float:
+    """The bandwidth of an open session's link in Mbit/s (:func:`measure_link` over ECHO frames). Only between
+    WELCOME and the session's first batch."""
+    return measure_link(lambda size: _echo(channel, bytes(size)), nbytes, enough_mbit=enough_mbit)
+
+
+def measure_link(echo: Callable[[int], float], nbytes: int = PROBE_BYTES, *, enough_mbit: float = float("inf"),
+                 samples: int = PROBE_SAMPLES, budget: float = PROBE_BUDGET) -> float:
+    """A link's bandwidth in Mbit/s from ``echo(size)``, the seconds an echo of ``size`` bytes each way took.
+
+    The round trip is the best of three small echoes. Then samples: an echo of ``nbytes`` each way, less that
+    round trip; the first echo is 1/16 of that, and the samples stay that small while such an echo takes over
+    :data:`SMALL_ECHO_S` (a 1 Mbit/s link costs a quarter of a second a sample, not four); a small echo that is
+    quicker says the link can afford a full one and is not itself a sample. The best sample is the link's rate: a
+    busy host only slows an echo down, so one slow sample never decides. Sampling stops at a sample of
+    ``enough_mbit`` or more (a fast link: usually the first), after ``samples`` samples, or once the echoes took
+    ``budget`` seconds and two samples are in."""
+    rtts = [echo(64) for _ in range(3)]
+    rtt, spent = min(rtts), sum(rtts)
+    size = max(1, nbytes // 16)
+    rates: list[float] = []
+    while True:
+        took = echo(size)
+        spent += took
+        took -= rtt
+        if size < nbytes and took <= SMALL_ECHO_S:
+            size = nbytes  # the link is fast enough for a full echo; a small one's figure is mostly overhead
+            continue
+        rates.append(float("inf") if took <= 0 else 2 * size * 8 / took / 1e6)
+        if max(rates) >= enough_mbit or len(rates) >= samples or (len(rates) >= 2 and spent >= budget):
+            return max(rates)
 
 
 def _echo(channel: Channel, data: bytes) -> float:

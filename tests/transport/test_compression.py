@@ -17,7 +17,7 @@ import pytest
 import torch
 from genie_tcp import TcpTransport
 
-from genie.device.compression import DEFAULT_BELOW_MBIT, CompressionPolicy
+from genie.device.compression import DEFAULT_BELOW_MBIT, PROBE_BYTES, SMALL_ECHO_S, CompressionPolicy, measure_link
 from genie.device.connection import NodeConnection
 from genie.errors import HandshakeError
 from genie.testing import LinkEmulator, serve_subprocess
@@ -107,6 +107,55 @@ def test_auto_stays_off_on_loopback(genie_inproc_server, session) -> None:
     t = _values(torch.float32, 1 << 18)
     assert torch.equal(_round_trip(conn, 1, t), t)
     assert conn.stats["bytes_packed"] == 0
+
+
+class _Echoes:
+    """A link's echoes as seconds by the call: ``times`` are taken in order, then ``then(size)`` for every later echo.
+    Deterministic figures for :func:`measure_link`'s decision; the real sockets are the tests around it."""
+
+    def __init__(self, times: list[float], then: Callable[[int], float]) -> None:
+        self.times, self.then = list(times), then
+        self.sizes: list[int] = []
+
+    def __call__(self, size: int) -> float:
+        self.sizes.append(size)
+        return self.times.pop(0) if self.times else self.then(size)
+
+
+def _loopback(size: int) -> float:
+    """An idle loopback's echo: 0.1 ms round trip, 8 GB/s each way."""
+    return 1e-4 + 2 * size / 8e9
+
+
+def test_one_slow_sample_does_not_turn_compression_on() -> None:
+    # A busy host: the round trips are quick, the first sample (the small echo) takes 50 ms, every later echo is
+    # loopback's. The old measurement took that one sample as the link (5 Mbit/s: compress); the best of
+    # several samples is loopback's rate.
+    echoes = _Echoes([1e-4, 1e-4, 1e-4, 0.05], _loopback)
+    mbit = measure_link(echoes, PROBE_BYTES, enough_mbit=DEFAULT_BELOW_MBIT)
+    assert mbit >= DEFAULT_BELOW_MBIT, mbit
+    # It stopped at its first fast sample: three round trips, the slow small echo, a quick small one, one full one.
+    assert echoes.sizes == [64] * 3 + [PROBE_BYTES // 16] * 2 + [PROBE_BYTES], echoes.sizes
+
+
+def test_a_slow_full_sample_is_sampled_again() -> None:
+    # The full-size echo is the one slowed down (20 Mbit/s), the next is loopback's.
+    slow_full = 2 * PROBE_BYTES * 8 / 20e6
+    echoes = _Echoes([1e-4, 1e-4, 1e-4, 1e-3, slow_full], _loopback)
+    assert measure_link(echoes, PROBE_BYTES, enough_mbit=DEFAULT_BELOW_MBIT) >= DEFAULT_BELOW_MBIT
+    assert echoes.sizes[-2:] == [PROBE_BYTES, PROBE_BYTES], echoes.sizes
+
+
+def test_a_slow_link_measures_slow_within_its_samples_and_budget() -> None:
+    def slow(size: int) -> float:  # 1 Mbit/s each way, 5 ms round trip
+        return 5e-3 + 2 * size * 8 / 1e6
+
+    echoes = _Echoes([], slow)
+    mbit = measure_link(echoes, PROBE_BYTES, enough_mbit=DEFAULT_BELOW_MBIT, samples=3, budget=0.25)
+    assert 0.9 < mbit < 1.1, mbit
+    # Its small echoes take over SMALL_ECHO_S, so the samples stay small; two of them spend the budget.
+    assert slow(PROBE_BYTES // 16) > SMALL_ECHO_S
+    assert echoes.sizes == [64] * 3 + [PROBE_BYTES // 16] * 2, echoes.sizes
 
 
 def test_explicit_zstd_compresses_whatever_the_link(genie_inproc_server, session) -> None:
