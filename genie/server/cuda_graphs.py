@@ -16,7 +16,8 @@ them into the client's storages (they are marked held, never adopted).
 
 Graphs stay eager where a CUDA graph would change what is checked or computed: a node whose
 validator reads data (it must run before every replay), a node that draws random numbers (the
-session's generators are not registered with the capture), a node that may resize a storage.
+session's generators are not registered with the capture; :func:`genie.server.rng.node_draws`, the
+rule inductor replays use too), a node that may resize a storage.
 A capture that fails (a kernel that cannot be captured) leaves that graph eager for good, logged
 once. The private pool's memory is the CUDA graph's, outside the session's byte quota (like the
 CUDA context itself); it is released with the graph, and a session keeps at most
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from genie.server.rng import draws
+from genie.server.rng import node_draws
 
 log = logging.getLogger("genie.server.cuda_graphs")
 
@@ -62,9 +63,7 @@ def eligible(graph: Any) -> bool:
     if graph.resizes:
         return False
     for node in graph.nodes:
-        if node.validator is not None or draws(node.label, node.args, node.kwargs):
-            return False
-        if any("Generator" in str(a.type) for a in node.op._schema.arguments):
+        if node.validator is not None or node_draws(node.op, node.label, node.args, node.kwargs):
             return False
     return True
 

@@ -27,7 +27,8 @@ keeps them, where compiling would change what is checked or computed:
   reads is a graph input and no node of the graph writes to its arguments: then the validator runs on
   those inputs before the compiled code, on every replay, and sees what the node would see (an
   embedding's indices and weight, the common case);
-- a node that draws random numbers (the session's generators are not inductor's);
+- a node that draws random numbers (the session's generators are not inductor's;
+  :func:`genie.server.rng.node_draws`, the rule CUDA graphs use too);
 - a node that may resize a storage (``resize_``, ``set_``, ``out=``);
 - a node of the ``empty`` family (node by node it is zeroed; compiled code would hand out what the
   allocator held);
@@ -72,7 +73,7 @@ from genie.server.per_session import PerSession
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
-from genie.server.rng import draws, draws_with
+from genie.server.rng import node_draws
 from genie.wire.graph import Ref
 
 if TYPE_CHECKING:
@@ -170,15 +171,6 @@ def _refs(value: Any) -> list[Ref]:
     return []
 
 
-def _draws(node: Any) -> bool:
-    """Whether ``node`` may draw random numbers: a generatorless random op, a generator argument, or an op tagged
-    ``nondeterministic_seeded`` unless its ``dropout_p`` is the constant 0 (attention without dropout draws
-    nothing: the CPU flash kernel and the fused-attention op carry the tag for their dropout alone)."""
-    if draws(node.label, node.args, node.kwargs) or any("Generator" in str(a.type) for a in node.op._schema.arguments):
-        return True
-    return torch.Tag.nondeterministic_seeded in node.op.tags and draws_with(node.op, node.args, node.kwargs)
-
-
 def check_graph(graph: Any) -> list[tuple[int, Any]]:
     """Raise :class:`Ineligible` when ``graph`` (a :class:`genie.server.graphs.Graph`) must stay node by node;
     else the (index, node) of the nodes whose validators run on the graph's inputs before each compiled run."""
@@ -194,7 +186,7 @@ def check_graph(graph: Any) -> list[tuple[int, Any]]:
                 raise Ineligible(f"{where} has a check that reads data computed by the graph (or a node writes to "
                                  "its arguments): it must run between the nodes")
             checks.append((i, node))
-        if _draws(node):
+        if node_draws(node.op, node.label, node.args, node.kwargs):
             raise Ineligible(f"{where} draws random numbers from the session's generators")
         if node.zero:
             raise Ineligible(f"{where} hands out uninitialised memory, zeroed node by node")

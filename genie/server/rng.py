@@ -249,6 +249,17 @@ def draws(label: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     return not (type(p) in (int, float) and p == 0)
 
 
+def node_draws(op: torch._ops.OpOverload, label: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a graph node (``op``, named ``label``, called with ``args``/``kwargs``) may draw random numbers: a
+    generatorless random op (:func:`draws`), an op with a generator argument, or an op tagged
+    ``nondeterministic_seeded`` unless its ``dropout_p`` is the constant 0 (:func:`draws_with`). The one rule that
+    keeps such a node out of what freezes a seed: a CUDA graph (genie.server.cuda_graphs) and an inductor
+    compile (genie.server.inductor_replays)."""
+    if draws(label, args, kwargs) or generator_arg(op)[1]:
+        return True
+    return torch.Tag.nondeterministic_seeded in op.tags and draws_with(op, args, kwargs)
+
+
 class SessionGenerators:
     """The generators of one session, by (device index, generator id)."""
 
