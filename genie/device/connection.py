@@ -45,7 +45,7 @@ from genie.transport.record import INLINE
 from genie.wire import compress
 from genie.wire import frame as wf
 from genie.wire import messages as wm
-from genie.wire.buffers import prefault, tensor_bytes
+from genie.wire.buffers import populated_ahead, prefault, tensor_bytes
 from genie.wire.spec import BATCH_CACHED, BATCH_CMDS, BATCH_UPLOADS
 from genie.wire.values import EXT_COMPLEX, EXT_DTYPE, EXT_LAYOUT, EXT_MEMORY_FORMAT, make_ext_hook, tensor_ext
 
@@ -710,12 +710,14 @@ class NodeConnection:
         if out is None:
             wf.discard_payload(self.channel, nbytes)
             return None
-        prefault(out)  # usually fresh memory (.cpu()'s result): one call, not a fault per page
         packing = result[2] if isinstance(result, list) and len(result) == 3 else None
         if packing is None:
-            wf.recv_payload(self.channel, nbytes, [tensor_bytes(out)])
+            # Usually fresh memory (.cpu()'s result): its pages are populated by a helper while the bytes arrive.
+            with populated_ahead(out):
+                wf.recv_payload(self.channel, nbytes, [tensor_bytes(out)])
             self.stats["bytes_down"] += nbytes
             return out
+        prefault(out)  # decompressed into at the end: populated in one call, not a fault per page
         wire = bytearray(nbytes)
         wf.recv_payload(self.channel, nbytes, [memoryview(wire)])  # all of it first: the stream stays in step
         what = f"node {self.node_id}'s compressed fetch reply"

@@ -40,7 +40,7 @@ from genie.server.records import message as _message
 from genie.server.staging import staging_for
 from genie.server.store import StorageError
 from genie.wire import compress
-from genie.wire.buffers import prefault, tensor_bytes
+from genie.wire.buffers import populated_ahead, prefault, tensor_bytes
 from genie.wire.content import KEY_BYTES, MAX_HAVE_ENTRIES, NONCE_BYTES
 from genie.wire.frame import FrameHeader, discard_payload, recv_payload
 from genie.wire.spec import BATCH_CACHED, BATCH_UPLOADS
@@ -90,8 +90,9 @@ class StagingPool:
         self._by_size.setdefault(nbytes, []).append(storage)
         self.bytes += nbytes
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A CPU uint8 tensor of ``nbytes`` to receive into: a pooled storage's, else new and prefaulted."""
+    def take(self, nbytes: int, *, populate: bool = True) -> torch.Tensor:
+        """A CPU uint8 tensor of ``nbytes`` to receive into: a pooled storage's, else new (and prefaulted, unless
+        ``populate`` is False: a receive populates it as it goes, genie.wire.buffers.populated_ahead)."""
         stack = self._by_size.get(nbytes)
         if stack:
             storage = stack.pop()
@@ -102,7 +103,8 @@ class StagingPool:
             log.debug("upload of %d bytes received into a reused storage", nbytes)
             return torch.empty(0, dtype=torch.uint8).set_(storage)
         raw = torch.empty(nbytes, dtype=torch.uint8)
-        prefault(raw)
+        if populate:
+            prefault(raw)
         return raw
 
     def clear(self) -> None:
@@ -147,7 +149,7 @@ Upload = tuple[int, torch.device, int, bytes | None, bytes | None, compress.Pack
 def _receive_buffer(transfers: SessionTransfers, device: torch.device, nbytes: int) -> torch.Tensor:
     """Where an upload's bytes are received: pinned staging for a CUDA device, else the session's pool."""
     staging = staging_for(transfers, device)
-    return staging.receive_buffer(nbytes) if staging is not None else transfers.pool.take(nbytes)
+    return staging.receive_buffer(nbytes) if staging is not None else transfers.pool.take(nbytes, populate=False)
 
 
 def _parse_upload(ex: Executor, up: Any, cached: bool) -> Upload:
@@ -233,7 +235,10 @@ def _receive_sent(ex: Executor, header: FrameHeader, specs: list[Upload], total:
         # A packed upload's bytes land in a buffer of their own, decompressed into the storage's memory after.
         wire = [torch.empty(s[5].wire_nbytes, dtype=torch.uint8) if s[5] is not None else b
                 for s, b in zip(specs, buffers, strict=True)]
-        recv_payload(ex.channel, header.payload_len, [tensor_bytes(b) for b in wire])
+        _prefault_packed(specs, buffers)
+        # New memory (a first upload of its size) is populated by a helper thread while the bytes arrive.
+        with populated_ahead(*wire):
+            recv_payload(ex.channel, header.payload_len, [tensor_bytes(b) for b in wire])
         refused = _unpacked(ex, specs, wire, buffers)
         wire.clear()  # it holds the receivers' writable mappings too (unpacked uploads land in them): gone before sealing
         for i, received in enumerate(receivers):
@@ -254,6 +259,14 @@ def _receive_sent(ex: Executor, header: FrameHeader, specs: list[Upload], total:
         for r in receivers:
             if r is not None:
                 r.close()
+
+
+def _prefault_packed(specs: list[Upload], buffers: list[torch.Tensor]) -> None:
+    """Populate the buffers packed uploads are decompressed into after the receive. (A function of its own: a
+    loop variable left in the caller would keep a receiver's writable mapping alive, and sealing fails then.)"""
+    for spec, buffer in zip(specs, buffers, strict=True):
+        if spec[5] is not None:
+            prefault(buffer)
 
 
 def _unpacked(ex: Executor, specs: list[Upload], wire: list[torch.Tensor], buffers: list[torch.Tensor]) -> set[int]:

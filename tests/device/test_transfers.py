@@ -8,7 +8,8 @@ import platform
 import pytest
 import torch
 
-from genie.wire.buffers import prefault
+from genie.testing import wait_until
+from genie.wire.buffers import populated_ahead, prefault, resident
 
 D0 = "remote_accelerator:0"
 
@@ -79,6 +80,44 @@ def test_prefault_populates_fresh_memory_and_keeps_contents() -> None:
     assert torch.equal(data, copy)
     prefault(torch.empty(0))  # empty and small tensors are left alone
     prefault(torch.empty(10))
+
+
+@pytest.mark.skipif(not platform.system() == "Linux" or not _kernel_at_least(5, 14),
+                    reason="MADV_POPULATE_WRITE needs Linux 5.14")
+def test_resident_tells_fresh_memory_from_touched_memory() -> None:
+    t = torch.empty(16 << 20, dtype=torch.uint8)  # fresh: the allocator's mapping, no page touched but its first
+    assert not resident(t)
+    prefault(t)
+    assert resident(t)
+    before = _rss_bytes()
+    prefault(t)  # resident: left alone (nothing to populate, contents untouched)
+    assert _rss_bytes() - before < (1 << 20)
+    assert not resident(torch.empty(16))  # small tensors are never advised
+
+
+@pytest.mark.skipif(not platform.system() == "Linux" or not _kernel_at_least(5, 14),
+                    reason="MADV_POPULATE_WRITE needs Linux 5.14")
+def test_populated_ahead_populates_while_the_body_writes_and_keeps_what_it_wrote() -> None:
+    fresh = [torch.empty(48 << 20, dtype=torch.uint8), torch.empty(24 << 20, dtype=torch.uint8)]
+    with populated_ahead(*fresh):
+        fresh[0][: 8 << 20].fill_(7)  # the body writes as a receive would, racing the helper's population
+        # The helper populates both tensors, in order, while the body is still inside the block.
+        wait_until(lambda: all(resident(t) for t in fresh), timeout=10, what="the helper populating both tensors")
+    assert bool((fresh[0][: 8 << 20] == 7).all())  # what the body wrote stays
+    import threading
+
+    with pytest.raises(RuntimeError, match="receive failed"):
+        with populated_ahead(torch.empty(64 << 20, dtype=torch.uint8)):
+            raise RuntimeError("receive failed")
+    assert not any(t.name == "genie-populate" for t in threading.enumerate())  # the helper ends with the block
+
+
+def test_a_large_download_into_fresh_memory_is_exact() -> None:
+    src = torch.randn(12 << 20)  # 48 MiB: the client populates the destination while it receives
+    remote = src.to(D0)
+    keep = remote.cpu()  # alive: the next .cpu() cannot take a freed block, its memory is fresh
+    again = remote.cpu()
+    assert torch.equal(keep, src) and torch.equal(again, src)
 
 
 def test_large_downloads_reuse_freed_host_blocks_and_stay_ordinary_cpu_tensors() -> None:
