@@ -26,6 +26,7 @@ for page-locked memory); the CUDA part is hardware-only and runs under ``scripts
 
 from __future__ import annotations
 
+import collections
 import logging
 import weakref
 from collections.abc import Callable
@@ -39,8 +40,19 @@ log = logging.getLogger("genie.server.staging")
 MIN_CLASS = 1 << 16
 #: Page-locked bytes one session worker keeps at most (in use, in flight and free together).
 MAX_PINNED_BYTES = 512 << 20
-#: Largest single buffer (a bigger transfer takes the pageable path).
+#: Largest single buffer (a bigger transfer goes in chunks, see CHUNKED_FROM).
 MAX_CLASS = 256 << 20
+#: A transfer to or from a CUDA device larger than this goes through pinned staging in chunks, its copies
+#: overlapping the socket (and a download's reply is then sent in parts: larger than genie.server.resume's
+#: MAX_RECORDED_BYTES, so it is never one a resume would send again).
+CHUNKED_FROM = 64 << 20
+#: Bytes of one chunk (a size class of its own: every chunk buffer is reused by the next chunk).
+CHUNK_BYTES = 16 << 20
+#: Chunk buffers one transfer holds at most: the one on the socket and the copies in flight.
+CHUNK_DEPTH = 3
+
+#: A copy started on a chunk: (whether it is done, wait until it is).
+Ready = tuple[Callable[[], bool], Callable[[], None]]
 
 
 def size_class(nbytes: int) -> int:
@@ -135,6 +147,109 @@ class PinnedPool:
         self._release_free(self.bytes)
 
 
+def plan_chunks(nbytes: int, chunk: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each chunk of an ``nbytes`` transfer, in order; the last may be shorter."""
+    if chunk <= 0:
+        raise ValueError(f"a chunk must hold at least one byte, not {chunk}")
+    return [(offset, min(chunk, nbytes - offset)) for offset in range(0, nbytes, chunk)]
+
+
+class _ChunkBuffers:
+    """The chunk buffers of one transfer: from the pool (pinned), at most ``depth`` held at once.
+
+    When the pool has nothing for a chunk (its bound is reached) the oldest chunk is retired first
+    (``retire``: its copy waited for, its buffer given back) and the pool asked again; with no chunk
+    left to retire, that chunk uses pageable memory (the pool counts it as ``pageable``).
+    """
+
+    def __init__(self, pool: PinnedPool, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"a chunked transfer needs at least one buffer, not {depth}")
+        self.pool = pool
+        self.depth = depth
+        #: (buffer, its length in this chunk, pinned, the copy's readiness), oldest first
+        self.held: collections.deque[tuple[torch.Tensor, int, bool, Ready]] = collections.deque()
+
+    def take(self, nbytes: int, retire: Callable[[], None]) -> tuple[torch.Tensor, bool]:
+        while len(self.held) >= self.depth:
+            retire()
+        while True:
+            buffer = self.pool.take(nbytes)
+            if buffer is not None:
+                return buffer, True
+            if not self.held:
+                return torch.empty(nbytes, dtype=torch.uint8), False
+            retire()
+
+    def give_back(self, buffer: torch.Tensor, pinned: bool, ready: Callable[[], bool] | None = None) -> None:
+        if pinned:
+            self.pool.give(buffer, ready)
+
+    def abandon(self) -> None:
+        """After a failure: every held buffer back to the pool once its copy is done (not waited for)."""
+        while self.held:
+            buffer, _, pinned, (done, _) = self.held.popleft()
+            self.give_back(buffer, pinned, done)
+
+
+def stream_out(pool: PinnedPool, nbytes: int, copy_out: Callable[[int, torch.Tensor], Ready],
+               send: Callable[[torch.Tensor], None], *, chunk: int = CHUNK_BYTES, depth: int = CHUNK_DEPTH) -> None:
+    """A download in chunks: ``copy_out(offset, buffer)`` starts the copy of the source's bytes at ``offset``
+    into ``buffer`` (the chunk's length) and returns its readiness; ``send(buffer)`` sends a chunk whose copy
+    is done. Up to ``depth`` copies are started ahead, so the copy of chunk k+1 (and k+2) runs while chunk k
+    is on the socket; each buffer serves a later chunk once sent."""
+    buffers = _ChunkBuffers(pool, depth)
+
+    def retire() -> None:
+        buffer, length, pinned, (_, wait) = buffers.held.popleft()
+        try:
+            wait()
+            send(buffer[:length])
+        finally:
+            buffers.give_back(buffer, pinned)  # sent (or failed): the socket no longer reads it
+
+    try:
+        for offset, length in plan_chunks(nbytes, chunk):
+            buffer, pinned = buffers.take(min(chunk, nbytes), retire)  # one size class: every buffer is reused
+            buffers.held.append((buffer, length, pinned, copy_out(offset, buffer[:length])))
+        while buffers.held:
+            retire()
+    finally:
+        buffers.abandon()
+
+
+def stream_in(pool: PinnedPool, nbytes: int, receive: Callable[[torch.Tensor], None],
+              copy_in: Callable[[int, torch.Tensor], Ready], *, chunk: int = CHUNK_BYTES,
+              depth: int = CHUNK_DEPTH) -> None:
+    """An upload in chunks: ``receive(buffer)`` fills a chunk from the socket, ``copy_in(offset, buffer)`` starts
+    its copy to the destination's bytes at ``offset`` and returns its readiness. The copy of chunk k runs while
+    chunk k+1 is received; a buffer serves a later chunk once its copy is done (waited for only when all
+    ``depth`` buffers are in flight or the pool's bound is reached). Buffers still in flight at the end go back
+    to the pool with their readiness checks: this returns without waiting for the last copies (whoever uses
+    the destination orders itself after them)."""
+    buffers = _ChunkBuffers(pool, depth)
+
+    def retire() -> None:
+        buffer, _, pinned, (done, wait) = buffers.held.popleft()
+        try:
+            wait()
+        finally:
+            buffers.give_back(buffer, pinned, done)
+
+    try:
+        for offset, length in plan_chunks(nbytes, chunk):
+            buffer, pinned = buffers.take(min(chunk, nbytes), retire)
+            view = buffer[:length]
+            try:
+                receive(view)
+            except BaseException:
+                buffers.give_back(buffer, pinned)  # no copy reads it yet
+                raise
+            buffers.held.append((buffer, length, pinned, copy_in(offset, view)))
+    finally:
+        buffers.abandon()
+
+
 class CudaStaging:
     """One session's pinned staging and copy stream on one CUDA device (hardware-only)."""
 
@@ -191,6 +306,59 @@ class CudaStaging:
             dense.record_stream(self.copy_stream)
         self.copy_stream.synchronize()  # this copy alone; compute queued meanwhile keeps running
         return host, lambda: self.pool.give(buffer)
+
+
+    def _event(self) -> Ready:
+        done = torch.cuda.Event()
+        done.record(self.copy_stream)
+        return done.query, done.synchronize
+
+    def download_stream(self, src: torch.Tensor, send: Callable[[torch.Tensor], None]) -> None:
+        """Send a large device tensor's bytes (contiguous: ``src.contiguous()``'s) in chunks through pinned buffers
+        (:func:`stream_out`): the device-to-host copy of the next chunks runs on the copy stream while ``send``
+        sends one. Hardware-only."""
+        dense = src.contiguous()
+        flat = dense.reshape(-1).view(torch.uint8)
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the work that wrote src
+        dense.record_stream(self.copy_stream)
+
+        def copy_out(offset: int, buffer: torch.Tensor) -> Ready:
+            with torch.cuda.stream(self.copy_stream):
+                buffer.copy_(flat[offset:offset + buffer.numel()], non_blocking=True)
+                return self._event()
+
+        stream_out(self.pool, dense.nbytes, copy_out, send)
+
+    def upload_stream(self, nbytes: int, receive: Callable[[torch.Tensor], None],
+                      into: torch.Tensor | None = None) -> torch.Tensor:
+        """Receive a large upload in chunks through pinned buffers (:func:`stream_in`), each chunk's host-to-device
+        copy running on the copy stream while the next is received; returns the device uint8 tensor holding the
+        bytes: ``into`` (a device uint8 tensor over an existing storage, written in place) or a new one
+        (allocated on the copy stream, as :meth:`upload` allocates). The compute stream waits for the last copy
+        before its later work; nothing waits here. Hardware-only."""
+        compute = torch.cuda.current_stream(self.device)
+        if into is None:
+            with torch.cuda.stream(self.copy_stream):
+                out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        else:
+            out = into
+            self.copy_stream.wait_stream(compute)  # work queued before may still read the storage's old bytes
+        last: list[torch.cuda.Event] = []
+
+        def copy_in(offset: int, buffer: torch.Tensor) -> Ready:
+            with torch.cuda.stream(self.copy_stream):
+                out[offset:offset + buffer.numel()].copy_(buffer, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.copy_stream)
+            last[:] = [done]
+            return done.query, done.synchronize
+
+        stream_in(self.pool, nbytes, receive, copy_in)
+        if last:
+            compute.wait_event(last[0])  # later work on the compute stream sees every chunk
+        if into is None:
+            out.record_stream(compute)  # freed from the compute stream's point of view
+        return out
 
 
 def staging_for(holder: Any, device: torch.device) -> CudaStaging | None:

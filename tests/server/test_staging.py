@@ -7,7 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from genie.server.staging import MIN_CLASS, CudaStaging, PinnedPool, size_class, staging_for
+from genie.server.staging import (
+    MIN_CLASS,
+    CudaStaging,
+    PinnedPool,
+    plan_chunks,
+    size_class,
+    staging_for,
+    stream_in,
+    stream_out,
+)
 
 
 def _host(nbytes: int) -> torch.Tensor:
@@ -84,3 +93,133 @@ def test_staging_is_for_cuda_devices_only() -> None:
     assert staging_for(object(), torch.device("cpu")) is None
     with pytest.raises(ValueError, match="CUDA devices"):
         CudaStaging(torch.device("cpu"))
+
+
+# -- chunked transfers: the pipeline's planning and ordering, with copies that finish only when waited for --------
+
+def test_chunks_cover_the_transfer_in_order() -> None:
+    assert plan_chunks(10, 4) == [(0, 4), (4, 4), (8, 2)]
+    assert plan_chunks(8, 4) == [(0, 4), (4, 4)]
+    assert plan_chunks(0, 4) == []
+    with pytest.raises(ValueError, match="at least one byte"):
+        plan_chunks(8, 0)
+
+
+class _Copies:
+    """Copies that run when started (the bytes move at once) but report done only once waited for, as a copy
+    stream's event does; every step goes into ``log``."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.done: set[int] = set()
+
+    def ready(self, index: int) -> tuple[object, object]:
+        def wait() -> None:
+            self.log.append(f"wait{index}")
+            self.done.add(index)
+        return (lambda: index in self.done), wait
+
+
+CHUNK = 1 << 20
+
+
+def test_a_download_copies_ahead_while_a_chunk_is_on_the_socket() -> None:
+    pool = PinnedPool(64 << 20, allocate=_host)
+    src = torch.arange(5 * CHUNK + 123, dtype=torch.int64).to(torch.uint8)
+    copies, sent = _Copies(), list[torch.Tensor]()
+
+    def copy_out(offset: int, buffer: torch.Tensor) -> tuple[object, object]:
+        copies.log.append(f"copy{offset // CHUNK}")
+        buffer.copy_(src[offset:offset + buffer.numel()])
+        return copies.ready(offset // CHUNK)
+
+    def send(chunk: torch.Tensor) -> None:
+        copies.log.append(f"send{len(sent)}")
+        sent.append(chunk.clone())
+
+    stream_out(pool, src.numel(), copy_out, send, chunk=CHUNK, depth=3)  # type: ignore[arg-type]
+    assert torch.equal(torch.cat(sent), src)
+    # Three copies start before the first send; each later copy starts once a sent chunk frees its buffer.
+    assert copies.log == ["copy0", "copy1", "copy2", "wait0", "send0", "copy3", "wait1", "send1", "copy4",
+                          "wait2", "send2", "copy5", "wait3", "send3", "wait4", "send4", "wait5", "send5"]
+    assert pool.stats["allocated"] == 3 and pool.bytes == 3 * CHUNK  # three buffers served six chunks
+    assert pool.free_bytes == 3 * CHUNK  # all back in the pool
+
+
+def test_an_upload_copies_each_chunk_while_the_next_is_received() -> None:
+    pool = PinnedPool(64 << 20, allocate=_host)
+    src = torch.randint(0, 255, (4 * CHUNK + 7,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    copies, received = _Copies(), [0]
+
+    def receive(buffer: torch.Tensor) -> None:
+        copies.log.append(f"recv{received[0] // CHUNK}")
+        buffer.copy_(src[received[0]:received[0] + buffer.numel()])
+        received[0] += buffer.numel()
+
+    def copy_in(offset: int, buffer: torch.Tensor) -> tuple[object, object]:
+        copies.log.append(f"copy{offset // CHUNK}")
+        dst[offset:offset + buffer.numel()].copy_(buffer)
+        return copies.ready(offset // CHUNK)
+
+    stream_in(pool, src.numel(), receive, copy_in, chunk=CHUNK, depth=2)  # type: ignore[arg-type]
+    assert torch.equal(dst, src)
+    # Chunk k's copy is started before chunk k+1 is received; a buffer is waited for only when both are in flight.
+    assert copies.log == ["recv0", "copy0", "recv1", "copy1", "wait0", "recv2", "copy2", "wait1", "recv3", "copy3",
+                          "wait2", "recv4", "copy4"]
+    assert pool.stats["allocated"] == 2
+    assert pool.in_flight == 2  # the last two copies were not waited for: back to the pool once done
+    copies.done.update({3, 4})
+    assert pool.take(CHUNK) is not None and pool.in_flight == 0
+
+
+def test_a_chunked_transfer_stays_within_the_pools_bound() -> None:
+    pool = PinnedPool(2 * CHUNK, allocate=_host)  # room for two chunk buffers, not the three asked for
+    src = torch.randint(0, 255, (5 * CHUNK,), dtype=torch.uint8)
+    copies, sent = _Copies(), list[torch.Tensor]()
+
+    def copy_out(offset: int, buffer: torch.Tensor) -> tuple[object, object]:
+        buffer.copy_(src[offset:offset + buffer.numel()])
+        return copies.ready(offset // CHUNK)
+
+    stream_out(pool, src.numel(), copy_out, lambda c: sent.append(c.clone()), chunk=CHUNK, depth=3)  # type: ignore[arg-type]
+    assert torch.equal(torch.cat(sent), src)
+    assert pool.stats["allocated"] == 2 and pool.bytes == 2 * CHUNK  # the third waited for a sent chunk's buffer
+    tiny = PinnedPool(CHUNK // 2, allocate=_host)  # not even one chunk: pageable memory, counted, still exact
+    sent.clear()
+    stream_out(tiny, src.numel(), copy_out, lambda c: sent.append(c.clone()), chunk=CHUNK, depth=3)  # type: ignore[arg-type]
+    assert torch.equal(torch.cat(sent), src) and tiny.bytes == 0 and tiny.stats["pageable"] >= 5
+
+
+def test_a_failed_send_gives_every_chunk_buffer_back() -> None:
+    pool = PinnedPool(64 << 20, allocate=_host)
+    copies = _Copies()
+
+    def copy_out(offset: int, buffer: torch.Tensor) -> tuple[object, object]:
+        return copies.ready(offset // CHUNK)
+
+    def send(chunk: torch.Tensor) -> None:
+        raise ConnectionError("peer gone")
+
+    with pytest.raises(ConnectionError):
+        stream_out(pool, 4 * CHUNK, copy_out, send, chunk=CHUNK, depth=3)  # type: ignore[arg-type]
+    # The one being sent is back; the two copies still in flight come back once done.
+    assert pool.free_bytes == CHUNK and pool.in_flight == 2
+    copies.done.update({1, 2})
+    pool.clear()
+    assert pool.bytes == 0
+
+
+def test_a_failed_receive_gives_every_chunk_buffer_back() -> None:
+    pool = PinnedPool(64 << 20, allocate=_host)
+    copies, calls = _Copies(), [0]
+
+    def receive(buffer: torch.Tensor) -> None:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise ConnectionError("peer gone")
+
+    with pytest.raises(ConnectionError):
+        stream_in(pool, 4 * CHUNK, receive, lambda offset, b: copies.ready(offset // CHUNK),  # type: ignore[arg-type,return-value]
+                  chunk=CHUNK, depth=3)
+    assert pool.free_bytes == CHUNK and pool.in_flight == 2  # the failed one now, the two copying once done
