@@ -20,7 +20,7 @@ poisoned so later uses name the root cause. ``kind`` is one of ``execution``,
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -59,7 +59,7 @@ from genie.server.rng import SessionGenerators
 from genie.server.runner_api import runner_binding
 from genie.server.store import StorageStore, zeroed_storage
 from genie.transport.base import Channel
-from genie.wire.frame import FrameHeader, MsgKind, send_frame
+from genie.wire.frame import FrameHeader, MsgKind, encode_header, send_frame
 from genie.wire.spec import BATCH_CACHED, BATCH_CMDS, BATCH_UPLOADS
 
 log = logging.getLogger("genie.server.executor")
@@ -552,13 +552,19 @@ class Executor:
 
     def _reply(self, req: Any, error: dict[str, Any] | None, result: Any,
                payload: Sequence[memoryview] = (), keep: Any = None) -> None:
+        body, deferred = self._reply_body(req, error, result)
+        send_frame(self.channel, MsgKind.REPLY, body, payload)
+        del keep  # the payload views point into this tensor: it must outlive the send
+        self._after_reply(error, deferred)
+
+    def _reply_body(self, req: Any, error: dict[str, Any] | None, result: Any) -> tuple[bytes, list[Any]]:
         deferred = self.deferred
         if self.dropped:
             deferred = [*deferred, _error("", [], "execution", f"{self.dropped} more deferred errors were dropped")]
         self.deferred, self.dropped = [], 0
-        body = codec.packb([req if is_int(req) else None, error, result, deferred])
-        send_frame(self.channel, MsgKind.REPLY, body, payload)
-        del keep  # the payload views point into this tensor: it must outlive the send
+        return codec.packb([req if is_int(req) else None, error, result, deferred]), deferred
+
+    def _after_reply(self, error: dict[str, Any] | None, deferred: list[Any]) -> None:
         if error is not None or deferred:
             lost = context_lost([error, *deferred])
             if lost is not None:  # the client has the op's error; the session cannot go on
@@ -611,6 +617,31 @@ class Executor:
         """Answer request ``req`` (with the deferred errors); ``payload``: raw bytes after the body, views into
         ``keep``, which must outlive the send."""
         self._reply(req, error, result, payload, keep)
+
+    def reply_in_parts(self, req: Any, result: Any, payload_len: int,
+                       write: Callable[[Callable[[memoryview], None]], None]) -> None:
+        """Answer request ``req`` with ``payload_len`` bytes of payload that ``write`` sends in parts, in order (it is
+        handed the function that sends one): a chunked download (genie.server.staging.stream_out), never in
+        memory whole. The header and body go first, so a failure after them ends the session (ProtocolError
+        when ``write`` sent another byte count). A resumable session's link keeps no copy of such a reply (as
+        of any reply over genie.server.resume.MAX_RECORDED_BYTES): losing it in a drop ends the session."""
+        body, deferred = self._reply_body(req, None, result)
+        # ResumeLink.sendv_part: sent without a record for a resend; a plain channel's sendv otherwise.
+        send = getattr(self.channel, "sendv_part", self.channel.sendv)
+        send([encode_header(MsgKind.REPLY, len(body), payload_len), body])
+        sent = 0
+
+        def part(view: memoryview) -> None:
+            nonlocal sent
+            if sent + view.nbytes > payload_len:
+                raise ProtocolError(f"a reply in parts sent more than the {payload_len} payload bytes it announced")
+            send([view])
+            sent += view.nbytes
+
+        write(part)
+        if sent != payload_len:
+            raise ProtocolError(f"a reply in parts sent {sent} of the {payload_len} payload bytes it announced")
+        self._after_reply(None, deferred)
 
     def tensor(self, desc: Descriptor) -> torch.Tensor:
         """The described tensor over the session's storage (bounds checked; a storage never seen before is made,

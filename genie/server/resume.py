@@ -90,6 +90,12 @@ class ResumeLink:
         if self._payload_left:
             self._payload_left = max(0, self._payload_left - view.nbytes)
 
+    def sendv_part(self, buffers: Sequence[Buffer]) -> None:
+        """Send part of a reply sent in parts (a chunked download, larger than :data:`MAX_RECORDED_BYTES`): no
+        record is kept of it, as of any reply that large."""
+        self.record = None
+        self.channel.sendv(buffers)
+
     def sendv(self, buffers: Sequence[Buffer]) -> None:
         try:
             self.channel.sendv(buffers)

@@ -37,7 +37,7 @@ from genie.server.content import REFUSALS, ContentCache, HaveBudget, Receiver
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
-from genie.server.staging import staging_for
+from genie.server.staging import CHUNKED_FROM, CudaStaging, staging_for
 from genie.server.store import StorageError
 from genie.wire import compress
 from genie.wire.buffers import populated_ahead, prefault, tensor_bytes
@@ -225,10 +225,14 @@ def _receive_sent(ex: Executor, header: FrameHeader, specs: list[Upload], total:
     # A keyed upload the cache may keep lands in a new memfd; the rest in pooled or prefaulted memory.
     receivers = [Receiver(nbytes) if key is not None and cache is not None and cache.wants(nbytes) else None
                  for _, _, nbytes, key, _, _ in specs]
+    # A large upload to a CUDA device goes through pinned staging in chunks, its copies overlapping the receive.
+    chunked = [_chunked_staging(transfers, spec) if r is None else None for r, spec in zip(receivers, specs,
+                                                                                         strict=True)]
     try:
         # An upload to a CUDA device lands in page-locked staging (genie/server/staging.py).
-        buffers = [r.buffer if r is not None else _receive_buffer(transfers, device, nbytes)
-                   for r, (_, device, nbytes, _, _, _) in zip(receivers, specs, strict=True)]
+        buffers: list[Any] = [r.buffer if r is not None else None if c is not None
+                              else _receive_buffer(transfers, device, nbytes)
+                              for r, c, (_, device, nbytes, _, _, _) in zip(receivers, chunked, specs, strict=True)]
         for r in receivers:
             if r is not None:
                 prefault(r.buffer)
@@ -237,8 +241,15 @@ def _receive_sent(ex: Executor, header: FrameHeader, specs: list[Upload], total:
                 for s, b in zip(specs, buffers, strict=True)]
         _prefault_packed(specs, buffers)
         # New memory (a first upload of its size) is populated by a helper thread while the bytes arrive.
-        with populated_ahead(*wire):
-            recv_payload(ex.channel, header.payload_len, [tensor_bytes(b) for b in wire])
+        with populated_ahead(*[w for w in wire if w is not None]):
+            if not any(chunked):
+                recv_payload(ex.channel, header.payload_len, [tensor_bytes(b) for b in wire])
+            else:
+                for i, staging in enumerate(chunked):
+                    if staging is None:
+                        recv_payload(ex.channel, wire[i].nbytes, [tensor_bytes(wire[i])])
+                    else:
+                        buffers[i] = _receive_chunked(ex, staging, specs[i])
         refused = _unpacked(ex, specs, wire, buffers)
         wire.clear()  # it holds the receivers' writable mappings too (unpacked uploads land in them): gone before sealing
         for i, received in enumerate(receivers):
@@ -250,8 +261,8 @@ def _receive_sent(ex: Executor, header: FrameHeader, specs: list[Upload], total:
         for (storage_id, device, nbytes, key, possession, _), raw, received in zip(specs, buffers, receivers,
                                                                                   strict=True):
             ex.metrics.record_bytes("in", nbytes, device)  # metrics
-            if storage_id in refused:
-                continue  # poisoned, its error deferred; the cache keeps nothing of it
+            if storage_id in refused or raw is None:
+                continue  # poisoned, its error deferred (the cache keeps nothing of it), or written in place
             if received is not None and key is not None and cache is not None and received.seal():
                 cache.keep(key, possession, received)  # the cache keeps the sealed file
             _apply_checked(ex, storage_id, device, raw)
@@ -259,6 +270,44 @@ def _receive_sent(ex: Executor, header: FrameHeader, specs: list[Upload], total:
         for r in receivers:
             if r is not None:
                 r.close()
+
+
+def _chunked_staging(transfers: SessionTransfers, spec: Upload) -> CudaStaging | None:
+    """The staging an upload goes through in chunks (a large, unpacked upload to a CUDA device), else None."""
+    _, device, nbytes, _, _, packing = spec
+    return staging_for(transfers, device) if packing is None and nbytes > CHUNKED_FROM else None
+
+
+def _receive_chunked(ex: Executor, staging: CudaStaging, spec: Upload) -> torch.Tensor | None:
+    """Receive one large upload to a CUDA device in chunks (CudaStaging.upload_stream): into its existing storage
+    in place (returns None: nothing left to apply) or into new device memory (returned, for apply_upload). A
+    refusal (a freed storage, another size) reads the bytes past and poisons the storage (returns None)."""
+    storage_id, device, nbytes = spec[0], spec[1], spec[2]
+    received = 0
+
+    def receive(view: torch.Tensor) -> None:
+        nonlocal received
+        ex.channel.recv_into(tensor_bytes(view))
+        received += view.numel()
+
+    try:
+        try:
+            existing = ex.store.get(storage_id)  # StorageError for a freed id
+        except RemoteExecutionError:
+            existing = None  # poisoned: every byte is written again, so the storage is whole again
+        if existing is not None and existing.nbytes() != nbytes:
+            raise StorageError(f"upload of {nbytes} bytes into storage {storage_id}, which has {existing.nbytes()}; "
+                               "an upload overwrites a whole storage of the same size")
+        # In place where the storage is on this device; else received on it and copied over by apply_upload.
+        into = torch.empty(0, dtype=torch.uint8, device=device).set_(existing) \
+            if existing is not None and existing.device == device else None
+        out = staging.upload_stream(nbytes, receive, into)
+    except (ProtocolError, RemoteExecutionError, torch.OutOfMemoryError) as exc:
+        discard_payload(ex.channel, nbytes - received)  # stay in step with the stream
+        ex.store.poison(storage_id, str(exc))
+        ex.defer(_error("upload", [[nbytes]], _kind_of(exc), str(exc), [storage_id]))
+        return None
+    return out if into is None else None
 
 
 def _prefault_packed(specs: list[Upload], buffers: list[torch.Tensor]) -> None:
@@ -310,7 +359,7 @@ def apply_upload(ex: Executor, storage_id: int, device: torch.device, raw: torch
     except RemoteExecutionError:
         existing = None  # poisoned: every byte is written again, so the storage is whole again
     if existing is None:
-        if device.type != "cpu":
+        if device.type != "cpu" and raw.device != device:  # (a chunked upload's bytes are on the device already)
             staging = staging_for(ex.transfers, device)  # pinned staging and a copy stream on CUDA
             raw = staging.upload(raw) if staging is not None else raw.to(device)
         elif not owned:
@@ -384,15 +433,24 @@ def fetch(ex: Executor, req: Any, device_index: Any, desc: Descriptor) -> None:
         ex.begin(device_index)
         out = ex.tensor(desc).resolve_conj().resolve_neg()
         give_back = _nothing
+        chunked: CudaStaging | None = None
         if out.device.type != "cpu":
             staging = staging_for(ex.transfers, out.device)  # on CUDA: from pinned staging, copied on a copy stream
-            out, give_back = staging.download(out) if staging is not None else (out.cpu(), _nothing)
+            if staging is not None and reply_codec is None and out.nbytes > CHUNKED_FROM:
+                chunked = staging  # in chunks, each copy overlapping the send of the one before
+            else:
+                out, give_back = staging.download(out) if staging is not None else (out.cpu(), _nothing)
         out = out.contiguous()
     except Exception as exc:
         ex.reply(req, _error("fetch", [list(desc.sizes)], _kind_of(exc), _message(exc), []), None)
         return
     ex.metrics.record_bytes("out", out.nbytes, out.device)  # metrics
     result = codec.describe(0, out)[1:3]
+    if chunked is not None:
+        streaming = chunked
+        ex.reply_in_parts(req, result, out.nbytes,
+                          lambda part: streaming.download_stream(out, lambda chunk: part(tensor_bytes(chunk))))
+        return
     packed = compress.pack(out.view(-1).view(torch.uint8), out.element_size()) \
         if reply_codec is not None and out.nbytes else None
     try:

@@ -146,3 +146,34 @@ def test_large_downloads_reuse_freed_host_blocks_and_stay_ordinary_cpu_tensors()
     assert torch.equal(remote[:, :10].cpu(), src[:, :10])  # small: the default allocator
     torch.remote_accelerator.empty_cache()  # type: ignore[attr-defined]
     assert _C.host_pool_stats()[:2] == (0, 0)
+
+
+# Larger than genie.server.staging.CHUNKED_FROM (64 MiB): on a CUDA server (scripts/gpu-check, hardware-only) these go
+# through pinned staging in 16 MiB chunks, the copies overlapping the socket; on a CPU server, the plain path.
+
+def test_a_transfer_larger_than_the_chunking_size_round_trips_exactly() -> None:
+    src = torch.randn(17 << 20)  # 68 MiB of float32: 4 whole chunks and a short one
+    remote = src.to(D0)
+    assert torch.equal(remote.cpu(), src)
+    buf = torch.empty_like(src)
+    buf.copy_(remote)  # received straight into the caller's buffer, in parts from a CUDA server
+    assert torch.equal(buf, src)
+    assert torch.equal(remote[-5:].cpu(), src[-5:])  # the last (short) chunk's bytes landed where they belong
+
+
+def test_a_large_upload_overwrites_an_existing_storage_in_place_and_orders_after_earlier_work() -> None:
+    first = torch.randn(4, 9 << 20)  # 144 MiB
+    remote = first.to(D0)
+    summed = remote.sum(dim=0)  # queued before the overwrite: it must see the old bytes
+    second = torch.randn(4, 9 << 20)
+    remote.copy_(second)  # a whole-storage upload into the existing storage (on CUDA: chunk by chunk, in place)
+    assert torch.allclose(summed.cpu(), first.sum(dim=0))
+    assert torch.equal(remote.cpu(), second)
+    assert torch.equal((remote * 2)[3, -3:].cpu(), second[3, -3:] * 2)  # later work sees every chunk
+
+
+def test_a_large_strided_download_is_made_contiguous_then_sent_in_parts() -> None:
+    src = torch.randn(3 << 10, 6 << 10)  # 72 MiB
+    remote = src.to(D0)
+    assert torch.equal(remote.t().contiguous().cpu(), src.t().contiguous())
+    assert torch.equal(remote.t().cpu(), src.t())

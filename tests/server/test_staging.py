@@ -223,3 +223,58 @@ def test_a_failed_receive_gives_every_chunk_buffer_back() -> None:
         stream_in(pool, 4 * CHUNK, receive, lambda offset, b: copies.ready(offset // CHUNK),  # type: ignore[arg-type,return-value]
                   chunk=CHUNK, depth=3)
     assert pool.free_bytes == CHUNK and pool.in_flight == 2  # the failed one now, the two copying once done
+
+
+def test_chunked_replies_are_never_ones_a_resume_would_keep() -> None:
+    from genie.server.resume import MAX_RECORDED_BYTES
+    from genie.server.staging import CHUNK_BYTES, CHUNKED_FROM
+
+    assert CHUNKED_FROM >= MAX_RECORDED_BYTES and CHUNK_BYTES <= CHUNKED_FROM
+
+
+def _tcp_pair() -> tuple[object, object]:
+    import socket
+
+    from genie.transport.stream import TcpChannel
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    with listener:
+        client = socket.create_connection(listener.getsockname()[:2], timeout=5)
+        server, _ = listener.accept()
+    return TcpChannel(server, "client"), TcpChannel(client, "server")
+
+
+def test_a_reply_in_parts_arrives_as_one_frame_and_leaves_no_resume_record() -> None:
+    """Executor.reply_in_parts (a chunked download's reply) over a real loopback TCP connection, through the
+    ResumeLink a resumable session sends with: one REPLY frame whose payload is the parts in order."""
+    from genie.errors import ProtocolError
+    from genie.server.executor import Executor
+    from genie.server.resume import ResumeLink
+    from genie.server.store import StorageStore
+    from genie.wire.buffers import tensor_bytes
+    from genie.wire.frame import MsgKind, recv_frame, recv_payload, unpack_body
+
+    server, client = _tcp_pair()
+    try:
+        link = ResumeLink(server)  # type: ignore[arg-type]
+        link.record = (1, b"an older reply")
+        ex = Executor(link, StorageStore(), [torch.device("cpu")])  # type: ignore[arg-type]
+        data = torch.randint(0, 255, (3 * CHUNK + 5,), dtype=torch.uint8)
+
+        def write(part: object) -> None:
+            for offset in range(0, data.numel(), CHUNK):
+                part(tensor_bytes(data[offset:offset + CHUNK]))  # type: ignore[operator]
+
+        ex.reply_in_parts(7, ["described"], data.numel(), write)
+        kind, body, payload_len = recv_frame(client, memoryview(bytearray(16)))  # type: ignore[arg-type]
+        assert kind == MsgKind.REPLY and payload_len == data.numel()
+        assert unpack_body(body)[:3] == [7, None, ["described"]]
+        got = torch.empty_like(data)
+        recv_payload(client, payload_len, [tensor_bytes(got)])  # type: ignore[arg-type]
+        assert torch.equal(got, data)
+        assert link.record is None  # a resume would not send a part of it again
+        with pytest.raises(ProtocolError, match="sent 5 of the 6 payload bytes"):
+            ex.reply_in_parts(8, None, 6, lambda part: part(memoryview(b"12345")))
+    finally:
+        server.close()  # type: ignore[attr-defined]
+        client.close()  # type: ignore[attr-defined]
