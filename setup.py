@@ -18,7 +18,7 @@ CSRC = "genie/csrc"  # laid out like the Python: device/ (genie._C), server/ (ge
 INCLUDE = [os.path.join(HERE, "genie", "csrc")]  # sources include "device/guard.h", "wire/msgpack.h", ...
 DEVICE = ["bindings", "allocator", "pinned_allocator", "guard", "generator", "meta_kernels", "autocast", "tensor_wire",
           "fastpath", "lane", "host_pool", "graph", "sdpa"]
-PLANS = ["plans_module", "runner", "runner_binding"]
+PLANS = ["plans_module", "runner", "runner_binding", "graph_program"]
 
 # ninja compiles every source file of an extension side by side (genie._C has 13); the venv's own ninja
 # (scripts/bootstrap installs it) is found when pip runs this from a shell whose PATH lacks the venv.

@@ -9,6 +9,15 @@ class NativePlan:
 
     def __init__(self, spec: Any) -> None: ...
 
+class GraphProgram:
+    """An admitted replay's nodes of one defined graph, run in C++ (genie/csrc/server/graph_program.cpp)."""
+
+    def __init__(self, nodes: list[Any], inputs: int, ref_type: type, python_node: Any, cpu: bool) -> None: ...
+    def run(self, env: list[Any], held: set[int], wanted: tuple[int, ...]) -> bool: ...
+    def python_nodes(self) -> int: ...
+    def failed_node(self) -> int: ...
+    def failed_arguments(self) -> tuple[list[Any], dict[str, Any]] | None: ...
+
 class Runner:
     """One session's native plans and the loop that runs a batch's commands by them."""
 
@@ -31,6 +40,7 @@ class Runner:
 SERIAL_BELOW: int
 #: The field names, in order, of the tuples the runner reads by position (genie.server.runner_api).
 SPEC_FIELDS: tuple[str, ...]
+GRAPH_NODE_FIELDS: tuple[str, ...]
 LAYOUT_FIELDS: tuple[str, ...]
 BINDING_FIELDS: tuple[str, ...]
 TABLES_FIELDS: tuple[str, ...]

@@ -29,6 +29,11 @@ data (validators, index checks) before each node that has one. The op clock runs
 check to the last node, so a replay past ``op_deadline`` ends the session as an op would; storages
 a node grew count against the quota (:meth:`genie.server.store.StorageStore.resized` refuses growth
 past it).
+
+An admitted replay runs its nodes in C++ (``genie._C_plans.GraphProgram``, built from the validated nodes by
+:func:`genie.server.runner_api.graph_node_spec` on the graph's first admitted replay): the same calls, thread rule,
+zeroing and releases as the Python loop here, whose code (:func:`_run_node`, through ``_program``'s callable) still
+runs every node with a validator, a session-bound runner or a composite kernel, and a node with no kernel.
 """
 
 from __future__ import annotations
@@ -53,10 +58,17 @@ from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
 from genie.server.records import shapes, tensor_leaves
 from genie.server.rng import GENERATORLESS
+from genie.server.runner_api import graph_node_spec
 from genie.wire.graph import Definition, Ref, decode_definition
 
 if TYPE_CHECKING:
     from genie.server.executor import Executor
+
+GraphProgram: Any
+try:  # admitted replays' nodes in C++ (genie/csrc/server/graph_program.cpp); without it they run in Python
+    from genie._C_plans import GraphProgram  # type: ignore[no-redef]
+except ImportError:  # pragma: no cover - an install that did not build the extension
+    GraphProgram = None
 
 #: Most graphs, and most nodes over all graphs, one session may keep.
 MAX_GRAPHS = 4096
@@ -136,6 +148,10 @@ class Graph:
         #: replays, and those of them checked node by node in full (books for tests and tools)
         self.replays = 0
         self.checked_runs = 0
+        #: the slots the output rule reads after a replay
+        self.output_slots = tuple(sorted({ref.slot for ref in outputs if ref is not None}))
+        #: admitted replays' nodes in C++ (genie._C_plans.GraphProgram): built on the first, False without it
+        self.program: Any = None
 
 
 class SessionGraphs:
@@ -272,12 +288,33 @@ def _build(value: Any, env: list[Any]) -> Any:
 _NESTED = (Ref, list)
 
 
+def _run_node(node: _Node, args: Any, kwargs: Any, cpu: bool, held: set[int]) -> Any:
+    """One node's call after its checks: intra-op threads by the op path's rule (over every input tensor, lists
+    too: the same bits on either path), the op (a missing kernel: the op path's decomposition), an empty-family
+    result zeroed."""
+    if cpu:
+        use_serial(serial_size([t.shape for t in tensor_leaves((args, kwargs))]))
+    try:
+        result = node.call(*args, **kwargs)
+    except NotImplementedError:
+        if not node.fallback:
+            raise
+        result = run_op(node.op, args, kwargs)  # a missing kernel: the op path's decomposition
+    if node.zero:
+        zero_fresh(result, held)
+    return result
+
+
 def _run_nodes(ex: Executor, graph: Graph, env: list[Any], held: set[int], label: str,
                storage_ids: list[int], checked: CheckedReplay | None) -> None:
     """Run the graph's nodes over ``env`` (inputs, then one slot per node); CommandFailed names a failing node.
 
     ``checked``: each node goes through the full pre-flight (a signature's first replay); else only the
-    validators run (the signature's gate admitted the rest)."""
+    validators run (the signature's gate admitted the rest), in C++ where the graph has a program."""
+    if checked is None:
+        program = _program(ex, graph)
+        if program and _run_program(program, graph, env, held, label, storage_ids):
+            return
     slot = graph.inputs
     cpu = ex.device(graph.device_index).type == "cpu"
     node: _Node | None = None
@@ -302,17 +339,7 @@ def _run_nodes(ex: Executor, graph: Graph, env: list[Any], held: set[int], label
                 checked.check(node.op, node.label, args, kwargs)
             elif node.validator is not None:  # it may read data: every replay
                 node.validator(node.label, args, kwargs)
-            if cpu:  # the op path's rule, over every input tensor (lists too): the same bits on either path
-                use_serial(serial_size([t.shape for t in tensor_leaves((args, kwargs))]))
-            try:
-                result = node.call(*args, **kwargs)
-            except NotImplementedError:
-                if not node.fallback:
-                    raise
-                result = run_op(node.op, args, kwargs)  # a missing kernel: the op path's decomposition
-            if node.zero:
-                zero_fresh(result, held)
-            env[slot] = result
+            env[slot] = result = _run_node(node, args, kwargs, cpu, held)
             if checked is not None:
                 checked.ran(node.label, node.resizes, slot, result)
             slot += 1
@@ -325,6 +352,40 @@ def _run_nodes(ex: Executor, graph: Graph, env: list[Any], held: set[int], label
         where = f"{label} node {i} ({node.label})" if node is not None else label
         raise CommandFailed(_error(where, shapes((args, kwargs)), _kind_of(exc), _message(exc),
                                    storage_ids)) from None
+
+
+def _program(ex: Executor, graph: Graph) -> Any:
+    """``graph``'s GraphProgram, built on its first admitted replay; False where genie._C_plans is missing (the
+    Python loop runs every replay)."""
+    if graph.program is None:
+        graph.program = False
+        if GraphProgram is not None:
+            cpu = ex.device(graph.device_index).type == "cpu"
+            nodes = graph.nodes
+
+            def python_node(index: int, args: list[Any], kwargs: dict[str, Any], held: set[int]) -> Any:
+                node = nodes[index]
+                if node.validator is not None:  # it may read data: every replay
+                    node.validator(node.label, args, kwargs)
+                return _run_node(node, args, kwargs, cpu, held)
+
+            graph.program = GraphProgram([graph_node_spec(n) for n in nodes], graph.inputs, Ref, python_node, cpu)
+    return graph.program
+
+
+def _run_program(program: Any, graph: Graph, env: list[Any], held: set[int], label: str,
+                 storage_ids: list[int]) -> bool:
+    """An admitted replay's nodes by ``graph``'s program; the output slots in ``env`` afterwards. A failure is the
+    Python loop's: CommandFailed naming the node and its arguments' shapes. False, with nothing run, when an input
+    is of a kind the program does not hold."""
+    try:
+        return bool(program.run(env, held, graph.output_slots))
+    except Exception as exc:
+        i = program.failed_node()
+        arguments = program.failed_arguments()
+        where = f"{label} node {i} ({graph.nodes[i].label})" if 0 <= i < len(graph.nodes) else label
+        raise CommandFailed(_error(where, shapes(arguments) if arguments is not None else [], _kind_of(exc),
+                                   _message(exc), storage_ids)) from None
 
 
 def replay(ex: Executor, cmd: list[Any]) -> None:

@@ -1,7 +1,7 @@
 """The one interface between the server core and its native plan runner (genie._C_plans).
 
 The runner (genie/csrc/server/, bound in genie/csrc/server/runner_binding.cpp) reads nothing of the Python core
-by attribute name except what this module lists. It is handed three kinds of object, all made here:
+by attribute name except what this module lists. It is handed four kinds of object, all made here:
 
 - a :class:`NativeSpec` per plan, made from a :class:`genie.server.plans.CommandPlan` by
   :func:`native_spec`, from which ``genie._C_plans.NativePlan`` is built (read by position);
@@ -10,6 +10,9 @@ by attribute name except what this module lists. It is handed three kinds of obj
   and the metrics' :class:`~genie.server.metrics.OkTally` (or None), read by position. Of the tally's
   ``latency`` (a :class:`~genie.server.metrics.Latency`) the runner reads and writes the public ``counts``
   and ``sum``; ``record_op`` it calls;
+- a :class:`GraphNodeSpec` per node of a defined graph (:func:`graph_node_spec`), from which
+  ``genie._C_plans.GraphProgram`` is built (read by position), and the ``Ref`` class of genie.wire.graph, whose
+  ``slot`` and ``item`` it reads;
 - per ``Runner.run``/``Runner.serve`` call, plain numbers: the store's :attr:`StorageStore.bytes_used
   <genie.server.store.StorageStore.bytes_used>` before it, ``max_op_elements``, the staging pool's smallest
   size and whether no deferred error waits.
@@ -72,6 +75,22 @@ class NativeSpec(NamedTuple):
     outputs: list[Layout | None]  #: per output position; None: an output the client does not keep
 
 
+class GraphNodeSpec(NamedTuple):
+    """One node of a defined graph as ``genie._C_plans.GraphProgram`` is built from it (genie.server.graphs' _Node,
+    validated when the graph was defined)."""
+
+    op_name: str  #: the schema name of the node's op
+    overload: str  #: its overload name (empty for the default overload)
+    args: list[Any]  #: positional argument templates: constants, genie.wire.graph.Ref where a value goes
+    kwargs: dict[str, Any]  #: keyword argument templates
+    refs: tuple[tuple[int, int, int], ...]  #: (position, slot, item) of each top-level reference
+    nested: tuple[tuple[int, list[Any]], ...]  #: (position, template) of each list holding references
+    kw_refs: tuple[tuple[str, Any], ...]  #: (keyword, template) of each keyword holding references (out=)
+    release: tuple[int, ...]  #: slots whose last use is this node
+    zero: bool  #: an empty-family op: a fresh result is zeroed
+    native: bool  #: whether C++ may call the op itself (else the program's Python callable runs the node)
+
+
 class RunnerBinding(NamedTuple):
     """What one session's runner works on: its store and, when the session's figures are kept, its metrics."""
 
@@ -90,6 +109,15 @@ def native_spec(plan: CommandPlan) -> NativeSpec:
     return NativeSpec(schema.name, schema.overload_name, plan.label, plan.device, plan.call_outs, plan.writes,
                       plan.new_bytes, plan.max_op_elements, plan.args, plan.kwargs, plan.arg_fill, plan.kw_fill,
                       plan.float_values, plan.float_fill, inputs, plan.fresh_slots, outputs)
+
+
+def graph_node_spec(node: Any) -> GraphNodeSpec:
+    """The graph program's view of ``node`` (a genie.server.graphs._Node). C++ may call the op itself only when
+    the node runs as a plain call (its op's own dispatch: no composite kernel asked for, no session-bound runner)
+    and has no validator (which may read data)."""
+    schema = node.op._schema
+    return GraphNodeSpec(schema.name, schema.overload_name, node.args, node.kwargs, node.refs, node.nested,
+                         node.kw_refs, node.release, node.zero, node.fallback and node.validator is None)
 
 
 def runner_binding(store: StorageStore, metrics: SessionMetrics | None) -> RunnerBinding:

@@ -68,6 +68,7 @@ def test_the_runner_reads_the_binding_tuples_by_the_fields_it_was_built_for() ->
     import genie._C_plans as native
 
     assert native.SPEC_FIELDS == runner_api.NativeSpec._fields
+    assert native.GRAPH_NODE_FIELDS == runner_api.GraphNodeSpec._fields
     assert native.LAYOUT_FIELDS == runner_api.Layout._fields
     assert native.BINDING_FIELDS == runner_api.RunnerBinding._fields
     assert native.TABLES_FIELDS == StoreTables._fields

@@ -1,12 +1,14 @@
 // genie._C_plans: the server's native plan runner (genie.server.plans), its one bindings file. The parts:
 // native_plan.h (a plan), runner.h/.cpp (the loop that runs a batch by them), runner_binding.h/.cpp (all it
-// reads of the Python core, genie.server.runner_api), command_key.h (keys, shared with genie._C_keys).
+// reads of the Python core, genie.server.runner_api), command_key.h (keys, shared with genie._C_keys),
+// graph_program.h/.cpp (an admitted graph replay's nodes, genie.server.graphs).
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <memory>
 
+#include "server/graph_program.h"
 #include "server/native_plan.h"
 #include "server/runner.h"
 #include "server/runner_binding.h"
@@ -30,8 +32,16 @@ PYBIND11_MODULE(_C_plans, m) {
       .def("serve", &genie_plans::Runner::serve)
       .def("served", &genie_plans::Runner::served)
       .def("take_reply", &genie_plans::Runner::take_reply);
+  py::class_<genie_plans::GraphProgram>(m, "GraphProgram")
+      .def(py::init<py::list, size_t, py::handle, py::object, bool>(), py::arg("nodes"), py::arg("inputs"),
+           py::arg("ref_type"), py::arg("python_node"), py::arg("cpu"))
+      .def("run", &genie_plans::GraphProgram::run, py::arg("env"), py::arg("held"), py::arg("wanted"))
+      .def("python_nodes", &genie_plans::GraphProgram::python_nodes)
+      .def("failed_node", &genie_plans::GraphProgram::failed_node)
+      .def("failed_arguments", &genie_plans::GraphProgram::failed_arguments);
   m.def("use_serial", &genie_plans::set_threads, py::arg("serial"),
         "One intra-op thread on this thread (True) or its own count (False); a change only calls torch.");
   m.attr("SERIAL_BELOW") = genie_plans::kSerialBelow;
   genie_plans::export_field_names(m);
+  m.attr("GRAPH_NODE_FIELDS") = genie_plans::graph_node_fields();
 }

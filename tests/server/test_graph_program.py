@@ -1,0 +1,136 @@
+"""An admitted replay runs its nodes in C++ (genie._C_plans.GraphProgram, genie/csrc/server/graph_program.cpp) and
+computes what the Python loop of genie.server.graphs computes: the same bits, the same error record naming the
+same node, empty-family results zeroed, validators still run before their node on every replay. Each case runs a
+real graph (CMD_GRAPH, then CMD_REPLAY) in two in-process executors over a fake channel: one with the program,
+one whose graph is kept on the Python loop."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+
+from genie.server import graphs
+from genie.server.executor import Executor
+from genie.server.store import StorageStore
+from genie.wire.frame import FrameHeader, MsgKind
+from genie.wire.graph import Ref, encode_definition
+from genie.wire.messages import CMD_GRAPH, CMD_REPLAY
+from tests.raw_client import Dev, T, desc, encode_value, pack, pack_body
+from tests.transport.transport_fakes import FakeChannel
+
+pytestmark = pytest.mark.skipif(graphs.GraphProgram is None, reason="genie._C_plans was not built")
+
+_reqs = itertools.count(1)
+
+
+def _run(ex: Executor, *cmds: bytes) -> None:
+    body = pack_body({"uploads": [], "cmds": list(cmds)})
+    ex.run_batch(FrameHeader(MsgKind.BATCH, len(body), 0), body)
+
+
+class Session:
+    """One executor with a graph defined over input storages 1.. (their tensors given), outputs into 100.."""
+
+    def __init__(self, nodes: list[list[Any]], inputs: list[torch.Tensor], outputs: list[Ref],
+                 like: list[torch.Tensor], *, program: bool) -> None:
+        self.store = StorageStore(max_bytes=1 << 30)
+        self.ex = Executor(FakeChannel("test"), self.store, [torch.device("cpu")])
+        self.like = like
+        self.inputs = [T(i + 1, t) for i, t in enumerate(inputs)]
+        for i, t in enumerate(inputs):
+            self.store.put(i + 1, t.clone().untyped_storage())
+        definition = encode_definition(len(inputs), nodes, [*outputs], encode_value)
+        _run(self.ex, pack([CMD_GRAPH, next(_reqs), 0, 7, definition]))
+        self.graph = graphs.session_graphs(self.ex).graphs[7]
+        if not program:
+            self.graph.program = False  # the Python loop runs every replay
+
+    def set_input(self, i: int, t: torch.Tensor) -> None:
+        storage = self.store.get(i + 1)
+        assert storage is not None
+        storage.copy_(t.untyped_storage())
+
+    def replay(self) -> list[torch.Tensor] | dict[str, Any]:
+        """The outputs, or the deferred error the replay left."""
+        outs = [desc(100 + k, t) for k, t in enumerate(self.like)]
+        _run(self.ex, pack([CMD_REPLAY, 0, 7, self.inputs, outs]))
+        if self.ex.deferred:
+            return self.ex.deferred.pop(0)
+        got = []
+        for k, t in enumerate(self.like):
+            storage = self.store.get(100 + k)
+            assert storage is not None
+            got.append(torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape, t.stride()).clone())
+        return got
+
+
+def _both(nodes: list[list[Any]], inputs: list[torch.Tensor], outputs: list[Ref],
+          like: list[torch.Tensor]) -> tuple[Session, Session]:
+    return (Session(nodes, inputs, outputs, like, program=True), Session(nodes, inputs, outputs, like, program=False))
+
+
+def test_a_replay_by_the_program_equals_the_python_loop_bit_for_bit() -> None:
+    """Top-level, nested (cat's tensors, index's optional tensors) and keyword (out=) references, multi-output
+    nodes' items, a node with a validator (run by the program's Python callable), slots released on the way."""
+    torch.manual_seed(0)
+    x, w, b, idx = torch.randn(8, 16), torch.randn(16, 16), torch.randn(16), torch.tensor([3, 1, 7])
+    nodes: list[list[Any]] = [
+        ["aten::addmm", [Ref(2), Ref(0), Ref(1)], {}],                                   # 4
+        ["aten::relu", [Ref(4)], {}],                                                     # 5
+        ["aten::native_layer_norm", [Ref(5), [16], None, None, 1e-5], {}],               # 6: three outputs
+        ["aten::cat", [[Ref(6, 0), Ref(5)], 1], {}],                                      # 7
+        ["aten::empty.memory_format", [[8, 32]], {"dtype": torch.float32, "device": Dev(0)}],  # 8
+        ["aten::mul.out", [Ref(7), Ref(7)], {"out": Ref(8)}],                                  # 9: out=
+        ["aten::median.dim", [Ref(9), 1], {}],                # 10: a validator's op: a Python node, two outputs
+        ["aten::index.Tensor", [Ref(10, 0), [Ref(3)]], {}],  # 11: Tensor?[]
+        ["aten::sum", [Ref(11)], {}],                         # 12
+    ]
+    like = [torch.empty(3), torch.empty(()), torch.empty(8, 1)]
+    with_program, python_loop = _both(nodes, [x, w, b, idx], [Ref(11), Ref(12), Ref(6, 1)], like)
+    for step in range(4):  # the first replay is checked in full (Python), the rest are admitted
+        if step:
+            new = torch.randn(8, 16)
+            with_program.set_input(0, new)
+            python_loop.set_input(0, new)
+        a, b_ = with_program.replay(), python_loop.replay()
+        assert isinstance(a, list) and isinstance(b_, list), (a, b_)
+        assert all(torch.equal(p, q) for p, q in zip(a, b_, strict=True))
+    program = with_program.graph.program
+    assert program and program.python_nodes() == 1  # aten::median.dim alone (it has a validator)
+    assert python_loop.graph.program is False
+    assert with_program.graph.replays == 4 and with_program.graph.checked_runs == 1
+
+
+def test_a_node_failing_in_the_program_is_named_as_the_python_loop_names_it() -> None:
+    """A plain node failing on data (a Cholesky factor of a matrix that is not positive definite) on an admitted
+    replay: the same deferred error, naming the node, its op and its arguments' shapes."""
+    spd = torch.eye(4) * 2
+    nodes = [["aten::mul.Scalar", [Ref(0), 1.0], {}], ["aten::linalg_cholesky", [Ref(1)], {}], ["aten::sum", [Ref(2)], {}]]
+    sessions = _both(nodes, [spd], [Ref(3)], [torch.empty(())])
+    errors = []
+    for s in sessions:
+        assert isinstance(s.replay(), list)  # checked in full, fine
+        s.set_input(0, -spd)
+        errors.append(s.replay())
+    assert isinstance(errors[0], dict) and errors[0] == errors[1], errors
+    assert "node 1 (aten::linalg_cholesky)" in errors[0]["op"] and errors[0]["shapes"] == [[4, 4]]
+    assert sessions[0].graph.program and sessions[0].replay() != []  # the next replay fails again, no crash
+
+
+def test_the_program_zeroes_what_an_empty_family_node_hands_out() -> None:
+    """A block freed inside the replay (its slot released) is what the next allocation of its size gets: the
+    empty node's result is zeroed, as the op path zeroes it, never the freed block's sevens."""
+    nodes: list[list[Any]] = [
+        ["aten::mul.Scalar", [Ref(0), 7.0], {}],                                          # 1: sevens
+        ["aten::sum", [Ref(1)], {}],                                                      # 2: slot 1 released here
+        ["aten::empty.memory_format", [[1024]], {"dtype": torch.float32, "device": Dev(0)}],  # 3
+        ["aten::add.Tensor", [Ref(3), Ref(2)], {}],                                       # 4
+    ]
+    like = [torch.empty(1024)]
+    for s in _both(nodes, [torch.ones(1024)], [Ref(4)], like):
+        for _ in range(3):
+            got = s.replay()
+            assert isinstance(got, list) and torch.equal(got[0], torch.full((1024,), 7168.0)), got
