@@ -41,7 +41,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -355,45 +354,56 @@ def gpu_memory_used_mib() -> float | None:
     return None
 
 
-def raw_tcp_rate(nbytes: int, rounds: int = 3) -> float:
-    """Bytes per second of ``nbytes`` sent one way over loopback TCP (the raw channel under tcp): a sender
-    thread's ``sendall`` from one buffer, received with ``MSG_WAITALL`` into one preallocated buffer, socket
-    options as genie's tcp channel sets them; the median of ``rounds``, each timed by the receiver from its
-    request to the last byte."""
-    listener = socket.create_server(("127.0.0.1", 0))
+def _tune_raw(sock: socket.socket) -> None:
+    """The socket options genie's tcp channel sets (genie.transport.stream)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, 4 << 20)
+
+
+def _raw_sender(port: int, nbytes: int) -> None:
+    """The raw channel's sending process: ``nbytes`` from one buffer each time the receiver asks."""
     data = memoryview(bytearray(os.urandom(1 << 20)) * max(1, nbytes >> 20))
-    size = data.nbytes
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        _tune_raw(sock)
+        while sock.recv(1):
+            sock.sendall(data)
 
-    def tune(sock: socket.socket) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            sock.setsockopt(socket.SOL_SOCKET, option, 4 << 20)
 
-    def send() -> None:
-        conn, _ = listener.accept()
-        tune(conn)
-        with conn:
-            while conn.recv(1):
-                conn.sendall(data)
+def raw_tcp_rate(nbytes: int, rounds: int = 5) -> float:
+    """Bytes per second of ``nbytes`` sent one way over loopback TCP (the raw channel under tcp): another
+    process's ``sendall`` from one buffer (as genie's node is another process), received with ``MSG_WAITALL``
+    into one preallocated buffer, socket options as genie's tcp channel sets them; the median of ``rounds``,
+    each timed by the receiver from its request to the last byte."""
+    import multiprocessing
 
-    thread = threading.Thread(target=send, daemon=True)
-    thread.start()
+    size = max(1, nbytes >> 20) << 20
+    listener = socket.create_server(("127.0.0.1", 0))
+    sender = multiprocessing.get_context("spawn").Process(target=_raw_sender, args=(listener.getsockname()[1], size),
+                                                          daemon=True)
+    sender.start()
     back = memoryview(bytearray(size))  # zeroed: its pages are touched before the first round
     times = []
-    with socket.create_connection(listener.getsockname()[:2]) as sock:
-        tune(sock)
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            sock.sendall(b"x")
-            got = 0
-            while got < size:
-                n = sock.recv_into(back[got:], size - got, socket.MSG_WAITALL)
-                if not n:
-                    raise ConnectionError("the raw TCP sender went away")
-                got += n
-            times.append(time.perf_counter() - t0)
-    thread.join(timeout=10)
-    listener.close()
+    try:
+        listener.settimeout(60)
+        conn, _ = listener.accept()
+        with conn:
+            _tune_raw(conn)
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                conn.sendall(b"x")
+                got = 0
+                while got < size:
+                    n = conn.recv_into(back[got:], size - got, socket.MSG_WAITALL)
+                    if not n:
+                        raise ConnectionError("the raw TCP sender went away")
+                    got += n
+                times.append(time.perf_counter() - t0)
+    finally:
+        listener.close()
+        sender.join(timeout=10)
+        if sender.is_alive():
+            sender.kill()
     return size / statistics.median(times)
 
 
