@@ -19,7 +19,16 @@ downloads at 0.37x raw TCP.
   :meth:`~CudaStaging.download` copies a device tensor into a pinned buffer after the compute stream's
   pending work and waits for that copy alone.
 
-The pool's logic is tested on CPU (tests/server/test_staging.py, with plain host memory standing in
+- Transfers over :data:`CHUNKED_FROM` go in :data:`CHUNK_BYTES` chunks through at most
+  :data:`CHUNK_DEPTH` pinned buffers (:func:`stream_out`, :func:`stream_in`; the CUDA side in
+  :meth:`~CudaStaging.download_stream` and :meth:`~CudaStaging.upload_stream`): a download's
+  device-to-host copies of the next chunks run while one is on the socket, and its reply goes out in
+  parts (``Executor.reply_in_parts``); an upload's host-to-device copy of a chunk runs while the next is
+  received, into the existing storage in place or new device memory. Before, a transfer over
+  :data:`MAX_CLASS` took the pageable path whole, and a download copied the whole tensor to host
+  before sending its first byte.
+
+The pool's logic and the chunk pipeline's planning and ordering are tested on CPU (tests/server/test_staging.py, with plain host memory standing in
 for page-locked memory); the CUDA part is hardware-only and runs under ``scripts/gpu-check``
 (tests/device/test_transfers.py against ``genie serve --devices cuda:0``).
 """
