@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -89,6 +90,36 @@ def _settle(a: argparse.Namespace, before: int, graphs: int) -> Any:
     return wait
 
 
+#: (client) the node's pid, whose processes' CPU time _timed counts per step (0: a native run, no node)
+_NODE_PID = [0]
+
+
+def _node_cpu() -> Any:
+    """A function giving the CPU seconds the node and its session workers used so far (None off a genie run): where
+    a step's time goes when the GPU waits (the node's launches, the client's Python, or neither)."""
+    if not _NODE_PID[0]:
+        return lambda: None
+    import psutil
+
+    root = psutil.Process(_NODE_PID[0])
+    procs = [root, *root.children(recursive=True)]  # the session worker exists by now
+
+    def used() -> float:
+        total = 0.0
+        for p in procs:
+            # Every thread's run time in ns (/proc/PID/task/*/schedstat); psutil's times tick at 10 ms.
+            tasks = glob.glob(f"/proc/{p.pid}/task/*/schedstat")
+            for task in tasks:
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    total += int(Path(task).read_text().split()[0]) / 1e9
+            if not tasks:
+                with contextlib.suppress(psutil.Error):
+                    t = p.cpu_times()
+                    total += t.user + t.system
+        return total
+    return used
+
+
 def _timed(step: Any, steps: int, warmup: int, settle: Any = None) -> dict[str, Any]:
     for _ in range(warmup):
         step()
@@ -96,11 +127,15 @@ def _timed(step: Any, steps: int, warmup: int, settle: Any = None) -> dict[str, 
         settle()
         step()
     walls = []
+    node_cpu = _node_cpu()
+    cpu0, node0 = time.process_time(), node_cpu()
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
         walls.append(time.perf_counter() - t0)
-    return {"seconds": statistics.median(walls), "samples": walls}
+    cpu1, node1 = time.process_time(), node_cpu()
+    return {"seconds": statistics.median(walls), "samples": walls, "client_cpu_s": (cpu1 - cpu0) / steps,
+            "node_cpu_s": None if node0 is None else (node1 - node0) / steps, "mean_s": sum(walls) / steps}
 
 
 def _gpt2_config(tiny: bool) -> Any:
@@ -316,6 +351,7 @@ def run_client(a: argparse.Namespace) -> int:
     import torch
 
     dev = a.device
+    _NODE_PID[0] = a.node_pid
     if a.mode == "genie":
         import genie
 
@@ -408,10 +444,11 @@ def raw_tcp_rate(nbytes: int, rounds: int = 5) -> float:
 
 
 def run_mode(kids: c.Children, a: argparse.Namespace, mode: str, port: int = 0,
-             env: dict[str, str] | None = None, workloads: str = "", node_log: str = "") -> dict[str, dict[str, Any]]:
+             env: dict[str, str] | None = None, workloads: str = "", node_log: str = "",
+             node_pid: int = 0) -> dict[str, dict[str, Any]]:
     argv = [sys.executable, os.path.abspath(__file__), "--role", "client", "--mode", mode, "--port", str(port),
             "--device", a.device, "--workloads", workloads or a.workloads, "--steps", str(a.steps),
-            "--warmup", str(a.warmup), "--node-log", node_log]
+            "--warmup", str(a.warmup), "--node-log", node_log, "--node-pid", str(node_pid)]
     argv += ["--quick"] * a.quick + ["--tiny"] * a.tiny
     proc = kids.start(argv, env=env)
     results: dict[str, dict[str, Any]] = {}
@@ -443,6 +480,7 @@ def main() -> int:
     p.add_argument("--inductor-backend", default="shm",
                    help="the backend of the run on a --compile-replays inductor node ('' to skip it)")
     p.add_argument("--node-log", default="", help="(client) the inductor node's log, to wait for its compiles")
+    p.add_argument("--node-pid", type=int, default=0, help="(client) the node's pid: its CPU time per step is counted")
     a = p.parse_args()
     a.steps = a.steps or (3 if a.tiny else 5 if a.quick else 20)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.tiny else 2 if a.quick else 3)
@@ -471,7 +509,7 @@ def run_parent(a: argparse.Namespace) -> int:
             before = gpu_memory_used_mib()
             with NodeProcess("serve", "--port", "0", "--devices", a.device, env=env, ready_timeout=300) as node:
                 idle = gpu_memory_used_mib()
-                runs = run_mode(kids, a, "genie", node.control_port, env=env)
+                runs = run_mode(kids, a, "genie", node.control_port, env=env, node_pid=node.pid)
                 runs["gpu_memory_mib"] = {"before_node": before, "node_idle": idle}
                 report["runs"][backend] = runs
             print(f"genie over {backend} done", flush=True)
@@ -482,7 +520,7 @@ def run_parent(a: argparse.Namespace) -> int:
                              "--compile-replays", "inductor", env=env, ready_timeout=300) as node:
                 report["runs"][f"{a.inductor_backend}+inductor"] = run_mode(
                     kids, a, "genie", node.control_port, env=env, workloads=",".join(compiled),
-                    node_log=node.log_path)
+                    node_log=node.log_path, node_pid=node.pid)
                 text = node.log()
                 report["runs"][f"{a.inductor_backend}+inductor"]["inductor_node"] = {
                     o: text.count(o) for o in OUTCOMES}
@@ -537,7 +575,23 @@ def summarise(report: dict[str, Any], a: argparse.Namespace) -> list[list[str]]:
                 table.add(f"one session's GPU memory [{backend}]",
                           f"{session['gpu_memory_mib'] - mem['node_idle']:.0f} MiB", "-", "-", "-", None)
     table.print(f"bench_gpu ({report['info']['device']}, torch {report['info']['torch']})")
+    _print_cpu(report)
     return rows
+
+
+def _print_cpu(report: dict[str, Any]) -> None:
+    """Where each timed step's wall goes on the host's CPUs: the client process's CPU per step and (genie runs) the
+    node's, its session worker's included. A node busy for about the whole wall is what the GPU waits on."""
+    lines = []
+    for run, results in report["runs"].items():
+        for name, r in results.items():
+            if isinstance(r, dict) and r.get("ok") and r.get("client_cpu_s") is not None:
+                node = r.get("node_cpu_s")
+                lines.append(f"  {name} [{run}]: mean wall {c.fmt_ms(r['mean_s'])}, client CPU "
+                             f"{c.fmt_ms(r['client_cpu_s'])}" + (f", node CPU {c.fmt_ms(node)}" if node is not None
+                                                                 else ""))
+    if lines:
+        print("CPU per step (mean over the timed steps):\n" + "\n".join(lines), flush=True)
 
 
 #: The transfer rows: (the result's key, what genie's figure is, what native's figure is).
