@@ -40,13 +40,18 @@ class _Ops(TorchDispatchMode):
 
 
 def _attention_ops(device: str, fn: Callable[..., torch.Tensor], *shapes: tuple[int, ...],
-                   dtype: torch.dtype = torch.float32) -> tuple[set[str], list[torch.Tensor]]:
+                   dtype: torch.dtype = torch.float32, grad: str = "sum") -> tuple[set[str], list[torch.Tensor]]:
+    """What ``fn`` dispatched (attention, softmax, bmm ops) and its output and inputs' gradients. ``grad``: the
+    backward of ``out.sum()`` (an expanded gradient: stride 0) or of a random contiguous gradient."""
     gen = torch.Generator().manual_seed(0)
     # query, key and value take gradients; a mask does not (with one, a local CPU run takes the math path too)
     tensors = [torch.randn(s, generator=gen, dtype=dtype).to(device).requires_grad_(i < 3) for i, s in enumerate(shapes)]
     with _Ops() as ops:
         out = fn(*tensors)
-        out.sum().backward()
+        if grad == "sum":
+            out.sum().backward()
+        else:
+            out.backward(torch.randn(out.shape, generator=gen, dtype=dtype).to(device))
     fused = {n for n in ops.names if "attention" in n or "softmax" in n or n.startswith("aten.bmm")}
     return fused, [out.detach().cpu(), *(t.grad.cpu() for t in tensors if t.grad is not None)]
 
@@ -162,13 +167,23 @@ def test_fused_adamw_is_sent_whole_and_matches_cpu() -> None:
 @pytest.mark.hardware
 @pytest.mark.skipif(not CUDA_FUSED, reason="needs the shared server on a CUDA device (scripts/gpu-check) and "
                     "GENIE_SDPA_CUDA_FUSED=1")
+@pytest.mark.parametrize("grad", ["sum", "random"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["flash", "efficient"])
-def test_cuda_server_runs_attention_on_fused_kernels(dtype: torch.dtype) -> None:
+def test_cuda_server_runs_attention_on_fused_kernels(dtype: torch.dtype, grad: str) -> None:
+    """The flash kernel's float16 results did not match on the last GPU run (largest difference 5.25): every
+    mismatching tensor is named with its largest difference, for an expanded gradient and a dense one, so a run
+    tells the forward from the backward and the gradient's layout from the kernel."""
     fn = CASES["causal"][0]
-    ops, remote = _attention_ops(D0, fn, (2, 4, 64, 64), (2, 4, 64, 64), (2, 4, 64, 64), dtype=dtype)
+    shapes = [(2, 4, 64, 64)] * 3
+    ops, remote = _attention_ops(D0, fn, *shapes, dtype=dtype, grad=grad)
     assert "aten._scaled_dot_product_fused_attention_overrideable.default" in ops
     assert "aten._scaled_dot_product_fused_attention_overrideable_backward.default" in ops
-    _, local = _attention_ops("cpu", fn, (2, 4, 64, 64), (2, 4, 64, 64), (2, 4, 64, 64), dtype=torch.float32)
+    # the same values (randn in float16 rounds float32's draws), computed in float32 on the CPU
+    _, local = _attention_ops("cpu", fn, *shapes, dtype=torch.float32, grad=grad)
     tol = 2e-2 if dtype == torch.float16 else 1e-4
-    for r, c in zip(remote, local, strict=True):
-        torch.testing.assert_close(r.float(), c, rtol=tol, atol=tol)
+    names = ["output", "query.grad", "key.grad", "value.grad"]
+    bad = [f"{name}: largest difference {(r.float() - c).abs().max().item():.4g} (largest value "
+           f"{c.abs().max().item():.4g}, strides after .cpu() {tuple(r.stride())})"
+           for name, r, c in zip(names, remote, local, strict=True)
+           if not torch.allclose(r.float(), c, rtol=tol, atol=tol)]
+    assert not bad, "; ".join(bad)
