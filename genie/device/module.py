@@ -40,8 +40,12 @@ def device_count() -> int:
 
 
 def synchronize(device: Any = None) -> None:
-    """Wait until every op sent to ``device`` (default: every device) ran; raise deferred errors."""
+    """Wait until every op sent to ``device`` (default: every device) ran; raise deferred errors. Every device
+    before ``genie.init()`` (nothing was sent): nothing to wait for, as torch.profiler asks at its exit in any
+    process where the device is registered."""
     if device is None:
+        if not registry.is_connected():
+            return
         conns = registry.table().connections()
     else:
         conns = [registry.table().get(_index(device)).connection]

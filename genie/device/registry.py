@@ -129,6 +129,11 @@ def device_at(index: int) -> RemoteDevice:
     return tbl.devices[index] if tbl is not None and 0 <= index < len(tbl.devices) else table().get(index)
 
 
+def is_connected() -> bool:
+    """Whether genie.init() gave this process its device table (False before it and after shutdown)."""
+    return _table is not None
+
+
 def table() -> DeviceTable:
     """The device table; NotInitializedError before ``genie.init()``."""
     if _table is None:

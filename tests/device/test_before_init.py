@@ -21,6 +21,31 @@ def test_using_the_device_before_init_is_a_clear_error() -> None:
         torch.zeros(1, device=D0)
 
 
+def test_torch_profiler_runs_in_a_process_where_genie_is_registered_but_not_initialised(tmp_path) -> None:
+    """torch.profiler syncs the renamed PrivateUse1 backend at its exit (torch.remote_accelerator.synchronize());
+    before genie.init() nothing was sent, so that is nothing to wait for. It raised NotInitializedError, so any
+    process that imported genie (or had the device autoloaded) could not profile CPU code. A fresh process."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "profile_before_init.py"
+    script.write_text(textwrap.dedent("""
+        import torch, genie
+        from genie.device import ensure_registered
+        ensure_registered()
+        with torch.profiler.profile() as p:
+            (torch.ones(8) + 1).sum()
+        print("profiled", any(e.name == "aten::add" for e in p.events()), flush=True)
+        try:
+            torch.remote_accelerator.synchronize(0)  # a device named explicitly is still an error
+        except genie.errors.NotInitializedError:
+            print("explicit device refused", flush=True)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert "profiled True" in out.stdout and "explicit device refused" in out.stdout, out.stdout + out.stderr
+
+
 def test_cpu_backward_before_init_leaves_remote_backward_working_on_every_device(tmp_path) -> None:
     """Autograd's engine sizes its per-device queues at its first backward; one on the CPU before
     genie.init() must still leave a queue for remote_accelerator:1 (a separate process: fresh engine)."""
