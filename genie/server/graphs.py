@@ -89,11 +89,12 @@ class _Node:
     the node's references are filled in. Built once at CMD_GRAPH time from the resolved OpOverload (never
     from a client string), so a replay does no lookups per node."""
 
-    __slots__ = ("args", "call", "fallback", "kw_refs", "kwargs", "label", "nested", "op", "refs", "release",
+    __slots__ = ("args", "call", "fallback", "kernel", "kw_refs", "kwargs", "label", "nested", "op", "refs", "release",
                  "resizes", "validator", "zero")
 
     def __init__(self, op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[str, Any],
-                 call: Any, fallback: bool, facts: OpFacts | None = None) -> None:
+                 call: Any, fallback: bool, facts: OpFacts | None = None,
+                 kernel: torch._C.DispatchKey | None = None) -> None:
         if facts is None:
             facts = OpFacts(label, op)
         self.op = op
@@ -103,6 +104,8 @@ class _Node:
         self.call = call
         #: whether a NotImplementedError (no kernel on this device) runs the op path's decomposition instead
         self.fallback = fallback
+        #: the composite kernel ``call`` runs (the node asked for it), or None
+        self.kernel = kernel
         #: the argument template: constants as they are, references filled per replay into a copy
         self.args = args
         self.kwargs = kwargs
@@ -121,15 +124,17 @@ class _Node:
         self.validator = facts.validator
 
 
-def _callable(ex: Executor, op: torch._ops.OpOverload, label: str, kernel: Any, device_index: int) -> tuple[Any, bool]:
-    """What a node runs, bound once: (callable, whether a missing kernel falls back to a decomposition)."""
+def _callable(ex: Executor, op: torch._ops.OpOverload, label: str, kernel: Any,
+              device_index: int) -> tuple[Any, bool, torch._C.DispatchKey | None]:
+    """What a node runs, bound once: (callable, whether a missing kernel falls back to a decomposition, the
+    composite kernel it calls or None)."""
     if label in GENERATORLESS:
         run = GENERATORLESS[label]
         g = ex.generators.get(device_index, 0)  # the session's default: one object for the session's life
-        return (lambda *args, **kwargs: run(g, list(args), kwargs)), False
+        return (lambda *args, **kwargs: run(g, list(args), kwargs)), False, None
     if kernel is not None:
-        return functools.partial(op._op_dk, kernel), False
-    return op._op, True  # what OpOverload.__call__ runs, without its frame
+        return functools.partial(op._op_dk, kernel), False, kernel
+    return op._op, True, None  # what OpOverload.__call__ runs, without its frame
 
 
 class Graph:
@@ -255,8 +260,8 @@ def _validate(ex: Executor, graph_id: int, device_index: int, definition: Defini
             kernel = _DISPATCH_KEYS[rest[0]]
         if facts.generator_arg:  # a None generator is the session's default: bound now, as CMD_OP binds it per op
             ex.generators.fill_default(op, node_args, node_kwargs, device_index)
-        call, fallback = _callable(ex, op, label, kernel, device_index)
-        nodes.append(_Node(op, label, node_args, node_kwargs, call, fallback, facts))
+        call, fallback, kernel = _callable(ex, op, label, kernel, device_index)
+        nodes.append(_Node(op, label, node_args, node_kwargs, call, fallback, facts, kernel))
     end = n + len(nodes)
     for ref in definition.outputs:
         if ref is not None and ref.slot >= end:

@@ -88,6 +88,7 @@ class GraphNodeSpec(NamedTuple):
     kw_refs: tuple[tuple[str, Any], ...]  #: (keyword, template) of each keyword holding references (out=)
     release: tuple[int, ...]  #: slots whose last use is this node
     zero: bool  #: an empty-family op: a fresh result is zeroed
+    kernel: str  #: the composite kernel called (a name of genie.wire.graph.KERNELS), or "" for the op's dispatch
     native: bool  #: whether C++ may call the op itself (else the program's Python callable runs the node)
 
 
@@ -113,11 +114,13 @@ def native_spec(plan: CommandPlan) -> NativeSpec:
 
 def graph_node_spec(node: Any) -> GraphNodeSpec:
     """The graph program's view of ``node`` (a genie.server.graphs._Node). C++ may call the op itself only when
-    the node runs as a plain call (its op's own dispatch: no composite kernel asked for, no session-bound runner)
-    and has no validator (which may read data)."""
+    the node runs as a plain call (its op's own dispatch, or the composite kernel it asked for; not a session-bound
+    runner) and has no validator (which may read data)."""
     schema = node.op._schema
+    kernel = node.kernel.name if node.kernel is not None else ""
     return GraphNodeSpec(schema.name, schema.overload_name, node.args, node.kwargs, node.refs, node.nested,
-                         node.kw_refs, node.release, node.zero, node.fallback and node.validator is None)
+                         node.kw_refs, node.release, node.zero, kernel,
+                         (node.fallback or node.kernel is not None) and node.validator is None)
 
 
 def runner_binding(store: StorageStore, metrics: SessionMetrics | None) -> RunnerBinding:

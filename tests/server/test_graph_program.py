@@ -134,3 +134,21 @@ def test_the_program_zeroes_what_an_empty_family_node_hands_out() -> None:
         for _ in range(3):
             got = s.replay()
             assert isinstance(got, list) and torch.equal(got[0], torch.full((1024,), 7168.0)), got
+
+
+def test_a_node_asking_for_a_composite_kernel_runs_it_from_cpp() -> None:
+    """A node the client lowered to an op's composite kernel (its device has none of its own: genie.compile.lower)
+    is called for that kernel by the program, as OpOverload._op_dk calls it, with the same bits."""
+    torch.manual_seed(0)
+    nodes: list[list[Any]] = [
+        ["aten::t", [Ref(0)], {}, "CompositeExplicitAutograd"],                        # 2
+        ["aten::mm", [Ref(1), Ref(2)], {}],                                             # 3
+        ["aten::sum.dim_IntList", [Ref(3), [0], True], {}, "CompositeExplicitAutogradNonFunctional"],  # 4
+    ]
+    like = [torch.empty(1, 8)]
+    sessions = _both(nodes, [torch.randn(8, 16), torch.randn(4, 16)], [Ref(4)], like)
+    for _ in range(3):
+        a, b = (s.replay() for s in sessions)
+        assert isinstance(a, list) and isinstance(b, list) and torch.equal(a[0], b[0]), (a, b)
+    program = sessions[0].graph.program
+    assert program and program.python_nodes() == 0

@@ -43,10 +43,17 @@ namespace {
 
 // genie.server.runner_api.GraphNodeSpec
 enum NodeField : size_t {
-  kOpName, kOverload, kArgs, kKwargs, kRefs, kNested, kKwRefs, kRelease, kZero, kNative, kNodeFields
+  kOpName, kOverload, kArgs, kKwargs, kRefs, kNested, kKwRefs, kRelease, kZero, kKernel, kNative, kNodeFields
 };
-const char* const kNodeNames[kNodeFields] = {"op_name", "overload", "args",    "kwargs", "refs",
-                                             "nested",  "kw_refs",  "release", "zero",   "native"};
+const char* const kNodeNames[kNodeFields] = {"op_name", "overload", "args", "kwargs", "refs",   "nested",
+                                             "kw_refs", "release",  "zero", "kernel", "native"};
+
+// The composite kernels a node may ask for (genie.wire.graph.KERNELS, checked when the graph was defined).
+std::optional<c10::DispatchKey> composite_kernel(const std::string& name) {
+  if (name == "CompositeExplicitAutograd") return c10::DispatchKey::CompositeExplicitAutograd;
+  if (name == "CompositeExplicitAutogradNonFunctional") return c10::DispatchKey::CompositeExplicitAutogradNonFunctional;
+  return std::nullopt;
+}
 
 SlotRef slot_ref(py::handle ref) {
   return SlotRef{ref.attr("slot").cast<size_t>(), ref.attr("item").cast<int64_t>()};
@@ -167,6 +174,11 @@ GraphProgram::GraphProgram(py::list nodes, size_t inputs, py::handle ref_type, p
     for (py::handle slot : spec[kRelease]) node.release.push_back(slot.cast<size_t>());
     node.zero = spec[kZero].cast<bool>();
     node.python = !spec[kNative].cast<bool>() || schema.is_vararg();
+    auto kernel = spec[kKernel].cast<std::string>();
+    if (!kernel.empty()) {
+      node.kernel = composite_kernel(kernel);
+      if (!node.kernel) node.python = true;
+    }
     if (!node.python) {
       try {
         node.op.emplace(*handle);
@@ -346,9 +358,12 @@ bool GraphProgram::run(py::list env_list, py::handle held, py::handle wanted) {
           if (cpu_) set_threads(serial_inputs(stack));
           bool decomposes = false;
           try {
-            node.op->callBoxed(stack);
+            if (node.kernel)
+              node.op->callBoxedForDispatchKey(*node.kernel, stack);  // OpOverload._op_dk's call
+            else
+              node.op->callBoxed(stack);
           } catch (const c10::NotImplementedError& e) {
-            if (!not_implemented(e)) throw;
+            if (node.kernel || !not_implemented(e)) throw;  // a composite kernel has no decomposition to fall to
             decomposes = true;
           }
           if (decomposes) {

@@ -31,6 +31,7 @@ struct ListFill {
 
 struct GraphNode {
   std::optional<c10::OperatorHandle> op;  // null for a node Python runs
+  std::optional<c10::DispatchKey> kernel;  // the composite kernel asked for, or the op's own dispatch
   std::vector<c10::IValue> stack;          // the argument stack, constants converted once
   std::vector<std::pair<size_t, SlotRef>> fills;
   std::vector<ListFill> lists;
