@@ -152,3 +152,25 @@ def test_a_node_asking_for_a_composite_kernel_runs_it_from_cpp() -> None:
         assert isinstance(a, list) and isinstance(b, list) and torch.equal(a[0], b[0]), (a, b)
     program = sessions[0].graph.program
     assert program and program.python_nodes() == 0
+
+
+def test_a_python_node_failing_on_data_is_named_as_the_python_loop_names_it() -> None:
+    """A node with a validator runs through the program's Python callable; when the validator refuses the data of
+    an admitted replay (a max-pooling gradient's index past its input plane), the error is the Python loop's."""
+    grad, x = torch.randn(1, 1, 2, 2), torch.randn(1, 1, 4, 4)
+    good, bad = torch.tensor([[[[0, 3], [9, 15]]]]), torch.tensor([[[[0, 3], [99, 15]]]])
+    nodes: list[list[Any]] = [
+        ["aten::max_pool2d_with_indices_backward", [Ref(0), Ref(1), [2, 2], [2, 2], [0, 0], [1, 1], False, Ref(2)], {}],
+        ["aten::sum", [Ref(3)], {}],
+    ]
+    sessions = _both(nodes, [grad, x, good], [Ref(4)], [torch.empty(())])
+    errors = []
+    for s in sessions:
+        assert isinstance(s.replay(), list) and isinstance(s.replay(), list)  # checked, then admitted
+        s.set_input(2, bad)
+        errors.append(s.replay())
+    assert isinstance(errors[0], dict) and errors[0] == errors[1], errors
+    assert "node 0 (aten::max_pool2d_with_indices_backward)" in errors[0]["op"], errors[0]
+    assert "outside" in errors[0]["message"], errors[0]
+    program = sessions[0].graph.program
+    assert program and program.python_nodes() == 1
