@@ -17,7 +17,10 @@ them into the client's storages (they are marked held, never adopted).
 Graphs stay eager where a CUDA graph would change what is checked or computed: a node whose
 validator reads data (it must run before every replay), a node that draws random numbers (the
 session's generators are not registered with the capture; :func:`genie.server.rng.node_draws`, the
-rule inductor replays use too), a node that may resize a storage.
+rule inductor replays use too). A signature whose checked replay grew an input's storage (a
+``resize_``, ``set_`` or ``out=`` into a storage too small: it would be reallocated, and a CUDA graph
+keeps the old address) runs node by node (``Gate.grew``); ``out=`` nodes writing into storages of the
+right size, as every op of a ``torch.accelerator.Graph`` capture does, no longer keep a graph eager.
 A capture that fails (a kernel that cannot be captured) leaves that graph eager for good, logged
 once. The private pool's memory is the CUDA graph's, outside the session's byte quota (like the
 CUDA context itself); it is released with the graph, and a session keeps at most
@@ -59,9 +62,9 @@ _states: weakref.WeakKeyDictionary[Any, _Captured] = weakref.WeakKeyDictionary()
 
 
 def eligible(graph: Any) -> bool:
-    """Whether ``graph`` (a :class:`genie.server.graphs.Graph`) may become a CUDA graph."""
-    if graph.resizes:
-        return False
+    """Whether ``graph`` (a :class:`genie.server.graphs.Graph`) may become a CUDA graph: no node that reads data in
+    a validator or draws random numbers. (Whether a signature's replay grows an input's storage is its gate's:
+    ``Gate.grew``, which :func:`run` asks.)"""
     for node in graph.nodes:
         if node.validator is not None or node_draws(node.op, node.label, node.args, node.kwargs):
             return False
@@ -81,11 +84,12 @@ def _signature(values: list[Any]) -> tuple[Any, ...]:
 
 
 def run(ex: Any, graph: Any, env: list[Any], held: set[int], label: str, storage_ids: list[int],
-        run_nodes: Callable[..., None]) -> None:
+        run_nodes: Callable[..., None], grew: bool = False) -> None:
     """Run an admitted replay's nodes: ``run_nodes(ex, graph, env, held, label, storage_ids, None)`` as it is, or
-    as a CUDA graph on a CUDA device (captured on first use, see the module's docstring)."""
+    as a CUDA graph on a CUDA device (captured on first use, see the module's docstring). ``grew``: the signature's
+    checked replay grew an input's storage (its gate's ``grew``): such a replay runs node by node."""
     device = ex.device(graph.device_index)
-    if device.type != "cuda":
+    if device.type != "cuda" or grew:
         run_nodes(ex, graph, env, held, label, storage_ids, None)
         return
     state = _states.get(graph)

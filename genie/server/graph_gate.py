@@ -37,12 +37,15 @@ class Gate:
     """What the checked replay of one input signature found: per node, the bytes alive before it (intermediates
     and what nodes grew the inputs by) and the bytes it allocates, as the pre-flight counted them."""
 
-    __slots__ = ("before", "new", "peak")
+    __slots__ = ("before", "grew", "new", "peak")
 
-    def __init__(self, before: list[int], new: list[int]) -> None:
+    def __init__(self, before: list[int], new: list[int], grew: bool = False) -> None:
         self.before = before
         self.new = new
         self.peak = max((b + n for b, n in zip(before, new, strict=True)), default=0)
+        #: whether a node grew an input's storage (a resize_, set_ or out= into a storage too small for it): a
+        #: replay of the signature reallocates that storage, which a CUDA graph's fixed addresses cannot follow
+        self.grew = grew
 
     def over(self, remaining: int | None) -> tuple[int, int, int] | None:
         """The first node that would cross the quota with ``remaining`` bytes left (None: no quota), as (its
@@ -72,6 +75,7 @@ class CheckedReplay:
         self.before: list[int] = []
         self.new: list[int] = []
         self.cacheable = True
+        self.grew = False  # a node grew an input's storage
 
     def check(self, op: torch._ops.OpOverload, label: str, args: Any, kwargs: Any) -> None:
         """The op path's pre-flight for the next node, on its actual arguments (raises its refusal)."""
@@ -108,8 +112,9 @@ class CheckedReplay:
             self.slots[slot] = keys
         if resizes:
             store = self.ex.store
-            self.grown = sum(max(0, s.nbytes() - store.nbytes(i)) for i, s in self.ex.used_storages().items()
-                             if i in store)
+            grown = [max(0, s.nbytes() - store.nbytes(i)) for i, s in self.ex.used_storages().items() if i in store]
+            self.grown = sum(grown)
+            self.grew = self.grew or any(grown)
         if self.remaining is not None and self.alive + self.grown > self.remaining:
             raise QuotaExceededError(
                 f"{label} left {self.alive + self.grown} bytes of intermediates alive, more than the "
@@ -125,7 +130,7 @@ class CheckedReplay:
 
     def gate(self) -> Gate | None:
         """What a later replay of the signature needs, or None when each must be checked in full."""
-        return Gate(self.before, self.new) if self.cacheable else None
+        return Gate(self.before, self.new, self.grew) if self.cacheable else None
 
 
 _NUMBERS = (int, float, complex)  # bool is an int

@@ -481,7 +481,7 @@ def _run_admitted(ex: Executor, graph: Graph, env: list[Any], held: set[int], la
                 preflight.over_quota(node.label, over[1], over[2])), storage_ids))
         # issue 33: compiled by inductor where the node was told to (--compile-replays), else a CUDA graph on CUDA
         if not inductor_replays.run(ex, graph, env, label, key, storage_ids):
-            cuda_graphs.run(ex, graph, env, held, label, storage_ids, _run_nodes)
+            cuda_graphs.run(ex, graph, env, held, label, storage_ids, _run_nodes, gate.grew)
         return
     graph.checked_runs += 1
     checked = CheckedReplay(ex, remaining)

@@ -174,3 +174,20 @@ def test_a_python_node_failing_on_data_is_named_as_the_python_loop_names_it() ->
     assert "outside" in errors[0]["message"], errors[0]
     program = sessions[0].graph.program
     assert program and program.python_nodes() == 1
+
+
+@pytest.mark.parametrize(("out", "grew"), [(torch.empty(4, 4), False), (torch.empty(0), True)],
+                         ids=["right-size", "grown"])
+def test_a_gate_says_whether_its_checked_replay_grew_an_input_storage(out: torch.Tensor, grew: bool) -> None:
+    """An out= node (every op of a torch.accelerator.Graph capture is one) no longer keeps a graph from becoming a
+    CUDA graph (cuda_graphs.eligible); a signature whose replay grows an input's storage (here: out= into an empty
+    one) does, through its gate (Gate.grew: a reallocated storage would leave a CUDA graph writing to the old
+    address). The CUDA capture itself is hardware-only (tests/device/test_graph_capture.py under gpu-check)."""
+    from genie.server import cuda_graphs
+
+    nodes: list[list[Any]] = [["aten::mm.out", [Ref(0), Ref(0)], {"out": Ref(1)}]]  # 2
+    s = Session(nodes, [torch.randn(4, 4), out], [Ref(2)], [torch.empty(4, 4)], program=True)
+    assert s.graph.resizes and cuda_graphs.eligible(s.graph)
+    assert isinstance(s.replay(), list)
+    (gate,) = s.graph.gates.values()
+    assert gate.grew is grew
