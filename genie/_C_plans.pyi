@@ -39,6 +39,8 @@ class Runner:
 #: Ops whose input tensors all have fewer elements run on one intra-op thread (2**18).
 SERIAL_BELOW: int
 #: The field names, in order, of the tuples the runner reads by position (genie.server.runner_api).
+def tensor_over(storage: Any, dtype: Any, offset: int, sizes: Any, strides: Any) -> Any: ...
+
 SPEC_FIELDS: tuple[str, ...]
 GRAPH_NODE_FIELDS: tuple[str, ...]
 LAYOUT_FIELDS: tuple[str, ...]

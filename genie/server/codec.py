@@ -35,6 +35,12 @@ from genie.wire.values import (
     unpack_descriptor,
 )
 
+_tensor_over: Any
+try:  # genie/csrc/server/graph_program.cpp; without the extension Descriptor.over makes the tensor in Python
+    from genie._C_plans import tensor_over as _tensor_over
+except ImportError:  # pragma: no cover - an install that did not build the extension
+    _tensor_over = None
+
 #: Most dimensions a shape or stride may have.
 MAX_DIMS = 64
 #: Largest storage id (63 bits) and largest storage size accepted in a descriptor.
@@ -154,6 +160,8 @@ class Descriptor:
 
     def over(self, storage: torch.UntypedStorage) -> torch.Tensor:
         """The described tensor over ``storage`` (bounds already checked)."""
+        if _tensor_over is not None:  # the same in one C++ call (a replay resolves a hundred inputs)
+            return _tensor_over(storage, self.dtype, self.offset, self.sizes, self.strides)
         t = torch.empty(0, dtype=self.dtype, device=storage.device)
         return t.set_(storage, self.offset, self.sizes, self.strides)
 

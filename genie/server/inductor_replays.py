@@ -460,4 +460,8 @@ def _compile_for(ex: Executor, state: _Session, compiled: _Compiled, graph: Any,
         return None
     state.compiles += 1
     compiled.jobs[ckey] = _submit(compiled, gm, _fakes([inputs[i] for i in placeholders]), label)
+    # one line per compile queued, before its outcome's: a tool (benchmarks/bench_graph.py) waits for every queued
+    # compile by counting these against the outcomes, since replays run while a compile runs pay for it (GIL)
+    log.info("%s queued for inductor (%d fx nodes, signature %d of at most %d)", label, len(gm.graph.nodes),
+             len(compiled.callables) + len(compiled.jobs), MAX_SIGNATURES)
     return None

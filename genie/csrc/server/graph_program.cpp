@@ -22,7 +22,9 @@
 #include "server/graph_program.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/python_arg_parser.h>
@@ -145,6 +147,22 @@ bool not_implemented(const c10::NotImplementedError& e) {
 }
 
 }  // namespace
+
+py::object tensor_over(py::handle storage, py::handle dtype, int64_t offset, py::handle sizes, py::handle strides) {
+  if (!THPStorage_Check(storage.ptr()) || !THPDtype_Check(dtype.ptr()))
+    throw std::invalid_argument("genie: tensor_over(storage, dtype, offset, sizes, strides)");
+  auto ints = [](py::handle seq) {
+    std::vector<int64_t> out;
+    for (py::handle v : seq) out.push_back(v.cast<int64_t>());
+    return out;
+  };
+  const c10::Storage& s = THPStorage_Unpack(storage.ptr());
+  at::Tensor t = at::empty({0}, at::TensorOptions()
+                                    .dtype(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type)
+                                    .device(s.device()));
+  t.set_(s, offset, ints(sizes), ints(strides));
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
+}
 
 py::tuple graph_node_fields() {
   py::tuple out(static_cast<size_t>(kNodeFields));

@@ -44,6 +44,11 @@ struct GraphNode {
   pybind11::object kwargs;
 };
 
+// A tensor of `dtype` over `storage` (a torch.UntypedStorage) with that offset, sizes and strides, bounds already
+// checked (genie.server.codec.Descriptor.over): torch.empty(0).set_(...) without two Python calls.
+pybind11::object tensor_over(pybind11::handle storage, pybind11::handle dtype, int64_t offset, pybind11::handle sizes,
+                             pybind11::handle strides);
+
 // The field names of genie.server.runner_api.GraphNodeSpec as read here, in order (GRAPH_NODE_FIELDS).
 pybind11::tuple graph_node_fields();
 

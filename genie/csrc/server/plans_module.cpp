@@ -41,6 +41,8 @@ PYBIND11_MODULE(_C_plans, m) {
       .def("failed_arguments", &genie_plans::GraphProgram::failed_arguments);
   m.def("use_serial", &genie_plans::set_threads, py::arg("serial"),
         "One intra-op thread on this thread (True) or its own count (False); a change only calls torch.");
+  m.def("tensor_over", &genie_plans::tensor_over, py::arg("storage"), py::arg("dtype"), py::arg("offset"),
+        py::arg("sizes"), py::arg("strides"), "A tensor over a storage (bounds already checked): Descriptor.over.");
   m.attr("SERIAL_BELOW") = genie_plans::kSerialBelow;
   genie_plans::export_field_names(m);
   m.attr("GRAPH_NODE_FIELDS") = genie_plans::graph_node_fields();
