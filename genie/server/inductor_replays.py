@@ -42,7 +42,9 @@ critical path: it is not on the op clock, and replays (this one included) run no
 finished (10-60 s on a loaded 2-core CPU host); the first replay after that runs the compiled code. A
 client's sync point therefore never waits for a compile (its ``op_timeout`` could not cover one). The
 compiler thread works on fake tensors only, never on a session's tensors, one compile at a time per
-process; it is a daemon: a session's end does not wait for it.
+process; it is a daemon: a session's end does not wait for it. It shares the process's GIL with the session,
+so the session's replays are slower while it compiles (docs/compile.md); each compile queued is logged at
+INFO (``queued for inductor``) before its outcome, so a tool can wait for all of them before timing.
 
 A compile that fails leaves that graph node by node for good, logged once. Bounds: a graph is compiled
 for at most :data:`MAX_SIGNATURES` input signatures, a session keeps at most :data:`MAX_COMPILED`

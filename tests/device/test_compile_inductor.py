@@ -190,3 +190,7 @@ def test_a_compile_that_fails_leaves_the_graph_node_by_node_logged_once(tmp_path
         assert done and done[0].returncode == 0 and "OK" in done[0].stdout, done and done[0].stderr[-3000:]
         assert len(_lines(node, "inductor could not compile it")) == 1 and "it runs node by node" in failed[0]
         assert not _compiled(node)
+        # one "queued" line per compile, before its outcome: benchmarks/bench_graph.py waits for every queued
+        # compile by counting them (timing while one runs measured the compile's hold on the GIL, not the replays)
+        queued = _lines(node, "queued for inductor")
+        assert len(queued) == 1 and node.log().index(queued[0]) < node.log().index(failed[0]), queued
