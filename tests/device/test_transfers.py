@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import platform
 
@@ -67,10 +68,18 @@ def _kernel_at_least(major: int, minor: int) -> bool:
         return False
 
 
+def _fresh(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
+    """A tensor over pages nobody touched: an anonymous mapping of its own (and the mapping, to keep it alive).
+    ``torch.empty`` may hand out resident heap memory: glibc raises its mmap threshold after large frees, so in a
+    process that ran other tests a large allocation can come from pages already touched."""
+    mapping = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(mapping, dtype=torch.uint8), mapping
+
+
 @pytest.mark.skipif(not platform.system() == "Linux" or not _kernel_at_least(5, 14),
                     reason="MADV_POPULATE_WRITE needs Linux 5.14")
 def test_prefault_populates_fresh_memory_and_keeps_contents() -> None:
-    t = torch.empty(64 << 20, dtype=torch.uint8)  # fresh, untouched pages
+    t, _mapping = _fresh(64 << 20)
     before = _rss_bytes()
     prefault(t)
     assert _rss_bytes() - before >= (60 << 20)  # the pages are there before anything writes them
@@ -85,7 +94,7 @@ def test_prefault_populates_fresh_memory_and_keeps_contents() -> None:
 @pytest.mark.skipif(not platform.system() == "Linux" or not _kernel_at_least(5, 14),
                     reason="MADV_POPULATE_WRITE needs Linux 5.14")
 def test_resident_tells_fresh_memory_from_touched_memory() -> None:
-    t = torch.empty(16 << 20, dtype=torch.uint8)  # fresh: the allocator's mapping, no page touched but its first
+    t, _mapping = _fresh(16 << 20)
     assert not resident(t)
     prefault(t)
     assert resident(t)
