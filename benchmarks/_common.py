@@ -59,6 +59,26 @@ def enter_private_netns(argv: Sequence[str] | None = None) -> None:
                        sys.executable, script, *argv[1:]])
 
 
+#: What a node started with ``--compile-replays inductor`` logs of each graph it was asked to compile
+#: (genie.server.inductor_replays), and what it logs when it queues a compile (each followed by one outcome:
+#: compiled, or could not compile).
+INDUCTOR_OUTCOMES = ("compiled by inductor in", "stays node by node under", "inductor could not compile")
+INDUCTOR_QUEUED = "queued for inductor"
+
+
+def inductor_outcomes(log: str) -> int:
+    """How many graphs an inductor node's log has an outcome for."""
+    return sum(log.count(o) for o in INDUCTOR_OUTCOMES)
+
+
+def inductor_settled(log: str, outcomes_before: int, new_graphs: int = 1) -> bool:
+    """Whether an inductor node's log shows at least ``new_graphs`` outcomes since ``outcomes_before`` and every
+    compile it queued finished: a replay timed while a compile runs (in a thread of the same session worker) waits
+    for the GIL, compiled ones included (docs/benchmarks.md, bench_graph)."""
+    finished = log.count(INDUCTOR_OUTCOMES[0]) + log.count(INDUCTOR_OUTCOMES[2])
+    return inductor_outcomes(log) - outcomes_before >= new_graphs and finished >= log.count(INDUCTOR_QUEUED)
+
+
 def free_port() -> int:
     """A port found free and released: torch.distributed's anchors and --metrics-port (0 means off there); genie's nodes bind port 0."""
     with socket.socket() as s:

@@ -69,24 +69,26 @@ def _autocast(dev: str) -> Any:
     return torch.autocast(device_type=torch.device(dev).type, dtype=torch.bfloat16)
 
 
-#: What a node with --compile-replays inductor logs of each graph it was asked to compile.
-OUTCOMES = ("compiled by inductor in", "stays node by node under", "inductor could not compile")
+def _node_log(a: argparse.Namespace) -> str:
+    return Path(a.node_log).read_text(errors="replace") if a.node_log else ""
 
 
 def _outcomes(a: argparse.Namespace) -> int:
-    if not a.node_log:
-        return 0
-    text = Path(a.node_log).read_text(errors="replace")
-    return sum(text.count(o) for o in OUTCOMES)
+    return c.inductor_outcomes(_node_log(a))
 
 
 def _settle(a: argparse.Namespace, before: int, graphs: int) -> Any:
     """After the warm-up of a compiled workload on an inductor node: wait (at most 10 minutes) until the node has
-    logged an outcome for ``graphs`` more graphs; nothing to wait for on other nodes."""
+    logged an outcome for ``graphs`` more graphs and finished every compile it queued (a model may give more graphs
+    than its forward and backward: graph breaks; bench_graph timed a GPT while compiles still ran); nothing to wait
+    for on other nodes. Prints how long it waited."""
     def wait() -> None:
-        deadline = time.monotonic() + 600
-        while a.node_log and time.monotonic() < deadline and _outcomes(a) - before < graphs:
+        started = time.monotonic()
+        while a.node_log and time.monotonic() < started + 600 and not c.inductor_settled(_node_log(a), before, graphs):
             time.sleep(1)
+        if a.node_log:
+            print(f"waited {time.monotonic() - started:.0f} s for the inductor node's compiles", file=sys.stderr,
+                  flush=True)
     return wait
 
 
@@ -523,7 +525,7 @@ def run_parent(a: argparse.Namespace) -> int:
                     node_log=node.log_path, node_pid=node.pid)
                 text = node.log()
                 report["runs"][f"{a.inductor_backend}+inductor"]["inductor_node"] = {
-                    o: text.count(o) for o in OUTCOMES}
+                    o: text.count(o) for o in (*c.INDUCTOR_OUTCOMES, c.INDUCTOR_QUEUED)}
             print(f"genie over {a.inductor_backend} with --compile-replays inductor done", flush=True)
     if raw_before:
         raw_after = raw_tcp_rate(raw_bytes)

@@ -103,10 +103,6 @@ def _stepper(make: Callable[[str], Any], device: str, backend: str | None, optim
 
 #: The device of the worker that compiles replays with inductor (``--compile-replays inductor``).
 INDUCTOR_NODE = "remote_accelerator:1"
-#: What the inductor node logs of each graph it was asked to compile (genie.server.inductor_replays).
-OUTCOMES = ("compiled by inductor in", "stays node by node under", "inductor could not compile")
-#: What it logs when it queues a compile (each is followed by one outcome: compiled, or could not compile).
-QUEUED = "queued for inductor"
 #: The ways reported against the baseline, in order.
 WAYS = ("local CPU aot_eager", "local CPU inductor", "remote op by op", "remote replayed", "remote replayed, inductor",
         "remote replayed, optimizer too", "remote replayed, optimizer too, inductor", "remote replayed, fused AdamW")
@@ -168,7 +164,7 @@ def main() -> int:
         try:
             for label, make in (("2-layer transformer step", _transformer), ("tied-embedding GPT step", _gpt)):
                 before = dict(replay.counts)
-                done_before = sum(compiling.log().count(o) for o in OUTCOMES)
+                done_before = c.inductor_outcomes(compiling.log())
 
                 def settle(done_before: int = done_before) -> None:
                     # Every compile the node queued must have finished before timing: a replay that runs while one
@@ -179,9 +175,7 @@ def main() -> int:
                     # its outcomes; by now every graph's second replay has queued its compile.
                     started = time.monotonic()
                     while time.monotonic() < started + 600:
-                        log = compiling.log()
-                        finished = log.count(OUTCOMES[0]) + log.count(OUTCOMES[2])
-                        if sum(log.count(o) for o in OUTCOMES) > done_before and finished >= log.count(QUEUED):
+                        if c.inductor_settled(compiling.log(), done_before):
                             break
                         time.sleep(1)
                     else:
