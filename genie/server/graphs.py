@@ -33,7 +33,7 @@ past it).
 An admitted replay runs its nodes in C++ (``genie._C_plans.GraphProgram``, built from the validated nodes by
 :func:`genie.server.runner_api.graph_node_spec` on the graph's first admitted replay): the same calls, thread rule,
 zeroing and releases as the Python loop here, whose code (:func:`_run_node`, through ``_program``'s callable) still
-runs every node with a validator, a session-bound runner or a composite kernel, and a node with no kernel.
+runs every node with a validator or a session-bound runner, and a node with no kernel.
 """
 
 from __future__ import annotations

@@ -5,13 +5,13 @@
 // admitted by that signature's gate. An admitted replay comes here, built once per graph from the same
 // validated nodes (genie.server.runner_api.graph_node_spec; nothing is read from the network here):
 //
-// - a node whose op runs as a plain call (no validator, no session-bound runner, no composite kernel asked
-//   for, no reference inside a keyword) gets its OperatorHandle and an argument stack with the constants
-//   converted once, as torch converts a Python call's; references fill the stack per run, tensor lists
-//   (cat's tensors, index's indices) are rebuilt per run;
-// - any other node is run by the program's Python callable (genie.server.graphs._python_node), with its
-//   arguments built from its templates: the same code the Python loop runs. So is a node whose device has
-//   no kernel (torch's decomposition runs in Python), from then on;
+// - a node whose op runs as a plain call (its own dispatch, or the composite kernel the client lowered it to;
+//   no validator, no session-bound runner) gets its OperatorHandle and an argument stack with the constants
+//   converted once, as torch converts a Python call's; references fill the stack per run (keywords such as
+//   out= too), tensor lists (cat's tensors, index's indices) are rebuilt per run;
+// - any other node is run by the program's Python callable (the python_node of genie.server.graphs._program),
+//   with its arguments built from its templates: the same code the Python loop runs. So is a node whose device
+//   has no kernel (torch's decomposition runs in Python), from then on;
 // - per node, in the Python loop's order: intra-op threads by the size rule (runner.cpp's set_threads, on
 //   a CPU device), the call, an empty-family result zeroed (genie.server.kernel.zero_fresh), the slots whose
 //   last use it was dropped.
@@ -37,6 +37,7 @@
 
 #include "server/native_plan.h"
 #include "server/runner.h"
+#include "server/runner_binding.h"
 
 namespace py = pybind11;
 
@@ -142,25 +143,14 @@ py::object to_python(const c10::IValue& v) {
   return torch::jit::toPyObject(v);
 }
 
-bool not_implemented(const c10::NotImplementedError& e) {
-  return std::string(e.what_without_backtrace()).rfind("Could not run", 0) == 0;
-}
-
 }  // namespace
 
 py::object tensor_over(py::handle storage, py::handle dtype, int64_t offset, py::handle sizes, py::handle strides) {
-  if (!THPStorage_Check(storage.ptr()) || !THPDtype_Check(dtype.ptr()))
-    throw std::invalid_argument("genie: tensor_over(storage, dtype, offset, sizes, strides)");
-  auto ints = [](py::handle seq) {
-    std::vector<int64_t> out;
-    for (py::handle v : seq) out.push_back(v.cast<int64_t>());
-    return out;
-  };
+  if (!THPStorage_Check(storage.ptr()))
+    throw std::invalid_argument("genie: tensor_over(storage, dtype, offset, sizes, strides) takes an UntypedStorage");
   const c10::Storage& s = THPStorage_Unpack(storage.ptr());
-  at::Tensor t = at::empty({0}, at::TensorOptions()
-                                    .dtype(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type)
-                                    .device(s.device()));
-  t.set_(s, offset, ints(sizes), ints(strides));
+  at::Tensor t = at::empty({0}, at::TensorOptions().dtype(dtype_of(dtype)).device(s.device()));
+  t.set_(s, offset, int_list(sizes), int_list(strides));
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
 }
 
@@ -353,6 +343,30 @@ void GraphProgram::run_python(size_t index, GraphNode& node, std::vector<c10::IV
   }
 }
 
+bool GraphProgram::run_plain(GraphNode& node, std::vector<c10::IValue>& env, size_t slot,
+                             const std::unordered_set<uintptr_t>& held) {
+  torch::jit::Stack stack = arguments(node, env);
+  if (cpu_) set_threads(serial_inputs(stack));
+  try {
+    if (node.kernel)
+      node.op->callBoxedForDispatchKey(*node.kernel, stack);  // OpOverload._op_dk's call
+    else
+      node.op->callBoxed(stack);
+  } catch (const c10::NotImplementedError& e) {
+    if (node.kernel || !no_kernel(e)) throw;  // a composite kernel has no decomposition to fall to
+    node.python = true;  // no kernel on this device: torch's decomposition, in Python, from now on
+    return false;
+  }
+  if (node.returns == 0)
+    env[slot] = c10::IValue();
+  else if (node.returns == 1)
+    env[slot] = std::move(stack[0]);
+  else
+    env[slot] = c10::ivalue::Tuple::create(std::vector<c10::IValue>(stack.begin(), stack.end()));
+  if (node.zero) zero_fresh(env[slot], held);
+  return true;
+}
+
 bool GraphProgram::run(py::list env_list, py::handle held, py::handle wanted) {
   std::vector<c10::IValue> env(inputs_ + nodes_.size());
   for (size_t i = 0; i < inputs_; ++i)
@@ -365,43 +379,14 @@ bool GraphProgram::run(py::list env_list, py::handle held, py::handle wanted) {
   size_t slot = inputs_;
   std::exception_ptr failure;
   {
-    // Released across plain nodes; a Python node takes it back for its call.
-    std::optional<py::gil_scoped_release> no_gil;
-    no_gil.emplace();
+    py::gil_scoped_release no_gil;  // across plain nodes; a Python node takes it back for its call
     for (size_t i = 0; i < nodes_.size(); ++i, ++slot) {
       GraphNode& node = nodes_[i];
       try {
-        if (!node.python) {
-          torch::jit::Stack stack = arguments(node, env);
-          if (cpu_) set_threads(serial_inputs(stack));
-          bool decomposes = false;
-          try {
-            if (node.kernel)
-              node.op->callBoxedForDispatchKey(*node.kernel, stack);  // OpOverload._op_dk's call
-            else
-              node.op->callBoxed(stack);
-          } catch (const c10::NotImplementedError& e) {
-            if (node.kernel || !not_implemented(e)) throw;  // a composite kernel has no decomposition to fall to
-            decomposes = true;
-          }
-          if (decomposes) {
-            node.python = true;  // no kernel on this device: torch's decomposition, in Python, from now on
-          } else {
-            if (node.returns == 0)
-              env[slot] = c10::IValue();
-            else if (node.returns == 1)
-              env[slot] = std::move(stack[0]);
-            else
-              env[slot] = c10::ivalue::Tuple::create(std::vector<c10::IValue>(stack.begin(), stack.end()));
-            if (node.zero) zero_fresh(env[slot], held_ptrs);
-          }
-          if (!node.python) {
-            for (size_t dead : node.release) env[dead] = c10::IValue();
-            continue;
-          }
+        if (node.python || !run_plain(node, env, slot, held_ptrs)) {
+          py::gil_scoped_acquire gil;
+          run_python(i, node, env, slot);
         }
-        py::gil_scoped_acquire gil;
-        run_python(i, node, env, slot);
       } catch (...) {
         failed_node_ = static_cast<int64_t>(i);
         failure = std::current_exception();
@@ -411,7 +396,7 @@ bool GraphProgram::run(py::list env_list, py::handle held, py::handle wanted) {
     }
   }
   if (failure) {
-    if (failed_arguments_.is_none() && failed_node_ >= 0 && !nodes_[failed_node_].python) {
+    if (failed_arguments_.is_none() && !nodes_[failed_node_].python) {
       // The failing plain node's arguments, as the Python loop's error record names their shapes.
       GraphNode& node = nodes_[failed_node_];
       py::list args;

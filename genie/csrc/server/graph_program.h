@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -74,6 +75,9 @@ class GraphProgram {
  private:
   c10::IValue value(const std::vector<c10::IValue>& env, const SlotRef& ref) const;
   torch::jit::Stack arguments(const GraphNode& node, const std::vector<c10::IValue>& env) const;
+  // A plain node's call into its slot; false, with nothing run, when its device has no kernel (it is a Python
+  // node from then on).
+  bool run_plain(GraphNode& node, std::vector<c10::IValue>& env, size_t slot, const std::unordered_set<uintptr_t>& held);
   void run_python(size_t index, GraphNode& node, std::vector<c10::IValue>& env, size_t slot);
   pybind11::object build(pybind11::handle tmpl, const std::vector<c10::IValue>& env) const;
 

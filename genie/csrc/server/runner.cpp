@@ -74,6 +74,10 @@ void set_threads(bool serial) {
   tl_serial = serial;
 }
 
+bool no_kernel(const c10::NotImplementedError& error) {
+  return std::string(error.what_without_backtrace()).rfind("Could not run", 0) == 0;
+}
+
 namespace {
 
 // A storage id as the key of the store's maps (a Python int, owned).
@@ -504,7 +508,7 @@ struct Runner::Impl {
       try {
         plan.op_->callBoxed(stack);
       } catch (const c10::NotImplementedError& e) {
-        if (std::string(e.what_without_backtrace()).rfind("Could not run", 0) == 0)
+        if (no_kernel(e))
           decomposes = true;
         else
           failure = std::current_exception();

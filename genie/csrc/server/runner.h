@@ -2,6 +2,7 @@
 // (runner.cpp says how), bound to the session's store and metrics through runner_binding.h.
 #pragma once
 
+#include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -13,6 +14,10 @@ namespace genie_plans {
 
 // One intra-op thread on the calling thread (true) or its own count (false); a change only calls torch.
 void set_threads(bool serial);
+
+// Whether a kernel call's NotImplementedError says the device has no kernel for the op ("Could not run ..."):
+// torch's decomposition then runs it, in Python.
+bool no_kernel(const c10::NotImplementedError& error);
 
 class Runner {
  public:

@@ -20,7 +20,6 @@
 namespace py = pybind11;
 
 namespace genie_plans {
-namespace {
 
 std::vector<int64_t> int_list(py::handle seq) {
   std::vector<int64_t> out;
@@ -32,6 +31,8 @@ at::ScalarType dtype_of(py::handle obj) {
   if (!THPDtype_Check(obj.ptr())) throw std::runtime_error("not a torch.dtype");
   return reinterpret_cast<THPDtype*>(obj.ptr())->scalar_type;
 }
+
+namespace {
 
 // genie.server.runner_api.NativeSpec
 enum SpecField : size_t {

@@ -5,11 +5,17 @@
 // are read and written here; nothing else of Python is looked up by name.
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
 #include <vector>
 
 namespace genie_plans {
+
+// A Python sequence of ints, and a torch.dtype's scalar type (runtime_error for anything else).
+std::vector<int64_t> int_list(pybind11::handle seq);
+at::ScalarType dtype_of(pybind11::handle obj);
 
 // A session's store (genie.server.store.StoreTables): its maps, borrowed from the binding the runner keeps,
 // and its quotas.
