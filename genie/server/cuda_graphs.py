@@ -14,10 +14,16 @@ at capture; otherwise the nodes run as before and the graph is captured again, a
 call stays eager). The outputs live in the CUDA graph's private pool: the replay's output rule copies
 them into the client's storages (they are marked held, never adopted).
 
-Graphs stay eager where a CUDA graph would change what is checked or computed: a node whose
-validator reads data (it must run before every replay), a node that draws random numbers (the
-session's generators are not registered with the capture; :func:`genie.server.rng.node_draws`, the
-rule inductor replays use too). A signature whose checked replay grew an input's storage (a
+A node that reads data in its validator (the embedding backward's indices) cannot run under a capture, and a
+replay runs no Python: the capture records each validator's call instead (:mod:`genie.server.replay_checks`), and
+the recorded calls run before the first replay and every later one, on that replay's inputs. A graph whose
+validator reads data the graph itself computes, or replaces an argument, stays eager (checked once, right after
+its capture). Random numbers come from the session's generators (a dropout node's mask): each generator of the
+session on the graph's device is registered with the capture (``CUDAGraph.register_generator_state``), so every
+replay draws new numbers, from the generator's state at that replay, as the same nodes run one by one would. A
+node that would draw from another generator (an op tagged ``nondeterministic_seeded`` that neither takes a
+generator argument nor runs by a session-bound runner: :func:`genie.server.rng.draws_outside_session`) keeps
+its graph eager. A signature whose checked replay grew an input's storage (a
 ``resize_``, ``set_`` or ``out=`` into a storage too small: it would be reallocated, and a CUDA graph
 keeps the old address) runs node by node (``Gate.grew``); ``out=`` nodes writing into storages of the
 right size, as every op of a ``torch.accelerator.Graph`` capture does, no longer keep a graph eager.
@@ -36,7 +42,8 @@ from typing import Any
 
 import torch
 
-from genie.server.rng import node_draws
+from genie.server.replay_checks import HoistedChecks, NotHoistable, recording
+from genie.server.rng import draws_outside_session
 
 log = logging.getLogger("genie.server.cuda_graphs")
 
@@ -47,13 +54,43 @@ MAX_CAPTURES = 3
 MAX_CUDA_GRAPHS = 8
 
 
+class CudaGraph:
+    """One ``torch.cuda.CUDAGraph``, the session's generators of its device registered with it."""
+
+    def __init__(self, ex: Any, graph: Any) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        for generator in ex.generators.on_device(graph.device_index):  # a replay draws from their state then
+            self.graph.register_generator_state(generator)
+
+    def capture(self, nodes: Callable[[list[Any]], None], env: list[Any]) -> None:
+        """Record the kernels ``nodes(env)`` launches over the replay environment ``env`` (none runs); the results
+        it leaves in ``env`` are where every replay writes."""
+        try:
+            with torch.cuda.graph(self.graph):
+                nodes(env)
+        except Exception:
+            torch.cuda.synchronize()  # the failed capture's stream state settled before the nodes run eagerly
+            raise
+
+    def replay(self, env: list[Any]) -> None:
+        """Launch the recorded kernels (over the capture's addresses: ``env``, the replay's, has the same)."""
+        self.graph.replay()
+
+
+#: How a graph is captured, by device type (tests on a host without a GPU add a CPU stand-in).
+CAPTURES: dict[str, Callable[[Any, Any], Any]] = {"cuda": CudaGraph}
+
+
 class _Captured:
-    __slots__ = ("captures", "cuda_graph", "failed", "outputs", "signature")
+    __slots__ = ("captured", "captures", "checks", "cuda_graph", "failed", "signature")
 
     def __init__(self) -> None:
         self.cuda_graph: Any = None
+        #: the validators' calls recorded by the capture, run before each replay
+        self.checks: HoistedChecks | None = None
         self.signature: tuple[Any, ...] | None = None
-        self.outputs: dict[int, Any] = {}
+        #: the capture's environment: its output slots hold the graph's outputs (its inputs' are cleared)
+        self.captured: list[Any] = []
         self.captures = 0
         self.failed = False
 
@@ -62,13 +99,10 @@ _states: weakref.WeakKeyDictionary[Any, _Captured] = weakref.WeakKeyDictionary()
 
 
 def eligible(graph: Any) -> bool:
-    """Whether ``graph`` (a :class:`genie.server.graphs.Graph`) may become a CUDA graph: no node that reads data in
-    a validator or draws random numbers. (Whether a signature's replay grows an input's storage is its gate's:
-    ``Gate.grew``, which :func:`run` asks.)"""
-    for node in graph.nodes:
-        if node.validator is not None or node_draws(node.op, node.label, node.args, node.kwargs):
-            return False
-    return True
+    """Whether ``graph`` (a :class:`genie.server.graphs.Graph`) may become a CUDA graph: no node that would draw from a
+    generator other than the session's. (Whether its validators can run ahead of it is found at its capture;
+    whether a signature's replay grows an input's storage is its gate's: ``Gate.grew``, which :func:`run` asks.)"""
+    return not any(draws_outside_session(node.op, node.label, node.args, node.kwargs) for node in graph.nodes)
 
 
 def _signature(values: list[Any]) -> tuple[Any, ...]:
@@ -88,8 +122,8 @@ def run(ex: Any, graph: Any, env: list[Any], held: set[int], label: str, storage
     """Run an admitted replay's nodes: ``run_nodes(ex, graph, env, held, label, storage_ids, None)`` as it is, or
     as a CUDA graph on a CUDA device (captured on first use, see the module's docstring). ``grew``: the signature's
     checked replay grew an input's storage (its gate's ``grew``): such a replay runs node by node."""
-    device = ex.device(graph.device_index)
-    if device.type != "cuda" or grew:
+    kind = CAPTURES.get(ex.device(graph.device_index).type)
+    if kind is None or grew:
         run_nodes(ex, graph, env, held, label, storage_ids, None)
         return
     state = _states.get(graph)
@@ -103,40 +137,52 @@ def run(ex: Any, graph: Any, env: list[Any], held: set[int], label: str, storage
     if state.cuda_graph is None or state.signature != signature:
         if state.captures >= MAX_CAPTURES:
             state.failed = True
-            state.cuda_graph, state.outputs = None, {}
+            state.cuda_graph, state.captured = None, []
             log.info("%s: its inputs moved %d times; it stays eager", label, MAX_CAPTURES)
             run_nodes(ex, graph, env, held, label, storage_ids, None)
             return
-        if not _capture(ex, graph, env, held, label, storage_ids, run_nodes, state, signature):
+        if not _capture(kind, ex, graph, env, held, label, storage_ids, run_nodes, state, signature):
             run_nodes(ex, graph, env, held, label, storage_ids, None)
             return
-    state.cuda_graph.replay()
-    for slot, value in state.outputs.items():
-        env[slot] = value
+    elif state.checks:
+        state.checks.run(env)  # HoistedCheckFailed: the replay is refused before anything ran
+    state.cuda_graph.replay(env)
+    for slot in graph.output_slots:
+        if slot < graph.inputs:
+            continue  # an input given back: the replay's own
+        env[slot] = value = state.captured[slot]
         for t in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(t, torch.Tensor):
                 held.add(t.untyped_storage().data_ptr())  # the graph's pool: copied out, never adopted
 
 
-def _capture(ex: Any, graph: Any, env: list[Any], held: set[int], label: str, storage_ids: list[int],
-             run_nodes: Callable[..., None], state: _Captured, signature: tuple[Any, ...]) -> bool:
+def _capture(kind: Callable[[Any, Any], Any], ex: Any, graph: Any, env: list[Any], held: set[int], label: str,
+             storage_ids: list[int], run_nodes: Callable[..., None], state: _Captured,
+             signature: tuple[Any, ...]) -> bool:
     if state.cuda_graph is None and sum(s.cuda_graph is not None for s in _states.values()) >= MAX_CUDA_GRAPHS:
         state.failed = True
         log.info("%s stays eager: this session keeps %d CUDA graphs already", label, MAX_CUDA_GRAPHS)
         return False
     state.captures += 1
     captured = list(env)
-    cuda_graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(cuda_graph):
-            run_nodes(ex, graph, captured, held, label, storage_ids, None)
+        cuda_graph = kind(ex, graph)
+        # Where a node writes to its arguments, an input's data may change before a later node's check reads it:
+        # then the inputs too are recorded as meta tensors, and only checks that read no data run ahead.
+        with recording(graph, [] if graph.writes else env[:graph.inputs]) as checks:
+            cuda_graph.capture(lambda e: run_nodes(ex, graph, e, held, label, storage_ids, None), captured)
     except Exception as exc:  # a node that cannot be captured: eager from now on
-        state.failed = True
+        state.failed, state.cuda_graph, state.captured = True, None, []
         log.warning("%s cannot be captured as a CUDA graph (%s); it runs node by node", label, exc)
-        torch.cuda.synchronize(ex.device(graph.device_index))
         return False
-    state.cuda_graph, state.signature = cuda_graph, signature
-    state.outputs = {ref.slot: captured[ref.slot] for ref in graph.outputs if ref is not None}
+    try:
+        checks.verify(env)  # its validators, before this first replay; can they run ahead of every replay?
+    except NotHoistable as exc:
+        state.failed, state.cuda_graph, state.captured = True, None, []
+        log.info("%s stays eager: %s", label, exc)
+        return False
+    captured[:graph.inputs] = [None] * graph.inputs  # the graph keeps their addresses, not the storages
+    state.cuda_graph, state.signature, state.checks, state.captured = cuda_graph, signature, checks, captured
     return True
 
 

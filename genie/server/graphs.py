@@ -57,6 +57,7 @@ from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
 from genie.server.records import shapes, tensor_leaves
+from genie.server.replay_checks import HoistedCheckFailed, HoistedChecks
 from genie.server.rng import GENERATORLESS
 from genie.server.runner_api import graph_node_spec
 from genie.wire.graph import Definition, Ref, decode_definition
@@ -90,7 +91,7 @@ class _Node:
     from a client string), so a replay does no lookups per node."""
 
     __slots__ = ("args", "call", "fallback", "kernel", "kw_refs", "kwargs", "label", "nested", "op", "refs", "release",
-                 "resizes", "validator", "zero")
+                 "resizes", "validator", "writes", "zero")
 
     def __init__(self, op: torch._ops.OpOverload, label: str, args: list[Any], kwargs: dict[str, Any],
                  call: Any, fallback: bool, facts: OpFacts | None = None,
@@ -118,6 +119,8 @@ class _Node:
         self.zero = facts.uninitialised
         #: whether it may change a storage's size (resize_, set_, out=): the replay then counts what storages gained
         self.resizes = facts.resizes
+        #: whether it may write to an argument (in-place, out=)
+        self.writes = facts.writes
         #: slots whose last use is this node: dropped after it runs
         self.release: tuple[int, ...] = ()
         #: the op's validator (it may read data: run before the node on every replay), or None
@@ -148,6 +151,8 @@ class Graph:
         self.outputs = outputs
         #: whether a node may change a storage's size: only then does a replay look for storages that grew
         self.resizes = any(node.resizes for node in nodes)
+        #: whether a node may write to its arguments (an input's data may change between the nodes)
+        self.writes = any(node.writes for node in nodes)
         #: what the checked replay of each input signature found (genie.server.graph_gate)
         self.gates: dict[Any, Gate] = {}
         #: replays, and those of them checked node by node in full (books for tests and tools)
@@ -157,6 +162,9 @@ class Graph:
         self.output_slots = tuple(sorted({ref.slot for ref in outputs if ref is not None}))
         #: admitted replays' nodes in C++ (genie._C_plans.GraphProgram): built on the first, False without it
         self.program: Any = None
+        #: empty, or the HoistedChecks that record the validators' calls instead of running them (while
+        #: genie.server.cuda_graphs captures the graph: genie.server.replay_checks.recording)
+        self.recording: list[HoistedChecks] = []
 
 
 class SessionGraphs:
@@ -343,7 +351,7 @@ def _run_nodes(ex: Executor, graph: Graph, env: list[Any], held: set[int], label
             if checked is not None:
                 checked.check(node.op, node.label, args, kwargs)
             elif node.validator is not None:  # it may read data: every replay
-                node.validator(node.label, args, kwargs)
+                _check_node(graph.recording, slot - graph.inputs, node, args, kwargs)
             env[slot] = result = _run_node(node, args, kwargs, cpu, held)
             if checked is not None:
                 checked.ran(node.label, node.resizes, slot, result)
@@ -359,6 +367,18 @@ def _run_nodes(ex: Executor, graph: Graph, env: list[Any], held: set[int], label
                                    storage_ids)) from None
 
 
+def _check_node(recording: list[HoistedChecks], index: int, node: _Node, args: list[Any],
+                kwargs: dict[str, Any]) -> None:
+    """Node ``index``'s validator on its arguments; recorded instead while its graph is captured as a CUDA graph
+    (``recording``: the graph's, see genie.server.replay_checks)."""
+    check = node.validator
+    assert check is not None
+    if recording:
+        recording[0].record(index, check, node.label, args, kwargs)
+    else:
+        check(node.label, args, kwargs)
+
+
 def _program(ex: Executor, graph: Graph) -> Any:
     """``graph``'s GraphProgram, built on its first admitted replay; False where genie._C_plans is missing (the
     Python loop runs every replay)."""
@@ -366,12 +386,12 @@ def _program(ex: Executor, graph: Graph) -> Any:
         graph.program = False
         if GraphProgram is not None:
             cpu = ex.device(graph.device_index).type == "cpu"
-            nodes = graph.nodes
+            nodes, recording = graph.nodes, graph.recording
 
             def python_node(index: int, args: list[Any], kwargs: dict[str, Any], held: set[int]) -> Any:
                 node = nodes[index]
                 if node.validator is not None:  # it may read data: every replay
-                    node.validator(node.label, args, kwargs)
+                    _check_node(recording, index, node, args, kwargs)
                 return _run_node(node, args, kwargs, cpu, held)
 
             graph.program = GraphProgram([graph_node_spec(n) for n in nodes], graph.inputs, Ref, python_node, cpu)
@@ -481,7 +501,12 @@ def _run_admitted(ex: Executor, graph: Graph, env: list[Any], held: set[int], la
                 preflight.over_quota(node.label, over[1], over[2])), storage_ids))
         # issue 33: compiled by inductor where the node was told to (--compile-replays), else a CUDA graph on CUDA
         if not inductor_replays.run(ex, graph, env, label, key, storage_ids):
-            cuda_graphs.run(ex, graph, env, held, label, storage_ids, _run_nodes, gate.grew)
+            try:
+                cuda_graphs.run(ex, graph, env, held, label, storage_ids, _run_nodes, gate.grew)
+            except HoistedCheckFailed as failed:  # a captured graph's validator, run before its replay, refused
+                where = f"{label} node {failed.node} ({graph.nodes[failed.node].label})"
+                raise CommandFailed(_error(where, [], _kind_of(failed.error), _message(failed.error),
+                                           storage_ids)) from None
         return
     graph.checked_runs += 1
     checked = CheckedReplay(ex, remaining)

@@ -161,10 +161,6 @@ def stats(executor: Executor, graph_id: int) -> dict[str, Any]:
 # -- building the fx graph --------------------------------------------------------------------------------
 
 
-def _writes(op: torch._ops.OpOverload) -> bool:
-    return any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
-
-
 def _refs(value: Any) -> list[Ref]:
     if type(value) is Ref:
         return [value]
@@ -178,7 +174,7 @@ def check_graph(graph: Any) -> list[tuple[int, Any]]:
     else the (index, node) of the nodes whose validators run on the graph's inputs before each compiled run."""
     if graph.resizes:
         raise Ineligible("a node may resize a storage")
-    writes = any(_writes(node.op) for node in graph.nodes)
+    writes = graph.writes
     checks: list[tuple[int, Any]] = []
     for i, node in enumerate(graph.nodes):
         where = f"node {i} ({node.op.name()})"
@@ -378,7 +374,7 @@ def run(ex: Executor, graph: Any, env: list[Any], label: str, key: Any, storage_
     compiled = state.graphs.get(graph.graph_id)
     if compiled is None:
         compiled = state.graphs[graph.graph_id] = _Compiled()
-        compiled.writes = any(_writes(node.op) for node in graph.nodes)
+        compiled.writes = graph.writes
     if compiled.failed:
         return False
     inputs = env[:graph.inputs]

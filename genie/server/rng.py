@@ -260,6 +260,17 @@ def node_draws(op: torch._ops.OpOverload, label: str, args: Sequence[Any], kwarg
     return torch.Tag.nondeterministic_seeded in op.tags and draws_with(op, args, kwargs)
 
 
+def draws_outside_session(op: torch._ops.OpOverload, label: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a graph node may draw random numbers from a generator that is not one of the session's: it draws
+    (:func:`node_draws`) yet neither takes a generator argument (which the session's fill) nor runs by a
+    session-bound runner (:data:`GENERATORLESS`); an op tagged ``nondeterministic_seeded`` that draws from the
+    process's generator. A CUDA graph registers the session's generators with its capture and keeps such a node
+    out (genie.server.cuda_graphs)."""
+    if label in GENERATORLESS or generator_arg(op)[1]:
+        return False
+    return node_draws(op, label, args, kwargs)
+
+
 class SessionGenerators:
     """The generators of one session, by (device index, generator id)."""
 
@@ -279,6 +290,10 @@ class SessionGenerators:
             g.manual_seed(int.from_bytes(os.urandom(8), "little"))
             self._generators[key] = g
         return g
+
+    def on_device(self, device_index: int) -> list[torch.Generator]:
+        """The session's generators of device ``device_index`` made so far."""
+        return [g for (index, _), g in self._generators.items() if index == device_index]
 
     def seed(self, device_index: int, generator_id: int, seed: int) -> None:
         """Reseed one generator (``CMD_SEED``)."""

@@ -1,6 +1,8 @@
 """One rule for whether a graph node draws random numbers (genie.server.rng.node_draws), asked by both places
 that would freeze a seed: CUDA graph capture (genie.server.cuda_graphs.eligible) and inductor compiles
-(genie.server.inductor_replays.check_graph). Graphs of real OpOverloads built as CMD_GRAPH builds them, on CPU."""
+(genie.server.inductor_replays.check_graph). A CUDA graph registers the session's generators with its capture, so
+it keeps out only a node that would draw from another generator (genie.server.rng.draws_outside_session); an
+inductor compile keeps out every drawing node. Graphs of real OpOverloads built as CMD_GRAPH builds them, on CPU."""
 
 from __future__ import annotations
 
@@ -53,15 +55,17 @@ def test_the_same_node_with_dropout_p_zero_stays_eligible_for_both() -> None:
     assert _inductor_refuses(graph) is None
 
 
-@pytest.mark.parametrize(("op", "args", "inputs"), [
-    (aten.bernoulli.p, [Ref(0), 0.5], 1),                    # a generator argument (the session's default fills it)
-    (aten.dropout.default, [Ref(0), 0.5, True], 1),          # generatorless, drawn under the session's generator
-    (aten.lstm.input, [Ref(0), [Ref(1)], [Ref(2), Ref(3)], True, 1, 0.5, True, False, False], 4),  # tagged
+@pytest.mark.parametrize(("op", "args", "inputs", "cuda_graph"), [
+    (aten.bernoulli.p, [Ref(0), 0.5], 1, True),              # a generator argument (the session's default fills it)
+    (aten.dropout.default, [Ref(0), 0.5, True], 1, True),    # generatorless, drawn under the session's generator
+    (aten.native_dropout.default, [Ref(0), 0.5, True], 1, True),  # generatorless, the session's written runner
+    (aten.lstm.input, [Ref(0), [Ref(1)], [Ref(2), Ref(3)], True, 1, 0.5, True, False, False], 4, False),  # tagged
 ])
-def test_every_kind_of_drawing_node_is_ineligible_for_both(op: torch._ops.OpOverload, args: list[Any],
-                                                           inputs: int) -> None:
+def test_every_kind_of_drawing_node_is_refused_by_inductor_and_by_cuda_graphs_outside_the_session(
+        op: torch._ops.OpOverload, args: list[Any], inputs: int, cuda_graph: bool) -> None:
     graph = _graph(op, args, inputs)
-    assert cuda_graphs.eligible(graph) is False
+    assert node_draws(op, op.name(), args, {})
+    assert cuda_graphs.eligible(graph) is cuda_graph
     refused = _inductor_refuses(graph)
     assert refused is not None and "draws random numbers" in refused, refused
 

@@ -6,66 +6,17 @@ one whose graph is kept on the Python loop."""
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import pytest
 import torch
 
 from genie.server import graphs
-from genie.server.executor import Executor
-from genie.server.store import StorageStore
-from genie.wire.frame import FrameHeader, MsgKind
-from genie.wire.graph import Ref, encode_definition
-from genie.wire.messages import CMD_GRAPH, CMD_REPLAY
-from tests.raw_client import Dev, T, desc, encode_value, pack, pack_body
-from tests.transport.transport_fakes import FakeChannel
+from genie.wire.graph import Ref
+from tests.raw_client import Dev
+from tests.server.graph_session import Session
 
 pytestmark = pytest.mark.skipif(graphs.GraphProgram is None, reason="genie._C_plans was not built")
-
-_reqs = itertools.count(1)
-
-
-def _run(ex: Executor, *cmds: bytes) -> None:
-    body = pack_body({"uploads": [], "cmds": list(cmds)})
-    ex.run_batch(FrameHeader(MsgKind.BATCH, len(body), 0), body)
-
-
-class Session:
-    """One executor with a graph defined over input storages 1.. (their tensors given), outputs into 100.."""
-
-    def __init__(self, nodes: list[list[Any]], inputs: list[torch.Tensor], outputs: list[Ref],
-                 like: list[torch.Tensor], *, program: bool) -> None:
-        self.store = StorageStore(max_bytes=1 << 30)
-        self.ex = Executor(FakeChannel("test"), self.store, [torch.device("cpu")])
-        self.like = like
-        self.inputs = [T(i + 1, t) for i, t in enumerate(inputs)]
-        for i, t in enumerate(inputs):
-            self.store.put(i + 1, t.clone().untyped_storage())
-        definition = encode_definition(len(inputs), nodes, [*outputs], encode_value)
-        _run(self.ex, pack([CMD_GRAPH, next(_reqs), 0, 7, definition]))
-        self.graph = graphs.session_graphs(self.ex).graphs[7]
-        if not program:
-            self.graph.program = False  # the Python loop runs every replay
-
-    def set_input(self, i: int, t: torch.Tensor) -> None:
-        storage = self.store.get(i + 1)
-        assert storage is not None
-        storage.copy_(t.untyped_storage())
-
-    def replay(self) -> list[torch.Tensor] | dict[str, Any]:
-        """The outputs, or the deferred error the replay left."""
-        outs = [desc(100 + k, t) for k, t in enumerate(self.like)]
-        _run(self.ex, pack([CMD_REPLAY, 0, 7, self.inputs, outs]))
-        if self.ex.deferred:
-            return self.ex.deferred.pop(0)
-        got = []
-        for k, t in enumerate(self.like):
-            storage = self.store.get(100 + k)
-            assert storage is not None
-            got.append(torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape, t.stride()).clone())
-        return got
-
 
 def _both(nodes: list[list[Any]], inputs: list[torch.Tensor], outputs: list[Ref],
           like: list[torch.Tensor]) -> tuple[Session, Session]:
