@@ -184,6 +184,57 @@ def check_embedding(label: str, args: list[Any], kwargs: dict[str, Any]) -> None
         index_checks.in_range(label, "indices", indices, 0, given["num_weights"])
 
 
+#: CUDA's ``embedding_dense_backward`` takes its feature kernel for at most this many indices (without
+#: ``scale_grad_by_freq``); that kernel casts each index to ``int``.
+_CUDA_FEATURE_KERNEL_MAX_INDICES = 3072
+
+
+def embedding_backward_reads_indices(device_type: str, scale_grad_by_freq: bool) -> bool:
+    """Whether :func:`check_embedding_dense_backward` must read the indices (a min and a max) on a device of
+    ``device_type``: everywhere but on CPU, and on CPU with ``scale_grad_by_freq`` (that function says why)."""
+    return device_type != "cpu" or scale_grad_by_freq
+
+
+def check_embedding_dense_backward(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """``embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)``: the
+    embedding rules (:func:`check_embedding`), then, where the kernel would write by an index it never checks
+    (:func:`embedding_backward_reads_indices`), every index in [0, num_weights).
+
+    CUDA (aten/src/ATen/native/cuda/Embedding.cu, ``embedding_dense_backward_cuda``): up to 3072 indices without
+    ``scale_grad_by_freq`` go to ``embedding_backward_feature_kernel``, which adds into
+    ``grad_weight[dst_row*stride + f]`` with ``dst_row = (int)indices[i]``; more indices go to
+    ``embedding_backward_cuda_kernel`` (EmbeddingBackwardKernel.cu), whose ``sum_and_scatter`` writes
+    ``gradWeight[target_row * stride + startFeature]`` for each unique sorted index. Neither has a bound check or
+    a ``CUDA_KERNEL_ASSERT``: an index outside the rows is a write outside the result, on the GPU, in the session
+    worker's CUDA context (which also maps its pinned host staging). The feature kernel's ``int`` cast wraps an
+    index of 2**31 or more to another row, so there the bound is also 2**31. Any device but CPU is checked: a
+    ``meta`` stand-in for an intermediate (genie.server.replay_checks) cannot be read, so such a graph checks the
+    node eagerly rather than trusting it.
+
+    CPU (aten/src/ATen/native/Embedding.cpp, ``embedding_dense_backward_cpu``): each thread adds only the rows
+    ``k`` with ``start <= k < end`` of its share of [0, num_weights), so an index outside is skipped (index 10
+    with num_weights 10: a [10, D] result, nothing written past it). No data is read there: the check would add
+    two reads per op on the training hot path. But with ``scale_grad_by_freq`` the kernel first counts each
+    index in ``counts[indices_data[i]]++``, a heap array of num_weights entries, unchecked: 10**11 was a SIGSEGV
+    and 10 a silent write past it. So with ``scale_grad_by_freq`` CPU reads the indices too.
+
+    ``padding_idx`` is any value: both devices only compare each index with it and skip the equal ones, a
+    skipped row is no hazard. No index is exempted for being ``padding_idx``: torch's ``F.embedding`` sends -1 or
+    a row of the weight, and CUDA compares an ``int``-cast ``padding_idx`` (2**32 - 1 becomes -1) with the
+    int64 index in ``sum_and_scatter``, so exempting an out-of-range ``padding_idx`` would let it write."""
+    check_embedding(label, args, kwargs)
+    given = given_args(_EMBEDDING_ARGS["aten::embedding_dense_backward"], args, kwargs)
+    indices, num_weights = given.get("indices"), given.get("num_weights")
+    by_freq = bool(given.get("scale_grad_by_freq", False))
+    if not isinstance(indices, torch.Tensor) or not isinstance(num_weights, int) \
+            or not embedding_backward_reads_indices(indices.device.type, by_freq):
+        return
+    high = num_weights
+    if indices.device.type != "cpu" and not by_freq and indices.numel() <= _CUDA_FEATURE_KERNEL_MAX_INDICES:
+        high = min(high, 1 << 31)  # the feature kernel's (int) cast
+    index_checks.in_range(label, "indices", indices, 0, high)
+
+
 def _check_offsets(label: str, offsets: torch.Tensor, n: int) -> None:
     """Offsets of bags over ``n`` indices: from 0, never decreasing, at most ``n``. The CPU kernel reads
     ``indices`` at each offset unchecked: a negative offset read the word before its buffer and printed it in its
@@ -405,7 +456,7 @@ _BY_PACKET: dict[str, Check] = {
     "aten::_embedding_bag": check_embedding,
     "aten::_embedding_bag_forward_only": check_embedding,
     "aten::_embedding_bag_backward": check_embedding,
-    "aten::embedding_dense_backward": check_embedding,
+    "aten::embedding_dense_backward": check_embedding_dense_backward,
     "aten::median": check_median_dim,
     "aten::nanmedian": check_median_dim,
     "aten::_cummax_helper": check_cum_helper,
