@@ -12,10 +12,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from genie.errors import RemoteExecutionError
-from genie.server import validators
+from genie.server import cuda_graphs, validators
 from genie.server.validators import check_embedding_dense_backward, embedding_backward_reads_indices
 from genie.testing import serve_subprocess
+from genie.wire.graph import Ref
 from tests.raw_client import T, desc, op, sync
+from tests.server.graph_session import Session
+from tests.server.test_cuda_graph_checks import CpuGraphStandIn
 
 LABEL = "aten::embedding_dense_backward.default"
 aten = torch.ops.aten
@@ -93,3 +96,31 @@ def test_cpu_server_refuses_scale_grad_by_freq_past_the_rows_and_serves_the_rest
                            outs=[desc(21, ref)]), sync(client.next_req())])
     assert not r.deferred, r
     torch.testing.assert_close(client.fetch(21, ref), ref)
+
+
+def test_a_captured_graph_checks_the_indices_ahead_of_each_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check reads only the indices argument, so a graph whose indices are an input stays captured (here on
+    CPU with scale_grad_by_freq, which reads them, and tests/server/test_cuda_graph_checks.py's stand-in for the
+    CUDA graph; tests/server/test_embedding_cuda.py runs it on a real one): indices out of range are refused
+    before the replay runs anything, and the next replay is served."""
+    monkeypatch.setitem(cuda_graphs.CAPTURES, "cpu", CpuGraphStandIn)
+    grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
+    good = torch.tensor([0, 3, 3, 9, 1, 0])
+    nodes = [["aten::embedding_dense_backward", [Ref(0), Ref(1), 10, -1, True], {}]]
+    s = Session(nodes, [grad, good], [Ref(2)], [torch.empty(10, 4)], program=True)
+    for step in range(4):
+        indices = torch.roll(good, step)
+        s.set_input(1, indices)
+        got = s.replay()
+        assert isinstance(got, list), got
+        torch.testing.assert_close(got[0], aten.embedding_dense_backward(grad, indices, 10, -1, True))
+    assert cuda_graphs.stats(s.graph) == {"captures": 1, "eager": False, "captured": True}
+    replays = CpuGraphStandIn.replays
+    s.set_input(1, torch.tensor([0, 1, 2, 10**11, 4, 5]))  # a SIGSEGV in the kernel's counting loop
+    refused = s.replay()
+    assert isinstance(refused, dict) and "outside [0, 10)" in refused["message"], refused
+    assert CpuGraphStandIn.replays == replays  # nothing ran
+    s.set_input(1, good)
+    got = s.replay(outputs_at=200)
+    assert isinstance(got, list), got
+    torch.testing.assert_close(got[0], aten.embedding_dense_backward(grad, good, 10, -1, True))
