@@ -8,11 +8,16 @@ once into a ``torch.cuda.CUDAGraph`` and later replays launch that graph alone, 
 ``torch.cuda.graphs`` user would.
 
 A CUDA graph keeps the addresses it was captured with, so a replay uses it only when every input
-tensor has the same data pointer, shape, strides and dtype (and every number the same value) as
-at capture; otherwise the nodes run as before and the graph is captured again, at most
-:data:`MAX_CAPTURES` times per graph (a ``torch.compile`` graph whose inputs are new storages every
-call stays eager). The outputs live in the CUDA graph's private pool: the replay's output rule copies
-them into the client's storages (they are marked held, never adopted).
+tensor has the same shape, strides and dtype (and every number the same value) as at capture, and the
+same data pointer, or else is copied in. An input found at a new address when its graph is replayed
+again (a ``torch.compile`` backward's saved activations are new storages every step; its parameters
+stay) is from then on copied, before each replay, into a buffer of its own that the graph was captured
+over (a device-to-device copy; back into the input after the replay where a node writes to its
+arguments), as inductor's CUDA graph trees copy their inputs that are not static; an input that is not
+dense (an expanded view) cannot have such a buffer, and a graph whose inputs move otherwise is
+captured again, at most :data:`MAX_CAPTURES` times, then stays eager. The buffers are outside the
+session's byte quota, like the private pool. The outputs live in the CUDA graph's private pool: the
+replay's output rule copies them into the client's storages (they are marked held, never adopted).
 
 A node that reads data in its validator (the embedding backward's indices) cannot run under a capture, and a
 replay runs no Python: the capture records each validator's call instead (:mod:`genie.server.replay_checks`), and
@@ -44,6 +49,7 @@ import torch
 
 from genie.server.replay_checks import HoistedChecks, NotHoistable, recording
 from genie.server.rng import draws_outside_session
+from genie.server.validators import dense
 
 log = logging.getLogger("genie.server.cuda_graphs")
 
@@ -82,9 +88,15 @@ CAPTURES: dict[str, Callable[[Any, Any], Any]] = {"cuda": CudaGraph}
 
 
 class _Captured:
-    __slots__ = ("captured", "captures", "checks", "cuda_graph", "failed", "signature")
+    __slots__ = ("addresses", "buffers", "captured", "captures", "checks", "copied", "cuda_graph", "failed",
+                 "signature")
 
     def __init__(self) -> None:
+        #: each input's data pointer at the last capture (None: not a tensor)
+        self.addresses: tuple[int | None, ...] = ()
+        #: the input slots copied in before each replay, and the buffers the capture read them from
+        self.copied: frozenset[int] = frozenset()
+        self.buffers: dict[int, torch.Tensor] = {}
         self.cuda_graph: Any = None
         #: the validators' calls recorded by the capture, run before each replay
         self.checks: HoistedChecks | None = None
@@ -105,11 +117,13 @@ def eligible(graph: Any) -> bool:
     return not any(draws_outside_session(node.op, node.label, node.args, node.kwargs) for node in graph.nodes)
 
 
-def _signature(values: list[Any]) -> tuple[Any, ...]:
+def _signature(values: list[Any], copied: frozenset[int] = frozenset()) -> tuple[Any, ...]:
+    """What a captured graph's inputs must match: every tensor's address (but those ``copied`` in), shape, strides,
+    dtype and device; every other value itself."""
     out: list[Any] = []
-    for v in values:
+    for i, v in enumerate(values):
         if isinstance(v, torch.Tensor):
-            out.append((v.data_ptr(), tuple(v.shape), v.stride(), v.dtype, v.device))
+            out.append((None if i in copied else v.data_ptr(), tuple(v.shape), v.stride(), v.dtype, v.device))
         elif isinstance(v, (list, tuple)):
             out.append(_signature(list(v)))
         else:
@@ -133,11 +147,16 @@ def run(ex: Any, graph: Any, env: list[Any], held: set[int], label: str, storage
     if state.failed:
         run_nodes(ex, graph, env, held, label, storage_ids, None)
         return
-    signature = _signature(env[:graph.inputs])
+    signature = _signature(env[:graph.inputs], state.copied)
+    if state.cuda_graph is not None and state.signature != signature:
+        moved = _moved(state, env[:graph.inputs])
+        if moved:  # copied in from now on: the graph is captured again over buffers for them
+            state.copied |= moved
+            signature = _signature(env[:graph.inputs], state.copied)
     if state.cuda_graph is None or state.signature != signature:
         if state.captures >= MAX_CAPTURES:
             state.failed = True
-            state.cuda_graph, state.captured = None, []
+            state.cuda_graph, state.captured, state.buffers = None, [], {}
             log.info("%s: its inputs moved %d times; it stays eager", label, MAX_CAPTURES)
             run_nodes(ex, graph, env, held, label, storage_ids, None)
             return
@@ -146,7 +165,12 @@ def run(ex: Any, graph: Any, env: list[Any], held: set[int], label: str, storage
             return
     elif state.checks:
         state.checks.run(env)  # HoistedCheckFailed: the replay is refused before anything ran
+    for slot, buffer in state.buffers.items():
+        buffer.copy_(env[slot])
     state.cuda_graph.replay(env)
+    if graph.writes:
+        for slot, buffer in state.buffers.items():
+            env[slot].copy_(buffer)  # what a node wrote to that input
     for slot in graph.output_slots:
         if slot < graph.inputs:
             continue  # an input given back: the replay's own
@@ -165,25 +189,43 @@ def _capture(kind: Callable[[Any, Any], Any], ex: Any, graph: Any, env: list[Any
         return False
     state.captures += 1
     captured = list(env)
+    buffers = {slot: torch.empty_strided(env[slot].shape, env[slot].stride(), dtype=env[slot].dtype,
+                                         device=env[slot].device) for slot in sorted(state.copied)}
+    for slot, buffer in buffers.items():
+        captured[slot] = buffer.copy_(env[slot])  # before the capture: what a capture reads is never garbage
     try:
         cuda_graph = kind(ex, graph)
         # Where a node writes to its arguments, an input's data may change before a later node's check reads it:
         # then the inputs too are recorded as meta tensors, and only checks that read no data run ahead.
-        with recording(graph, [] if graph.writes else env[:graph.inputs]) as checks:
+        with recording(graph, [] if graph.writes else captured[:graph.inputs]) as checks:
             cuda_graph.capture(lambda e: run_nodes(ex, graph, e, held, label, storage_ids, None), captured)
     except Exception as exc:  # a node that cannot be captured: eager from now on
-        state.failed, state.cuda_graph, state.captured = True, None, []
+        state.failed, state.cuda_graph, state.captured, state.buffers = True, None, [], {}
         log.warning("%s cannot be captured as a CUDA graph (%s); it runs node by node", label, exc)
         return False
     try:
         checks.verify(env)  # its validators, before this first replay; can they run ahead of every replay?
     except NotHoistable as exc:
-        state.failed, state.cuda_graph, state.captured = True, None, []
+        state.failed, state.cuda_graph, state.captured, state.buffers = True, None, [], {}
         log.info("%s stays eager: %s", label, exc)
         return False
+    state.addresses = tuple(v.data_ptr() if isinstance(v, torch.Tensor) else None for v in env[:graph.inputs])
     captured[:graph.inputs] = [None] * graph.inputs  # the graph keeps their addresses, not the storages
     state.cuda_graph, state.signature, state.checks, state.captured = cuda_graph, signature, checks, captured
+    state.buffers = buffers
     return True
+
+
+def _moved(state: _Captured, inputs: list[Any]) -> frozenset[int]:
+    """The tensor inputs at another address than at the last capture, where every one of them can be copied into a
+    buffer of its own (dense, the shape, strides and dtype of the capture); else none."""
+    moved = []
+    for slot, (v, address) in enumerate(zip(inputs, state.addresses, strict=True)):
+        if isinstance(v, torch.Tensor) and address is not None and v.data_ptr() != address:
+            if not dense(v) or state.signature is None or _signature([v])[0][1:] != state.signature[slot][1:]:
+                return frozenset()
+            moved.append(slot)
+    return frozenset(moved)
 
 
 def stats(graph: Any) -> dict[str, Any]:

@@ -47,7 +47,7 @@ def check_foreach(label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
             raise _fail(label, f"a list of {len(value)} scalars for {length} tensors")
 
 
-def _dense(t: torch.Tensor) -> bool:
+def dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill ``numel`` consecutive slots, in some order of its dimensions."""
     if t.numel() <= 1:
         return True
@@ -71,7 +71,7 @@ def check_fused_optimizer(label: str, args: list[Any], kwargs: dict[str, Any]) -
     sgd = "sgd" in label
     steps_at = 3 if "adagrad" in label else None if sgd else 5
     for p in params:
-        if isinstance(p, torch.Tensor) and not _dense(p):
+        if isinstance(p, torch.Tensor) and not dense(p):
             raise _fail(label, f"a parameter of shape {list(p.shape)} and strides {list(p.stride())} overlaps "
                         "itself or has gaps; fused optimizers take dense parameters (clone it, or use foreach=True)")
     for i, tensors in enumerate(lists[1:], 1):

@@ -18,6 +18,7 @@ from tests.raw_client import T, desc, encode_value, pack, pack_body, seed
 from tests.transport.transport_fakes import FakeChannel
 
 _reqs = itertools.count(1)
+_moved_ids = itertools.count(1000)
 
 
 def _run(ex: Executor, *cmds: bytes) -> None:
@@ -48,6 +49,18 @@ class Session:
         storage = self.store.get(i + 1)
         assert storage is not None
         storage.copy_(t.to(self.device).untyped_storage())
+
+    def move_input(self, i: int, t: torch.Tensor) -> None:
+        """Give input ``i`` as a new storage (a new id, new memory), as a client's next step gives new activations."""
+        storage_id = next(_moved_ids)
+        self.store.put(storage_id, t.clone().to(self.device).untyped_storage())
+        self.inputs[i] = T(storage_id, t)
+
+    def input(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        """Input ``i``'s data as the session holds it now."""
+        storage = self.store.get(self.inputs[i].value[0])
+        assert storage is not None
+        return torch.empty(0, dtype=like.dtype, device=self.device).set_(storage, 0, like.shape, like.stride()).cpu()
 
     def seed(self, value: int) -> None:
         """Reseed the session's default generator of its device (CMD_SEED)."""

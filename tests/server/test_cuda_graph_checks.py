@@ -4,8 +4,8 @@ CMD_REPLAY through an in-process executor, each checked against torch run locall
 
 This machine has no GPU, so ``torch.cuda.CUDAGraph`` is what these tests replace: ``CpuGraphStandIn`` stands in for
 it on the executor's CPU device (its capture runs the nodes once, then puts back the inputs' data and the session's
-generators' states, as a capture writes and draws nothing; each replay runs them again over the replay's inputs
-into the captured outputs, with no validator run, as a CUDA graph replay runs no Python). Everything else is the
+generators' states, as a capture writes and draws nothing; each replay runs them again over the inputs it was captured
+with (the replay's, or the buffers they were copied into) into the captured outputs, with no validator run, as a CUDA graph replay runs no Python). Everything else is the
 server's own code. tests/server/test_cuda_graphs_gpu.py runs the same graphs on a real CUDA graph
 (scripts/gpu-check)."""
 
@@ -32,11 +32,13 @@ class CpuGraphStandIn:
         self.graph = graph
         self.generators = ex.generators.on_device(graph.device_index)
         self.env: list[Any] = []
+        self.inputs: list[Any] = []
         self.nodes: Any = None
 
     def capture(self, nodes: Any, env: list[Any]) -> None:
         states = [g.get_state() for g in self.generators]
-        inputs = [t for v in env if v is not None for t in _tensors(v)]
+        self.inputs = env[:self.graph.inputs]  # before the run drops them after their last use
+        inputs = [t for v in self.inputs for t in _tensors(v)]
         saved = [t.clone() for t in inputs]
         nodes(env)
         for t, before in zip(inputs, saved, strict=True):  # a CUDA capture writes nothing
@@ -47,7 +49,7 @@ class CpuGraphStandIn:
 
     def replay(self, env: list[Any]) -> None:
         CpuGraphStandIn.replays += 1
-        fresh = list(env)
+        fresh = [*self.inputs, *[None] * len(self.graph.nodes)]  # what the capture read: a CUDA graph's addresses
         with replay_checks.recording(self.graph, []):  # a CUDA graph replay runs no validator
             self.nodes(fresh)
         for slot, kept in enumerate(self.env):
@@ -109,6 +111,44 @@ def test_a_captured_graph_checks_its_input_indices_before_every_replay(program: 
     got = s.replay(outputs_at=200)  # the refused replay poisoned 100 and 101, as a failed op does
     assert isinstance(got, list) and torch.allclose(got[0], _expected(grad, x, idx)[0]), got
     assert cuda_graphs.stats(s.graph)["captured"] and CpuGraphStandIn.replays == replays + 1
+
+
+def test_inputs_at_new_addresses_each_replay_are_copied_into_the_capture_buffers() -> None:
+    """The gradient is a new storage every replay (a compiled backward's saved activations are): after it moved
+    once the graph is captured again over a buffer it is copied into before each replay, and later replays,
+    each with the gradient somewhere new, reuse that capture. The indices, still checked on every replay, move too."""
+    torch.manual_seed(0)
+    x, idx = torch.randn(1, 1, 4, 4), _indices(0, 3, 8, 15)
+    s = Session(_POOL_BACKWARD, [torch.randn(1, 1, 2, 2), x, idx], [Ref(3), Ref(4)],
+                [torch.empty(1, 1, 4, 4), torch.empty(())], program=True)
+    for step in range(7):
+        grad = torch.randn(1, 1, 2, 2)
+        s.move_input(0, grad)
+        if step >= 4:
+            idx = _indices(step, 1, 2, 3)
+            s.move_input(2, idx)
+        got = s.replay()
+        assert isinstance(got, list), got
+        assert all(torch.allclose(a, b) for a, b in zip(got, _expected(grad, x, idx), strict=True)), step
+    # replay 2 captured over the inputs, replay 3 over a buffer for the gradient, replay 6 one for the indices too
+    assert cuda_graphs.stats(s.graph) == {"captures": 3, "eager": False, "captured": True}
+    s.move_input(2, _indices(0, 1, 2, 16))
+    refused = s.replay()
+    assert isinstance(refused, dict) and "[-1, 16)" in refused["message"], refused
+
+
+def test_a_moved_input_that_a_node_writes_to_gets_the_write() -> None:
+    """A node adds to its input in place: where that input is copied into a buffer, the buffer is copied back after
+    the replay, so the session's storage holds the sum, as node by node."""
+    nodes = [["aten::add_.Tensor", [Ref(0), Ref(1)], {}], ["aten::sum", [Ref(2)], {}]]
+    s = Session(nodes, [torch.zeros(8), torch.ones(8)], [Ref(3)], [torch.empty(())], program=True)
+    for step in range(6):
+        start = torch.full((8,), 10.0 * step)
+        s.move_input(0, start)
+        got = s.replay()
+        assert isinstance(got, list) and float(got[0]) == 8.0 * (10 * step + 1), (step, got)
+        assert torch.equal(s.input(0, start), start + 1), step
+    assert cuda_graphs.stats(s.graph) == {"captures": 2, "eager": False, "captured": True}
 
 
 def test_a_check_that_reads_an_intermediate_keeps_its_graph_eager() -> None:

@@ -59,3 +59,19 @@ def test_a_cuda_graph_draws_each_replays_dropout_from_the_session_generator() ->
         masks.append(got[1])
     assert cuda_graphs.stats(s.graph) == {"captures": 1, "eager": False, "captured": True}
     assert not torch.equal(masks[3], masks[4])
+
+
+def test_a_cuda_graph_copies_inputs_that_move_into_its_buffers() -> None:
+    """A new gradient storage every replay: captured again once over a buffer, then each replay copies the gradient
+    in (device to device) and equals torch run locally on the GPU."""
+    x, idx = torch.randn(1, 1, 4, 4), _indices(0, 3, 8, 15)
+    s = Session(_POOL_BACKWARD, [torch.randn(1, 1, 2, 2), x, idx], [Ref(3), Ref(4)],
+                [torch.empty(1, 1, 4, 4), torch.empty(())], program=True, device=CUDA)
+    for _ in range(6):
+        grad = torch.randn(1, 1, 2, 2)
+        s.move_input(0, grad)
+        got = s.replay()
+        assert isinstance(got, list), got
+        want = aten.max_pool2d_with_indices_backward(grad.to(CUDA), x.to(CUDA), *_POOL, idx.to(CUDA)).cpu()
+        assert torch.allclose(got[0], want)
+    assert cuda_graphs.stats(s.graph) == {"captures": 2, "eager": False, "captured": True}
