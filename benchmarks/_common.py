@@ -64,6 +64,8 @@ def enter_private_netns(argv: Sequence[str] | None = None) -> None:
 #: compiled, or could not compile).
 INDUCTOR_OUTCOMES = ("compiled by inductor in", "stays node by node under", "inductor could not compile")
 INDUCTOR_QUEUED = "queued for inductor"
+#: What a CUDA node's log (at INFO) says of each replayed graph's CUDA graph (genie.server.cuda_graphs).
+CUDA_GRAPH_OUTCOMES = ("captured as a CUDA graph", "stays eager", "cannot be captured as a CUDA graph")
 
 
 def inductor_outcomes(log: str) -> int:

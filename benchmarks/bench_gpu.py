@@ -509,10 +509,12 @@ def run_parent(a: argparse.Namespace) -> int:
         for backend in a.backends.split(","):
             env = {"GENIE_BACKEND": backend, "GENIE_LOG_LEVEL": "WARNING"}
             before = gpu_memory_used_mib()
-            with NodeProcess("serve", "--port", "0", "--devices", a.device, env=env, ready_timeout=300) as node:
+            with NodeProcess("--log-level", "INFO", "serve", "--port", "0", "--devices", a.device, env=env,
+                             ready_timeout=300) as node:
                 idle = gpu_memory_used_mib()
                 runs = run_mode(kids, a, "genie", node.control_port, env=env, node_pid=node.pid)
                 runs["gpu_memory_mib"] = {"before_node": before, "node_idle": idle}
+                runs["cuda_graphs"] = {o: node.log().count(o) for o in c.CUDA_GRAPH_OUTCOMES}
                 report["runs"][backend] = runs
             print(f"genie over {backend} done", flush=True)
         compiled = [w for w in a.workloads.split(",") if w in INDUCTOR_WORKLOADS]
@@ -594,6 +596,10 @@ def _print_cpu(report: dict[str, Any]) -> None:
                                                                  else ""))
     if lines:
         print("CPU per step (mean over the timed steps):\n" + "\n".join(lines), flush=True)
+    graphs = [f"  [{run}]: " + ", ".join(f"{n} {o}" for o, n in results["cuda_graphs"].items())
+              for run, results in report["runs"].items() if results.get("cuda_graphs")]
+    if graphs:  # the node's log: every graph of every workload of that run (compiled and captured rows)
+        print("CUDA graphs (captures and refusals in the node's log):\n" + "\n".join(graphs), flush=True)
 
 
 #: The transfer rows: (the result's key, what genie's figure is, what native's figure is).
