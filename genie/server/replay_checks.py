@@ -11,9 +11,9 @@ read waits for the GPU's work queued before it).
 What a recorded call keeps: an argument that is one of the graph's inputs (or an item of a list input), by its
 place, so each replay's own input is checked; every other tensor, an intermediate the graph computes, as a
 ``meta`` tensor of the same shape, strides and dtype, which answers every question about its metadata and
-raises on any read of its data. Where a node of the graph writes to its arguments (in-place, ``out=``), an
-input's data may change before a later node's check reads it, so the caller records no input by its place
-(``inputs`` empty): every tensor is a meta tensor, and only checks that read no data run ahead. A captured replay's inputs have the signature of the capture (same addresses,
+raises on any read of its data. An input that a node of the graph may write to (in-place, ``out=``, directly
+or through a view of it: :func:`written_inputs`) may change before a later node's check reads it, so the
+caller records it as a meta tensor too: only checks that read none of its data run ahead. A captured replay's inputs have the signature of the capture (same addresses,
 shapes, strides, dtypes and plain values: the caller's rule), so the intermediates' metadata are the capture's.
 
 A captured graph is used only if the recorded calls run as they would have in the capture (:meth:`verify`, once,
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from genie.errors import GenieError
+from genie.wire.graph import Ref
 
 Check = Callable[[str, list[Any], dict[str, Any]], None]
 
@@ -124,6 +125,37 @@ class HoistedChecks:
                                and before[2] == list(given_kw)):
                 raise NotHoistable(f"node {node} ({label}): its check replaces an argument, which the capture "
                                    "ran without")
+
+
+def written_inputs(graph: Any) -> set[int]:
+    """The input slots of ``graph`` (a :class:`genie.server.graphs.Graph`) that a node may write to: an argument the
+    op's schema marks written (``Tensor(a!)``) that is an input, or a node's result that may alias an input (an op
+    whose schema lets a result alias an argument: views, in-place and ``out=`` ops), item by item, transitively."""
+    aliases: dict[int, frozenset[int]] = {slot: frozenset([slot]) for slot in range(graph.inputs)}
+    written: set[int] = set()
+    for k, node in enumerate(graph.nodes):
+        reach: frozenset[int] = frozenset()
+        schema = node.op._schema.arguments
+        given = [*zip(schema, node.args, strict=False),
+                 *((a, node.kwargs[a.name]) for a in schema if a.name in node.kwargs)]
+        for argument, value in given:
+            if argument.alias_info is None:
+                continue
+            touched = frozenset().union(*(aliases.get(slot, frozenset()) for slot in _slots(value)))
+            reach |= touched
+            if argument.alias_info.is_write:
+                written |= touched
+        aliases[graph.inputs + k] = reach
+    return written
+
+
+def _slots(value: Any) -> list[int]:
+    """The slots the references in an argument template name (genie.wire.graph.Ref, lists of them)."""
+    if type(value) is Ref:
+        return [value.slot]
+    if isinstance(value, (list, tuple)):
+        return [slot for v in value for slot in _slots(v)]
+    return []
 
 
 @contextmanager

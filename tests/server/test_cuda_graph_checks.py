@@ -189,6 +189,44 @@ def test_a_check_of_an_input_that_a_node_writes_to_keeps_its_graph_eager() -> No
     assert CpuGraphStandIn.replays == replays
 
 
+def test_a_check_of_an_input_written_through_a_view_keeps_its_graph_eager() -> None:
+    """The indices are doubled through a view of them (``view`` then ``mul_``): the write reaches the input all the
+    same, so its check stays between the nodes and the doubled index is refused."""
+    nodes = [["aten::view", [Ref(2), [-1]], {}],                                               # 3: a view
+             ["aten::mul_.Scalar", [Ref(3), 2], {}],                                           # 4: the input doubled
+             ["aten::max_pool2d_with_indices_backward", [Ref(0), Ref(1), *_POOL, Ref(2)], {}],  # 5
+             ["aten::sum", [Ref(5)], {}]]                                                     # 6
+    grad, x, idx = torch.randn(1, 1, 2, 2), torch.randn(1, 1, 4, 4), _indices(0, 1, 2, 7)
+    s = Session(nodes, [grad, x, idx], [Ref(6)], [torch.empty(())], program=True)
+    for _ in range(3):
+        s.set_input(2, idx)
+        got = s.replay()
+        assert isinstance(got, list) and torch.allclose(got[0], _expected(grad, x, idx * 2)[1])
+    assert cuda_graphs.stats(s.graph) == {"captures": 1, "eager": True, "captured": False}
+    s.set_input(2, _indices(0, 1, 2, 8))
+    refused = s.replay()
+    assert isinstance(refused, dict) and "node 2 (aten::max_pool2d_with_indices_backward)" in refused["op"], refused
+
+
+def test_a_write_to_another_input_leaves_the_indices_check_ahead_of_the_replay() -> None:
+    """A node scales the pooled input in place (an optimizer step writes its parameters so): the indices, which no
+    node writes, are still checked ahead of each replay, and the graph is captured."""
+    nodes = [["aten::mul_.Scalar", [Ref(1), 2], {}],                                           # 3: x *= 2
+             ["aten::max_pool2d_with_indices_backward", [Ref(0), Ref(3), *_POOL, Ref(2)], {}],  # 4
+             ["aten::sum", [Ref(4)], {}]]                                                     # 5
+    grad, x, idx = torch.randn(1, 1, 2, 2), torch.randn(1, 1, 4, 4), _indices(0, 1, 2, 7)
+    s = Session(nodes, [grad, x, idx], [Ref(5)], [torch.empty(())], program=True)
+    for _ in range(4):
+        got = s.replay()
+        assert isinstance(got, list) and torch.allclose(got[0], _expected(grad, x, idx)[1])
+    assert cuda_graphs.stats(s.graph) == {"captures": 1, "eager": False, "captured": True}
+    replays = CpuGraphStandIn.replays
+    s.set_input(2, _indices(0, 1, 2, 16))
+    refused = s.replay()
+    assert isinstance(refused, dict) and "[-1, 16)" in refused["message"], refused
+    assert CpuGraphStandIn.replays == replays
+
+
 def test_a_check_that_replaces_an_argument_keeps_its_graph_eager() -> None:
     """``_index_put_impl_`` is served with ``unsafe=False`` (its check rewrites the argument): a capture ran without
     that rewrite, so the graph stays eager and every replay runs the check before the node."""
