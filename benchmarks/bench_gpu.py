@@ -173,8 +173,8 @@ def gpt2_train(dev: str, a: argparse.Namespace, compiled: bool = False) -> dict[
 
 
 def gpt2_train_graph(dev: str, a: argparse.Namespace) -> dict[str, Any]:
-    """The GPT-2 training step captured once and replayed: torch.accelerator.Graph remotely (one command per
-    step), a CUDA graph natively (torch.cuda.graph, after a warm-up on a side stream as its docs ask); on a CPU
+    """The GPT-2 training step captured once and replayed: torch.accelerator.Graph remotely (genie.Graph on a torch
+    without it; one command per step), a CUDA graph natively (torch.cuda.graph, after a warm-up on a side stream as its docs ask); on a CPU
     device (the --device cpu dry run's native side) the step runs as it is."""
     import torch
     from transformers import GPT2LMHeadModel
@@ -212,7 +212,12 @@ def gpt2_train_graph(dev: str, a: argparse.Namespace) -> dict[str, Any]:
     else:
         for _ in range(a.warmup + 1):
             body().item()  # the optimizer's state exists before the capture
-        graph = torch.accelerator.Graph()
+        # torch.accelerator.Graph where this torch serves it (2.13 on), else genie.Graph: the same capture (the GPU
+        # machine's image has torch 2.11)
+        import genie
+        from genie import _C
+
+        graph = torch.accelerator.Graph() if hasattr(_C, "register_graph_impl") else genie.Graph()
         with graph:
             static_loss = body()
 

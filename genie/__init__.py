@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
     from genie.api import device, get_cluster_state, init, init_sync, is_initialized, shutdown, shutdown_sync, subscribe
+    from genie.device.graphs import Graph
     from genie.device.stats import Profile
     from genie.hookspecs import hookimpl
 
@@ -55,6 +56,7 @@ def profile(*, file: IO[str] | None = None, print_table: bool = True) -> Abstrac
 
 
 __all__ = [
+    "Graph",
     "__version__",
     "device",
     "get_cluster_state",
@@ -75,6 +77,9 @@ def __getattr__(name: str) -> Any:
     value: Any
     if name == "hookimpl":
         from genie.hookspecs import hookimpl as value
+    elif name == "Graph":  # torch.accelerator.Graph's capture on any torch (genie.device.graphs)
+        import genie.api  # noqa: F401  (the runtime a capture needs)
+        from genie.device.graphs import Graph as value
     elif name == "device":  # the device package, callable once genie.api has loaded: genie.device(min_memory=...)
         import genie.api  # noqa: F401  (makes the package callable)
 

@@ -400,6 +400,28 @@ class RemoteGraph:
             f.write(f"outputs {built.outputs!r}\n")
 
 
+class Graph(RemoteGraph):
+    """``genie.Graph``: the same capture as ``torch.accelerator.Graph`` on ``remote_accelerator``, on any torch (a torch
+    older than 2.13 has no accelerator graph registry to serve that class through)::
+
+        g = genie.Graph()
+        with g:                 # capture on the current remote device: nothing runs, nothing is sent
+            static_loss = train_step(static_x)
+        g.replay()              # one CMD_REPLAY
+
+    An exception inside the ``with`` block ends the capture and leaves the graph empty (``reset``)."""
+
+    def __enter__(self) -> Graph:
+        self.capture_begin()
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        if kind is not None:
+            self.reset()
+            return
+        self.capture_end()
+
+
 def install() -> None:
     """Register :class:`RemoteGraph` as ``remote_accelerator``'s torch.accelerator.Graph implementation (torch
     2.13 and later; an older torch has no graph registry, and torch.accelerator.Graph is then not served)."""

@@ -1,6 +1,6 @@
-"""torch.accelerator.Graph on remote_accelerator against a real server process: a captured training step
-(forward, backward, fused AdamW) replays equal to the same step op by op; sync points and host copies during
-capture raise GraphCaptureError; a replay is one command."""
+"""torch.accelerator.Graph on remote_accelerator, and genie.Graph (the same capture on any torch), against a real
+server process: a captured training step (forward, backward, fused AdamW) replays equal to the same step op by op;
+sync points and host copies during capture raise GraphCaptureError; a replay is one command."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import genie
 from genie import _C
 from genie.device import registry
 from genie.errors import GraphCaptureError
@@ -19,9 +20,18 @@ D0 = "remote_accelerator:0"
 #: On a CUDA server (scripts/gpu-check) the replay runs as a CUDA graph: equal within CUDA's rounding, not bitwise.
 CUDA = "cuda" in shared_server_devices()
 
-pytestmark = [pytest.mark.usefixtures("remote"),
-              pytest.mark.skipif(not hasattr(_C, "register_graph_impl"),
-                                 reason="this torch has no accelerator graph registry (torch 2.13 added it)")]
+pytestmark = pytest.mark.usefixtures("remote")
+
+
+def _accelerator_graph(keep_graph: bool = False) -> Any:
+    return torch.accelerator.Graph(keep_graph=keep_graph)
+
+
+#: Both ways to capture: torch's class (served through genie._C's graph registry, torch 2.13 on) and genie.Graph (any
+#: torch: the GPU machine's image has torch 2.11).
+GRAPHS = [pytest.param(_accelerator_graph, id="torch.accelerator.Graph", marks=pytest.mark.skipif(
+              not hasattr(_C, "register_graph_impl"), reason="this torch has no accelerator graph registry (2.13 added it)")),
+          pytest.param(genie.Graph, id="genie.Graph")]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -47,7 +57,8 @@ def _ops_sent() -> int:
     return int(registry.table().get(0).connection.stats["ops"])
 
 
-def test_captured_training_step_replays_equal_to_op_by_op() -> None:
+@pytest.mark.parametrize("make_graph", GRAPHS)
+def test_captured_training_step_replays_equal_to_op_by_op(make_graph: Any) -> None:
     eager_model, eager_opt = _model_and_optimizer()
     model, opt = _model_and_optimizer()
     batches = [torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
@@ -56,7 +67,7 @@ def test_captured_training_step_replays_equal_to_op_by_op() -> None:
     static_x = batches[0].to(D0)
     assert _step(model, opt, static_x).item() == pytest.approx(eager_loss, rel=0 if not CUDA else 1e-5)
 
-    graph = torch.accelerator.Graph()
+    graph = make_graph()
     before = _ops_sent()
     with graph:
         static_loss = _step(model, opt, static_x)
@@ -79,9 +90,10 @@ def test_captured_training_step_replays_equal_to_op_by_op() -> None:
         assert torch.equal(a["step"].cpu(), b["step"].cpu())
 
 
-def test_graph_outputs_keep_their_storage_across_replays() -> None:
+@pytest.mark.parametrize("make_graph", GRAPHS)
+def test_graph_outputs_keep_their_storage_across_replays(make_graph: Any) -> None:
     x = torch.ones(8, device=D0)
-    graph = torch.accelerator.Graph()
+    graph = make_graph()
     with graph:
         y = (x * 2).sum()
         x.add_(1)  # an input written in place: every replay
@@ -96,9 +108,10 @@ def test_graph_outputs_keep_their_storage_across_replays() -> None:
 @pytest.mark.parametrize("sync", [lambda t: t.item(), lambda t: t.cpu(), lambda t: t.nonzero(),
                                   lambda t: torch.accelerator.synchronize()],
                          ids=["item", "cpu", "nonzero", "synchronize"])
-def test_sync_point_during_capture_raises_and_invalidates(sync: Any) -> None:
+@pytest.mark.parametrize("make_graph", GRAPHS)
+def test_sync_point_during_capture_raises_and_invalidates(sync: Any, make_graph: Any) -> None:
     x = torch.ones(4, device=D0)
-    graph = torch.accelerator.Graph()
+    graph = make_graph()
     with pytest.raises(GraphCaptureError, match="operation not permitted when stream is capturing"):
         with graph:
             y = (x + 1).sum()
@@ -108,18 +121,20 @@ def test_sync_point_during_capture_raises_and_invalidates(sync: Any) -> None:
     assert (x + 1).sum().item() == 8.0  # the session works as before
 
 
-def test_host_copy_during_capture_raises() -> None:
+@pytest.mark.parametrize("make_graph", GRAPHS)
+def test_host_copy_during_capture_raises(make_graph: Any) -> None:
     x = torch.zeros(1024, device=D0)
-    graph = torch.accelerator.Graph()
+    graph = make_graph()
     with pytest.raises(GraphCaptureError, match="host-to-device copy"):
         with graph:
             x.copy_(torch.ones(1024))
     assert x.sum().item() == 0.0
 
 
-def test_reset_allows_a_new_capture() -> None:
+@pytest.mark.parametrize("make_graph", GRAPHS)
+def test_reset_allows_a_new_capture(make_graph: Any) -> None:
     x = torch.ones(4, device=D0)
-    graph = torch.accelerator.Graph(keep_graph=True)
+    graph = make_graph(keep_graph=True)
     with graph:
         y = x * 3
     graph.replay()
@@ -129,3 +144,20 @@ def test_reset_allows_a_new_capture() -> None:
         z = x * 5
     graph.replay()
     assert z.cpu().tolist() == [5.0] * 4
+
+
+def test_an_error_inside_a_genie_graph_block_ends_the_capture() -> None:
+    """The user's own exception leaves the block as it is; the capture is over (ops run again) and the graph empty."""
+    x = torch.ones(4, device=D0)
+    graph = genie.Graph()
+    with pytest.raises(ValueError, match="the user's"):
+        with graph:
+            x.mul_(3)
+            raise ValueError("the user's")
+    assert x.cpu().tolist() == [1.0] * 4  # the captured mul_ never ran, and the copy was not captured
+    with pytest.raises(GraphCaptureError, match="replay\\(\\) needs a captured graph"):
+        graph.replay()
+    with graph:
+        y = x * 5
+    graph.replay()
+    assert y.cpu().tolist() == [5.0] * 4
