@@ -27,8 +27,15 @@ keeps them, where compiling would change what is checked or computed:
   reads is a graph input and no node of the graph writes to its arguments: then the validator runs on
   those inputs before the compiled code, on every replay, and sees what the node would see (an
   embedding's indices and weight, the common case);
-- a node that draws random numbers (the session's generators are not inductor's;
-  :func:`genie.server.rng.node_draws`, the rule CUDA graphs use too);
+- a node that would draw random numbers from a generator other than the session's
+  (:func:`genie.server.rng.draws_outside_session`, the rule CUDA graphs use too). A node that draws from the
+  session's generator (dropout, the generatorless random ops: :func:`genie.server.rng.node_draws`) compiles:
+  inductor's code draws its seeds from the device's default generator, so each compiled run of such a graph
+  swaps the session's default generator's state into the device's default generator and back after it
+  (:func:`_session_draws`), under one lock of the process (the default generator is the process's, shared by
+  the sessions of an ``--isolation none`` node; nothing else on a node draws from it). The numbers are
+  inductor's (its philox), drawn from the session's seed: a session seeded alike draws alike, not the numbers
+  the same nodes draw one by one (as a local ``torch.compile`` does not draw eager's);
 - a node that may resize a storage (``resize_``, ``set_``, ``out=``);
 - a node of the ``empty`` family (node by node it is zeroed; compiled code would hand out what the
   allocator held);
@@ -65,6 +72,8 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,7 +84,7 @@ from genie.server.per_session import PerSession
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
-from genie.server.rng import node_draws
+from genie.server.rng import draws_outside_session, node_draws
 from genie.wire.graph import Ref
 
 if TYPE_CHECKING:
@@ -116,7 +125,7 @@ class Ineligible(Exception):
 class _Compiled:
     """One graph's compiled forms, by compile key (signature, input offsets, input aliasing)."""
 
-    __slots__ = ("callables", "checks", "failed", "full", "jobs", "warned", "writes")
+    __slots__ = ("callables", "checks", "draws", "failed", "full", "jobs", "warned", "writes")
 
     def __init__(self) -> None:
         self.callables: dict[Any, Any] = {}
@@ -125,6 +134,7 @@ class _Compiled:
         self.failed = False
         self.full = False  # MAX_SIGNATURES reached (logged once)
         self.writes = False  # a node writes to its arguments
+        self.draws = False  # a node draws from the session's generator: each compiled run swaps it in
         #: (index, node) of the nodes whose validators run on the graph's inputs before the compiled code
         self.checks: list[tuple[int, Any]] = []
 
@@ -184,8 +194,8 @@ def check_graph(graph: Any) -> list[tuple[int, Any]]:
                 raise Ineligible(f"{where} has a check that reads data computed by the graph (or a node writes to "
                                  "its arguments): it must run between the nodes")
             checks.append((i, node))
-        if node_draws(node.op, node.label, node.args, node.kwargs):
-            raise Ineligible(f"{where} draws random numbers from the session's generators")
+        if draws_outside_session(node.op, node.label, node.args, node.kwargs):
+            raise Ineligible(f"{where} draws random numbers from a generator other than the session's")
         if node.zero:
             raise Ineligible(f"{where} hands out uninitialised memory, zeroed node by node")
         names = [a.name for a in node.op._schema.arguments]
@@ -309,7 +319,7 @@ def _compile_loop(jobs: queue.SimpleQueue[Any]) -> None:
         job, compiled, gm, example, label = jobs.get()
         started = time.perf_counter()
         try:
-            job.fn = _compile(gm, example)
+            job.fn = _compile(gm, example, compiled.draws)
         except BaseException as exc:  # noqa: BLE001 - whatever inductor raises leaves that graph node by node
             job.error = exc
         job.seconds = time.perf_counter() - started
@@ -324,10 +334,13 @@ def _compile_loop(jobs: queue.SimpleQueue[Any]) -> None:
             log.info("%s compiled by inductor in %.1f s (%d fx nodes)", label, job.seconds, len(gm.graph.nodes))
 
 
-def _compile(gm: torch.fx.GraphModule, example: list[Any]) -> Any:
+def _compile(gm: torch.fx.GraphModule, example: list[Any], draws: bool = False) -> Any:
+    from torch._guards import detect_fake_mode
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.replace_random import replace_random_passes
+    from torch._inductor.virtualized import V
     from torch.fx.experimental.proxy_tensor import make_fx
 
     patches = {"compile_threads": 1, "fx_graph_remote_cache": False, "autotune_remote_cache": False}
@@ -335,6 +348,11 @@ def _compile(gm: torch.fx.GraphModule, example: list[Any]) -> Any:
         # The graph is aot_eager's (genie's backend): inductor's lowering expects its own decompositions applied
         # first, as torch.compile's AOTAutograd pass applies them. Traced on the fake inputs: nothing runs.
         decomposed = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*example)
+        if draws:  # random ops to inductor's own, seeded from the device's default generator at each run (as
+            # torch.compile's joint-graph passes turn them): _session_draws puts the session's state there
+            with V.set_fake_mode(detect_fake_mode(example)):
+                replace_random_passes(decomposed)
+            decomposed.recompile()
         return compile_fx_inner(decomposed, example)
 
 
@@ -397,7 +415,11 @@ def run(ex: Executor, graph: Any, env: list[Any], label: str, key: Any, storage_
     tensors = [v for v in inputs if isinstance(v, torch.Tensor)]
     started = time.perf_counter()
     try:
-        outputs = fn(tensors)
+        if compiled.draws:
+            with _session_draws(ex, graph.device_index):
+                outputs = fn(tensors)
+        else:
+            outputs = fn(tensors)
     except Exception as exc:
         ex.metrics.record_op(REPLAY_OP, "error", time.perf_counter() - started)
         raise CommandFailed(_error(f"{label} (compiled by inductor)", [], _kind_of(exc), _message(exc),
@@ -414,6 +436,32 @@ def run(ex: Executor, graph: Any, env: list[Any], label: str, key: Any, storage_
                 held = env[ref.slot] = {}
             held[ref.item] = value  # read back as env[slot][item] (genie.server.graphs._value)
     return True
+
+
+#: Held while compiled code draws from a device's default generator with a session's state in it (_session_draws).
+_DEFAULT_GENERATOR = threading.Lock()
+
+
+@contextmanager
+def _session_draws(ex: Executor, device_index: int) -> Iterator[None]:
+    """Inside, the default generator of the device ``device_index`` names holds the state of the session's default
+    generator of that device; after, the session's generator holds what was drawn and the default generator its
+    own state again."""
+    device = ex.device(device_index)
+    session = ex.generators.get(device_index, 0)
+    if device.type == "cuda":
+        default = torch.cuda.default_generators[device.index if device.index is not None
+                                                else torch.cuda.current_device()]
+    else:
+        default = torch.default_generator
+    with _DEFAULT_GENERATOR:
+        saved = default.get_state()
+        default.set_state(session.get_state())
+        try:
+            yield
+        finally:
+            session.set_state(default.get_state())
+            default.set_state(saved)
 
 
 def _filled(template: Any, inputs: list[Any]) -> Any:
@@ -451,6 +499,7 @@ def _compile_for(ex: Executor, state: _Session, compiled: _Compiled, graph: Any,
         return None
     try:
         compiled.checks = check_graph(graph)
+        compiled.draws = any(node_draws(n.op, n.label, n.args, n.kwargs) for n in graph.nodes)
         gm, placeholders = build(graph, inputs)
     except Ineligible as why:
         compiled.failed = True

@@ -106,16 +106,24 @@ def test_a_training_step_compiled_by_inductor_on_the_node_equals_the_eager_repla
     assert not _lines(server, "inductor could not compile")
 
 
-def test_a_graph_with_dropout_stays_node_by_node(server: NodeProcess) -> None:
+def test_a_graph_with_dropout_compiles_drawing_from_the_session_generator(server: NodeProcess) -> None:
+    """Dropout draws from the session's generator: its graph compiles, and the compiled code draws a new mask each
+    replay (inductor's seeds from the session's state: genie.server.inductor_replays._session_draws)."""
     def f(x: torch.Tensor) -> torch.Tensor:
         return nn.functional.dropout(x, 0.5, training=True) * 2
 
-    x = torch.ones(64).to(D0)
+    x = torch.ones(4096).to(D0)
     run = torch.compile(f, backend="genie")
-    outs = [run(x).cpu() for _ in range(3)]  # the second and third replays are admitted
-    assert all(set(o.unique().tolist()) <= {0.0, 4.0} for o in outs)
-    wait_until(lambda: _lines(server, "draws random numbers from the session's generators"), timeout=10,
-               what="the node to log that the dropout graph stays node by node")
+    before = _compiled(server)
+    run(x)  # checked in full; the next replay is admitted and queues the compile
+    wait_until(lambda: (run(x), len(_compiled(server) - before))[1] == 1, timeout=120,
+               what="the node to compile the dropout graph")
+    outs = [run(x).cpu() for _ in range(3)]  # compiled
+    for o in outs:
+        assert set(o.unique().tolist()) <= {0.0, 4.0}
+        assert 0.4 < float((o > 0).float().mean()) < 0.6
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+    assert not _lines(server, "draws random numbers from a generator other than the session's")
 
 
 def test_a_string_argument_outside_the_reviewed_values_stays_node_by_node(server: NodeProcess) -> None:

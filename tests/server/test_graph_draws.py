@@ -2,7 +2,9 @@
 that would freeze a seed: CUDA graph capture (genie.server.cuda_graphs.eligible) and inductor compiles
 (genie.server.inductor_replays.check_graph). A CUDA graph registers the session's generators with its capture, so
 it keeps out only a node that would draw from another generator (genie.server.rng.draws_outside_session); an
-inductor compile keeps out every drawing node. Graphs of real OpOverloads built as CMD_GRAPH builds them, on CPU."""
+inductor compile keeps out that node too, and a node that takes a Generator (compiled code takes no Generator
+constant), and swaps the session's state into the default generator for the rest. Graphs of real OpOverloads built
+as CMD_GRAPH builds them, on CPU."""
 
 from __future__ import annotations
 
@@ -55,19 +57,28 @@ def test_the_same_node_with_dropout_p_zero_stays_eligible_for_both() -> None:
     assert _inductor_refuses(graph) is None
 
 
-@pytest.mark.parametrize(("op", "args", "inputs", "cuda_graph"), [
-    (aten.bernoulli.p, [Ref(0), 0.5], 1, True),              # a generator argument (the session's default fills it)
-    (aten.dropout.default, [Ref(0), 0.5, True], 1, True),    # generatorless, drawn under the session's generator
-    (aten.native_dropout.default, [Ref(0), 0.5, True], 1, True),  # generatorless, the session's written runner
-    (aten.lstm.input, [Ref(0), [Ref(1)], [Ref(2), Ref(3)], True, 1, 0.5, True, False, False], 4, False),  # tagged
+@pytest.mark.parametrize(("op", "args", "kwargs", "inputs", "refused"), [
+    # a generator argument: the session's generator, bound at definition (a CUDA graph registers it; inductor's
+    # code takes no Generator constant)
+    (aten.bernoulli.p, [Ref(0), 0.5], {"generator": torch.Generator()}, 1, {"inductor": "a Generator argument"}),
+    # generatorless, run by the session's runners: both take it (inductor with the session's state swapped in)
+    (aten.dropout.default, [Ref(0), 0.5, True], {}, 1, {}),
+    (aten.native_dropout.default, [Ref(0), 0.5, True], {}, 1, {}),
+    # tagged nondeterministic_seeded, no generator argument, no session runner: neither
+    (aten.lstm.input, [Ref(0), [Ref(1)], [Ref(2), Ref(3)], True, 1, 0.5, True, False, False], {}, 4,
+     {"inductor": "draws random numbers from a generator other than the session's", "cuda": ""}),
 ])
-def test_every_kind_of_drawing_node_is_refused_by_inductor_and_by_cuda_graphs_outside_the_session(
-        op: torch._ops.OpOverload, args: list[Any], inputs: int, cuda_graph: bool) -> None:
-    graph = _graph(op, args, inputs)
-    assert node_draws(op, op.name(), args, {})
-    assert cuda_graphs.eligible(graph) is cuda_graph
-    refused = _inductor_refuses(graph)
-    assert refused is not None and "draws random numbers" in refused, refused
+def test_drawing_nodes_are_taken_where_they_draw_from_the_session(
+        op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any], inputs: int, refused: dict[str, str]) -> None:
+    node = graphs._Node(op, op.name(), args, kwargs, op, True)
+    graph = graphs.Graph(1, 0, inputs, [node], [Ref(inputs)])
+    assert node_draws(op, op.name(), args, kwargs)
+    assert cuda_graphs.eligible(graph) is ("cuda" not in refused)
+    why = _inductor_refuses(graph)
+    if "inductor" in refused:
+        assert why is not None and refused["inductor"] in why, why
+    else:
+        assert why is None, why
 
 
 def test_a_node_that_draws_nothing_is_eligible_for_both() -> None:
