@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from genie.server.replay_checks import HoistedChecks, NotHoistable, recording, written_inputs
+from genie.server.replay_checks import HoistedChecks, NotHoistable, recording
 from genie.server.rng import draws_outside_session
 from genie.server.validators import dense
 
@@ -195,11 +195,9 @@ def _capture(kind: Callable[[Any, Any], Any], ex: Any, graph: Any, env: list[Any
         captured[slot] = buffer.copy_(env[slot])  # before the capture: what a capture reads is never garbage
     try:
         cuda_graph = kind(ex, graph)
-        # An input a node may write to may change before a later node's check reads it: recorded as a meta tensor
-        # too, so only checks that read none of its data run ahead.
-        written = written_inputs(graph) if graph.writes else set()
-        shown = [None if slot in written else v for slot, v in enumerate(captured[:graph.inputs])]
-        with recording(graph, shown) as checks:
+        # An input a node may write to may change before a later node's check reads it: recorded as a fake tensor
+        # too, so only checks that read none of its data run ahead (replay_checks.shown).
+        with recording(graph, captured[:graph.inputs]) as checks:
             cuda_graph.capture(lambda e: run_nodes(ex, graph, e, held, label, storage_ids, None), captured)
     except Exception as exc:  # a node that cannot be captured: eager from now on
         state.failed, state.cuda_graph, state.captured, state.buffers = True, None, [], {}

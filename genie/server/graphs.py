@@ -500,7 +500,7 @@ def _run_admitted(ex: Executor, graph: Graph, env: list[Any], held: set[int], la
             raise CommandFailed(_error(f"{label} node {over[0]} ({node.label})", [], "quota", _message(
                 preflight.over_quota(node.label, over[1], over[2])), storage_ids))
         # issue 33: compiled by inductor where the node was told to (--compile-replays), else a CUDA graph on CUDA
-        if not inductor_replays.run(ex, graph, env, label, key, storage_ids):
+        if not inductor_replays.run(ex, graph, env, held, label, key, storage_ids, _run_nodes):
             try:
                 cuda_graphs.run(ex, graph, env, held, label, storage_ids, _run_nodes, gate.grew)
             except HoistedCheckFailed as failed:  # a captured graph's validator, run before its replay, refused

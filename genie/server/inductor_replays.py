@@ -22,11 +22,12 @@ passes only as one of a few reviewed values of a few argument names (:data:`ALLO
 else leaves the graph node by node. Graphs also stay node by node, as :mod:`genie.server.cuda_graphs`
 keeps them, where compiling would change what is checked or computed:
 
-- a node whose validator reads data (it must run before its node on every replay; the ``_foreach_*`` list
-  check reads only what the signature fixes, :data:`SIGNATURE_CHECKS`), unless every tensor it
-  reads is a graph input and no node of the graph writes to its arguments: then the validator runs on
-  those inputs before the compiled code, on every replay, and sees what the node would see (an
-  embedding's indices and weight, the common case);
+- a node whose validator reads data the graph computes, or an input a node writes to, or replaces an
+  argument. Validators run before the compiled code, on every replay, on that replay's inputs, as a CUDA
+  graph's do (:mod:`genie.server.replay_checks`, one rule for both): the replay that queues the compile runs
+  the nodes one by one with each validator's call recorded as it runs, and the recorded calls, every tensor
+  the graph computes standing in as a fake tensor, must run alike on the inputs alone (an embedding
+  backward's check reads its indices, an input, and only the shape of its gradient, computed by the graph);
 - a node that would draw random numbers from a generator other than the session's
   (:func:`genie.server.rng.draws_outside_session`, the rule CUDA graphs use too). A node that draws from the
   session's generator (dropout, the generatorless random ops: :func:`genie.server.rng.node_draws`) compiles:
@@ -72,18 +73,18 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from genie.server import validators
 from genie.server.kernel import CommandFailed
 from genie.server.per_session import PerSession
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
 from genie.server.records import message as _message
+from genie.server.replay_checks import HoistedCheckFailed, HoistedChecks, NotHoistable, recording
 from genie.server.rng import draws_outside_session, node_draws
 from genie.wire.graph import Ref
 
@@ -111,9 +112,6 @@ ALLOWED_STRINGS: dict[str, frozenset[str]] = {
 #: ``genie::replay`` every replay is counted as.
 COMPILE_OP = "genie::inductor_compile"
 REPLAY_OP = "genie::replay_inductor"
-#: Validators that read only what the input signature fixes (list lengths, devices), never data: the
-#: signature's checked replay ran them, and they hold for each replay the signature admits.
-SIGNATURE_CHECKS = frozenset({validators.check_foreach})
 #: Constant types a compiled graph may carry (exact types: a subclass is refused).
 _CONSTANTS = (type(None), bool, int, float, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
@@ -135,8 +133,8 @@ class _Compiled:
         self.full = False  # MAX_SIGNATURES reached (logged once)
         self.writes = False  # a node writes to its arguments
         self.draws = False  # a node draws from the session's generator: each compiled run swaps it in
-        #: (index, node) of the nodes whose validators run on the graph's inputs before the compiled code
-        self.checks: list[tuple[int, Any]] = []
+        #: the validators' calls recorded by the replay that queued each compile, run before the compiled code
+        self.checks: dict[Any, HoistedChecks] = {}
 
 
 class _Session:
@@ -171,29 +169,13 @@ def stats(executor: Executor, graph_id: int) -> dict[str, Any]:
 # -- building the fx graph --------------------------------------------------------------------------------
 
 
-def _refs(value: Any) -> list[Ref]:
-    if type(value) is Ref:
-        return [value]
-    if type(value) is list or type(value) is tuple:
-        return [r for v in value for r in _refs(v)]
-    return []
-
-
-def check_graph(graph: Any) -> list[tuple[int, Any]]:
-    """Raise :class:`Ineligible` when ``graph`` (a :class:`genie.server.graphs.Graph`) must stay node by node;
-    else the (index, node) of the nodes whose validators run on the graph's inputs before each compiled run."""
+def check_graph(graph: Any) -> None:
+    """Raise :class:`Ineligible` when ``graph`` (a :class:`genie.server.graphs.Graph`) must stay node by node for what
+    its nodes are (whether its validators can run ahead of it is found by running it: :func:`run`)."""
     if graph.resizes:
         raise Ineligible("a node may resize a storage")
-    writes = graph.writes
-    checks: list[tuple[int, Any]] = []
     for i, node in enumerate(graph.nodes):
         where = f"node {i} ({node.op.name()})"
-        if node.validator is not None and node.validator not in SIGNATURE_CHECKS:
-            reads = _refs(list(node.args)) + _refs(list(node.kwargs.values()))
-            if writes or any(r.slot >= graph.inputs for r in reads):
-                raise Ineligible(f"{where} has a check that reads data computed by the graph (or a node writes to "
-                                 "its arguments): it must run between the nodes")
-            checks.append((i, node))
         if draws_outside_session(node.op, node.label, node.args, node.kwargs):
             raise Ineligible(f"{where} draws random numbers from a generator other than the session's")
         if node.zero:
@@ -203,7 +185,6 @@ def check_graph(graph: Any) -> list[tuple[int, Any]]:
             _check_constant(value, names[p] if p < len(names) else "", where)
         for name, value in node.kwargs.items():
             _check_constant(value, name, where)
-    return checks
 
 
 def _check_constant(value: Any, name: str, where: str) -> None:
@@ -382,10 +363,13 @@ def _layout_key(inputs: list[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(offsets), tuple(shares)
 
 
-def run(ex: Executor, graph: Any, env: list[Any], label: str, key: Any, storage_ids: list[int]) -> bool:
+def run(ex: Executor, graph: Any, env: list[Any], held: set[int], label: str, key: Any, storage_ids: list[int],
+        run_nodes: Callable[..., None]) -> bool:
     """Run an admitted replay of ``graph`` compiled by inductor: its outputs left in ``env`` where the output
-    references read them. False when the session's mode is off, the graph or this replay must run node by node,
-    or its compiled form is not ready (queued now if it was never asked for): the caller then runs the nodes."""
+    references read them. The replay that queues the compile runs the nodes itself (``run_nodes(ex, graph, env,
+    held, label, storage_ids, None)``, recording the validators' calls). False when the session's mode is off,
+    the graph or this replay must run node by node, or its compiled form is not ready: the caller then runs
+    the nodes."""
     state = _sessions.get(ex)
     if state.mode != "inductor" or key is None:
         return False
@@ -402,16 +386,19 @@ def run(ex: Executor, graph: Any, env: list[Any], label: str, key: Any, storage_
     ckey = (key, offsets, shares)
     fn = compiled.callables.get(ckey)
     if fn is None:
-        fn = _compile_for(ex, state, compiled, graph, inputs, ckey, label)
+        if ckey not in compiled.jobs:
+            return _queue(ex, state, compiled, graph, env, held, ckey, label, storage_ids, run_nodes)
+        fn = _finished(ex, state, compiled, ckey)
         if fn is None:
             return False
-    for i, node in compiled.checks:  # checks that read data: before the compiled code, on every replay
-        args, kwargs = _filled(node.args, inputs), {k: _filled(v, inputs) for k, v in node.kwargs.items()}
-        try:
-            node.validator(node.label, args, kwargs)
-        except Exception as exc:
-            raise CommandFailed(_error(f"{label} node {i} ({node.label})", [], _kind_of(exc), _message(exc),
-                                       storage_ids)) from None
+    checks = compiled.checks.get(ckey)
+    if checks:
+        try:  # the validators, before the compiled code, on this replay's inputs
+            checks.run(env)
+        except HoistedCheckFailed as failed:
+            node = graph.nodes[failed.node]
+            raise CommandFailed(_error(f"{label} node {failed.node} ({node.label})", [], _kind_of(failed.error),
+                                       _message(failed.error), storage_ids)) from None
     tensors = [v for v in inputs if isinstance(v, torch.Tensor)]
     started = time.perf_counter()
     try:
@@ -431,10 +418,10 @@ def run(ex: Executor, graph: Any, env: list[Any], label: str, key: Any, storage_
         if ref.item < 0:
             env[ref.slot] = value
         else:
-            held = env[ref.slot]
-            if type(held) is not dict:
-                held = env[ref.slot] = {}
-            held[ref.item] = value  # read back as env[slot][item] (genie.server.graphs._value)
+            items = env[ref.slot]
+            if type(items) is not dict:
+                items = env[ref.slot] = {}
+            items[ref.item] = value  # read back as env[slot][item] (genie.server.graphs._value)
     return True
 
 
@@ -464,51 +451,55 @@ def _session_draws(ex: Executor, device_index: int) -> Iterator[None]:
             default.set_state(saved)
 
 
-def _filled(template: Any, inputs: list[Any]) -> Any:
-    """A node's argument template with its references to inputs filled in (lists rebuilt)."""
-    kind = type(template)
-    if kind is Ref:
-        value = inputs[template.slot]
-        return value if template.item < 0 else value[template.item]
-    if kind is list or kind is tuple:
-        return [_filled(v, inputs) for v in template]
-    return template
+def _finished(ex: Executor, state: _Session, compiled: _Compiled, ckey: Any) -> Any:
+    """The compiled form for ``ckey`` when its compile has finished; else None (still compiling, or failed)."""
+    job = compiled.jobs[ckey]
+    if not job.done.is_set():
+        return None  # still compiling: node by node meanwhile
+    del compiled.jobs[ckey]
+    ex.metrics.record_op(COMPILE_OP, "ok" if job.error is None else "error", job.seconds)
+    state.seconds += job.seconds
+    if job.error is not None:  # node by node from now on (logged once by the compiler thread)
+        compiled.failed = True
+        state.compiles -= 1
+        return None
+    compiled.callables[ckey] = job.fn
+    return job.fn
 
 
-def _compile_for(ex: Executor, state: _Session, compiled: _Compiled, graph: Any, inputs: list[Any], ckey: Any,
-                 label: str) -> Any:
-    """The compiled form for ``ckey`` when its compile has finished; else None (and the compile queued)."""
-    job = compiled.jobs.get(ckey)
-    if job is not None:
-        if not job.done.is_set():
-            return None  # still compiling: node by node meanwhile
-        del compiled.jobs[ckey]
-        ex.metrics.record_op(COMPILE_OP, "ok" if job.error is None else "error", job.seconds)
-        state.seconds += job.seconds
-        if job.error is not None:  # node by node from now on (logged once by the compiler thread)
-            compiled.failed = True
-            state.compiles -= 1
-            return None
-        compiled.callables[ckey] = job.fn
-        return job.fn
+def _queue(ex: Executor, state: _Session, compiled: _Compiled, graph: Any, env: list[Any], held: set[int],
+           ckey: Any, label: str, storage_ids: list[int], run_nodes: Callable[..., None]) -> bool:
+    """Queue the compile of ``graph`` for ``ckey`` where it may be compiled, its nodes run now with each validator's
+    call recorded (True: this replay ran); False, with nothing run, where the graph stays node by node."""
     if len(compiled.callables) + len(compiled.jobs) >= MAX_SIGNATURES or state.compiles >= MAX_COMPILED:
         if not compiled.full:
             compiled.full = True
             log.info("%s: new input signatures run node by node (at most %d signatures a graph, %d compiled "
                      "graphs a session)", label, MAX_SIGNATURES, MAX_COMPILED)
-        return None
+        return False
+    inputs = env[:graph.inputs]
     try:
-        compiled.checks = check_graph(graph)
+        check_graph(graph)
         compiled.draws = any(node_draws(n.op, n.label, n.args, n.kwargs) for n in graph.nodes)
         gm, placeholders = build(graph, inputs)
     except Ineligible as why:
         compiled.failed = True
         log.info("%s stays node by node under --compile-replays inductor: %s", label, why)
-        return None
+        return False
+    example = _fakes([inputs[i] for i in placeholders])
+    with recording(graph, inputs, run_too=True) as checks:
+        run_nodes(ex, graph, env, held, label, storage_ids, None)
+    try:
+        checks.verify(env)
+    except NotHoistable as why:
+        compiled.failed = True
+        log.info("%s stays node by node under --compile-replays inductor: %s", label, why)
+        return True
+    compiled.checks[ckey] = checks
     state.compiles += 1
-    compiled.jobs[ckey] = _submit(compiled, gm, _fakes([inputs[i] for i in placeholders]), label)
+    compiled.jobs[ckey] = _submit(compiled, gm, example, label)
     # one line per compile queued, before its outcome's: a tool (benchmarks/bench_graph.py) waits for every queued
     # compile by counting these against the outcomes, since replays run while a compile runs pay for it (GIL)
     log.info("%s queued for inductor (%d fx nodes, signature %d of at most %d)", label, len(gm.graph.nodes),
              len(compiled.callables) + len(compiled.jobs), MAX_SIGNATURES)
-    return None
+    return True

@@ -9,16 +9,16 @@ calls run (:meth:`HoistedChecks.run`) on the replay's inputs, read as they are a
 read waits for the GPU's work queued before it).
 
 What a recorded call keeps: an argument that is one of the graph's inputs (or an item of a list input), by its
-place, so each replay's own input is checked; every other tensor, an intermediate the graph computes, as a
-``meta`` tensor of the same shape, strides and dtype, which answers every question about its metadata and
-raises on any read of its data. An input that a node of the graph may write to (in-place, ``out=``, directly
+place, so each replay's own input is checked; every other tensor, an intermediate the graph computes, as a fake
+tensor (``torch._subclasses.FakeTensor``) of the same device, shape, strides and dtype, which answers every
+question about its metadata and raises on any read of its data. An input that a node of the graph may write to (in-place, ``out=``, directly
 or through a view of it: :func:`written_inputs`) may change before a later node's check reads it, so the
-caller records it as a meta tensor too: only checks that read none of its data run ahead. A captured replay's inputs have the signature of the capture (same addresses,
+caller records it as a fake tensor too: only checks that read none of its data run ahead. A captured replay's inputs have the signature of the capture (same addresses,
 shapes, strides, dtypes and plain values: the caller's rule), so the intermediates' metadata are the capture's.
 
 A captured graph is used only if the recorded calls run as they would have in the capture (:meth:`verify`, once,
-right after the capture): none reads an intermediate's data (the meta tensor raised), none refuses (a check
-given meta tensors may refuse what it would pass on real ones: the graph is not trusted with it), and none
+right after the capture): none reads an intermediate's data (the fake tensor raised), none refuses (a check
+given fake tensors may refuse what it would pass on real ones: the graph is not trusted with it), and none
 replaces an argument (a check may serve a kernel a contiguous copy, or ``unsafe=False``: the capture ran the
 node without it). Otherwise the graph stays eager, each validator before its node, as before.
 """
@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from genie.errors import GenieError
 from genie.wire.graph import Ref
@@ -63,9 +64,11 @@ class _Input:
 
 class HoistedChecks:
     """The recorded validator calls of one capture, over the capture's inputs (``inputs``: the replay
-    environment's input slots at capture)."""
+    environment's input slots at capture; None where an input is to stand in as a fake tensor). ``run_too``: each
+    recorded call also runs, as it is recorded (a replay that runs its nodes while recording them)."""
 
-    def __init__(self, inputs: list[Any]) -> None:
+    def __init__(self, inputs: list[Any], run_too: bool = False) -> None:
+        self.run_too = run_too
         self._places: dict[int, _Input] = {}
         for slot, value in enumerate(inputs):
             if isinstance(value, (list, tuple)):
@@ -75,21 +78,24 @@ class HoistedChecks:
             if isinstance(value, torch.Tensor):
                 self._places[id(value)] = _Input(slot, -1)
         self._calls: list[tuple[int, Check, str, list[Any], dict[str, Any]]] = []
+        self._fakes = FakeTensorMode(allow_non_fake_inputs=True)
 
     def __len__(self) -> int:
         return len(self._calls)
 
     def record(self, node: int, check: Check, label: str, args: list[Any], kwargs: dict[str, Any]) -> None:
-        """Keep node ``node``'s call ``check(label, args, kwargs)`` for the replays (instead of running it)."""
+        """Keep node ``node``'s call ``check(label, args, kwargs)`` for the replays (and run it with ``run_too``)."""
         self._calls.append((node, check, label, [self._template(a) for a in args],
                             {k: self._template(v) for k, v in kwargs.items()}))
+        if self.run_too:
+            check(label, args, kwargs)
 
     def _template(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             place = self._places.get(id(value))
             if place is not None:
                 return place
-            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+            return self._fakes.from_tensor(value, static_shapes=True)
         if isinstance(value, (list, tuple)):
             return type(value)(self._template(v) for v in value)
         return value
@@ -116,7 +122,7 @@ class HoistedChecks:
                 check(label, given, given_kw)
             except GenieError as exc:
                 raise HoistedCheckFailed(node, exc) from None
-            except Exception as exc:  # a read of a meta tensor: the check reads an intermediate's data
+            except Exception as exc:  # a read of a fake tensor: the check reads an intermediate's data
                 if not strict:
                     raise HoistedCheckFailed(node, exc) from None
                 raise NotHoistable(f"node {node} ({label}): its check reads data the graph computes "
@@ -158,11 +164,19 @@ def _slots(value: Any) -> list[int]:
     return []
 
 
+def shown(graph: Any, inputs: list[Any]) -> list[Any]:
+    """The inputs a recording keeps by their place: ``inputs`` but those a node may write to (None: they stand in
+    as fake tensors, see :func:`written_inputs`)."""
+    written = written_inputs(graph) if graph.writes else set()
+    return [None if slot in written else v for slot, v in enumerate(inputs)]
+
+
 @contextmanager
-def recording(graph: Any, inputs: list[Any]) -> Iterator[HoistedChecks]:
+def recording(graph: Any, inputs: list[Any], run_too: bool = False) -> Iterator[HoistedChecks]:
     """While inside, ``graph``'s (a :class:`genie.server.graphs.Graph`) validators are recorded into the yielded
-    HoistedChecks instead of run (``inputs``: the replay environment's input slots)."""
-    checks = HoistedChecks(inputs)
+    HoistedChecks instead of run, or as well with ``run_too`` (``inputs``: the replay environment's input slots,
+    each input a node may write to left out: :func:`shown`)."""
+    checks = HoistedChecks(shown(graph, inputs), run_too)
     graph.recording.append(checks)
     try:
         yield checks
