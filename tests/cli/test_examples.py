@@ -93,7 +93,9 @@ def test_monitoring_dashboard_shows_its_cluster_and_q_stops_the_children(termina
     screen = term.wait_for("2 nodes: 2 connected", 15)
     assert "worker-1" in screen and "master" in screen
     term.press("q")
-    assert term.exited(5) == (0, "restored")
+    # q stops the example's master and worker (each shut down in turn) before it exits: 5 s was not always enough
+    # on a loaded 2-core machine (failed twice this way with the suite running beside other work)
+    assert term.exited(20) == (0, "restored")
     screen = term.screen()
     pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", screen)]
     assert len(pids) == 2 and "stopped 2 genie process(es)" in screen, screen
