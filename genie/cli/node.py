@@ -109,11 +109,16 @@ def ready_line(role: str, config: ClusterConfig, state: ClusterState) -> str:
 
 
 def _run(role: str, args: argparse.Namespace, options: dict[str, Any], *, state_file: str = "") -> int:
-    from genie.cluster.runtime import Runtime
     from genie.security import check_exposure
 
     config = session_config(args, node_role=role, **options)
     check_exposure(config, insecure=config.insecure)  # fail before starting anything; the servers check again
+    if config.isolation == "process":
+        from genie.server.isolation import zygote
+
+        zygote.start()  # the session workers' zygote imports torch beside this process's import of it
+    from genie.cluster.runtime import Runtime
+
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

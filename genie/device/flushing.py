@@ -7,7 +7,7 @@ machine, not on genie: with a core free for each side the overlap wins, but wher
 sides share cores (a same-host server whose intra-op thread pool takes every core, or both
 pinned to one CPU) the small batches only add frames and preempt the client (bench_remote
 measured a training step 1.78x slower than with full batches while session workers' OpenMP
-pools spun, see genie.server.isolation.supervisor.worker_environment). So each connection
+pools spun, see genie.server.isolation.zygote.worker_environment). So each connection
 measures both and keeps the faster one:
 
 - an *interval* runs from one sync point's reply to the next one's; only intervals of at

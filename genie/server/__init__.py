@@ -14,6 +14,18 @@ The protocol itself is described in :mod:`genie.wire.messages` and docs/protocol
 
 from __future__ import annotations
 
-from genie.server.node import DataPlaneServer, describe_devices, parse_devices
+from typing import Any
 
 __all__ = ["DataPlaneServer", "describe_devices", "parse_devices"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazily: ``python -m genie.server`` starts its session workers' zygote before it imports torch
+    # (genie.server.isolation.zygote.start), and importing this package must not import it first.
+    if name in __all__:
+        from genie.server import node
+
+        value = getattr(node, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

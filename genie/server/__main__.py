@@ -29,7 +29,7 @@ import threading
 from genie.cli.options import add_session_options, session_config
 from genie.errors import GenieError, PluginError
 from genie.plugins import PluginManager
-from genie.server.node import DataPlaneServer, parse_devices
+from genie.server.isolation import zygote
 
 log = logging.getLogger("genie.server")
 
@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM/SIGINT; prints the ready line once listening."""
     config = session_config(args, data_port=args.port)
+    if config.isolation == "process":
+        zygote.start()  # importing torch now, beside this process's own import below
+    from genie.server.node import DataPlaneServer, parse_devices
+
     devices = parse_devices(config.devices, source=config.sources.get("devices", "argument devices"))
     transports = PluginManager().transports()
     if args.backend not in transports:

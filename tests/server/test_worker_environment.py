@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from genie.server.isolation.supervisor import worker_environment
+from genie.server.isolation.zygote import worker_environment
 from tests.conftest import wait_until
 from tests.raw_client import RawClient
 

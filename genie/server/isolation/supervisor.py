@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
-import os
 import select
 import signal
 import socket
@@ -55,6 +54,7 @@ from genie.errors import GenieError
 from genie.security import REFUSALS, ServerSecurity
 from genie.server.collectives import node_answer
 from genie.server.content import ContentCache
+from genie.server.isolation import zygote
 from genie.server.isolation.cache import adopt_upload, answer_lookup, offer_of
 from genie.server.isolation.cgroups import Cgroups, probe
 from genie.server.isolation.clock import OpClock
@@ -74,26 +74,7 @@ GONE_GRACE = 2.0
 POLITE_KILL = 1.0
 #: How long :meth:`Supervisor.refresh` waits for workers' snapshots.
 REFRESH_WAIT = 1.0
-#: Modules the zygote imports once, so a worker starts with them loaded.
-PRELOAD = ["torch", "genie.server.isolation.worker"]
-
 _POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
-
-#: OpenMP settings the zygote (so every worker) starts with unless the operator set them.
-WORKER_OMP = {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
-def worker_environment(environ: Any) -> None:
-    """Set :data:`WORKER_OMP` in ``environ`` (the node's, which the zygote inherits) where unset.
-
-    torch's OpenMP threads otherwise spin for a while after every parallel region. A worker runs
-    one small op after another, so its pool spun almost all the time, taking the cores the client
-    and the other sessions need: on 2 cores a 2-layer transformer step took 200 ms remote against
-    43 ms passive, and the overlap of adaptive batches made it worse (docs/benchmarks.md). libgomp
-    reads this when it loads, so it must be in the environment before the zygote imports torch.
-    """
-    for key, value in WORKER_OMP.items():
-        environ.setdefault(key, value)
 
 
 class StoreView:
@@ -489,12 +470,12 @@ class Supervisor:
         return f"isolation: process, {self.cgroups.summary}"
 
     def start(self, modules: Sequence[str] = ()) -> None:
-        """Start the zygote (it imports torch: seconds) and the first spare worker in the background, so the
-        node listens at once and the first session waits only for what is left of that start (it is
-        usually over before a client has imported torch itself); ``modules`` (the transport's, whose
-        channels workers rebuild) are imported in the zygote too."""
-        self._ctx.set_forkserver_preload([*PRELOAD, *modules])
-        worker_environment(os.environ)
+        """Start the zygote (it imports torch and the pre-flight's modules: seconds) and the first spare worker in
+        the background, so the node listens at once and the first session waits only for what is left of that
+        start; ``modules`` (the transport's, whose channels workers rebuild) are imported in the zygote too,
+        unless the node's command started it already (:func:`genie.server.isolation.zygote.start`: then each
+        worker imports them as it unpickles its spec)."""
+        zygote.start(modules)
         self._starting = threading.Thread(target=self._refill, name="genie-zygote-start", daemon=True)
         self._starting.start()
 

@@ -195,25 +195,29 @@ def _prewarm() -> None:
     store = StorageStore(max_storages=1, max_bytes=0)
     Executor(channel, store, [torch.device("cpu")])
     torch.zeros(1).add_(1).sum().item()
-    # The first pre-flight imports about 800 modules (torch's meta and decomposition tables, sympy):
-    # about 1.1 s of an idle core, which every session's first op paid. A thread pays it while the
-    # spare waits, so the spare takes a session at once; a first op that comes early waits for what is
-    # left before its op clock starts (_AfterWarmUp), so the import never counts against its deadline.
-    _warming.append(threading.Thread(target=_warm_preflight, name="genie-worker-warm", daemon=True))
+    if _warmed.is_set():  # the zygote paid the pre-flight's imports (genie.server.isolation.warm)
+        return
+    # Otherwise a thread pays them while the spare waits, so the spare takes a session at once; a first op
+    # that comes early waits for what is left before its op clock starts (_AfterWarmUp), so the imports
+    # never count against its deadline.
+    _warming.append(threading.Thread(target=warm_preflight, name="genie-worker-warm", daemon=True))
     _warming[0].start()
 
 
 #: Set once the pre-flight's imports are done (or failed): the op clock starts after them (:class:`_AfterWarmUp`).
+#: Set in the zygote already where it preloaded :mod:`genie.server.isolation.warm` (a forked worker inherits it).
 _warmed = threading.Event()
 _warming: list[threading.Thread] = []  #: the warm-up thread, once :func:`_prewarm` started it
 #: Longest a first op waits for the warm-up outside its deadline (then its clock starts anyway).
 WARM_UP_WAIT = 120.0
 
 
-def _warm_preflight() -> None:
+def warm_preflight() -> None:
+    """Run one pre-flight, for the about 800 modules its first run imports (1 to 2.5 s of a core). A meta run
+    only: the CPU tensor is ``empty`` (no kernel runs), so the zygote may call it and stay fit to fork."""
     try:
         with contextlib.suppress(Exception):  # a warm-up only: the first real op would pay it instead
-            preflight.check(torch.ops.aten.add.Tensor, "aten::add.Tensor", [torch.zeros(4), 1], {},
+            preflight.check(torch.ops.aten.add.Tensor, "aten::add.Tensor", [torch.empty(4), 1], {},
                             max_elements=0, remaining_bytes=None)
     finally:
         _warmed.set()

@@ -6,14 +6,49 @@ genie), and importing an embedding program's script, the ``genie`` CLI or pytest
 session would cost time and run that script's top level. :class:`WorkerProcess` sends the
 same preparation data as multiprocessing does, less the main module (the launch is
 multiprocessing's own ``popen_forkserver.Popen._launch`` otherwise).
+
+The zygote imports :data:`PRELOAD` before its first fork: torch, the worker's code, and the pre-flight's
+first-use imports (:mod:`~genie.server.isolation.warm`), about 5 s of a core on a small VM. :func:`start` starts
+it; ``genie serve``, ``genie worker`` and ``python -m genie.server`` call it before they import torch themselves,
+so the two imports overlap and the first spare worker is ready sooner. This module imports no torch.
 """
 
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
+from collections.abc import Sequence
 from multiprocessing import context, forkserver, popen_forkserver, reduction, spawn, util
 from typing import Any
+
+#: Modules the zygote imports once, so a worker starts with them loaded (its pages shared with the zygote's).
+PRELOAD = ("torch", "genie.server.isolation.worker", "genie.server.isolation.warm")
+
+#: OpenMP settings the zygote (so every worker) starts with unless the operator set them.
+WORKER_OMP = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def worker_environment(environ: Any) -> None:
+    """Set :data:`WORKER_OMP` in ``environ`` (the node's, which the zygote inherits) where unset.
+
+    torch's OpenMP threads otherwise spin for a while after every parallel region. A worker runs
+    one small op after another, so its pool spun almost all the time, taking the cores the client
+    and the other sessions need: on 2 cores a 2-layer transformer step took 200 ms remote against
+    43 ms passive, and the overlap of adaptive batches made it worse (docs/benchmarks.md). libgomp
+    reads this when it loads, so it must be in the environment before the zygote imports torch.
+    """
+    for key, value in WORKER_OMP.items():
+        environ.setdefault(key, value)
+
+
+def start(modules: Sequence[str] = ()) -> None:
+    """Start this process's zygote now, importing :data:`PRELOAD` and ``modules``, unless it runs already (then
+    nothing changes: a zygote's imports are fixed when it starts). Returns at once: the zygote imports in the
+    background and a fork waits for it."""
+    worker_environment(os.environ)
+    multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, *modules])
+    forkserver.ensure_running()
 
 #: Preparation keys that make a child import the parent's ``__main__``.
 _MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
