@@ -64,9 +64,13 @@ def upload_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         src = src.resolve_conj()
     if src.is_neg():
         src = src.resolve_neg()
-    if src.dim() == 0 or src.numel() == 0:
+    if src.dim() == 0:
+        if dst.numel():  # a fill: ATen's copy_ of a host tensor into a CUDA one waits for the device's stream
+            _queue_copy(dst, src if src.dtype == dst.dtype else src.to(dst.dtype), device, "aten::fill_.Tensor")
+        return
+    if src.numel() == 0:
         if dst.numel():
-            _queue_copy(dst, src, device)
+            _queue_copy(dst, src, device)  # the node raises torch's own error (no broadcast from nothing)
         return
     if src.dtype == dst.dtype and tuple(src.shape) == tuple(dst.shape) and _covers_storage(dst):
         conn.upload(_C.storage_id(dst), device.local_index, src.contiguous(), overwrite=True, by_key=by_key)
@@ -79,8 +83,11 @@ def upload_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     _queue_copy(dst, tmp, device)
 
 
-def _queue_copy(dst: torch.Tensor, src: torch.Tensor, device: RemoteDevice) -> None:
-    device.connection.op(device.local_index, "aten::copy_", [dst, src], {}, [dispatch.descriptor(dst)],
+def _queue_copy(dst: torch.Tensor, src: torch.Tensor, device: RemoteDevice, name: str = "aten::copy_") -> None:
+    """Queue ``dst.copy_(src)`` on the node, or ``dst.fill_(src)`` (``name``) for a 0-dim host ``src`` of
+    ``dst``'s dtype: ATen's fill of a device tensor from a host scalar passes the value to the kernel, where its
+    copy of host memory into CUDA memory synchronizes the stream."""
+    device.connection.op(device.local_index, name, [dst, src], {}, [dispatch.descriptor(dst)],
                          dispatch.encoder_for(device))
     if shadows.TABLE.entries or shadows.TABLE.enabled:
         shadows.after_copy(dst, src)
