@@ -316,25 +316,67 @@ def _compile_loop(jobs: queue.SimpleQueue[Any]) -> None:
 
 
 def _compile(gm: torch.fx.GraphModule, example: list[Any], draws: bool = False) -> Any:
-    from torch._guards import detect_fake_mode
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
+
+    patches = {"compile_threads": 1, "fx_graph_remote_cache": False, "autotune_remote_cache": False}
+    with torch.no_grad(), inductor_config.patch({k: v for k, v in patches.items() if hasattr(inductor_config, k)}):
+        return compile_fx_inner(decompose(gm, example, draws), example)
+
+
+def decompose(gm: torch.fx.GraphModule, example: list[Any], draws: bool = False) -> torch.fx.GraphModule:
+    """``gm`` as inductor's lowering takes it, traced on the fake inputs ``example`` (nothing runs; call it under
+    ``torch.no_grad()``). ``gm`` is aot_eager's graph (genie's backend): inductor's lowering expects its own
+    decompositions applied first, as torch.compile's AOTAutograd pass applies them. Each node's output keeps the
+    strides eager kernels give it (:class:`_EagerStrides`). ``draws``: random ops become inductor's own, seeded
+    from the device's default generator at each run (as torch.compile's joint-graph passes turn them;
+    :func:`_session_draws` puts the session's state there)."""
+    from torch._guards import detect_fake_mode
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.fx_passes.replace_random import replace_random_passes
     from torch._inductor.virtualized import V
     from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    patches = {"compile_threads": 1, "fx_graph_remote_cache": False, "autotune_remote_cache": False}
-    with torch.no_grad(), inductor_config.patch({k: v for k, v in patches.items() if hasattr(inductor_config, k)}):
-        # The graph is aot_eager's (genie's backend): inductor's lowering expects its own decompositions applied
-        # first, as torch.compile's AOTAutograd pass applies them. Traced on the fake inputs: nothing runs.
-        decomposed = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*example)
-        if draws:  # random ops to inductor's own, seeded from the device's default generator at each run (as
-            # torch.compile's joint-graph passes turn them): _session_draws puts the session's state there
-            with V.set_fake_mode(detect_fake_mode(example)):
-                replace_random_passes(decomposed)
-            decomposed.recompile()
-        return compile_fx_inner(decomposed, example)
+    FakeTensorProp(gm, detect_fake_mode(example)).propagate_dont_convert_inputs(*example)
+    decomposed = make_fx(_EagerStrides(gm).run, decomposition_table=select_decomp_table(),
+                         tracing_mode="fake")(*example)
+    if draws:
+        with V.set_fake_mode(detect_fake_mode(example)):
+            replace_random_passes(decomposed)
+        decomposed.recompile()
+    return decomposed
+
+
+class _EagerStrides(torch.fx.Interpreter):
+    """Runs a graph whose nodes carry their eager outputs (``meta["val"]``, from a fake propagation without
+    decompositions) and gives each new tensor a node makes the strides of its eager output: a copy where a
+    decomposition made other strides, nothing where it did not.
+
+    The graph was recorded by the client with eager kernels, so its ``view`` nodes assume eager strides. Some of
+    inductor's decompositions make others: its ``cat`` of one non-empty tensor (and empty ones) is a ``clone``,
+    which keeps a transposed input's strides where ATen's ``cat`` makes a contiguous tensor, and a GPT-2 forward's
+    later ``view`` then failed ("Cannot view a tensor with shape [2, 2, 32, 64] and strides (4096, 32, 1, 64)").
+    A local ``torch.compile`` meets no such mismatch: it traces the model with the decompositions from the start.
+    Outputs of views and of in-place and ``out=`` ops follow their inputs and are left alone."""
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            return out
+        if any(r.alias_info is not None for r in n.target._schema.returns):
+            return out
+        eager = n.meta.get("val")
+        if isinstance(out, (tuple, list)) and isinstance(eager, (tuple, list)) and len(out) == len(eager):
+            return type(out)(_as_eager(o, e) for o, e in zip(out, eager, strict=True))
+        return _as_eager(out, eager)
+
+
+def _as_eager(t: Any, eager: Any) -> Any:
+    if (not isinstance(t, torch.Tensor) or not isinstance(eager, torch.Tensor) or t.shape != eager.shape
+            or t.dtype != eager.dtype or t.stride() == eager.stride()):
+        return t
+    return torch.empty_strided(t.shape, eager.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _fakes(tensors: list[torch.Tensor]) -> list[Any]:
