@@ -11,7 +11,12 @@ import shutil
 import sys
 
 from setuptools import Extension, setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+# Building imports torch, whose backend autoload would import an installed genie (an editable install: this
+# tree) with its previous genie._C, which may lack what the new Python code calls: the build fails. Not needed
+# to build.
+os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = "genie/csrc"  # laid out like the Python: device/ (genie._C), server/ (genie._C_plans, genie._C_keys), wire/

@@ -46,13 +46,6 @@ WHOLE_OPS = ("convolution", "convolution_backward", "native_layer_norm", "native
              "_scaled_dot_product_fused_attention_overrideable_backward")
 
 
-def _whole(op: Any) -> Any:
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        return dispatch.run_op(op, args, kwargs)
-
-    return kernel
-
-
 def _cuda_driver_here() -> bool:
     """Whether priming would initialise a CUDA driver on this host (checked without initialising it).
 
@@ -112,11 +105,7 @@ def ensure_registered() -> None:
         # genie._C registers the PrivateUse1 fallback (genie/csrc/device/fastpath.cpp): signatures it learned are
         # queued natively, the rest come here.
         _C.set_python_fallback(dispatch.fallback, dispatch.overload_of)
-        aten = torch.library.Library("aten", "IMPL")  # noqa: TOR901
-        for op_name in WHOLE_OPS:
-            name, _, overload = op_name.partition(".")
-            aten.impl(op_name, _whole(getattr(getattr(torch.ops.aten, name), overload or "default")), "PrivateUse1")
-        _libraries.append(aten)
+        _C.whole_ops(list(WHOLE_OPS))  # their kernel is genie's fallback (with its fast path), as for every other op
         # Sparse and quantized tensors of the device (and factories asking for them) fail with a GenieError
         # naming the layout instead of torch's "Could not run ... 'Sparseremote_accelerator' backend".
         refusals = torch.library.Library("_", "IMPL")  # noqa: TOR901

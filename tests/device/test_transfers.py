@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+from typing import Any
 
 import pytest
 import torch
@@ -206,7 +207,7 @@ def test_a_host_scalar_copied_into_a_device_tensor_is_sent_as_a_fill_of_the_conv
     sent: list[str] = []
     real = conn.op
 
-    def spy(device: int, name: str, *rest: object) -> None:
+    def spy(device: int, name: str, *rest: Any) -> None:
         sent.append(name)
         real(device, name, *rest)
 

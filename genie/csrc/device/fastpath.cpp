@@ -315,8 +315,19 @@ struct Encoder {
       }
       return true;
     }
-    if (v.isList()) {  // Tensor?[] (index, index_put_)
+    if (v.isList()) {  // Tensor?[] (index, index_put_), or SymInt[] (native_layer_norm's normalized_shape)
       auto l = v.toListRef();
+      if (!l.empty() && std::all_of(l.begin(), l.end(), [](const IValue& e) {
+            return e.isInt() || (e.isSymInt() && e.toSymInt().maybe_as_int().has_value());
+          })) {  // concrete sizes: as an int[] (the key and the body alike)
+        begin_list('I', l.size());
+        for (const IValue& e : l) {
+          int64_t x = e.isInt() ? e.toInt() : *e.toSymInt().maybe_as_int();
+          put<int64_t>(x);
+          pack_int(body, x);
+        }
+        return true;
+      }
       begin_list('O', l.size());
       for (const IValue& e : l) {
         if (e.isNone()) {
@@ -898,6 +909,16 @@ void init_fastpath(py::module_& m) {
     }
   }, "Per global device index: (its connection's queue, its index on its node); and the wire's CMD_OP and CMD_CALL, "
      "checked against the built-in ones (wire_spec.h).");
+  m.def("whole_ops", [](const std::vector<std::string>& names) {
+    // Kernels at PrivateUse1 for these aten ops (over their composite kernels), which are this fallback: so
+    // they take the fast path too (a Python kernel there would go to Python every call).
+    static std::vector<std::unique_ptr<torch::Library>> libraries;
+    auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "aten",
+                                                std::optional<c10::DispatchKey>(c10::DispatchKey::PrivateUse1),
+                                                __FILE__, __LINE__);
+    for (const auto& name : names) lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+    libraries.push_back(std::move(lib));
+  }, "Register genie's fallback as the PrivateUse1 kernel of these aten ops (\"name\" or \"name.overload\"); once.");
   init_lane(m, &queue_of);
 }
 
