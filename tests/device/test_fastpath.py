@@ -8,6 +8,7 @@ encodes must be what Python would have sent.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -202,12 +203,12 @@ def _conv_grads(x: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 _WHOLE_CASES = {  # (the op sent whole, the call on a device)
-    "layer_norm": ("aten.native_layer_norm.default",
+    "layer_norm": ("aten::native_layer_norm",
                    lambda x, k, w, b: (F.layer_norm(x.permute(0, 2, 3, 1), [8], w, b),)),
-    "group_norm": ("aten.native_group_norm.default", lambda x, k, w, b: (F.group_norm(x, 2, w, b),)),
-    "conv2d": ("aten.convolution.default", lambda x, k, w, b: (F.conv2d(x, k, b, padding=1),)),
-    "conv2d_backward": ("aten.convolution_backward.default", lambda x, k, w, b: _conv_grads(x, k)),
-    "addr": ("aten.addr.default", lambda x, k, w, b: (torch.addr(x[0, 0], w[:6], b[:6]),)),
+    "group_norm": ("aten::native_group_norm", lambda x, k, w, b: (F.group_norm(x, 2, w, b),)),
+    "conv2d": ("aten::convolution", lambda x, k, w, b: (F.conv2d(x, k, b, padding=1),)),
+    "conv2d_backward": ("aten::convolution_backward", lambda x, k, w, b: _conv_grads(x, k)),
+    "addr": ("aten::addr", lambda x, k, w, b: (torch.addr(x[0, 0], w[:6], b[:6]),)),
 }
 
 
@@ -215,28 +216,29 @@ _WHOLE_CASES = {  # (the op sent whole, the call on a device)
 def test_ops_sent_whole_over_their_composite_kernels_take_the_native_path_too(case: str,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """``registration.WHOLE_OPS`` (convolution, the norms, addr) have a PrivateUse1 kernel of their own over torch's
-    composite one; it is genie's fallback, so a repeated signature is queued by C++, not Python, as every other op's
-    is (a GPT-2 decode step sent its 25 layer norms a token through Python before)."""
-    from genie.device import dispatch
+    composite one; it is genie's fallback, so a repeated signature is queued by C++, not sent by Python, as every
+    other op's is (a GPT-2 decode step sent its 25 layer norms a token through Python before)."""
+    from genie.device import registry
 
     torch.manual_seed(0)
     name, call = _WHOLE_CASES[case]
     host = (torch.randn(2, 8, 6, 6), torch.randn(8, 8, 3, 3), torch.randn(8), torch.randn(8))
     expected = call(*host)
     remote = [t.to(D0) for t in host]
-    in_python: list[str] = []
-    real = dispatch.run_op
+    conn = registry.table().devices[0].connection
+    by_python: list[str] = []
+    real = conn.op
 
-    def spy(func: object, *rest: object, **kw: object) -> object:
-        in_python.append(str(func))
-        return real(func, *rest, **kw)  # type: ignore[arg-type]
+    def spy(device: int, op_name: str, *rest: Any) -> None:
+        by_python.append(op_name)
+        real(device, op_name, *rest)
 
-    monkeypatch.setattr(dispatch, "run_op", spy)
+    monkeypatch.setattr(conn, "op", spy)  # Python's path sends through it; genie._C queues natively
     _C.fast_forget()  # an earlier test of this process may have taught the same signature
     for round_ in range(4):
-        in_python.clear()
+        by_python.clear()
         for got, want in zip(call(*remote), expected, strict=True):
             torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
         if round_ == 0:
-            assert name in in_python, f"the spy sees {name}'s first call: {in_python}"
-    assert name not in in_python, f"{name} still goes through Python: {in_python}"
+            assert name in by_python, f"Python sends {name}'s first call: {by_python}"
+    assert name not in by_python, f"{name} still goes through Python: {by_python}"
