@@ -90,7 +90,9 @@ def test_basic_client_without_a_master_says_so() -> None:
 @needs_tmux
 def test_monitoring_dashboard_shows_its_cluster_and_q_stops_the_children(terminal) -> None:
     term = terminal([sys.executable, str(EXAMPLES / "monitoring_dashboard.py"), "--refresh", "0.3"])
-    screen = term.wait_for("2 nodes: 2 connected", 15)
+    # The example starts a master and a worker; the worker joins once its session workers' zygote has imported
+    # torch and the pre-flight's modules (seconds of a core, on a 2-core machine running another test beside it).
+    screen = term.wait_for("2 nodes: 2 connected", 40)
     assert "worker-1" in screen and "master" in screen
     term.press("q")
     # q stops the example's master and worker (each shut down in turn) before it exits: 5 s was not always enough
