@@ -8,7 +8,6 @@ encodes must be what Python would have sent.
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import pytest
 import torch
@@ -214,31 +213,20 @@ _WHOLE_CASES = {  # (the op sent whole, the call on a device)
 
 @pytest.mark.parametrize("case", sorted(_WHOLE_CASES))
 def test_ops_sent_whole_over_their_composite_kernels_take_the_native_path_too(case: str,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                            python_ops: list[str]) -> None:
     """``registration.WHOLE_OPS`` (convolution, the norms, addr) have a PrivateUse1 kernel of their own over torch's
     composite one; it is genie's fallback, so a repeated signature is queued by C++, not sent by Python, as every
     other op's is (a GPT-2 decode step sent its 25 layer norms a token through Python before)."""
-    from genie.device import registry
-
     torch.manual_seed(0)
     name, call = _WHOLE_CASES[case]
     host = (torch.randn(2, 8, 6, 6), torch.randn(8, 8, 3, 3), torch.randn(8), torch.randn(8))
     expected = call(*host)
     remote = [t.to(D0) for t in host]
-    conn = registry.table().devices[0].connection
-    by_python: list[str] = []
-    real = conn.op
-
-    def spy(device: int, op_name: str, *rest: Any) -> None:
-        by_python.append(op_name)
-        real(device, op_name, *rest)
-
-    monkeypatch.setattr(conn, "op", spy)  # Python's path sends through it; genie._C queues natively
     _C.fast_forget()  # an earlier test of this process may have taught the same signature
     for round_ in range(4):
-        by_python.clear()
+        python_ops.clear()
         for got, want in zip(call(*remote), expected, strict=True):
             torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
         if round_ == 0:
-            assert name in by_python, f"Python sends {name}'s first call: {by_python}"
-    assert name not in by_python, f"{name} still goes through Python: {by_python}"
+            assert name in python_ops, f"Python sends {name}'s first call: {python_ops}"
+    assert name not in python_ops, f"{name} still goes through Python: {python_ops}"
