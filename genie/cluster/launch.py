@@ -30,6 +30,30 @@ READY = re.compile(
 )
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process ``pid`` (0 where /proc cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _machine() -> str:
+    """The load average and available memory, for an error about a slow child."""
+    parts = []
+    try:
+        one, five, fifteen = os.getloadavg()
+        parts.append(f"load {one:.2f} {five:.2f} {fifteen:.2f}")
+        with open("/proc/meminfo") as f:
+            avail = next(line.split()[1] for line in f if line.startswith("MemAvailable:"))
+        parts.append(f"{int(avail) // 1024} MiB available")
+    except (OSError, StopIteration):
+        pass
+    return ", ".join(parts) or "load unknown"
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: get SIGTERM if the parent dies (Linux), so a crashed test or
     client never leaves a node running."""
@@ -50,7 +74,7 @@ class NodeProcess:
     def __init__(self, role: str = "serve", *args: str, env: dict[str, str] | None = None,
                  ready_timeout: float = 60.0, module: str = "genie.cli") -> None:
         self.argv = [sys.executable, "-m", module, *([role] if role else []), *args]
-        self.env = {**os.environ, **(env or {})}
+        self.env = {"PYTHONFAULTHANDLER": "1", **os.environ, **(env or {})}  # SIGABRT dumps its stacks (start)
         self.ready_timeout = ready_timeout
         self.proc: subprocess.Popen[bytes] | None = None
         self.process: subprocess.Popen[bytes] | None = None  #: the same as ``proc`` (older name)
@@ -102,9 +126,25 @@ class NodeProcess:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.02)
-        text = self.log()
+        code = self.proc.poll()
+        why = f"exited with {code}" if code is not None else self._stuck()
+        text = "\n".join(line for line in self.log().splitlines() if "<frozen importlib._bootstrap" not in line)
         self.stop()
-        raise GenieError(f"{' '.join(self.argv[2:])} did not become ready; output:\n" + text[-4000:])
+        self.cleanup()
+        raise GenieError(f"{' '.join(self.argv[2:])} did not become ready within {self.ready_timeout:g} s "
+                         f"({why}); output:\n" + text[-6000:])
+
+    def _stuck(self) -> str:
+        """What a child still running past its ready wait was doing: its CPU seconds, the machine's load and
+        free memory, and every thread's stack, which ``PYTHONFAULTHANDLER`` makes it write on SIGABRT."""
+        assert self.proc is not None
+        why = f"still running after {_cpu_seconds(self.proc.pid):.1f} s of CPU; {_machine()}"
+        try:
+            self.proc.send_signal(signal.SIGABRT)
+            self.proc.wait(5)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
+        return why + "; its stacks at SIGABRT end the output"
 
     @property
     def pid(self) -> int:
