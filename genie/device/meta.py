@@ -9,12 +9,13 @@ dictionary lookup.
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
+
+from genie import lazy_dynamo
 
 #: Output description: (dtype, shape, stride, storage offset) or None for a non-tensor.
 OutMeta = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]
@@ -73,78 +74,13 @@ def describe(out: Any) -> tuple[list[OutMeta | None], Any]:
     return metas, spec
 
 
-#: Modules whose functions torch wraps in ``torch._disable_dynamo`` and Python meta kernels call.
-_DISABLE_DYNAMO_MODULES = ("torch._refs", "torch._refs.nn.functional", "torch._refs.special", "torch._refs.linalg",
-                           "torch._meta_registrations", "torch._decomp.decompositions")
-_dynamo_deferred = False
-_defer_lock = threading.Lock()
-
-
-def _lazy_disable(fn: Any, recursive: bool) -> Any:
-    """Stands in for ``torch._dynamo.disable(fn)`` until dynamo is imported by someone else."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        disable = getattr(sys.modules.get("torch._dynamo"), "disable", None)
-        if disable is None:
-            # Without dynamo no frame is being traced: disabling it is a no-op, so fn runs as it is.
-            return fn(*args, **kwargs)
-        real = disable(fn, recursive, wrapping=False)
-        setattr(fn, "__dynamo_disable", real)  # what torch's wrapper would have cached: from now on it is used
-        return real(*args, **kwargs)
-
-    return call
-
-
-def defer_dynamo_import() -> int:
-    """Keep the first Python meta kernel from importing ``torch._dynamo`` (~800 modules, about a second).
-
-    torch wraps many reference kernels (``torch._refs.add``, which is ``add.out``'s meta kernel) in
-    ``torch._disable_dynamo``, whose wrapper imports dynamo on its first call only to build a
-    ``dynamo.disable`` of the function, which it caches on the function as ``__dynamo_disable``.
-    Before dynamo is imported nothing can be traced, so that wrapper is a no-op: this pre-fills the
-    cache with a stand-in that calls the function directly while dynamo is absent and installs
-    torch's real ``disable`` once it is present (torch.compile imports it). Returns the functions
-    covered; runs once.
-    """
-    global _dynamo_deferred
-    with _defer_lock:
-        if not _dynamo_deferred and "torch._dynamo" not in sys.modules:
-            covered = _cover_disable_wrappers()
-        else:
-            covered = 0
-        _dynamo_deferred = True
-    return covered
-
-
-def _cover_disable_wrappers() -> int:
-    import torch._compile
-
-    code = torch._compile._disable_dynamo(len).__code__  # the wrapper's code object, to recognise wrappers by
-    covered = 0
-    for name in _DISABLE_DYNAMO_MODULES:
-        module = sys.modules.get(name)
-        for value in list(vars(module).values()) if module is not None else ():
-            for _ in range(4):  # through functools.wraps layers (out_wrapper over the type-promotion wrapper)
-                if getattr(value, "__code__", None) is code:
-                    cells = dict(zip(value.__code__.co_freevars, value.__closure__ or (), strict=True))
-                    fn, recursive = cells["fn"].cell_contents, cells["recursive"].cell_contents
-                    if getattr(fn, "__dynamo_disable", None) is None:
-                        setattr(fn, "__dynamo_disable", _lazy_disable(fn, recursive))
-                        covered += 1
-                    break
-                value = getattr(value, "__wrapped__", None)
-                if value is None:
-                    break
-    return covered
-
-
 def warm_first_op() -> None:
-    """Off the caller's thread: what the first op would otherwise wait for (:func:`defer_dynamo_import`, then
+    """Off the caller's thread: what the first op would otherwise wait for (:func:`genie.lazy_dynamo.defer`, then
     ``sympy``, which torch's Python meta kernels import for type promotion: ~500 modules). ``genie.init``
     starts it before its network waits; an op that needs them meanwhile waits on the import lock."""
 
     def warm() -> None:
-        defer_dynamo_import()
+        lazy_dynamo.defer()
         try:
             import sympy  # noqa: F401
         except ImportError:  # torch imports it lazily too; without it, its meta kernels fail as they would anyway
@@ -159,8 +95,7 @@ def run_meta(func: Any, args: Any, kwargs: Any, convert: Any) -> tuple[list[OutM
     Errors the real kernel would raise too (a shape mismatch, a bad dtype)
     propagate unchanged, so they surface at the line that caused them.
     """
-    if not _dynamo_deferred:
-        defer_dynamo_import()
+    lazy_dynamo.defer()
     meta_args = tree_map(convert, args)
     meta_kwargs = tree_map(convert, kwargs)
     try:

@@ -43,6 +43,7 @@ from typing import Any
 import attrs
 import torch
 
+from genie import lazy_dynamo
 from genie.errors import ForbiddenOpError, QuotaExceededError, RemoteExecutionError
 from genie.server import sizerules, validators
 
@@ -198,6 +199,7 @@ def plan(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> 
     unplanned = Plan(planned=False, max_input=max_input, input_shape=input_shape, has_inputs=biggest is not None)
     if op in _no_meta:
         return unplanned
+    lazy_dynamo.defer()  # torch's Python meta kernels would import dynamo on their first call (genie.lazy_dynamo)
     inputs: list[torch.Tensor] = []
     try:
         meta_args = _to_meta(args, inputs)

@@ -213,8 +213,9 @@ WARM_UP_WAIT = 120.0
 
 
 def warm_preflight() -> None:
-    """Run one pre-flight, for the about 800 modules its first run imports (1 to 2.5 s of a core). A meta run
-    only: the CPU tensor is ``empty`` (no kernel runs), so the zygote may call it and stay fit to fork."""
+    """Run one pre-flight, for the about 550 modules its first run imports (sympy among them: about 1 s of a core;
+    dynamo is not among them, :mod:`genie.lazy_dynamo`). A meta run only: the CPU tensor is ``empty`` (no kernel
+    runs), so the zygote may call it and stay fit to fork."""
     try:
         with contextlib.suppress(Exception):  # a warm-up only: the first real op would pay it instead
             preflight.check(torch.ops.aten.add.Tensor, "aten::add.Tensor", [torch.empty(4), 1], {},

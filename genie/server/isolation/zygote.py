@@ -8,7 +8,7 @@ same preparation data as multiprocessing does, less the main module (the launch 
 multiprocessing's own ``popen_forkserver.Popen._launch`` otherwise).
 
 The zygote imports :data:`PRELOAD` before its first fork: torch, the worker's code, and the pre-flight's
-first-use imports (:mod:`~genie.server.isolation.warm`), about 5 s of a core on a small VM. :func:`start` starts
+first-use imports (:mod:`~genie.server.isolation.warm`), 2 to 5 s of a core on a small VM. :func:`start` starts
 it; ``genie serve``, ``genie worker`` and ``python -m genie.server`` call it before they import torch themselves,
 so the two imports overlap and the first spare worker is ready sooner. This module imports no torch.
 """
