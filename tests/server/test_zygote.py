@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,11 +43,12 @@ def report(conn) -> None:  # type: ignore[no-untyped-def]
     found = {"dynamo": "torch._dynamo" in sys.modules, "sympy": "sympy" in sys.modules,
              "warmed": worker._warmed.is_set(), "omp": os.environ.get("OMP_WAIT_POLICY")}
     aten, e = torch.ops.aten, torch.empty
-    for op, args in [(aten.native_layer_norm.default, [e(2, 4), [4], e(4), e(4), 1e-5]), (aten.rsqrt.default, [e(3)]),
+    cases: list[tuple[Any, list[Any]]] = [(aten.native_layer_norm.default, [e(2, 4), [4], e(4), e(4), 1e-5]), (aten.rsqrt.default, [e(3)]),
                      (aten.exp.default, [e(3)]), (aten._softmax.default, [e(3, 3), 1, False]),
                      (aten.gelu.default, [e(3)]), (aten.sum.default, [e(4)]), (aten.mm.default, [e(2, 3), e(3, 2)]),
                      (aten.convolution.default, [e(1, 3, 8, 8), e(4, 3, 3, 3), None, [1, 1], [0, 0], [1, 1], False,
-                                                 [0, 0], 1])]:
+                                                 [0, 0], 1])]
+    for op, args in cases:
         preflight.check(op, str(op), args, {}, max_elements=0, remaining_bytes=None)
     conn.send({**found, "dynamo_after_preflights": "torch._dynamo" in sys.modules})
 
