@@ -30,6 +30,12 @@ READY = re.compile(
 )
 
 
+#: How long :class:`NodeProcess` waits for a child's ready line by default. A node imports torch beside its zygote's
+#: import (seconds of a core each); on a 2-core CI host running two test processes, with clusters of several nodes
+#: starting at once, that took over 20 s. A child still silent after this is reported with its stacks.
+READY_TIMEOUT = 120.0
+
+
 def _cpu_seconds(pid: int) -> float:
     """User and system CPU time of process ``pid`` (0 where /proc cannot tell)."""
     try:
@@ -72,7 +78,7 @@ class NodeProcess:
     """
 
     def __init__(self, role: str = "serve", *args: str, env: dict[str, str] | None = None,
-                 ready_timeout: float = 60.0, module: str = "genie.cli") -> None:
+                 ready_timeout: float = READY_TIMEOUT, module: str = "genie.cli") -> None:
         self.argv = [sys.executable, "-m", module, *([role] if role else []), *args]
         self.env = {"PYTHONFAULTHANDLER": "1", **os.environ, **(env or {})}  # SIGABRT dumps its stacks (start)
         self.ready_timeout = ready_timeout

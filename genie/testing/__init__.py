@@ -63,7 +63,7 @@ import attrs
 import pytest
 
 from genie.cluster.events import EventBus, Subscription
-from genie.cluster.launch import NodeProcess
+from genie.cluster.launch import READY_TIMEOUT, NodeProcess
 from genie.errors import GenieError
 from genie.plugins import PluginManager, get_plugin_manager
 from genie.security import ClientSecurity
@@ -291,7 +291,7 @@ ServerProcess = NodeProcess
 
 
 @contextlib.contextmanager
-def serve_subprocess(*args: str, ready_timeout: float = 60.0, log_level: str = "INFO",
+def serve_subprocess(*args: str, ready_timeout: float = READY_TIMEOUT, log_level: str = "INFO",
                      env: dict[str, str] | None = None) -> Iterator[NodeProcess]:
     """Run ``python -m genie.server ARGS`` (a bare data-plane server) until its ready line; always stop it."""
     with NodeProcess.data_plane("--log-level", log_level, *args, env=env, ready_timeout=ready_timeout) as server:
@@ -359,7 +359,7 @@ class LocalCluster:
 
     def __init__(self, workers: Iterable[str] = ("w1",), *, devices: str = "cpu", master_args: Iterable[str] = (),
                  worker_args: Iterable[str] = (), env: dict[str, str] | None = None,
-                 ready_timeout: float = 60.0) -> None:
+                 ready_timeout: float = READY_TIMEOUT) -> None:
         self.worker_ids = tuple(workers)
         self.devices = devices
         self.master_args = tuple(master_args)

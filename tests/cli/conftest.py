@@ -56,7 +56,7 @@ class Cluster(LocalCluster):
     def __init__(self, workers: tuple[str, ...] = ("w1", "w2"), *, metrics: bool = True) -> None:
         self.metrics_port = metrics_port() if metrics else 0
         extra = ("--metrics-port", str(self.metrics_port)) if self.metrics_port else ()
-        super().__init__(workers, master_args=(*extra, *FAST), worker_args=FAST, ready_timeout=20)
+        super().__init__(workers, master_args=(*extra, *FAST), worker_args=FAST)
 
     @property
     def procs(self) -> dict[str, NodeProcess]:

@@ -14,12 +14,12 @@ from tests.cli.conftest import genie
 
 
 def test_serve_on_port_0_reports_the_bound_port_in_its_ready_line_and_it_answers() -> None:
-    with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--node-id", "zero", ready_timeout=30) as master:
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--node-id", "zero") as master:
         assert master.control_port not in (0, 5555) and master.data_port != 0
         snapshot = query_master_sync("127.0.0.1", master.control_port)
         assert [n["node_id"] for n in snapshot["nodes"]] == ["zero"]
         with NodeProcess("worker", "--master", f"127.0.0.1:{master.control_port}", "--devices", "cpu",
-                         "--node-id", "w-zero", ready_timeout=30) as worker:
+                         "--node-id", "w-zero") as worker:
             assert worker.control_port == master.control_port and worker.data_port != 0
             assert {n["node_id"] for n in query_master_sync("127.0.0.1", master.control_port)["nodes"]} == \
                 {"zero", "w-zero"}

@@ -214,8 +214,7 @@ def test_the_master_comes_from_the_environment_when_not_given() -> None:
 
 def test_a_master_with_a_cluster_token_answers_only_commands_that_have_it() -> None:
     token = {"GENIE_AUTH_TOKEN": "operator-test-token-0123456789abcdef"}
-    master = NodeProcess("serve", "--port", "0", "--devices", "cpu", "--node-id", "master", env=token,
-                         ready_timeout=20)
+    master = NodeProcess("serve", "--port", "0", "--devices", "cpu", "--node-id", "master", env=token)
     follow = None
     try:
         master.start()
