@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+from genie.cluster.launch import READY_TIMEOUT
 from tests.cli.conftest import Cluster, genie, metrics_port, needs_tmux, refused_port, wait_until
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -71,7 +72,7 @@ def test_basic_client_runs_a_matmul_remotely_and_matches_the_cpu() -> None:
     try:
         master.start()
         result = subprocess.run([sys.executable, str(EXAMPLES / "basic_client.py"), "--master", master.master_addr,
-                                 "--size", "128", "--repeat", "2"], capture_output=True, text=True, timeout=60)
+                                 "--size", "128", "--repeat", "2"], capture_output=True, text=True, timeout=120)
     finally:
         master.stop()
     assert result.returncode == 0, result.stdout + result.stderr
@@ -92,7 +93,7 @@ def test_monitoring_dashboard_shows_its_cluster_and_q_stops_the_children(termina
     term = terminal([sys.executable, str(EXAMPLES / "monitoring_dashboard.py"), "--refresh", "0.3"])
     # The example starts a master and a worker; the worker joins once its session workers' zygote has imported
     # torch and the pre-flight's modules (seconds of a core, on a 2-core machine running another test beside it).
-    screen = term.wait_for("2 nodes: 2 connected", 40)
+    screen = term.wait_for("2 nodes: 2 connected", READY_TIMEOUT)
     assert "worker-1" in screen and "master" in screen
     term.press("q")
     # q stops the example's master and worker (each shut down in turn) before it exits: 5 s was not always enough
