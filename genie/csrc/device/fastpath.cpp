@@ -315,19 +315,8 @@ struct Encoder {
       }
       return true;
     }
-    if (v.isList()) {  // Tensor?[] (index, index_put_), or SymInt[] (native_layer_norm's normalized_shape)
+    if (v.isList()) {  // Tensor?[] (index, index_put_); a concrete SymInt[] is boxed as an int list (above)
       auto l = v.toListRef();
-      if (!l.empty() && std::all_of(l.begin(), l.end(), [](const IValue& e) {
-            return e.isInt() || (e.isSymInt() && e.toSymInt().maybe_as_int().has_value());
-          })) {  // concrete sizes: as an int[] (the key and the body alike)
-        begin_list('I', l.size());
-        for (const IValue& e : l) {
-          int64_t x = e.isInt() ? e.toInt() : *e.toSymInt().maybe_as_int();
-          put<int64_t>(x);
-          pack_int(body, x);
-        }
-        return true;
-      }
       begin_list('O', l.size());
       for (const IValue& e : l) {
         if (e.isNone()) {
