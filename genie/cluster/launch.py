@@ -21,6 +21,9 @@ import tempfile
 import time
 from typing import Any
 
+import psutil
+
+from genie.cluster.host import host_metrics
 from genie.errors import GenieError
 
 READY = re.compile(
@@ -36,28 +39,20 @@ READY = re.compile(
 READY_TIMEOUT = 120.0
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User and system CPU time of process ``pid`` (0 where /proc cannot tell)."""
+def _busy(pid: int) -> str:
+    """How much CPU process ``pid`` has had, and the host's load and available memory (genie.cluster.host's
+    snapshot), for an error about a child that is slow to start."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-def _machine() -> str:
-    """The load average and available memory, for an error about a slow child."""
-    parts = []
-    try:
-        one, five, fifteen = os.getloadavg()
-        parts.append(f"load {one:.2f} {five:.2f} {fifteen:.2f}")
-        with open("/proc/meminfo") as f:
-            avail = next(line.split()[1] for line in f if line.startswith("MemAvailable:"))
-        parts.append(f"{int(avail) // 1024} MiB available")
-    except (OSError, StopIteration):
-        pass
-    return ", ".join(parts) or "load unknown"
+        times = psutil.Process(pid).cpu_times()
+        parts = [f"{times.user + times.system:.1f} s of CPU"]
+    except psutil.Error:
+        parts = ["CPU time unknown"]
+    host = host_metrics()
+    if "load_1m" in host:
+        parts.append(f"load {host['load_1m']:.2f} {host['load_5m']:.2f} {host['load_15m']:.2f}")
+    if "memory_total" in host:
+        parts.append(f"{(host['memory_total'] - host['memory_used']) // 2**20} MiB available")
+    return ", ".join(parts)
 
 
 def _die_with_parent() -> None:
@@ -144,7 +139,7 @@ class NodeProcess:
         """What a child still running past its ready wait was doing: its CPU seconds, the machine's load and
         free memory, and every thread's stack, which ``PYTHONFAULTHANDLER`` makes it write on SIGABRT."""
         assert self.proc is not None
-        why = f"still running after {_cpu_seconds(self.proc.pid):.1f} s of CPU; {_machine()}"
+        why = f"still running after {_busy(self.proc.pid)}"
         try:
             self.proc.send_signal(signal.SIGABRT)
             self.proc.wait(5)
