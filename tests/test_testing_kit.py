@@ -30,3 +30,25 @@ def test_genie_inproc_server_binds_port_0_and_serves(genie_inproc_server) -> Non
     assert server.port != 0
     with socket.create_connection(("127.0.0.1", server.port), timeout=2):
         pass
+
+
+def test_a_node_silent_past_its_wait_is_reported_with_its_cpu_the_host_and_its_stacks() -> None:
+    """A real ``genie serve`` given 0.3 s: it is still importing torch, so the error says what it was doing."""
+    from genie.cluster.launch import NodeProcess
+    from genie.errors import GenieError
+
+    node = NodeProcess("serve", "--port", "0", "--devices", "cpu", ready_timeout=0.3)
+    with pytest.raises(GenieError) as caught:
+        node.start()
+    text = str(caught.value)
+    assert "did not become ready within 0.3 s (still running after" in text and "s of CPU, load " in text
+    assert "MiB available" in text and "Current thread" in text, text[-2000:]
+    assert not node.alive()
+
+
+def test_a_node_that_exits_before_its_ready_line_is_reported_with_its_exit_code() -> None:
+    from genie.cluster.launch import NodeProcess
+    from genie.errors import GenieError
+
+    with pytest.raises(GenieError, match=r"did not become ready within \S+ s \(exited with 2\)"):
+        NodeProcess("serve", "--no-such-option").start()
