@@ -25,8 +25,9 @@ writes reaches one of these:
 
 - the Python op path (:func:`after_op`): every argument the op's schema marks as written (in-place ops,
   ``out=``, ``_foreach_*_``, fused optimizer steps) loses its shadow unless the op was derived on it;
-- ``genie._C``'s native op path (``genie/csrc/device/fastpath.cpp``) steps aside to Python for any call whose
-  tensors include a shadowed storage, and for ``fill_``/``zero_`` of small storages, so it never writes one;
+- ``genie._C``'s native op path (``genie/csrc/device/fastpath.cpp``) steps aside to Python for any call that
+  writes a shadowed storage, so it never writes one; also for calls Python can derive (every tensor read
+  shadowed), reads and copies of a shadowed tensor, and ``fill_``/``zero_`` of small storages;
 - copies (:func:`after_copy`), ``resize_``/``set_`` growing a storage (a shadow of another size is never
   read: :func:`host_view` checks), a compiled graph's replay (:func:`forget_tensors` on its inputs).
 
@@ -339,7 +340,10 @@ _ARITHMETIC_ARGS = ("accumulate", "reduce")
 #: to Python too.
 _FOLLOWED = frozenset({"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::copy_",
                        "aten::_copy_from", "aten::_copy_from_and_resize"})
-_C.shadow_ops(sorted(MOVE_OPS | INT_OPS | FILL_OPS | _FOLLOWED))
+# genie._C's native path sends Python a call of these only when it writes a shadowed storage or Python can
+# derive it (every tensor it reads shadowed, dtypes and numbers as _derive takes them); a followed op with any
+# shadowed tensor (genie/csrc/device/fastpath.cpp, touches_shadow).
+_C.shadow_ops(sorted(_FOLLOWED), sorted((MOVE_OPS | FILL_OPS) - _FOLLOWED), sorted(INT_OPS))
 
 
 class Rule:

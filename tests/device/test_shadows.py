@@ -215,6 +215,46 @@ def test_the_native_path_steps_aside_for_a_storage_that_gained_a_shadow() -> Non
     assert (got, n) == ([16, 26, 36, 46, 56], 0)
 
 
+def test_calls_python_cannot_derive_stay_native_and_writes_to_a_shadow_never_do(python_ops: list[str]) -> None:
+    """genie._C sends Python a call that touches a shadow only when Python has work to do on it: the call writes a
+    shadowed storage, or every tensor it reads is shadowed and its dtypes allow deriving (integer arithmetic on
+    floats is not derived). A float op on a small uploaded tensor went to Python every call (60 to 80 us)."""
+    x_cpu = torch.tensor([0.5, 1.5, -2.0])
+    x = x_cpu.to(D0)  # a small float upload: shadowed
+    ids_cpu, other_cpu = torch.tensor([1, 2, 3]), torch.tensor([0, 2, 10])
+    ids = ids_cpu.to(D0)
+    other = torch.arange(3, device=D0) * torch.tensor([7, 2, 5]).to(D0)  # arange is never derived: no shadow
+    assert _C.storage_id(x) in shadows.TABLE.entries and _C.storage_id(other) not in shadows.TABLE.entries
+
+    def calls() -> list[torch.Tensor]:
+        return [x * 2.0, x + x, ids + other, torch.isin(other, ids), ids * ids, ids.eq(ids)]
+
+    calls()
+    calls()  # taught to genie._C by now
+    python_ops.clear()
+    got = calls()
+    # float arithmetic and calls with an unshadowed input: native; integer arithmetic and a comparison of
+    # shadows: derived by Python, so their results read back without a round trip
+    assert python_ops == ["aten::mul.out", "aten::eq.Tensor_out"]
+    (square, same), n = trips(lambda: (got[4].tolist(), got[5].tolist()))
+    assert (square, same, n) == ([1, 4, 9], [True, True, True], 0)
+    expected = [x_cpu * 2.0, x_cpu + x_cpu, ids_cpu + other_cpu, torch.isin(other_cpu, ids_cpu)]
+    for remote_value, value in zip(got[:4], expected, strict=False):
+        assert torch.equal(remote_value.cpu(), value)
+    got_x, n = trips(x.cpu)
+    assert n == 0 and torch.equal(got_x, x_cpu)
+
+    other.add_(ids)  # writes an unshadowed storage, reads a shadow it cannot be derived from: native
+    other.add_(ids)
+    python_ops.clear()
+    other.add_(ids)
+    ids.add_(other)  # writes a shadowed storage: Python, which drops the shadow (other's values are remote)
+    ids.add_(other)  # no shadow left to keep true: native
+    assert python_ops == ["aten::add.out"]
+    got_ids, n = trips(ids.tolist)
+    assert n == 1 and got_ids == (ids_cpu + 2 * (other_cpu + 3 * ids_cpu)).tolist()
+
+
 def test_batch_norm_running_statistics_drop_their_shadows_on_both_paths() -> None:
     """native_batch_norm writes running_mean/var although its schema does not mark them (UNMARKED_WRITES)."""
     torch.manual_seed(0)

@@ -70,8 +70,9 @@ struct OpFacts {
   enum Copy : uint8_t { not_copy, copy_into, copy_from } copy = not_copy;  // copy_(self, src) / _copy_from(src, dst)
   bool item = false;  // _local_scalar_dense (.item()): a sync point the lane may answer
   bool fills = false;  // fill_.Scalar / zero_: overwrites its whole argument (host shadows, below)
+  bool overwrites_self = false;  // every fill_ / zero_: its first argument's old values are never read
   std::vector<bool> writes;  // per argument: the schema marks it written (in place, out=)
-  std::atomic<int8_t> derivable{-1};  // host shadows may run it on the client (shadow_ops); -1: not looked up yet
+  std::atomic<int8_t> shadow_use{-1};  // what host shadows do with it (ShadowUse, shadow_ops); -1: not looked up yet
 };
 std::unordered_map<const void*, OpFacts*> g_facts;  // by &op.schema() (operators live for the process)
 
@@ -102,6 +103,7 @@ OpFacts* facts_of(const c10::OperatorHandle& op) {
   if (f->name == "aten::_copy_from") f->copy = OpFacts::copy_from;
   f->item = f->name == "aten::_local_scalar_dense";
   f->fills = f->name == "aten::fill_.Scalar" || f->name == "aten::zero_";
+  f->overwrites_self = schema.name() == "aten::fill_" || schema.name() == "aten::zero_";
   const auto& args = schema.arguments();
   // Batch norm updates its running statistics in place without its schema saying so (genie.device.shadows,
   // UNMARKED_WRITES: the same list).
@@ -390,16 +392,22 @@ py::object* g_resolve = nullptr;          // genie.device.dispatch.overload_of
 std::atomic<uint64_t> g_hits{0}, g_misses{0};
 
 // ---------------------------------------------------------------------------------------------
-// Host shadows (genie.device.shadows): storages whose bytes the client also holds. A call that touches one
-// goes to Python, which answers reads from the shadow, drops it when the call may write the storage and
-// computes derived shadows; a small fill_/zero_ goes there too while shadows are on (its whole storage
-// becomes known). With no shadow and shadows off this costs one relaxed load per op.
+// Host shadows (genie.device.shadows): storages whose bytes the client also holds. A call goes to Python
+// when it may write a shadowed storage (Python drops the shadow or applies the op to it), when it reads one
+// and is a read or copy the shadows answer or follow, when Python can run it on the shadows of all its inputs
+// (a derived shadow), and for a small fill_/zero_ while shadows are on (its whole storage becomes known).
+// Everything else stays native: an op with one shadowed input among unshadowed ones, or arithmetic on floats,
+// cannot be derived, and sending it to Python cost 60 to 80 us a call against 3 to 6 us here. With no
+// shadow and shadows off this costs one relaxed load per op.
 std::mutex g_shadow_mu;
 std::unordered_set<uint64_t> g_shadowed;          // storage ids with a shadow
 std::vector<uint64_t> g_shadow_freed;             // of those, the ones freed since Python last asked
 std::atomic<size_t> g_shadow_count{0};
 std::atomic<int64_t> g_shadow_fill_bytes{0};      // fill_/zero_ of a storage this small go to Python (0: off)
-std::unordered_set<std::string> g_shadow_ops;     // ops (schema names, "aten::eq") Python can run on shadows
+// What the shadows do with an op (genie.device.shadows): nothing; follow it (a read or a copy: any shadowed
+// tensor sends it to Python); derive it in any dtype but complex (MOVE_OPS); derive it on integers only (INT_OPS).
+enum ShadowUse : int8_t { use_none = 0, use_follow = 1, use_move = 2, use_int = 3 };
+std::unordered_map<std::string, int8_t> g_shadow_ops;  // by schema name ("aten::eq")
 
 bool shadowed_tensor(const at::Tensor& t) {
   if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1) return false;
@@ -410,20 +418,54 @@ bool shadowed_tensor(const at::Tensor& t) {
   return g_shadowed.count(sid) != 0;
 }
 
-bool derivable(const OpFacts& f, const c10::OperatorHandle& op) {
-  int8_t known = f.derivable.load(std::memory_order_relaxed);
-  if (known >= 0) return known != 0;
-  bool yes;
+int8_t shadow_use(const OpFacts& f, const c10::OperatorHandle& op) {
+  int8_t known = f.shadow_use.load(std::memory_order_relaxed);
+  if (known >= 0) return known;
+  int8_t use = use_none;
   {
     std::lock_guard<std::mutex> g(g_shadow_mu);
-    yes = g_shadow_ops.count(op.schema().name()) != 0;
+    auto it = g_shadow_ops.find(op.schema().name());
+    if (it != g_shadow_ops.end()) use = it->second;
   }
-  const_cast<OpFacts&>(f).derivable.store(yes ? 1 : 0, std::memory_order_relaxed);
-  return yes;
+  const_cast<OpFacts&>(f).shadow_use.store(use, std::memory_order_relaxed);
+  return use;
 }
 
-// Whether this call must go to Python for the shadows' sake (see above): it writes a shadowed storage, or
-// Python may run it on shadows (a shadowed input), or it fills a small integer or bool storage from nothing.
+// One call's tensors as the shadows see them (touches_shadow).
+struct ShadowScan {
+  int8_t use;
+  bool written_shadowed = false;  // an argument the op writes has a shadow: Python must see the call
+  bool any = false;               // a shadowed tensor among those it reads
+  bool all = true;                // every remote tensor it reads (or updates in place) is shadowed
+  bool exact = true;              // the dtypes and numbers let Python derive it (genie.device.shadows._derive)
+
+  void tensor(const at::Tensor& t, bool written, bool target) {
+    if (!t.defined()) return;
+    if (c10::isComplexType(t.scalar_type()) || (use == use_int && c10::isFloatingType(t.scalar_type()))) exact = false;
+    if (t.device().type() != c10::DeviceType::PrivateUse1) return;
+    bool shadowed = shadowed_tensor(t);
+    if (written && shadowed) written_shadowed = true;
+    if (!written) any = any || shadowed;
+    if (!target) all = all && shadowed;  // an out= target needs none: Python makes its shadow
+  }
+  void value(const IValue& a, bool written, bool target) {
+    if (a.isTensor()) {
+      tensor(a.toTensor(), written, target);
+    } else if (a.isTensorList()) {
+      for (const at::Tensor& t : a.toTensorList()) tensor(t, written, target);
+    } else if (a.isOptionalTensorList()) {
+      for (std::optional<at::Tensor> t : a.toOptionalTensorList()) {
+        if (t.has_value()) tensor(*t, written, target);
+      }
+    } else if (a.isComplexDouble() || (use == use_int && a.isDouble())) {
+      exact = false;
+    } else if (a.isList()) {
+      for (const IValue& v : a.toListRef()) value(v, written, target);
+    }
+  }
+};
+
+// Whether this call must go to Python for the shadows' sake (see above).
 bool touches_shadow(const OpFacts& f, const c10::OperatorHandle& op, c10::ArrayRef<IValue> args) {
   if (f.fills && !args.empty() && args[0].isTensor()) {
     const at::Tensor& t = args[0].toTensor();
@@ -433,24 +475,19 @@ bool touches_shadow(const OpFacts& f, const c10::OperatorHandle& op, c10::ArrayR
       return true;
   }
   if (g_shadow_count.load(std::memory_order_relaxed) == 0) return false;
-  bool may_derive = derivable(f, op);
+  ShadowScan scan{shadow_use(f, op)};
   for (size_t i = 0; i < args.size(); ++i) {
-    const auto& a = args[i];
-    bool matters = may_derive || (i < f.writes.size() && f.writes[i]);
-    if (!matters) continue;
-    if (a.isTensor()) {
-      if (shadowed_tensor(a.toTensor())) return true;
-    } else if (a.isTensorList()) {
-      for (const at::Tensor& t : a.toTensorList()) {
-        if (shadowed_tensor(t)) return true;
-      }
-    } else if (a.isOptionalTensorList()) {
-      for (std::optional<at::Tensor> t : a.toOptionalTensorList()) {
-        if (t.has_value() && shadowed_tensor(*t)) return true;
-      }
-    }
+    bool written = i < f.writes.size() && f.writes[i];
+    // out= targets are keyword-only, a fill's is its first; an in-place op's self is read as well as written
+    scan.value(args[i], written, written && (i >= f.kwarg_only_start || (i == 0 && f.overwrites_self)));
   }
-  return false;
+  if (scan.written_shadowed) return true;
+  switch (scan.use) {
+    case use_follow: return scan.any;
+    case use_move:
+    case use_int: return scan.any && scan.all && scan.exact;
+    default: return false;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -808,14 +845,21 @@ void init_fastpath(py::module_& m) {
   }, "Shadowed storages freed since the last call (their marks are gone already).");
   m.def("shadow_fill_bytes", [](int64_t limit) { g_shadow_fill_bytes.store(limit); },
         "fill_/zero_ of an integer or bool storage of at most this many bytes go to Python (0: none).");
-  m.def("shadow_ops", [](const std::vector<std::string>& names) {
+  m.def("shadow_ops", [](const std::vector<std::string>& follow, const std::vector<std::string>& move,
+                         const std::vector<std::string>& integer) {
     {
       std::lock_guard<std::mutex> g(g_shadow_mu);
-      g_shadow_ops = std::unordered_set<std::string>(names.begin(), names.end());
+      g_shadow_ops.clear();
+      for (const auto& n : follow) g_shadow_ops[n] = use_follow;
+      for (const auto& n : move) g_shadow_ops[n] = use_move;
+      for (const auto& n : integer) g_shadow_ops[n] = use_int;
     }
     std::lock_guard<std::mutex> g(g_mu);
-    for (auto& [key, facts] : g_facts) facts->derivable.store(-1, std::memory_order_relaxed);
-  }, "The ops (schema names) Python may run on host shadows: a call of one with a shadowed input goes to Python.");
+    for (auto& [key, facts] : g_facts) facts->shadow_use.store(-1, std::memory_order_relaxed);
+  }, py::arg("follow"), py::arg("move"), py::arg("integer"),
+     "The ops (schema names) host shadows follow (reads and copies: a call with a shadowed tensor goes to Python) "
+     "and derive, in any dtype but complex (move) or on integers only (integer): a call whose inputs are all "
+     "shadowed goes to Python. A call that writes a shadowed storage always does.");
   m.def("fast_learn", &fast_learn, "Teach the call being handled: its outputs (see fastpath.cpp).");
   m.def("fast_forget", [] {
     std::lock_guard<std::mutex> g(g_mu);
