@@ -9,7 +9,7 @@
 // command encoded as the msgpack Python would send, appended to its connection's queue. No GIL, no
 // Python objects. Python drains a connection's queue, in order, before it queues anything itself
 // and before every batch it sends, and tells the queue how much room the batch has left: a full
-// queue sends the op to Python, which flushes (genie.device.connection).
+// queue is sent by Python's flush (genie.device.connection), and the op joins the next batch here.
 //
 // Python's view of arguments (positional up to the first trailing default, keyword-only ones by
 // name unless defaulted) follows torch's own Python fallback (parseIValuesToPyArgsKwargs), so a
@@ -505,16 +505,41 @@ int session_options() {
          (ctx.deterministicAlgorithmsWarnOnly() ? genie_wire::kOptionWarnOnly : 0);
 }
 
-bool queue_for(int device, size_t bytes, std::shared_ptr<Queue>* q, int* local) {
+enum class Room : uint8_t { ok, none, full };
+
+Room room_for(int device, size_t bytes, std::shared_ptr<Queue>* q, int* local) {
   {
     std::lock_guard<std::mutex> g(g_mu);
-    if (device >= static_cast<int>(g_routes.size()) || !g_routes[device].queue) return false;
+    if (device >= static_cast<int>(g_routes.size()) || !g_routes[device].queue) return Room::none;
     *q = g_routes[device].queue;
     *local = g_routes[device].local;
   }
-  if ((*q)->options.load(std::memory_order_relaxed) != session_options()) return false;
+  if ((*q)->options.load(std::memory_order_relaxed) != session_options()) return Room::none;
   std::lock_guard<std::mutex> g((*q)->mu);
-  return (*q)->cmds.size() < (*q)->room_cmds && (*q)->bytes + bytes + 64 < (*q)->room_bytes;
+  if ((*q)->room_bytes == 0) return Room::none;  // lost, capturing a graph, or not connected yet
+  return (*q)->cmds.size() < (*q)->room_cmds && (*q)->bytes + bytes + 64 < (*q)->room_bytes ? Room::ok : Room::full;
+}
+
+// The batch is full: Python sends it (NodeConnection.flush), as its own op path would, and this op joins the
+// next batch natively rather than taking Python's whole op path (meta inference, encoding: 60 us and more)
+// only to flush. Not from inside Python's own work on the session (this thread holds its lock), nor without
+// the lane's connection; an error (a lost node) is left for Python's path to raise.
+bool flush_full(Queue& q) {
+  if (!q.lane_on.load() || q.held_here()) return false;
+  py::gil_scoped_acquire gil;
+  if (q.conn == nullptr) return false;
+  try {
+    py::handle(q.conn).attr("flush")();
+  } catch (py::error_already_set&) {
+    return false;
+  }
+  return true;
+}
+
+bool queue_for(int device, size_t bytes, std::shared_ptr<Queue>* q, int* local) {
+  Room room = room_for(device, bytes, q, local);
+  if (room == Room::full && flush_full(**q)) room = room_for(device, bytes, q, local);
+  return room == Room::ok;
 }
 
 // [CMD_OP, local device, op, args, kwargs, outs] appended to `q`; `body` holds args and kwargs.
