@@ -554,9 +554,9 @@ def new_runner(store: StorageStore) -> Any:
 
 
 def native_plan(plan: CommandPlan) -> Any:
-    """The native form of ``plan``, or None when it has a shape only Python runs (a validator reads data,
-    tensors nested in lists, a random op's runner) or its constants do not convert as torch converts them."""
-    if NativePlan is None or plan.validator is not None or plan.nested_fill or plan.random:
+    """The native form of ``plan``, or None when it has a shape only Python runs (a validator reads data, a list
+    of tensors and other values, a random op's runner) or its constants do not convert as torch converts them."""
+    if NativePlan is None or plan.validator is not None or plan.random:
         return None
     try:
         return NativePlan(native_spec(plan))

@@ -73,6 +73,7 @@ class NativeSpec(NamedTuple):
     inputs: list[Layout]  #: per input tensor
     fresh_slots: list[int]  #: ids an out= op run in its functional form needs to be new storages
     outputs: list[Layout | None]  #: per output position; None: an output the client does not keep
+    nested_fill: list[tuple[int, list[Any], list[tuple[int, int]]]]  #: Tensor[] arguments: (position, template, fills)
 
 
 class GraphNodeSpec(NamedTuple):
@@ -109,7 +110,7 @@ def native_spec(plan: CommandPlan) -> NativeSpec:
                for d, slot in zip(plan.out_descs, plan.out_slots, strict=True)]
     return NativeSpec(schema.name, schema.overload_name, plan.label, plan.device, plan.call_outs, plan.writes,
                       plan.new_bytes, plan.max_op_elements, plan.args, plan.kwargs, plan.arg_fill, plan.kw_fill,
-                      plan.float_values, plan.float_fill, inputs, plan.fresh_slots, outputs)
+                      plan.float_values, plan.float_fill, inputs, plan.fresh_slots, outputs, plan.nested_fill)
 
 
 def graph_node_spec(node: Any) -> GraphNodeSpec:

@@ -41,6 +41,12 @@ struct Output {
   at::ScalarType dtype;
 };
 
+// A Tensor[] argument (cat's, stack's): its stack position and, element by element, the input it holds.
+struct TensorListFill {
+  size_t position;
+  std::vector<size_t> inputs;
+};
+
 // What running one command signature natively needs (made from a genie.server.runner_api.NativeSpec).
 class NativePlan {
  public:
@@ -59,6 +65,7 @@ class NativePlan {
   int64_t max_op_elements_ = 0;
   std::vector<c10::IValue> stack_;
   std::vector<std::pair<size_t, size_t>> fills_;  // (stack position, input index)
+  std::vector<TensorListFill> list_fills_;             // Tensor[] arguments, each element an input
   std::vector<Input> inputs_;
   std::vector<Output> outputs_;
   std::vector<size_t> fresh_slots_;  // ids that must be storages the session never made (out= run functional)

@@ -488,6 +488,12 @@ struct Runner::Impl {
 
     torch::jit::Stack stack = plan.stack_;
     for (size_t k = 0; k < plan.fills_.size(); ++k) stack[plan.fills_[k].first] = tensors[plan.fills_[k].second];
+    for (const auto& fill : plan.list_fills_) {
+      c10::List<at::Tensor> list;
+      list.reserve(fill.inputs.size());
+      for (size_t input : fill.inputs) list.push_back(tensors[input]);
+      stack[fill.position] = std::move(list);
+    }
     for (const auto& fill : plan.float_fills_) {
       double value = floats[fill.index];
       if (fill.wrapped) {

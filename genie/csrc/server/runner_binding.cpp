@@ -37,11 +37,11 @@ namespace {
 // genie.server.runner_api.NativeSpec
 enum SpecField : size_t {
   kOpName, kOverload, kLabel, kDevice, kCallOuts, kWrites, kNewBytes, kMaxOpElements, kArgs, kKwargs, kArgFill,
-  kKwFill, kFloatValues, kFloatFill, kInputs, kFreshSlots, kOutputs, kSpecFields
+  kKwFill, kFloatValues, kFloatFill, kInputs, kFreshSlots, kOutputs, kNestedFill, kSpecFields
 };
 const char* const kSpecNames[kSpecFields] = {
     "op_name", "overload", "label", "device", "call_outs", "writes", "new_bytes", "max_op_elements", "args",
-    "kwargs", "arg_fill", "kw_fill", "float_values", "float_fill", "inputs", "fresh_slots", "outputs"};
+    "kwargs", "arg_fill", "kw_fill", "float_values", "float_fill", "inputs", "fresh_slots", "outputs", "nested_fill"};
 // genie.server.runner_api.Layout
 enum LayoutField : size_t { kSlot, kNbytes, kOffset, kSizes, kStrides, kDtype, kLayoutFields };
 const char* const kLayoutNames[kLayoutFields] = {"slot", "nbytes", "offset", "sizes", "strides", "dtype"};
@@ -147,6 +147,28 @@ NativePlan::NativePlan(py::handle spec_object) {
     auto t = pair.cast<py::tuple>();
     keyword_fill[t[0].cast<std::string>()] = t[1].cast<size_t>();
   }
+  // Lists of tensors (cat's, stack's): every element a storage, the argument a Tensor[] (not Tensor?[]).
+  std::unordered_map<size_t, TensorListFill> list_fill;  // argument position -> its elements' input indices
+  size_t list_inputs = 0;
+  for (py::handle entry : spec[kNestedFill]) {
+    auto t = entry.cast<py::tuple>();
+    auto position = t[0].cast<size_t>();
+    auto inner = t[1].cast<py::list>();
+    auto items = t[2].cast<py::list>();
+    if (position >= arguments.size() || position >= args.size()) throw std::runtime_error("a list past the arguments");
+    auto list_type = arguments[position].type()->cast<c10::ListType>();
+    if (!list_type || list_type->getElementType()->kind() != c10::TypeKind::TensorType)
+      throw std::runtime_error("a list of tensors for an argument of type " + arguments[position].type()->str());
+    if (items.size() != inner.size()) throw std::runtime_error("a list of tensors and other values");
+    TensorListFill fill{position, {}};
+    for (size_t k = 0; k < items.size(); ++k) {
+      auto item = items[k].cast<py::tuple>();
+      if (item[0].cast<size_t>() != k) throw std::runtime_error("a list's tensors out of order");
+      fill.inputs.push_back(item[1].cast<size_t>());
+    }
+    list_inputs += fill.inputs.size();
+    list_fill.emplace(position, std::move(fill));
+  }
   size_t keywords_used = 0;
   // Numbers where a Tensor is expected (x + 1) convert as torch's Python op call converts them.
   std::string bare = name.substr(name.find("::") == std::string::npos ? 0 : name.find("::") + 2);
@@ -154,14 +176,18 @@ NativePlan::NativePlan(py::handle spec_object) {
   for (size_t i = 0; i < arguments.size(); ++i) {
     const auto& argument = arguments[i];
     auto fill = positional_fill.find(i);
+    auto listed = list_fill.find(i);
     bool written = argument.alias_info() != nullptr && argument.alias_info()->isWrite();
-    bool slot = (i < args.size() && fill != positional_fill.end()) ||
+    bool slot = (i < args.size() && (fill != positional_fill.end() || listed != list_fill.end())) ||
                 (i >= args.size() && keyword_fill.count(argument.name()));
     // A constant is converted once and shared by every run: never one the op writes.
     if (written && !slot) throw std::runtime_error("a written argument that is not a storage");
     if (i < args.size()) {
       if (fill != positional_fill.end()) {
         fills_.emplace_back(i, fill->second);
+        stack_.emplace_back();
+      } else if (listed != list_fill.end()) {
+        list_fills_.push_back(std::move(listed->second));
         stack_.emplace_back();
       } else {
         stack_.push_back(torch::jit::toIValue(args[i], argument.type()));
@@ -218,7 +244,7 @@ NativePlan::NativePlan(py::handle spec_object) {
   for (py::handle entry : spec[kInputs]) {
     inputs_.push_back(layout_of(entry));
   }
-  if (fills_.size() != inputs_.size()) throw std::runtime_error("inputs and argument slots differ");
+  if (fills_.size() + list_inputs != inputs_.size()) throw std::runtime_error("inputs and argument slots differ");
   // An out= op run in its functional form: its out arguments' storages must be new ones.
   for (py::handle slot : spec[kFreshSlots]) fresh_slots_.push_back(slot.cast<size_t>());
   for (py::handle entry : spec[kOutputs]) {
