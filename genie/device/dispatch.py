@@ -308,6 +308,7 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None, teach:
     outs: list[Any] = []
     wire_outs: list[Any] = []
     send = not info.all_views
+    grown: list[int] = []  # out= targets that arrived without a storage (no bytes, no id) and were given one
     for i, m in enumerate(metas):
         if m is None:
             outs.append(values[i])
@@ -320,6 +321,8 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None, teach:
         if kind == "inplace":
             out = _target(info, i, args, kwargs)
             if conform[i]:
+                if not out.untyped_storage().nbytes() and not _C.storage_id(out):
+                    grown.append(i)
                 set_layout(out, m[1], m[2], m[3])
         elif kind == "view":
             base = _arg(info, pos, args, kwargs)
@@ -348,7 +351,7 @@ def run_op(func: Any, args: Any, kwargs: Any, info: OpInfo | None = None, teach:
             shadows.after_op(func, rule, args, kwargs, outs)
         if key is not None and teach and not (info.random or math_bits or info.list_return) \
                 and _C.fast_teaching(info.name):
-            _teach(info, metas, values, conform, kinds)
+            _teach(info, metas, values, conform, kinds, grown)
     if leaf:
         return outs[0]
     return tree_unflatten(outs, spec)
@@ -366,9 +369,12 @@ def _run_meta(func: Any, args: Any, kwargs: Any) -> tuple[list[Any], Any, list[A
                                                                     remote_to_meta=_to_meta_arg))
 
 
-def _teach(info: OpInfo, metas: list[Any], values: list[Any], conform: list[bool], kinds: list[Any]) -> None:
+def _teach(info: OpInfo, metas: list[Any], values: list[Any], conform: list[bool], kinds: list[Any],
+           grown: list[int]) -> None:
     """Teach genie._C this call's signature (genie/csrc/device/fastpath.cpp): its outputs, when it can answer
-    the next call with the same signature alone (fresh or in-place outputs that keep their layout)."""
+    the next call with the same signature alone (fresh or in-place outputs that keep their layout, and out=
+    targets that arrive empty, without a storage id: ``grown``, which genie._C gives the same layout over a new
+    storage id, as :func:`set_layout` did; it checks each later call's target is such a one)."""
     plan: list[tuple[Any, ...]] = []
     for i, m in enumerate(metas):
         if m is None:
@@ -378,9 +384,16 @@ def _teach(info: OpInfo, metas: list[Any], values: list[Any], conform: list[bool
             continue
         kind, pos = kinds[i]
         if kind == "inplace":
-            if conform[i] or pos is None or pos >= len(info.arg_names):
+            if pos is None or pos >= len(info.arg_names):
                 return
-            plan.append((1, pos))
+            if not conform[i]:
+                plan.append((1, pos))
+            elif i in grown:
+                dtype, shape, stride, offset = m
+                plan.append((3, pos, dtype, list(shape), list(stride), offset,
+                             dmeta.storage_numel(shape, stride, offset)))
+            else:
+                return
         elif kind == "fresh":
             dtype, shape, stride, offset = m
             plan.append((0, dtype, list(shape), list(stride), offset, dmeta.storage_numel(shape, stride, offset)))

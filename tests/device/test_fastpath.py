@@ -100,6 +100,33 @@ def test_a_batch_filled_natively_goes_out_whole_and_in_order(python_ops: list[st
     assert y.item() == 3004
 
 
+def test_an_empty_out_argument_the_op_resizes_is_answered_natively(python_ops: list[str]) -> None:
+    """``torch.arange(n, device=...)`` hands ATen's out= kernel an empty tensor, which the op resizes (a
+    decode step of Hugging Face's generate makes three so). Once taught, genie._C gives each such target the
+    layout over a new storage id, as Python's set_layout does; a target that has a storage already (its
+    resize must reach the node) still goes to Python."""
+    a, b = torch.ones(2, 3, device=D0), torch.zeros(1, 3, device=D0)
+    for _ in range(2):  # taught
+        torch.arange(3, 11, device=D0)
+        torch.cat([a, b], out=torch.empty(0, device=D0))
+    python_ops.clear()
+    ranges = [torch.arange(3, 11, device=D0) for _ in range(3)]
+    cats = [torch.cat([a, b], out=torch.empty(0, device=D0)) for _ in range(2)]
+    assert python_ops == []
+    ids = [_C.storage_id(t) for t in ranges + cats]
+    assert len(set(ids)) == 5 and 0 not in ids
+    for t in ranges:
+        assert torch.equal(t.cpu(), torch.arange(3, 11))
+    for t in cats:
+        assert torch.equal(t.cpu(), torch.cat([torch.ones(2, 3), torch.zeros(1, 3)]))
+    held = torch.arange(4, device=D0)  # 32 bytes
+    held.resize_(0)  # the signature of an empty target, over a storage that has an id and bytes
+    python_ops.clear()
+    torch.arange(3, 11, out=held)
+    assert python_ops == ["aten::arange.start_out"]
+    assert torch.equal(held.cpu(), torch.arange(3, 11))
+
+
 def test_threads_queue_ops_on_one_session() -> None:
     results: dict[int, float] = {}
     errors: list[BaseException] = []

@@ -365,12 +365,15 @@ struct Encoder {
 // ---------------------------------------------------------------------------------------------
 // What Python taught about a signature: its outputs.
 struct Out {
-  enum Kind : uint8_t { fresh, inplace, undefined } kind = fresh;
+  // resized: an out= argument that arrives empty (torch.arange(n, device=...) passes one) and is given the
+  // taught layout over a new storage id, as genie.device.dispatch.set_layout does (nothing to tell the node: an
+  // id's first use makes its storage)
+  enum Kind : uint8_t { fresh, inplace, undefined, resized } kind = fresh;
   c10::ScalarType dtype = c10::ScalarType::Float;
   std::vector<int64_t> sizes, strides;
   int64_t offset = 0;
-  int64_t span = 0;  // elements the storage needs (fresh outputs with an offset)
-  size_t arg = 0;    // in-place: the argument it is
+  int64_t span = 0;  // elements the storage needs (fresh outputs with an offset; resized ones)
+  size_t arg = 0;    // in-place, resized: the argument it is
 };
 struct Signature {
   std::vector<Out> outs;
@@ -565,19 +568,38 @@ void enqueue(Queue& q, int local, const std::string& name_packed, const std::str
   q.cmds.push_back(std::move(cmd));
 }
 
-bool answer(const OpFacts& f, const Signature& sig, Encoder& enc, torch::jit::Stack* stack, size_t nargs) {
+bool answer(const OpFacts& f, const c10::FunctionSchema& schema, const Signature& sig, Encoder& enc,
+            torch::jit::Stack* stack, size_t nargs) {
+  auto args = torch::jit::last(*stack, nargs);
+  bool resizes = false;
+  for (const auto& o : sig.outs) {
+    if ((o.kind == Out::inplace || o.kind == Out::resized) && (o.arg >= nargs || !args[o.arg].isTensor())) return false;
+    if (o.kind == Out::resized) {
+      // Still a storage without bytes or id (the signature holds its sizes, not its storage), of the taught dtype.
+      const at::Tensor& t = args[o.arg].toTensor();
+      if (!t.defined() || t.scalar_type() != o.dtype || t.storage().nbytes() != 0 || id_of_pointer(t.storage().data()) != 0)
+        return false;
+      resizes = true;
+    }
+  }
   std::shared_ptr<Queue> q;
   int local = 0;
-  if (!queue_for(enc.device, enc.body.size(), &q, &local)) return false;
-  auto args = torch::jit::last(*stack, nargs);
-  for (const auto& o : sig.outs) {
-    if (o.kind == Out::inplace && (o.arg >= nargs || !args[o.arg].isTensor())) return false;
+  if (!queue_for(enc.device, enc.body.size() + (resizes ? 64 : 0), &q, &local)) return false;
+  if (resizes) {
+    for (const auto& o : sig.outs) {
+      if (o.kind != Out::resized) continue;
+      const at::Tensor& t = args[o.arg].toTensor();
+      resize_storage(*t.storage().unsafeGetStorageImpl(), o.span * static_cast<int64_t>(c10::elementSize(o.dtype)));
+      t.unsafeGetTensorImpl()->set_sizes_and_strides(o.sizes, o.strides, o.offset);
+    }
+    // The command names the targets as they are now, as Python's path sends them after set_layout.
+    if (!enc.call(f, schema, args)) return false;  // cannot happen (it encoded before); Python sends it then
   }
   std::vector<at::Tensor> outs;
   outs.reserve(sig.outs.size());
   auto opts = at::TensorOptions().device(c10::Device(c10::DeviceType::PrivateUse1, enc.device));
   for (const auto& o : sig.outs) {
-    if (o.kind == Out::inplace) {
+    if (o.kind == Out::inplace || o.kind == Out::resized) {
       outs.push_back(args[o.arg].toTensor());
     } else if (o.kind == Out::undefined) {
       outs.emplace_back();
@@ -743,7 +765,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       auto it = g_signatures.find(enc.key);
       if (it != g_signatures.end()) sig = it->second;
     }
-    if (sig && answer(f, *sig, enc, stack, nargs)) {
+    if (sig && answer(f, schema, *sig, enc, stack, nargs)) {
       g_hits.fetch_add(1, std::memory_order_relaxed);
       return;
     }
@@ -761,7 +783,8 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 // fast_learn(name, floats_by_type, outs): outs per return, (0, dtype, sizes, strides, offset, span) fresh,
-// (1, argument position) in place, (2,) undefined. Ignored unless it teaches the call this thread's
+// (1, argument position) in place, (2,) undefined, (3, argument position, dtype, sizes, strides, offset, span)
+// an empty out= argument resized. Ignored unless it teaches the call this thread's
 // fallback handed to Python (an op Python runs for another reason, nested, teaches nothing).
 void fast_learn(const std::string& name, bool floats_by_type, py::list outs) {
   Teaching* t = tl_teaching;
@@ -786,6 +809,14 @@ void fast_learn(const std::string& name, bool floats_by_type, py::list outs) {
     } else if (kind == 1) {
       o.kind = Out::inplace;
       o.arg = py::cast<size_t>(e[1]);
+    } else if (kind == 3) {
+      o.kind = Out::resized;
+      o.arg = py::cast<size_t>(e[1]);
+      o.dtype = reinterpret_cast<THPDtype*>(e[2].ptr())->scalar_type;
+      o.sizes = py::cast<std::vector<int64_t>>(e[3]);
+      o.strides = py::cast<std::vector<int64_t>>(e[4]);
+      o.offset = py::cast<int64_t>(e[5]);
+      o.span = py::cast<int64_t>(e[6]);
     } else {
       o.kind = Out::undefined;
     }
