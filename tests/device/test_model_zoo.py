@@ -255,7 +255,13 @@ def test_eval_forward_equals_cpu(name: str) -> None:
 @pytest.mark.parametrize("name", [_case(n, "amp") for n in MODELS])
 def test_bfloat16_autocast_grad_scaler_step_runs_like_cpu(name: str) -> None:
     model, batch, loss_of, _ = _build(name)
-    cpu_loss, cpu_scale, cpu_state = _amp_step(model, batch, loss_of, "cpu")
+    try:
+        cpu_loss, cpu_scale, cpu_state = _amp_step(model, batch, loss_of, "cpu")
+    except RuntimeError as exc:  # plain torch, no genie: oneDNN's bfloat16 LSTM needs AVX-512 (or AMX) on the CPU
+        if "could not create a primitive descriptor" not in str(exc):
+            raise
+        pytest.skip(f"this CPU cannot run {name} under bfloat16 autocast in plain torch (oneDNN: {str(exc)[:80]}...): "
+                    "no reference here, and a CPU server fails the same way")
     loss, scale, state = _amp_step(model, batch, loss_of, D0)
     assert math.isfinite(loss)
     assert scale == cpu_scale  # no inf/nan found in the scaled gradients on either side: the step was taken
