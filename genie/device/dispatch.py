@@ -389,17 +389,20 @@ def _teach(info: OpInfo, metas: list[Any], values: list[Any], conform: list[bool
             if not conform[i]:
                 plan.append((1, pos))
             elif i in grown:
-                dtype, shape, stride, offset = m
-                plan.append((3, pos, dtype, list(shape), list(stride), offset,
-                             dmeta.storage_numel(shape, stride, offset)))
+                plan.append((3, pos, *_taught_layout(m)))
             else:
                 return
         elif kind == "fresh":
-            dtype, shape, stride, offset = m
-            plan.append((0, dtype, list(shape), list(stride), offset, dmeta.storage_numel(shape, stride, offset)))
+            plan.append((0, *_taught_layout(m)))
         else:
             return
     _C.fast_learn(info.name, not info.float_values_matter, plan)
+
+
+def _taught_layout(m: dmeta.OutMeta) -> tuple[Any, ...]:
+    """An output's layout as genie._C.fast_learn reads it: (dtype, sizes, strides, offset, span in elements)."""
+    dtype, shape, stride, offset = m
+    return dtype, list(shape), list(stride), offset, dmeta.storage_numel(shape, stride, offset)
 
 
 def overload_of(namespace: str, name: str, overload: str) -> Any:

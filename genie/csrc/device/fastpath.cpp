@@ -443,7 +443,8 @@ struct ShadowScan {
   bool exact = true;              // the dtypes and numbers let Python derive it (genie.device.shadows._derive)
 
   void tensor(const at::Tensor& t, bool written, bool target) {
-    if (!t.defined()) return;
+    // An op the shadows neither follow nor derive needs only its written tensors looked up (a lock each).
+    if (!t.defined() || (use == use_none && !written)) return;
     if (c10::isComplexType(t.scalar_type()) || (use == use_int && c10::isFloatingType(t.scalar_type()))) exact = false;
     if (t.device().type() != c10::DeviceType::PrivateUse1) return;
     bool shadowed = shadowed_tensor(t);
@@ -798,25 +799,24 @@ void fast_learn(const std::string& name, bool floats_by_type, py::list outs) {
   for (auto item : outs) {
     auto e = py::cast<py::tuple>(item);
     Out o;
+    auto layout = [&](size_t at) {  // (dtype, sizes, strides, offset, span) from item `at` of the entry on
+      o.dtype = reinterpret_cast<THPDtype*>(e[at].ptr())->scalar_type;
+      o.sizes = py::cast<std::vector<int64_t>>(e[at + 1]);
+      o.strides = py::cast<std::vector<int64_t>>(e[at + 2]);
+      o.offset = py::cast<int64_t>(e[at + 3]);
+      o.span = py::cast<int64_t>(e[at + 4]);
+    };
     int kind = py::cast<int>(e[0]);
     if (kind == 0) {
       o.kind = Out::fresh;
-      o.dtype = reinterpret_cast<THPDtype*>(e[1].ptr())->scalar_type;
-      o.sizes = py::cast<std::vector<int64_t>>(e[2]);
-      o.strides = py::cast<std::vector<int64_t>>(e[3]);
-      o.offset = py::cast<int64_t>(e[4]);
-      o.span = py::cast<int64_t>(e[5]);
+      layout(1);
     } else if (kind == 1) {
       o.kind = Out::inplace;
       o.arg = py::cast<size_t>(e[1]);
     } else if (kind == 3) {
       o.kind = Out::resized;
       o.arg = py::cast<size_t>(e[1]);
-      o.dtype = reinterpret_cast<THPDtype*>(e[2].ptr())->scalar_type;
-      o.sizes = py::cast<std::vector<int64_t>>(e[3]);
-      o.strides = py::cast<std::vector<int64_t>>(e[4]);
-      o.offset = py::cast<int64_t>(e[5]);
-      o.span = py::cast<int64_t>(e[6]);
+      layout(2);
     } else {
       o.kind = Out::undefined;
     }
