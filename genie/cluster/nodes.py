@@ -12,8 +12,6 @@ import logging
 import time
 from typing import Any
 
-import torch
-
 from genie.cluster.linkfigures import node_endpoint, with_cached_figures
 from genie.config import ClusterConfig
 from genie.device.compression import CompressionPolicy
@@ -24,25 +22,11 @@ from genie.plugins import PluginManager
 from genie.security import ClientSecurity
 from genie.transport.base import Channel
 from genie.transport.selection import connect_with_fallback, select
-from genie.types import ClusterEvent, EventType, GPUInfo
+from genie.types import ClusterEvent, EventType
 from genie.wire.handshake import secure_client_channel
 from genie.wire.messages import hello_body
 
 log = logging.getLogger("genie.runtime")
-
-
-def local_gpus(spec: str) -> list[GPUInfo]:
-    """The devices this node serves, as GPUInfo (CPU devices stand in for GPUs where there are none)."""
-    out = []
-    from genie.server.node import parse_devices
-
-    for i, dev in enumerate(parse_devices(spec)):
-        if dev.type == "cuda":
-            props = torch.cuda.get_device_properties(dev)
-            out.append(GPUInfo(i, props.name, "cuda", str(getattr(props, "uuid", "")), props.total_memory))
-        else:
-            out.append(GPUInfo(i, f"cpu{i}", "cpu"))
-    return out
 
 
 def _open_session(pm: PluginManager, config: ClusterConfig, security: ClientSecurity, client_id: str,

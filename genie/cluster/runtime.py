@@ -24,13 +24,13 @@ import anyio.to_thread
 from anyio.abc import ByteStream
 
 from genie.cluster.events import EventBus
-from genie.cluster.nodes import add_devices, connect_devices, local_gpus, reconnect_lost, restarted, session_backend
 from genie.cluster.placement import ClusterFigures, Decision, candidates, choose
 from genie.cluster.state import ClusterState
 from genie.config import ClusterConfig
 from genie.errors import AuthenticationError, ConnectError, GenieError, InitTimeoutError
 from genie.plugins import PluginManager, get_plugin_manager
 from genie.security import ClientSecurity, ServerSecurity
+from genie.server.host import local_gpus
 from genie.transport.base import ProbeTarget
 from genie.transport.discovery import discover
 from genie.transport.selection import select
@@ -233,7 +233,8 @@ class Runtime:
         cfg = self.config
         role = cfg.node_role
         if role in (NodeRole.SERVER, NodeRole.WORKER):
-            from genie.server.node import DataPlaneServer, parse_devices
+            from genie.server.host import parse_devices
+            from genie.server.node import DataPlaneServer
 
             # Serve every candidate backend (the best on data_port), so each client gets the best both support.
             classes = self.pm.transports()
@@ -243,9 +244,9 @@ class Runtime:
                                              cfg.replace(node_id=state.local_node.node_id),
                                              security=self.server_security, also=also)
             await anyio.to_thread.run_sync(self.dataplane.start)
-            from genie.server import collectives  # torch.distributed: session workers find peers by membership
+            from genie.server import node_answers  # torch.distributed: session workers find peers by membership
 
-            collectives.set_peer_resolver(collectives.runtime_resolver(self, state))
+            node_answers.set_peer_resolver(node_answers.runtime_resolver(self, state))
             state.data_port = self.dataplane.port
             host, port, ports = cfg.announced_endpoint(self.dataplane.port, self.dataplane.data_ports,
                                                        primary=selection.names[0])
@@ -282,6 +283,9 @@ class Runtime:
         snapshot = await self._join(state)
         self._apply_snapshot(state, snapshot)
         if role == NodeRole.CLIENT:
+            # The client's side (genie.cluster.nodes) imports torch; a node's process imports none (genie.server.host).
+            from genie.cluster.nodes import connect_devices, session_backend
+
             links: dict[str, float] = {}
             state.stats["links"] = links
             self.table = table = await anyio.to_thread.run_sync(
@@ -450,6 +454,8 @@ class Runtime:
         merge_nodes(state, fresh)
         if self.table is None:
             return
+        from genie.cluster.nodes import restarted
+
         statuses = {n["node_id"]: n.get("status") for n in fresh}
         nodes = {n["node_id"]: n for n in fresh}
         for device in self.table.devices:
@@ -471,6 +477,8 @@ class Runtime:
 
     def _add_devices(self) -> None:
         """Append the devices of nodes that joined after init (a worker thread: opens sessions)."""
+        from genie.cluster.nodes import add_devices
+
         try:
             # Until nothing is left: nodes listed while this thread was opening sessions come too.
             while add_devices(self.pm, self.config, self.security, self.state, self.table, self.bus.publish,
@@ -484,6 +492,8 @@ class Runtime:
 
     def _reconnect_lost(self) -> None:
         """Open new sessions to nodes that came back (old tensors stay lost)."""
+        from genie.cluster.nodes import reconnect_lost
+
         reconnect_lost(self.pm, self.config, self.security, self.state, self.table, self.bus.publish)
 
     # -- placement (user threads) --------------------------------------------------------------------

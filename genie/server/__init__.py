@@ -1,6 +1,7 @@
 """The node side of the data plane: sessions, the executor of ops, the storage store and its quotas.
 
 - :mod:`genie.server.node`: :class:`DataPlaneServer` (listen, accept, one thread per session).
+- :mod:`genie.server.host`: the node's devices and torch release, read without importing torch.
 - :mod:`genie.server.session`: handshake and the frame loop of one client.
 - :mod:`genie.server.executor`: runs a session's uploads, ops, calls, fetches, frees, seeds, resizes, syncs.
 - :mod:`genie.server.codec`: tensor descriptors (every bound checked), placeholders, result encoding.
@@ -23,9 +24,9 @@ def __getattr__(name: str) -> Any:
     # Lazily: ``python -m genie.server`` starts its session workers' zygote before it imports torch
     # (genie.server.isolation.zygote.start), and importing this package must not import it first.
     if name in __all__:
-        from genie.server import node
+        from genie.server import host, node
 
-        value = getattr(node, name)
+        value = getattr(node if name == "DataPlaneServer" else host, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

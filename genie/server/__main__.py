@@ -46,8 +46,9 @@ def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM/SIGINT; prints the ready line once listening."""
     config = session_config(args, data_port=args.port)
     if config.isolation == "process":
-        zygote.start()  # importing torch now, beside this process's own import below
-    from genie.server.node import DataPlaneServer, parse_devices
+        zygote.start()  # importing torch now (this process needs none for CPU devices: genie.server.host)
+    from genie.server.host import parse_devices
+    from genie.server.node import DataPlaneServer
 
     devices = parse_devices(config.devices, source=config.sources.get("devices", "argument devices"))
     transports = PluginManager().transports()

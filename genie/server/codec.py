@@ -24,6 +24,7 @@ import torch
 from genie.errors import FrameError, ProtocolError
 from genie.server.store import StorageError
 from genie.wire.frame import unpack_body
+from genie.wire.spec import is_int as is_int  # the server's modules take it from here
 from genie.wire.values import (
     DTYPES,
     EXT_INLINE_TENSOR,
@@ -292,11 +293,6 @@ def preview(value: Any) -> str:
 
 
 # -- structure checks ---------------------------------------------------------------------------
-
-
-def is_int(value: Any) -> bool:
-    """True for ints that are not bools."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_id(value: Any, what: str) -> int:

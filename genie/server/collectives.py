@@ -45,8 +45,6 @@ once; a peer that stops answering fails it at the group's timeout (the process g
 from __future__ import annotations
 
 import datetime
-import hashlib
-import hmac
 import logging
 import os
 import threading
@@ -61,7 +59,6 @@ import torch.distributed as dist
 from genie.errors import FrameError, GenieError, ProtocolError, QuotaExceededError
 from genie.server.codec import is_int
 from genie.server.collective_kinds import starter
-from genie.server.peer_link import peer_key
 from genie.server.per_session import PerSession
 from genie.server.records import error as _error
 from genie.server.records import kind_of as _kind_of
@@ -80,83 +77,12 @@ MAX_WORLD = 4096
 MAX_PENDING = 4096
 #: Longest group timeout a client may ask for (seconds).
 MAX_TIMEOUT = 3600.0
-#: Seconds a worker node reuses the master's list of nodes before it asks again.
-QUERY_TTL = 1.0
 #: How long a node's membership may take to learn of the store's node (a node that joined a moment ago).
 RESOLVE_WAIT = 30.0
 
 
 
-# -- what a session worker asks its node -----------------------------------------------------------------
-
-def group_secret(token: bytes, group_id: int) -> bytes:
-    """The secret of group ``group_id``'s store: every node of one cluster token derives the same one."""
-    return hmac.new(token, b"genie-process-group\0" + str(group_id).encode(), hashlib.sha256).digest()
-
-
-#: The node process's view of the membership: node id -> the address peers reach it at (None: unknown).
-_peer_resolver: Callable[[str], str | None] | None = None
-
-
-def set_peer_resolver(resolver: Callable[[str], str | None] | None) -> None:
-    """Set how this node process finds a node's address (the cluster runtime sets it from its membership)."""
-    global _peer_resolver
-    _peer_resolver = resolver
-
-
-def runtime_resolver(runtime: Any, state: Any) -> Callable[[str], str | None]:
-    """A resolver over a cluster runtime's view: the master's membership itself; on a worker node (which keeps
-    no node list) the master's answer to a query, cached for :data:`QUERY_TTL` seconds. Nodes marked lost or
-    disconnected have no address."""
-    cache: dict[str, Any] = {"at": -1e9, "nodes": {}}
-    lock = threading.Lock()
-
-    def from_master() -> dict[str, dict[str, Any]]:
-        from genie.cluster.query import query_master_sync
-
-        cfg = runtime.config
-        reply = query_master_sync(cfg.master_addr, cfg.master_port, timeout=5.0, security=runtime.security)
-        return {n["node_id"]: n for n in reply.get("nodes", []) if isinstance(n, dict) and "node_id" in n}
-
-    def resolve(node_id: str) -> str | None:
-        if node_id == state.local_node.node_id:
-            return str(state.local_node.address) or None
-        membership = runtime.membership
-        if membership is not None:
-            member = membership.members.get(node_id)
-            if member is None or member.status.value in ("lost", "disconnected"):
-                return None
-            return str(member.info.address) or None
-        with lock:
-            if time.monotonic() - cache["at"] > QUERY_TTL or node_id not in cache["nodes"]:
-                try:
-                    cache["nodes"], cache["at"] = from_master(), time.monotonic()
-                except (GenieError, OSError, TimeoutError) as exc:
-                    log.warning("cannot ask the master where node %r is: %s", node_id, exc)
-            node = cache["nodes"].get(node_id)
-        if node is None or node.get("status") in ("lost", "disconnected"):
-            return None
-        return str(node.get("address", "")) or None
-
-    return resolve
-
-
-def node_answer(token: bytes, message: list[Any]) -> list[Any]:
-    """The node's answer to a worker's ``["dist", seq, what, arg]``: ``["dist_ans", seq, value]``.
-
-    ``what`` is ``address`` (``arg`` a node id; the address or None), ``secret`` (``arg`` a group
-    id; :func:`group_secret`) or ``peer_key`` (:func:`genie.server.peer_link.peer_key`). Nothing else is answered.
-    """
-    seq, what, arg = message[1], message[2], message[3]
-    value: Any = None
-    if what == "address" and isinstance(arg, str):
-        value = _peer_resolver(arg) if _peer_resolver is not None else None
-    elif what == "secret" and is_int(arg):
-        value = group_secret(token, arg)
-    elif what == "peer_key":  # copies between nodes (genie.server.peer_copy): the node-to-node link's key
-        value = peer_key(token)
-    return ["dist_ans", seq, value]
-
+# -- what a session worker asks its node (the node answers: genie.server.node_answers) -----------------
 
 class NodeLink:
     """A session worker's questions to its node over the control pipe (``send``: the worker's sender)."""

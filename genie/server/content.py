@@ -42,13 +42,15 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 
 from genie.security import RefusalLog
 from genie.wire.content import DEFAULT_MIN_BYTES, KEY_BYTES, checked_possession, possession_proof
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("genie.server.content")
 
@@ -95,6 +97,8 @@ def is_sealed(fd: int) -> bool:
 
 def _mapping(fd: int, nbytes: int, *, shared: bool) -> torch.UntypedStorage:
     """A CPU storage over the memfd ``fd``: ``shared`` writes reach the file, else they stay private (COW)."""
+    import torch  # here: under process isolation the node's process only holds the files (genie.server.host)
+
     storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=shared, nbytes=nbytes)
     assert isinstance(storage, torch.UntypedStorage)
     return storage
@@ -140,6 +144,8 @@ class Receiver:
         self.fd = os.memfd_create("genie-weights", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, nbytes)
+            import torch
+
             self.buffer = torch.empty(0, dtype=torch.uint8).set_(_mapping(self.fd, nbytes, shared=True))
         except BaseException:
             os.close(self.fd)
@@ -151,6 +157,8 @@ class Receiver:
 
     def release(self) -> None:
         """Drop this receiver's writable mapping (once the bytes are in)."""
+        import torch
+
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
     def seal(self) -> bool:

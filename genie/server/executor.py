@@ -37,6 +37,7 @@ from genie.server import codec, plans, preflight, transfers
 from genie.server.codec import Descriptor, check_id, is_int
 from genie.server.commands import COMMANDS
 from genie.server.devargs import check_device_args
+from genie.server.host import NodeDevice, torch_devices
 from genie.server.isolation.clock import NullClock, OpClock
 from genie.server.kernel import (
     SERIAL_BELOW,
@@ -91,10 +92,10 @@ def context_lost(records: Sequence[dict[str, Any] | None]) -> str | None:
 class Executor:
     """Executes batches for one session over ``channel``; ``devices`` are the node's devices by index."""
 
-    def __init__(self, channel: Channel, store: StorageStore, devices: Sequence[torch.device]) -> None:
+    def __init__(self, channel: Channel, store: StorageStore, devices: Sequence[NodeDevice | torch.device]) -> None:
         self.channel = channel
         self.store = store
-        self.devices = list(devices)
+        self.devices = torch_devices(devices)  # the node's NodeDevices (genie.server.host) as torch's
         self.generators = SessionGenerators(self.devices)
         self.deferred: list[dict[str, Any]] = []
         self.dropped = 0

@@ -20,9 +20,8 @@ import os
 import stat
 from collections.abc import Mapping, Sequence
 
-import torch
-
 from genie.errors import ConfigError
+from genie.server.host import NodeDevice
 
 #: The MPS pipe directory when CUDA_MPS_PIPE_DIRECTORY is not set (NVIDIA's default).
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # noqa: S108 - NVIDIA's fixed default, read only
@@ -41,7 +40,7 @@ def _daemon_listens(directory: str) -> bool:
         return False
 
 
-def require(enabled: bool, devices: Sequence[torch.device], *, source: str = "argument cuda_mps",
+def require(enabled: bool, devices: Sequence[NodeDevice], *, source: str = "argument cuda_mps",
             environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment session workers need for MPS (empty when not ``enabled``); ConfigError where MPS was
     asked for and cannot serve: no CUDA device among ``devices``, or no daemon in the pipe directory."""
@@ -60,6 +59,6 @@ def require(enabled: bool, devices: Sequence[torch.device], *, source: str = "ar
     return {"CUDA_MPS_PIPE_DIRECTORY": directory}
 
 
-def enable(enabled: bool, devices: Sequence[torch.device], *, source: str = "argument cuda_mps") -> None:
+def enable(enabled: bool, devices: Sequence[NodeDevice], *, source: str = "argument cuda_mps") -> None:
     """Check MPS (:func:`require`) and set its environment for the session workers this node starts."""
     os.environ.update(require(enabled, devices, source=source))

@@ -3,7 +3,7 @@
 Embedding it (the cluster runtime does this for masters and workers)::
 
     from genie.config import ClusterConfig
-    from genie.server import DataPlaneServer, parse_devices
+    from genie.server import DataPlaneServer, parse_devices  # genie.server.host
     from genie_tcp import TcpTransport          # or any Transport from the plugin manager
 
     server = DataPlaneServer(TcpTransport(), "127.0.0.1", 0, parse_devices("auto"), ClusterConfig.from_sources())
@@ -31,85 +31,35 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import platform
 import socket
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from genie._version import __version__
 from genie.config import ClusterConfig
 from genie.errors import ConfigError, ConnectionClosedError
 from genie.security import REFUSALS, ServerSecurity, check_bind
-from genie.server import inductor_replays, mps
+from genie.server import mps
 from genie.server.content import ContentCache
+from genie.server.host import describe_devices, node_devices
 from genie.server.isolation.supervisor import Supervisor, WorkerSession
 from genie.server.metrics import ServerMetrics
 from genie.server.preauth import Admitted, PreAuthGate, Ticket, authenticate, reject
-from genie.server.session import Session
 from genie.transport.base import Listener, Transport
 from genie.transport.features import handover_of, preauth_limits_of
-from genie.wire.frame import MAX_BODY_BYTES, MAX_ECHO_BYTES, PROTOCOL_VERSION
-from genie.wire.values import MAX_INLINE_TENSOR_BYTES
+from genie.wire.frame import MAX_BODY_BYTES, MAX_ECHO_BYTES, MAX_INLINE_TENSOR_BYTES, PROTOCOL_VERSION
+from genie.wire.messages import torch_version
+
+if TYPE_CHECKING:
+    from genie.server.session import Session
 
 log = logging.getLogger("genie.server")
 
 _ACCEPT_POLL = 0.2
 #: Longest pause of an accept loop after a failure (EMFILE, a thread that cannot start).
 _MAX_BACKOFF = 1.0
-
-
-def parse_devices(spec: str, *, source: str = "argument devices") -> list[torch.device]:
-    """Turn ``auto``, ``cpu,cpu`` or ``cuda:0,cuda:1`` into the node's device list.
-
-    ``auto`` is every CUDA GPU, or one CPU device when there is none. Repeating
-    ``cpu`` gives distinct logical devices (separate indices) on the one CPU.
-    """
-    text = spec.strip().lower()
-    if text in ("", "auto"):
-        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-        return [torch.device("cpu")]
-    devices = []
-    cuda_seen = 0
-    for part in (p.strip() for p in text.split(",")):
-        if part == "cpu":
-            devices.append(torch.device("cpu"))
-            continue
-        if part == "cuda" or part.startswith("cuda:") and part[5:].isdigit():
-            index = int(part[5:]) if ":" in part else cuda_seen
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if index >= count:
-                raise ConfigError("devices", spec, source, f"cuda indices below {count} (this host has {count} GPUs)")
-            devices.append(torch.device("cuda", index))
-            cuda_seen += 1
-            continue
-        raise ConfigError("devices", spec, source, "'auto' or a list like 'cpu,cpu' or 'cuda:0,cuda:1'")
-    return devices
-
-
-def describe_devices(devices: list[torch.device]) -> list[dict[str, Any]]:
-    """The WELCOME device list: ``{"index", "kind", "name", "memory_total"}`` per logical device."""
-    out = []
-    for index, device in enumerate(devices):
-        if device.type == "cuda":
-            props = torch.cuda.get_device_properties(device)
-            name, memory = props.name, int(props.total_memory)
-        else:
-            name = platform.processor() or platform.machine() or "cpu"
-            memory = _host_memory()
-        out.append({"index": index, "kind": device.type, "name": name, "memory_total": memory})
-    return out
-
-
-def _host_memory() -> int:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 class DataPlaneServer:
@@ -120,7 +70,8 @@ class DataPlaneServer:
     :param also: more transports to serve, each on a port of its own (any free one): a node serves
         every backend available on it, so each client gets the best both ends support
         (:attr:`data_ports` says where; one that cannot listen is logged and left out).
-    :param devices: the node's devices; a client's device index ``i`` is ``devices[i]``.
+    :param devices: the node's devices (NodeDevices, ``torch.device``s or names: genie.server.host); a client's
+        device index ``i`` is ``devices[i]``.
     :param config: limits come from ``max_session_handles``, ``max_session_bytes``,
         ``max_frame_bytes``, ``max_session_inflight`` and ``session_idle_timeout``;
         the token from ``auth_token``/``auth_token_file``, TLS from ``tls_cert``,
@@ -139,7 +90,7 @@ class DataPlaneServer:
         transport: Transport,
         host: str,
         port: int,
-        devices: list[torch.device],
+        devices: Sequence[Any],
         config: ClusterConfig,
         *,
         hello_timeout: float | None = None,
@@ -155,7 +106,7 @@ class DataPlaneServer:
         self.transport = transport
         self.also = [t for t in also if getattr(t, "name", None) != getattr(transport, "name", None)]
         self.host = host
-        self.devices = list(devices)
+        self.devices = node_devices(devices)
         mps.enable(config.cuda_mps, self.devices, source=config.sources.get("cuda_mps", "argument cuda_mps"))  # opt-in
         self.config = config
         self.node_id = config.node_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -216,7 +167,7 @@ class DataPlaneServer:
             "node_id": self.node_id,
             "genie": __version__,
             "protocol": PROTOCOL_VERSION,
-            "torch": torch.__version__,
+            "torch": torch_version(),
             "devices": self._device_info,
             "limits": {
                 "max_session_handles": self.config.max_session_handles,  # storages per session
@@ -348,6 +299,9 @@ class DataPlaneServer:
                 self.sessions_served += 1
             self._start_thread(thread, channel, ticket)
             return
+        from genie.server import inductor_replays  # sessions in this process: torch is imported here, not before
+        from genie.server.session import Session
+
         session = Session(
             channel,
             session_id=next(self._ids),
@@ -486,10 +440,11 @@ class DataPlaneServer:
     def _session_ended(self, session: Session | WorkerSession) -> None:
         if self.supervisor is not None and isinstance(session, WorkerSession):
             self.supervisor.forget(session)
-        if isinstance(session, Session) and session.lost_context is not None and self.context_lost is None:
-            self.context_lost = session.lost_context  # in this process: every in-process session shares it
+        lost = None if isinstance(session, WorkerSession) else session.lost_context  # an in-process Session's
+        if lost is not None and self.context_lost is None:
+            self.context_lost = lost  # in this process: every in-process session shares it
             log.critical("the node's CUDA context is lost: %s. Sessions in the node's process cannot use the GPU "
-                         "any more; new ones are refused: restart the node", session.lost_context)
+                         "any more; new ones are refused: restart the node", lost)
         with self._lock:
             self._sessions.pop(session.session_id, None)
             pending = self._pending.pop(session.session_id, None)

@@ -27,7 +27,6 @@ import time
 from typing import Any
 
 import attrs
-import torch
 
 from genie.errors import ConnectionClosedError, FrameError, GenieError
 from genie.security import REFUSALS, RefusalLog, valid_nonce
@@ -41,7 +40,7 @@ from genie.wire.frame import (
     unpack_body,
 )
 from genie.wire.handshake import secure_server_channel, server_challenge
-from genie.wire.messages import torch_compatible
+from genie.wire.messages import torch_compatible, torch_version
 from genie.wire.resume import parse_request, random_secret
 
 log = logging.getLogger("genie.server")
@@ -223,9 +222,10 @@ def authenticate(channel: Any, *, token: bytes, tls: ssl.SSLContext | None, time
             resume = parse_request(hello["resume"])
             if resume is None:
                 return _reject(channel, peer, "resume", "malformed resume request in HELLO", refusals)
-        if not isinstance(theirs, str) or not torch_compatible(torch.__version__, theirs):
+        mine = torch_version()
+        if not isinstance(theirs, str) or not torch_compatible(mine, theirs):
             return _reject(channel, peer, "torch_version",
-                           f"client runs torch {theirs!r}, this server runs torch {torch.__version__}; "
+                           f"client runs torch {theirs!r}, this server runs torch {mine}; "
                            "op schemas differ between releases, so both sides need the same major.minor", refusals)
     except ConnectionClosedError as exc:  # the deadline closed it, or the peer left mid-handshake
         log.debug("handshake with %s ended: %s", peer, exc)

@@ -7,7 +7,7 @@ takes like any other) in every rank's worker. A connection proves, both ways, th
 the group's secret before any key moves: the server sends a nonce, the client answers with its own
 nonce and ``HMAC-SHA256(secret, "genie-store-client" || ns || nc)``, the server answers with the
 ``"genie-store-server"`` MAC of the same nonces. The secret is derived by the nodes from the
-cluster token (:func:`genie.server.collectives.group_secret`): the worker never holds the token.
+cluster token (:func:`genie.server.node_answers.group_secret`): the worker never holds the token.
 
 Requests and answers are msgpack arrays behind a 4-byte length, never pickles; a frame, a key,
 a value and the number of keys are bounded, and a connection that breaks a rule is closed.

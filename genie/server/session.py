@@ -41,7 +41,7 @@ import os
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +56,7 @@ from genie.errors import (
     RemoteDeviceLost,
 )
 from genie.server.executor import Executor
+from genie.server.host import NodeDevice
 from genie.server.preauth import Admitted, authenticate, reject
 from genie.server.resume import ResumeLink
 from genie.server.store import StorageStore
@@ -85,7 +86,7 @@ class Session:
         *,
         session_id: int,
         welcome: Callable[[], dict[str, Any]],
-        devices: list[torch.device],
+        devices: Sequence[NodeDevice | torch.device],
         max_storages: int,
         max_bytes: int,
         max_payload: int,

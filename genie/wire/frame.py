@@ -30,6 +30,8 @@ from genie.wire.spec import MsgKind as MsgKind
 MAX_HANDSHAKE_BODY_BYTES = 8 << 10
 #: An ECHO payload larger than this is refused (a measurement needs a few MiB; WELCOME's ``max_echo_bytes``).
 MAX_ECHO_BYTES = 16 << 20
+#: Largest CPU tensor sent inline inside an op (bigger ones are uploads; WELCOME's ``max_inline_tensor_bytes``).
+MAX_INLINE_TENSOR_BYTES = 64 << 10
 #: The default bound on a frame's payload; sessions may set a lower one.
 DEFAULT_MAX_PAYLOAD_BYTES = 8 << 30
 

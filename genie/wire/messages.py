@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import sys
 from typing import Any
-
-import torch
 
 from genie._version import __version__
 from genie.wire.frame import PROTOCOL_VERSION
@@ -36,13 +36,28 @@ def hello_body(*, node_id: str, role: str, backends: list[str], extra: dict[str,
     body = {
         "genie": __version__,
         "protocol": PROTOCOL_VERSION,
-        "torch": torch.__version__,
+        "torch": torch_version(),
         "node_id": node_id,
         "role": role,
         "backends": backends,
     }
     body.update(extra or {})
     return body
+
+
+def torch_version() -> str:
+    """This process's torch release: ``torch.__version__`` where torch is loaded, otherwise the installed
+    distribution's version (the same string, read without importing torch: a CPU node's own process never
+    imports it, genie.server.host)."""
+    loaded = sys.modules.get("torch")
+    if loaded is not None and hasattr(loaded, "__version__"):
+        return str(loaded.__version__)
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:  # a torch not installed as a distribution (a source tree)
+        import torch
+
+        return str(torch.__version__)
 
 
 def torch_compatible(mine: str, theirs: str) -> bool:

@@ -130,6 +130,12 @@ MAX_DIMS = 64
 #: Storage ids are 63-bit (0: an empty storage).
 MAX_STORAGE_ID = (1 << 63) - 1
 
+
+def is_int(value: object) -> bool:
+    """True for a wire integer: an int that is not a bool (msgpack gives bools as ``bool``, a subclass of int)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 # Code tables: the index is the wire code. Append only. Each entry: (torch's name, c10's enum name).
 DTYPES_SPEC = (
     ("float32", "Float"), ("float64", "Double"), ("float16", "Half"), ("bfloat16", "BFloat16"),

@@ -18,6 +18,7 @@ import msgpack
 import torch
 
 from genie.errors import FrameError
+from genie.wire.frame import MAX_INLINE_TENSOR_BYTES as MAX_INLINE_TENSOR_BYTES
 from genie.wire.spec import DTYPE_NAMES as DTYPE_NAMES  # the codes and tables are the spec's (genie.wire.spec)
 from genie.wire.spec import EXT_COMPLEX as EXT_COMPLEX
 from genie.wire.spec import EXT_DEVICE as EXT_DEVICE
@@ -42,9 +43,6 @@ def _table(names: tuple[str, ...]) -> tuple[list[Any], dict[Any, int]]:
 DTYPES, DTYPE_CODES = _table(DTYPE_NAMES)
 LAYOUTS, LAYOUT_CODES = _table(LAYOUT_NAMES)
 MEMORY_FORMATS, MEMORY_FORMAT_CODES = _table(MEMORY_FORMAT_NAMES)
-
-#: Largest CPU tensor sent inline inside an op (bigger ones are uploads).
-MAX_INLINE_TENSOR_BYTES = 64 << 10
 
 _COMPLEX = struct.Struct("<dd")
 

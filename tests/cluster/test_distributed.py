@@ -511,7 +511,7 @@ def test_a_collective_started_in_backward_holds_no_other_op_of_the_device_until_
 
 def test_the_group_store_refuses_a_peer_without_the_group_secret() -> None:
     from genie.errors import AuthenticationError
-    from genie.server.collectives import group_secret
+    from genie.server.node_answers import group_secret
     from genie.server.rendezvous import AuthStore, StoreServer
 
     secret = group_secret(b"cluster-token", 7)

@@ -8,21 +8,21 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from genie.errors import ConfigError
 from genie.server import mps
+from genie.server.host import NodeDevice
 
-CUDA0 = torch.device("cuda", 0)
+CUDA0 = NodeDevice("cuda", 0)
 
 
 def test_off_by_default_needs_nothing() -> None:
-    assert mps.require(False, [torch.device("cpu")]) == {}
+    assert mps.require(False, [NodeDevice("cpu")]) == {}
 
 
 def test_refused_without_a_cuda_device() -> None:
     with pytest.raises(ConfigError, match="only with CUDA devices to share; this node serves cpu"):
-        mps.require(True, [torch.device("cpu")])
+        mps.require(True, [NodeDevice("cpu")])
 
 
 def test_refused_without_a_daemon_names_the_pipe_directory(tmp_path: Path) -> None:

@@ -32,13 +32,14 @@ import os
 import threading
 import weakref
 from multiprocessing import reduction
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from genie.server.content import ContentCache, HaveBudget, Receiver, private_mapping, seals_of
 from genie.wire.content import KEY_BYTES, MAX_HAVE_ENTRIES
 from genie.wire.frame import pack_body
+
+if TYPE_CHECKING:
+    import torch
 
 #: Seconds a worker waits for the node's answer to a HAVE (then every entry is a miss).
 LOOKUP_WAIT = 10.0

@@ -47,21 +47,21 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import torch
 
 from genie.config import ClusterConfig
 from genie.errors import GenieError
 from genie.security import REFUSALS, ServerSecurity
-from genie.server.collectives import node_answer
 from genie.server.content import ContentCache
+from genie.server.host import NodeDevice
 from genie.server.isolation import zygote
 from genie.server.isolation.cache import adopt_upload, answer_lookup, offer_of
 from genie.server.isolation.cgroups import Cgroups, probe
 from genie.server.isolation.clock import OpClock
 from genie.server.isolation.relay import TlsRelay, loopback_pair, tls_stream
-from genie.server.isolation.worker import KILLED_EXIT, WorkerSpec, worker_main
-from genie.server.isolation.zygote import WorkerProcess
+from genie.server.isolation.spec import KILLED_EXIT, WorkerSpec
+from genie.server.isolation.zygote import WorkerProcess, run_worker
 from genie.server.metrics import NULL_SESSION_METRICS, Latency, SessionMetrics, Tally
+from genie.server.node_answers import node_answer
 from genie.server.preauth import Admitted
 from genie.wire.frame import MsgKind, pack_body, send_frame, unpack_body
 from genie.wire.resume import proof_ok
@@ -369,7 +369,7 @@ class WorkerSession:
                 answer_lookup(self.supervisor.cache, conn, self._send_lock, message)
             elif kind == "cache_keep":
                 adopt_upload(self.supervisor.cache, conn, message)
-            elif kind == "dist":  # torch.distributed: a membership address or a group secret (genie.server.collectives)
+            elif kind == "dist":  # torch.distributed: a membership address or a group secret (genie.server.node_answers)
                 answer = node_answer(self.supervisor.security.token, message)
                 with self._send_lock:
                     conn.send_bytes(pack_body(answer))
@@ -445,7 +445,7 @@ class Supervisor:
     :param on_end: called once a session's worker is gone and its socket closed.
     """
 
-    def __init__(self, config: ClusterConfig, devices: list[torch.device], security: ServerSecurity,
+    def __init__(self, config: ClusterConfig, devices: list[NodeDevice], security: ServerSecurity,
                  hello_timeout: float, *, on_end: Callable[[WorkerSession], None],
                  cache: ContentCache | None = None) -> None:
         self.config = config
@@ -559,7 +559,7 @@ class Supervisor:
     def _make_spare(self) -> tuple[Any, Any, OpClock]:
         ours, theirs = self._ctx.Pipe(duplex=True)
         clock = OpClock()
-        proc = WorkerProcess(target=worker_main, args=(theirs, clock), name="genie-session-worker", daemon=True)
+        proc = WorkerProcess(target=run_worker, args=(theirs, clock), name="genie-session-worker", daemon=True)
         proc.start()
         theirs.close()
         return proc, ours, clock

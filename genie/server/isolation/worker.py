@@ -42,16 +42,14 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any
 
-import attrs
 import torch
 
-from genie.config import ClusterConfig
 from genie.server import collectives, inductor_replays, preflight
 from genie.server.executor import Executor
 from genie.server.isolation.cache import WorkerCache
 from genie.server.isolation.clock import OpClock
+from genie.server.isolation.spec import KILLED_EXIT, WorkerSpec
 from genie.server.metrics import ServerMetrics, SessionMetrics
-from genie.server.preauth import Admitted
 from genie.server.session import Session
 from genie.server.store import StorageStore
 from genie.wire.frame import MsgKind, pack_body, send_frame, unpack_body
@@ -60,26 +58,6 @@ log = logging.getLogger("genie.server.isolation")
 
 #: Seconds a log record waits for the node's acknowledgement.
 LOG_ACK_WAIT = 1.0
-#: The exit status of a worker that ended itself on the node's ``["kill", reason]`` (the client was told).
-KILLED_EXIT = 86
-
-
-@attrs.frozen
-class WorkerSpec:
-    """What a worker needs to serve one session (pickled by the node into the worker: trusted direction)."""
-
-    session_id: int
-    peer: str
-    make_channel: Any  #: rebuilds the channel around the socket: ``make_channel(sock, peer, **channel_kwargs)``
-    channel_kwargs: dict[str, Any]
-    devices: list[torch.device]
-    config: ClusterConfig
-    welcome: dict[str, Any]
-    admitted: Admitted  #: what the node's handshake found (HELLO's map, WELCOME's proof)
-    log_level: int
-    cache: dict[str, Any] | None = None  #: :func:`~genie.server.isolation.cache.offer_of` the node's weight cache
-
-
 def snapshot(session: Session, metrics: SessionMetrics) -> dict[str, Any]:
     """What the node shows of this session: store counts, ops, and the metrics tally (plain msgpack values)."""
     tally = metrics.tally

@@ -9,8 +9,9 @@ multiprocessing's own ``popen_forkserver.Popen._launch`` otherwise).
 
 The zygote imports :data:`PRELOAD` before its first fork: torch, the worker's code, and the pre-flight's
 first-use imports (:mod:`~genie.server.isolation.warm`), 2 to 5 s of a core on a small VM. :func:`start` starts
-it; ``genie serve``, ``genie worker`` and ``python -m genie.server`` call it before they import torch themselves,
-so the two imports overlap and the first spare worker is ready sooner. This module imports no torch.
+it; ``genie serve``, ``genie worker`` and ``python -m genie.server`` call it first thing. The node's own process
+imports torch only where its devices are ``auto`` or ``cuda`` (to ask CUDA: genie.server.host), then beside the
+zygote's import. This module imports no torch; :func:`run_worker` is a worker's target.
 """
 
 from __future__ import annotations
@@ -81,3 +82,10 @@ class WorkerProcess(context.ForkServerProcess):
     def _Popen(process_obj: Any) -> Any:
         return _Popen(process_obj)
 
+
+def run_worker(conn: Any, clock: Any) -> None:
+    """A session worker's target: :func:`genie.server.isolation.worker.worker_main`, imported here, in the worker
+    (the zygote loaded it already), so the node's own process never imports the worker's torch."""
+    from genie.server.isolation.worker import worker_main
+
+    worker_main(conn, clock)
