@@ -72,6 +72,11 @@ def _open_session(pm: PluginManager, config: ClusterConfig, security: ClientSecu
     except BaseException:
         channel.close()
         raise
+    if conn.node_id != node["node_id"]:  # a node gone, its port since bound by another node: not this session's
+        conn.close()
+        raise ConnectError(f"{conn.address} answers as node {conn.node_id!r}, not {node['node_id']!r}: the node the "
+                           "master lists there is gone and another process holds its port (the master declares it "
+                           "lost when its heartbeats stop)")
     if links is not None:  # the measured link placement weighs: the handshake's round trips
         links[node["node_id"]] = time.perf_counter() - started
     return conn

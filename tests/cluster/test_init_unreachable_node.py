@@ -71,6 +71,23 @@ def test_init_starts_with_the_reachable_nodes_and_the_dead_one_is_lost(cluster_w
     assert "BackendUnavailableError" not in text
 
 
+def test_another_node_on_a_dead_nodes_port_is_not_taken_for_it(cluster_with_a_dead_worker: LocalCluster) -> None:
+    """w1 is gone and another node (a bare data-plane server, node id "stranger") now listens on w1's data port:
+    the client's session there answers as "stranger", so w1's device is lost naming both, and no op of w1's runs
+    on the stranger. (Seen in a full run: a port freed by the killed w1 was bound again by a node of another test,
+    and the client ran w1's op there.)"""
+    w1 = cluster_with_a_dead_worker.worker("w1")
+    with NodeProcess.data_plane("--port", str(w1.data_port), "--devices", "cpu", "--node-id", "stranger",
+                                env=NODE_ENV):
+        result = run_client(cluster_with_a_dead_worker.port, WORK, env={"GENIE_PLUGINS": "tcp"}, timeout=60)
+    text = result.stdout + result.stderr
+    assert result.returncode == 0, text
+    assert _lines(result.stdout, "RAN") == ["master"]
+    lost = _lines(result.stdout, "LOST")
+    assert len(lost) == 1 and lost[0].startswith("w1 "), text
+    assert f"127.0.0.1:{w1.data_port} answers as node 'stranger', not 'w1'" in lost[0], lost[0]
+
+
 def test_a_named_backend_a_reachable_node_does_not_serve_is_still_backend_unavailable(
         cluster_with_a_dead_worker: LocalCluster) -> None:
     """The nodes serve tcp only; a client asking for shm fails init with BackendUnavailableError naming the node
