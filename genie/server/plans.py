@@ -20,7 +20,8 @@ run, the output rule) is the same work every time. So:
   scalars (the key says so byte for byte), so only what depends on the storages runs again
   (:func:`run`): each input storage must be live (not unknown, freed or poisoned) and hold exactly the
   ``storage_nbytes`` its descriptor says (bounds were checked for that size), the storage count and
-  byte quotas must leave room, the op's validator (when it has one: it may read data) must pass. The
+  byte quotas must leave room, the op's validator (when it has one and it may read data: not one of
+  :data:`~genie.server.validators.KEY_FIXED`, which read only what the key fixes) must pass. The
   tensors are built, the kernel called, and each result adopted when it is fresh, dense and laid out as
   the descriptor says (or already is the described storage, for in-place ops); anything else goes
   through the full output rule (:func:`genie.server.outputs.store_outputs`).
@@ -315,7 +316,8 @@ def build(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: OpFacts, checked:
         plan.random = True
     plan.device_index = cmd[1]
     plan.device = ex.device(cmd[1])
-    plan.validator = validators.check_for(plan.kernel) if plan.kernel is not op_plan.op else op_plan.validator
+    validator = validators.check_for(plan.kernel) if plan.kernel is not op_plan.op else op_plan.validator
+    plan.validator = None if validator in validators.KEY_FIXED else validator  # the key fixes what it reads
     # The full path re-measures storages after a functional run, and after a generatorless runner, too.
     plan.writes = op_plan.writes or functional or op_plan.generatorless
     plan.new_bytes = checked.new_bytes

@@ -440,6 +440,14 @@ def _contiguous_arg(names: tuple[str, ...], name: str, args: list[Any], kwargs: 
         args[position] = args[position].contiguous()
 
 
+#: Checks that read only what a command plan's key fixes: ranks, shapes and dtypes of the op's tensors and its
+#: non-float arguments; never data, floats or where a storage lives (check_foreach compares devices: not here). A
+#: plan is made from a command the full path checked, so a later command with its key passes these too: its plan
+#: skips them (genie.server.plans) and may run in C++. Batch norm's check ran on every call of a ResNet's 104
+#: batch-norm commands a training step, which kept them from the native runner.
+KEY_FIXED: frozenset[Check] = frozenset({check_batch_norm, check_cum_helper})
+
+
 #: Checks that must run before the pre-flight's meta run (they read no data): the meta run itself would fail.
 PRE_CHECKS: dict[str, Check] = {"aten::combinations": check_combinations, **shape_checks.PRE_CHECKS}
 

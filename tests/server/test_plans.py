@@ -562,6 +562,38 @@ def test_an_op_the_device_runs_by_decomposition_leaves_the_native_runner_for_pyt
         torch.testing.assert_close(c.fetch(base, outs[0]), expected)
 
 
+def test_batch_norm_runs_natively_by_plan_and_a_per_channel_tensor_of_the_wrong_size_is_still_refused(
+        server, connect) -> None:
+    """native_batch_norm's validator reads only shapes the plan's key fixes (validators.KEY_FIXED): its plan skips
+    it and runs in C++ (a ResNet step's 104 batch-norm commands had all run by Python's plan). The running
+    statistics update in place as torch's; a running_mean of 1 element for 3 channels (another key) still meets
+    the check on the full path, and the session goes on."""
+    name = "aten::native_batch_norm"
+    x, weight, bias = torch.randn(4, 3, 5), torch.rand(3) + 0.5, torch.randn(3)
+    outs = [torch.empty(4, 3, 5), torch.empty(3), torch.empty(3)]
+
+    def bn(base: int, mean: int = 4, like_mean: torch.Tensor = bias) -> bytes:  # outputs base to base + 2
+        return op(name, [T(1, x), T(2, weight), T(3, bias), T(mean, like_mean), T(5, bias), True, 0.1, 1e-5],
+                  {}, [T(base + k, o) for k, o in enumerate(outs)])
+
+    srv = server()
+    c = connect(srv)
+    c.send_batch([bn(10), bn(20), bn(30)], uploads=[(1, 0, x), (2, 0, weight), (3, 0, bias),
+                                                     (4, 0, torch.zeros(3)), (5, 0, torch.ones(3))])
+    assert c.sync().deferred == []
+    assert _planned(srv) == 2 and _native(srv) == (2 if _native_mode() else 0)
+    mean, var = torch.zeros(3), torch.ones(3)
+    for base in (10, 20, 30):
+        expected = torch.native_batch_norm(x, weight, bias, mean, var, True, 0.1, 1e-5)[0]
+        torch.testing.assert_close(c.fetch(base, outs[0]), expected)
+    torch.testing.assert_close(c.fetch(4, bias), mean)
+    torch.testing.assert_close(c.fetch(5, bias), var)
+    c.send_batch([bn(40, mean=6, like_mean=torch.empty(1))], uploads=[(6, 0, torch.zeros(1))])
+    errors = c.sync().deferred
+    assert len(errors) == 1 and "per-channel tensor of shape [1] for 3 channels" in errors[0]["message"], errors
+    torch.testing.assert_close(c.fetch(4, bias), mean)  # the refused command changed nothing
+
+
 def test_the_native_runner_keeps_the_op_clock_of_a_session_worker() -> None:
     """While a kernel runs by a native plan the worker's op clock names it (the node's supervisor kills a
     worker whose op runs past op_deadline by it); between ops the clock reads idle."""
