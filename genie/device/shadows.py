@@ -35,7 +35,7 @@ Frees: storage ids are never reused, and ``genie._C`` forgets a freed storage's 
 drops its bytes. The table is bounded: tensors up to ``GENIE_SHADOW_MAX_BYTES`` (default 64 KiB; 0 turns
 shadows off) and ``GENIE_SHADOW_BUDGET`` bytes in all (default 16 MiB, least recently used out first).
 Parameters (tensors that require grad when uploaded) are not shadowed: an optimizer writes them each step.
-A shadow written by ``GENIE_SHADOW_IDLE_WRITES`` (default 64; 0: never) derived ops in a row without being used
+A shadow written by ``GENIE_SHADOW_IDLE_WRITES`` (default 16; 0: never) derived ops in a row without being used
 (read here, or an input of a derivation of another storage) is dropped: its writes cost Python's path and saved
 nothing (:meth:`ShadowTable.written`).
 """
@@ -59,7 +59,7 @@ _aten = torch.ops.aten
 DEFAULT_MAX_TENSOR_BYTES = 64 << 10
 DEFAULT_BUDGET_BYTES = 16 << 20
 #: Derived writes to a shadow in a row, none of them followed by a use of it, after which it is dropped.
-DEFAULT_IDLE_WRITES = 64
+DEFAULT_IDLE_WRITES = 16
 
 
 def _env_int(name: str, default: int, expected: str = "a whole number of bytes >= 0 (0 turns host shadows off)") -> int:

@@ -282,7 +282,7 @@ def test_a_shadow_only_ever_written_is_dropped_and_its_writes_go_native(python_o
     ``idle_writes`` of them in a row with no use its shadow goes, and the next writes are native. A shadow read
     between writes, or feeding a derivation of another storage, is kept; values are right throughout."""
     limit = shadows.TABLE.idle_writes
-    assert limit == shadows.DEFAULT_IDLE_WRITES == 64
+    assert limit == shadows.DEFAULT_IDLE_WRITES == 16
     model = torch.nn.BatchNorm1d(2).to(D0).train()
     tracked = model.num_batches_tracked
     assert tracked is not None and _C.storage_id(tracked) in shadows.TABLE.entries  # a small int upload
