@@ -233,8 +233,9 @@ def _hf_resnet(tiny: bool) -> Any:
     import torch
     from transformers import ResNetConfig, ResNetForImageClassification
 
-    cfg = (ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1], num_labels=1000)
-           if tiny else ResNetConfig(num_labels=1000))
+    cfg = (ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1]) if tiny
+           else ResNetConfig())
+    cfg.num_labels = 1000  # ImageNet's classes, as torchvision's
 
     class Logits(torch.nn.Module):
         def __init__(self) -> None:
