@@ -539,23 +539,35 @@ def test_a_call_failing_in_its_kernel_by_plan_answers_as_the_full_path(server, c
     assert answers[0] == answers[1] and answers[0]["kind"] == "execution"
 
 
+def _batch_norm(name: str, inputs: Sequence[torch.Tensor], outs: list[torch.Tensor], base: int, mean: int = 4) -> bytes:
+    """A training batch norm ``name`` of x, weight, bias (storages 1 to 3), running mean (``mean``, laid out as
+    ``inputs[3]`` when given, else as bias) and var (5) into outputs ``base`` onwards."""
+    x, weight, bias = inputs[:3]
+    like_mean = inputs[3] if len(inputs) > 3 else bias
+    return op(name, [T(1, x), T(2, weight), T(3, bias), T(mean, like_mean), T(5, bias), True, 0.1, 1e-5],
+              {}, [T(base + k, o) for k, o in enumerate(outs)])
+
+
+def _three_batch_norms(server: Callable[..., DataPlaneServer], connect: Callable[[DataPlaneServer], RawClient],
+                       name: str, outs: list[torch.Tensor]) -> tuple[DataPlaneServer, RawClient, tuple[Any, ...]]:
+    """A session that ran three batch norms ``name`` (outputs 10, 20, 30 onwards): its server, client, inputs."""
+    inputs = (torch.randn(4, 3, 5), torch.rand(3) + 0.5, torch.randn(3))
+    srv = server()
+    c = connect(srv)
+    c.send_batch([_batch_norm(name, inputs, outs, base) for base in (10, 20, 30)],
+                 uploads=[(1, 0, inputs[0]), (2, 0, inputs[1]), (3, 0, inputs[2]), (4, 0, torch.zeros(3)),
+                          (5, 0, torch.ones(3))])
+    assert c.sync().deferred == []
+    return srv, c, inputs
+
+
 def test_an_op_the_device_runs_by_decomposition_leaves_the_native_runner_for_python(server, connect) -> None:
     """aten::cudnn_batch_norm has no CPU kernel: by plan the native runner finds that out before anything
     ran and Python's plan runs torch's decomposition, then and every later time; the numbers match."""
     name = "aten::cudnn_batch_norm"
     assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")  # the premise of this test
-    x, weight, bias = torch.randn(4, 3, 5), torch.rand(3) + 0.5, torch.randn(3)
     outs = [torch.empty(4, 3, 5), torch.empty(3), torch.empty(3), torch.empty(0, dtype=torch.uint8)]
-
-    def bn(base: int) -> bytes:  # inputs 1 to 5, outputs base to base + 3
-        return op(name, [*(T(k + 1, t) for k, t in enumerate((x, weight, bias, bias, bias))), True, 0.1, 1e-5],
-                  {}, [T(base + k, o) for k, o in enumerate(outs)])
-
-    srv = server()
-    c = connect(srv)
-    c.send_batch([bn(10), bn(20), bn(30)], uploads=[(1, 0, x), (2, 0, weight), (3, 0, bias),
-                                                     (4, 0, torch.zeros(3)), (5, 0, torch.ones(3))])
-    assert c.sync().deferred == []
+    srv, c, (x, weight, bias) = _three_batch_norms(server, connect, name, outs)
     assert _planned(srv) == 2 and _native(srv) == 0
     expected = torch.nn.functional.batch_norm(x, torch.zeros(3), torch.ones(3), weight, bias, True, 0.1, 1e-5)
     for base in (10, 20, 30):
@@ -569,18 +581,8 @@ def test_batch_norm_runs_natively_by_plan_and_a_per_channel_tensor_of_the_wrong_
     statistics update in place as torch's; a running_mean of 1 element for 3 channels (another key) still meets
     the check on the full path, and the session goes on."""
     name = "aten::native_batch_norm"
-    x, weight, bias = torch.randn(4, 3, 5), torch.rand(3) + 0.5, torch.randn(3)
     outs = [torch.empty(4, 3, 5), torch.empty(3), torch.empty(3)]
-
-    def bn(base: int, mean: int = 4, like_mean: torch.Tensor = bias) -> bytes:  # outputs base to base + 2
-        return op(name, [T(1, x), T(2, weight), T(3, bias), T(mean, like_mean), T(5, bias), True, 0.1, 1e-5],
-                  {}, [T(base + k, o) for k, o in enumerate(outs)])
-
-    srv = server()
-    c = connect(srv)
-    c.send_batch([bn(10), bn(20), bn(30)], uploads=[(1, 0, x), (2, 0, weight), (3, 0, bias),
-                                                     (4, 0, torch.zeros(3)), (5, 0, torch.ones(3))])
-    assert c.sync().deferred == []
+    srv, c, (x, weight, bias) = _three_batch_norms(server, connect, name, outs)
     assert _planned(srv) == 2 and _native(srv) == (2 if _native_mode() else 0)
     mean, var = torch.zeros(3), torch.ones(3)
     for base in (10, 20, 30):
@@ -588,7 +590,8 @@ def test_batch_norm_runs_natively_by_plan_and_a_per_channel_tensor_of_the_wrong_
         torch.testing.assert_close(c.fetch(base, outs[0]), expected)
     torch.testing.assert_close(c.fetch(4, bias), mean)
     torch.testing.assert_close(c.fetch(5, bias), var)
-    c.send_batch([bn(40, mean=6, like_mean=torch.empty(1))], uploads=[(6, 0, torch.zeros(1))])
+    c.send_batch([_batch_norm(name, (x, weight, bias, torch.empty(1)), outs, 40, mean=6)],
+                 uploads=[(6, 0, torch.zeros(1))])
     errors = c.sync().deferred
     assert len(errors) == 1 and "per-channel tensor of shape [1] for 3 channels" in errors[0]["message"], errors
     torch.testing.assert_close(c.fetch(4, bias), mean)  # the refused command changed nothing
