@@ -56,7 +56,7 @@ from genie.server.records import error as _error
 from genie.server.records import kind_of, shapes
 from genie.server.records import message as _message
 from genie.server.runner_api import native_spec, runner_binding
-from genie.server.store import MAX_REMEMBERED_FREES, StorageStore
+from genie.server.store import MAX_REMEMBERED_FREES, StorageStore, zeroed_storage
 from genie.wire.floats import floats_decide_metadata
 from genie.wire.messages import CMD_OP
 
@@ -100,7 +100,7 @@ class CommandPlan:
     __slots__ = ("arg_fill", "args", "call", "device", "device_index", "call_outs", "fresh", "fresh_slots", "in_descs", "inputs", "kernel",
                  "kw_fill", "kwargs", "label", "max_op_elements", "nested_fill", "new_bytes", "op", "out_descs",
                  "out_id_slots", "out_slots", "single", "validator", "writes", "float_fill", "float_values", "serial",
-                 "random")
+                 "random", "empty_slots")
 
     def __init__(self) -> None:
         self.label = ""
@@ -140,6 +140,9 @@ class CommandPlan:
         #: dtype on the plan's device whose new() makes the next one); the ids' indices of the outputs kept
         self.inputs: list[tuple[int, int, int, tuple[int, ...], tuple[int, ...], torch.Tensor]] = []
         self.out_id_slots: list[int] = []
+        #: indices in the ids that name storage 0, the empty storage (the key fixes where): such an input is a new
+        #: empty tensor each time, as on the full path, and such an output is not kept; Python's plan only
+        self.empty_slots: list[int] = []
         #: the one output's (index in the ids, descriptor) when the op has exactly one, kept
         self.single: tuple[int, Descriptor] | None = None
         self.validator: validators.Check | None = None
@@ -252,7 +255,7 @@ def build(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: OpFacts, checked:
     ``functional``: an out= op whose fresh out arguments it ran in its functional form), or None when its
     shape is not one plans cover. ``cmd[4]`` is the kwargs as sent."""
     _, ids, floats = keyed
-    if not coverable(op_plan) or 0 in ids:
+    if not coverable(op_plan):
         return None
     paths = _float_paths(cmd[3], cmd[4])
     if paths is None or len(paths) != len(floats):
@@ -326,7 +329,10 @@ def build(ex: Executor, cmd: list[Any], keyed: Keyed, op_plan: OpFacts, checked:
     plan.inputs = [(slot, d.storage_nbytes, d.offset, d.sizes, d.strides,
                     torch.empty(0, dtype=d.dtype, device=plan.device)) for slot, d in zip(inputs, plan.in_descs,
                                                                                         strict=True)]
-    plan.out_id_slots = [slot for slot in plan.out_slots if slot >= 0]
+    # Storage 0 (empty: `torch.tensor([])`, the empty start of Hugging Face's KV cache) cats and zero_s in every
+    # step of a GPT-2's training, through the full path until these plans took it.
+    plan.empty_slots = [slot for slot, storage_id in enumerate(ids) if storage_id == 0]
+    plan.out_id_slots = [slot for slot in plan.out_slots if slot >= 0 and ids[slot] != 0]
     plan.serial = plan.device.type == "cpu" and serial_size([d.sizes for d in plan.in_descs])
     plan.fresh_slots = sorted(fresh_slots | set(plan.out_id_slots)) if plan.fresh else []
     if len(plan.out_descs) == 1 and plan.out_descs[0] is not None:
@@ -368,6 +374,9 @@ def _prepare(ex: Executor, plan: CommandPlan, ids: tuple[int, ...], outputs: int
                     return None
         for slot, nbytes, offset, shape, strides, base in plan.inputs:
             storage_id = ids[slot]
+            if not storage_id:  # the empty storage (its place fixed by the key): a new one, as the full path makes
+                tensors.append(base.new().set_(zeroed_storage(0, device), offset, shape, strides))
+                continue
             storage = storages.get(storage_id)
             if storage is None:
                 # Never seen: made here on first use, zero-filled, as the full path makes it (the client makes a
@@ -558,7 +567,7 @@ def new_runner(store: StorageStore) -> Any:
 def native_plan(plan: CommandPlan) -> Any:
     """The native form of ``plan``, or None when it has a shape only Python runs (a validator reads data, a list
     of tensors and other values, a random op's runner) or its constants do not convert as torch converts them."""
-    if NativePlan is None or plan.validator is not None or plan.random:
+    if NativePlan is None or plan.validator is not None or plan.random or plan.empty_slots:
         return None
     try:
         return NativePlan(native_spec(plan))

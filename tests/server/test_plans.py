@@ -259,20 +259,29 @@ def test_in_place_view_and_list_ops_by_plan_match_the_full_path(server, connect)
                  op("aten::view", [T(a, x), [3, 2]], {}, [T(a, x.view(3, 2))]),
                  op("aten::cat", [[T(a, x), T(b, x)], 1], {}, [T(s, torch.cat([x, x], 1))])]
     uploads = [(10 * i + k, 0, x + k + i) for i in range(3) for k in (1, 2)]
-    results = []
+    (got, planned, native), (_, cold, _) = _by_plan_and_full_path(
+        server, connect, cmds, uploads, lambda c: [c.fetch(21, x), c.fetch(24, torch.cat([x, x], 1))])
+    assert planned > 0 and cold == 0
+    if _native_mode():
+        assert native == planned == 6  # add_, view, cat of the second and third rounds
+    want_a = (x + 1 + 2) + 2 * (x + 2 + 2)
+    torch.testing.assert_close(got[0], want_a, rtol=0, atol=0)
+
+
+def _by_plan_and_full_path(server, connect, cmds: list[bytes], uploads: Sequence[tuple[Any, ...]],
+                           fetch: Callable[[RawClient], list[torch.Tensor]]) -> list[tuple[list[torch.Tensor], int, int]]:
+    """Three rounds of the same signatures (``cmds``) in one session, and the last round alone in a fresh one (the
+    full path): per session, ``fetch(client)``'s tensors (equal in both) and the commands run by plan and natively."""
+    out = []
     for warm in (True, False):
         srv = server()
         c = connect(srv)
-        c.send_batch(cmds if warm else cmds[6:], uploads=uploads)
+        c.send_batch(cmds if warm else cmds[2 * len(cmds) // 3:], uploads=uploads)
         assert c.sync().deferred == []
-        results.append([c.fetch(21, x), c.fetch(24, torch.cat([x, x], 1))])
-        assert (_planned(srv) > 0) == warm
-        if warm and _native_mode():
-            assert _native(srv) == _planned(srv) == 6  # add_, view, cat of the second and third rounds
-    want_a = (x + 1 + 2) + 2 * (x + 2 + 2)
-    torch.testing.assert_close(results[0][0], want_a, rtol=0, atol=0)
-    for got, full in zip(results[0], results[1], strict=True):
+        out.append((fetch(c), _planned(srv), _native(srv)))
+    for got, full in zip(out[0][0], out[1][0], strict=True):
         assert torch.equal(got, full)
+    return out
 
 
 def _compare(server, connect, warm: list[bytes], setup: list[bytes], failing: bytes,
@@ -306,6 +315,26 @@ def warm_uploads(warm: list[bytes]) -> list[tuple[int, torch.Tensor]]:
             if type(value) is codec.Descriptor and value.storage_id in (1, 2):
                 out[value.storage_id] = torch.ones(value.sizes, dtype=value.dtype)
     return sorted(out.items())
+
+
+def test_commands_naming_the_empty_storage_run_by_plan_as_on_the_full_path(server, connect) -> None:
+    """Storage 0 is the empty storage (``torch.tensor([])``): Hugging Face's KV cache starts so, and a GPT-2
+    training step cats onto it and zero_s it (its gradient) in every layer, 48 commands a step of GPT-2 small that
+    all took the full path. Its place is fixed by the key: by Python's plan, a new empty tensor each time, an
+    empty output never kept, and the same results as the full path."""
+    x, empty = torch.arange(6.0).reshape(2, 3), torch.empty(0, 3)
+    cmds = []
+    for i in range(3):  # the same signatures three times over new storages
+        a, out = 10 * i + 1, 10 * i + 2
+        cmds += [op("aten::cat", [[T(0, empty), T(a, x)], 0], {}, [T(out, x)]),
+                 op("aten::zero_", [T(0, empty)], {}, [T(0, empty)]),
+                 op("aten::add_.Tensor", [T(a, x), T(out, x)], {}, [T(a, x)])]
+    uploads = [(10 * i + 1, 0, x + i) for i in range(3)]
+    (got, planned, _), (_, cold, _) = _by_plan_and_full_path(server, connect, cmds, uploads,
+                                                             lambda c: [c.fetch(22, x), c.fetch(21, x)])
+    assert (planned, cold) == (6, 0)  # cat, zero_, add_ of the second and third rounds
+    torch.testing.assert_close(got[0], x + 2, rtol=0, atol=0)
+    torch.testing.assert_close(got[1], 2 * (x + 2), rtol=0, atol=0)
 
 
 def test_an_in_place_op_into_a_storage_made_on_first_use_runs_by_its_plan(server, connect) -> None:
