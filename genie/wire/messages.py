@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import sys
 from typing import Any
@@ -45,10 +46,12 @@ def hello_body(*, node_id: str, role: str, backends: list[str], extra: dict[str,
     return body
 
 
+@functools.cache
 def torch_version() -> str:
     """This process's torch release: ``torch.__version__`` where torch is loaded, otherwise the installed
     distribution's version (the same string, read without importing torch: a CPU node's own process never
-    imports it, genie.server.host)."""
+    imports it, genie.server.host). Read once: the distribution's metadata costs milliseconds, and a node asks
+    on every handshake."""
     loaded = sys.modules.get("torch")
     if loaded is not None and hasattr(loaded, "__version__"):
         return str(loaded.__version__)
