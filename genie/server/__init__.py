@@ -1,7 +1,7 @@
 """The node side of the data plane: sessions, the executor of ops, the storage store and its quotas.
 
 - :mod:`genie.server.node`: :class:`DataPlaneServer` (listen, accept, one thread per session).
-- :mod:`genie.server.host`: the node's devices and torch release, read without importing torch.
+- :mod:`genie.server.host`: the node's devices, read without importing torch.
 - :mod:`genie.server.session`: handshake and the frame loop of one client.
 - :mod:`genie.server.executor`: runs a session's uploads, ops, calls, fetches, frees, seeds, resizes, syncs.
 - :mod:`genie.server.codec`: tensor descriptors (every bound checked), placeholders, result encoding.

@@ -58,6 +58,8 @@ log = logging.getLogger("genie.server.isolation")
 
 #: Seconds a log record waits for the node's acknowledgement.
 LOG_ACK_WAIT = 1.0
+
+
 def snapshot(session: Session, metrics: SessionMetrics) -> dict[str, Any]:
     """What the node shows of this session: store counts, ops, and the metrics tally (plain msgpack values)."""
     tally = metrics.tally
