@@ -61,7 +61,7 @@ async def test_run_polls_the_hook_in_a_worker_thread_and_keeps_bounded_history(g
     monitor = ResourceMonitor(genie_pm, NODE, interval=0.02, history=3)
     async with anyio.create_task_group() as tg:
         await tg.start(monitor.run)
-        await wait_until_async(lambda: monitor.polls >= 5, 2, what="five monitor polls")
+        await wait_until_async(lambda: monitor.polls >= 5, 10, what="five monitor polls")
         tg.cancel_scope.cancel()
     assert threads and loop_thread not in threads, "the hook never runs on the event loop"
     history = monitor.history()
