@@ -24,6 +24,11 @@ the same run:
 - session start (``genie.init`` and the first op) and the GPU memory a session adds (its worker's
   CUDA context and caches, read with nvidia-smi).
 
+``--profile`` runs none of that: it profiles the op-by-op workloads (GPT-2 step, ResNet-50 step, BERT, decode)
+natively under ``torch.profiler`` and on a node started with ``--profile-sessions`` (genie.server.profiles),
+and prints the device's time per step on both sides, with the kernels whose time differs most: whether the
+GPU waits for the node (genie's device time near native's, its wall far above) or runs more or other kernels.
+
 ``--quick`` (what scripts/gpu-check runs) takes fewer steps and smaller transfers; ``--tiny --device
 cpu`` runs the same code with tiny models against a CPU server, to check the script on a machine
 without a GPU before spending GPU time on it (about 4 minutes here; its figures mean nothing).
@@ -58,6 +63,8 @@ TARGETS = {"gpt2_train": 1.15, "gpt2_train_compiled": 1.05, "gpt2_train_graph": 
 #: The workloads run again on a node with --compile-replays inductor.
 INDUCTOR_WORKLOADS = ("gpt2_train_compiled", "bert_infer_compiled")
 DECODE_TARGET = 0.85  # tokens/s, genie / native
+#: The workloads --profile runs (op by op: what the node runs is what a local run launches, op for op).
+PROFILED = ("gpt2_train", "resnet50_train", "bert_infer", "decode")
 TRANSFER_TARGET = 0.9  # against the raw channel
 
 
@@ -137,7 +144,8 @@ def _timed(step: Any, steps: int, warmup: int, settle: Any = None) -> dict[str, 
         walls.append(time.perf_counter() - t0)
     cpu1, node1 = time.process_time(), node_cpu()
     return {"seconds": statistics.median(walls), "samples": walls, "client_cpu_s": (cpu1 - cpu0) / steps,
-            "node_cpu_s": None if node0 is None else (node1 - node0) / steps, "mean_s": sum(walls) / steps}
+            "node_cpu_s": None if node0 is None else (node1 - node0) / steps, "mean_s": sum(walls) / steps,
+            "steps_run": warmup + steps + (settle is not None)}
 
 
 def _gpt2_config(tiny: bool) -> Any:
@@ -382,6 +390,8 @@ def run_client(a: argparse.Namespace) -> int:
     """One client process: native on ``--device`` or genie against ``--port``; one RESULT line per workload."""
     import torch
 
+    from genie.server import profiles
+
     dev = a.device
     _NODE_PID[0] = a.node_pid
     if a.mode == "genie":
@@ -395,7 +405,10 @@ def run_client(a: argparse.Namespace) -> int:
         c.emit({"name": "session", "init_s": t1 - t0, "first_op_s": time.perf_counter() - t1})
     for name in a.workloads.split(","):
         try:
-            result = WORKLOADS[name](dev, a)
+            # --profile: natively, the workload under torch.profiler here (genie's: the node's session profile)
+            local = Path(a.profile_dir) if a.profile_dir and a.mode == "native" else None
+            with profiles.profiled(local, f"native-{name}", [dev]):
+                result = WORKLOADS[name](dev, a)
             result.pop("samples", None)
             c.emit({"name": name, "ok": True, **result})
         except Exception as exc:  # a failure is a result: report it and go on with the others
@@ -477,10 +490,11 @@ def raw_tcp_rate(nbytes: int, rounds: int = 5) -> float:
 
 def run_mode(kids: c.Children, a: argparse.Namespace, mode: str, port: int = 0,
              env: dict[str, str] | None = None, workloads: str = "", node_log: str = "",
-             node_pid: int = 0) -> dict[str, dict[str, Any]]:
+             node_pid: int = 0, profile_dir: str = "") -> dict[str, dict[str, Any]]:
     argv = [sys.executable, os.path.abspath(__file__), "--role", "client", "--mode", mode, "--port", str(port),
             "--device", a.device, "--workloads", workloads or a.workloads, "--steps", str(a.steps),
-            "--warmup", str(a.warmup), "--node-log", node_log, "--node-pid", str(node_pid)]
+            "--warmup", str(a.warmup), "--node-log", node_log, "--node-pid", str(node_pid),
+            "--profile-dir", profile_dir]
     argv += ["--quick"] * a.quick + ["--tiny"] * a.tiny
     proc = kids.start(argv, env=env)
     results: dict[str, dict[str, Any]] = {}
@@ -513,6 +527,11 @@ def main() -> int:
                    help="the backend of the run on a --compile-replays inductor node ('' to skip it)")
     p.add_argument("--node-log", default="", help="(client) the inductor node's log, to wait for its compiles")
     p.add_argument("--node-pid", type=int, default=0, help="(client) the node's pid: its CPU time per step is counted")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of the timed runs: the device time per step of " + ", ".join(PROFILED) + ", natively "
+                        "(torch.profiler) and on a node started with --profile-sessions, kernel by kernel")
+    p.add_argument("--profile-dir", default="", help="(client) where a native run writes its profile")
+    p.add_argument("--profile-out", default="", help="(--profile) where the profiles' files stay")
     a = p.parse_args()
     a.steps = a.steps or (3 if a.tiny else 5 if a.quick else 20)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.tiny else 2 if a.quick else 3)
@@ -531,6 +550,13 @@ def run_parent(a: argparse.Namespace) -> int:
             "quick": a.quick, "tiny": a.tiny, "steps": a.steps}
     print(f"bench_gpu: {info}", flush=True)
     report: dict[str, Any] = {"info": info, "runs": {}}
+    if a.profile:
+        with c.Children() as kids:
+            report["profile"] = run_profiles(kids, a)
+        print_profiles(report["profile"])
+        if a.json:
+            Path(a.json).write_text(json.dumps(report, indent=1, default=str))
+        return 0
     raw_bytes = (64 << 20) if a.tiny else ((256 << 20) if a.quick else (1 << 30))  # the transfer workload's size
     raw_before = raw_tcp_rate(raw_bytes) if "transfer" in a.workloads.split(",") else 0.0
     with c.Children() as kids:
@@ -568,6 +594,79 @@ def run_parent(a: argparse.Namespace) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1, default=str))
     return 0
+
+
+def run_profiles(kids: c.Children, a: argparse.Namespace) -> dict[str, Any]:
+    """--profile: each of :data:`PROFILED` once natively under torch.profiler and once on a node started with
+    ``--profile-sessions`` (the first of ``--backends``), each in a client process of its own (one session per
+    workload). Per step (warm-up steps included, on both sides alike): the device's time without uploads, its
+    device ops, the CPU time in ATen ops, and every device row's time. The profiles' files stay in
+    ``--profile-out`` (a temporary directory by default)."""
+    import tempfile
+
+    from genie.cluster.launch import NodeProcess
+
+    root = Path(a.profile_out or tempfile.mkdtemp(prefix="genie-bench-profiles-"))
+    root.mkdir(parents=True, exist_ok=True)
+    work = [w for w in PROFILED if w in a.workloads.split(",")]
+    out: dict[str, Any] = {"backend": a.backends.split(",")[0], "files": str(root), "workloads": {}}
+    for name in work:
+        result = run_mode(kids, a, "native", workloads=name, profile_dir=str(root)).get(name, {})
+        out["workloads"][name] = {"native": _per_step(result, root / f"native-{name}.json")}
+    print("native profiles done", flush=True)
+    env = {"GENIE_BACKEND": out["backend"], "GENIE_LOG_LEVEL": "WARNING"}
+    sessions = root / "node"
+    with NodeProcess("--log-level", "INFO", "serve", "--port", "0", "--devices", a.device, "--profile-sessions",
+                     str(sessions), env=env, ready_timeout=300) as node:
+        for name in work:
+            before = set(sessions.glob("session-*.json"))
+            result = run_mode(kids, a, "genie", node.control_port, env=env, workloads=name,
+                              node_pid=node.pid).get(name, {})
+            out["workloads"][name]["genie"] = _per_step(result, _new_profile(sessions, before))
+    print(f"genie profiles over {out['backend']} done", flush=True)
+    return out
+
+
+def _new_profile(directory: Path, before: set[Path], timeout: float = 120.0) -> Path | None:
+    """The session profile the node writes once the client has gone (None if none came within ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fresh = sorted(set(directory.glob("session-*.json")) - before)
+        if fresh:
+            return fresh[-1]
+        time.sleep(0.2)
+    return None
+
+
+def _per_step(result: dict[str, Any], path: Path | None) -> dict[str, Any]:
+    """A workload's profile per step it ran (``steps_run``: warm-up and timed)."""
+    if not result.get("ok") or path is None or not path.exists():
+        return {"ok": False, "error": result.get("error") or f"no profile ({path or 'the node wrote none'})"}
+    data = json.loads(path.read_text())
+    steps = result["steps_run"]
+    return {"ok": True, "steps": steps, "device_ms": (data["device_s"] - data["host_to_device_s"]) * 1e3 / steps,
+            "uploads_ms": data["host_to_device_s"] * 1e3 / steps, "device_ops": data["kernels"] / steps,
+            "cpu_op_ms": data["cpu_op_s"] * 1e3 / steps, "file": str(path),
+            "rows": {r["name"]: r["self_device_us"] / 1e3 / steps for r in data["rows"]
+                     if r["device"] != "cpu" and not r["name"].startswith("Memcpy HtoD")}}
+
+
+def print_profiles(profile: dict[str, Any], rows: int = 8) -> None:
+    """Device time per step, native against genie, and the device rows that differ most."""
+    print(f"Device time per step, uploads apart (profiles in {profile['files']}; genie over {profile['backend']}):")
+    for name, sides in profile["workloads"].items():
+        n, g = sides.get("native", {}), sides.get("genie", {})
+        if not (n.get("ok") and g.get("ok")):
+            print(f"  {name}: failed: {g.get('error') or n.get('error')}")
+            continue
+        ratio = f"{g['device_ms'] / n['device_ms']:.2f}x" if n["device_ms"] else "-"
+        print(f"  {name}: native {n['device_ms']:.2f} ms in {n['device_ops']:.0f} device ops, genie "
+              f"{g['device_ms']:.2f} ms in {g['device_ops']:.0f} ({ratio}); CPU in ATen ops: native "
+              f"{n['cpu_op_ms']:.2f} ms, the node's session {g['cpu_op_ms']:.2f} ms")
+        names = set(n["rows"]) | set(g["rows"])
+        differ = sorted(names, key=lambda k: abs(g["rows"].get(k, 0.0) - n["rows"].get(k, 0.0)), reverse=True)
+        for key in differ[:rows]:
+            print(f"    {g['rows'].get(key, 0.0):8.3f} ms genie {n['rows'].get(key, 0.0):8.3f} ms native  {key[:110]}")
 
 
 def summarise(report: dict[str, Any], a: argparse.Namespace) -> list[list[str]]:

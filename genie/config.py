@@ -169,6 +169,8 @@ _OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
     "compile_replays": (str, "off", lambda v: v in ("off", "inductor"),
                         "off (replayed graphs run node by node) or inductor (an admitted replay's graph is compiled "
                         "by inductor on the node; see genie/server/inductor_replays.py)"),
+    "profile_sessions": (str, "", None, "'' (off) or a directory where each session worker writes its torch.profiler "
+                         "profile (isolation = process only; see genie/server/profiles.py)"),
     "worker_memory_overhead": (int, 2 << 30, lambda v: v >= 0, "a byte count a session worker may hold beyond "
                                "max_session_bytes (its cgroup's memory.max)"),
     "worker_cpu_weight": (int, 100, lambda v: 1 <= v <= 10000, "a cgroup cpu.weight from 1 to 10000"),
@@ -260,6 +262,7 @@ class ClusterConfig:
     cuda_mps: bool
     op_deadline: float
     compile_replays: str
+    profile_sessions: str
     worker_memory_overhead: int
     worker_cpu_weight: int
     sources: Mapping[str, str] = attrs.field(factory=dict, repr=False, eq=False)

@@ -18,7 +18,7 @@ from genie.config import ClusterConfig
 
 #: argparse dest -> ClusterConfig field of every option :func:`add_session_options` adds.
 SESSION_OPTIONS = ("devices", "node_id", "insecure", "cache_bytes", "share_cache", "isolation", "op_deadline",
-                   "cuda_mps", "compile_replays")
+                   "cuda_mps", "compile_replays", "profile_sessions")
 
 
 def add_session_options(p: argparse.ArgumentParser) -> None:
@@ -44,6 +44,10 @@ def add_session_options(p: argparse.ArgumentParser) -> None:
                    help="off (default): replayed graphs (torch.compile(backend='genie')) run node by node; inductor: "
                         "a graph's admitted replays run the kernels inductor generates for it on this node "
                         "(docs/compile.md; GENIE_COMPILE_REPLAYS)")
+    p.add_argument("--profile-sessions", metavar="DIR", default=None,
+                   help="run each session worker under torch.profiler and write its profile (session-N.txt and "
+                        ".json: ops, kernels, the device's busy time) into DIR when the session ends; a diagnostic "
+                        "mode, process isolation only (GENIE_PROFILE_SESSIONS)")
     p.add_argument("--op-deadline", type=float, default=None,
                    help="seconds one op may run before its session's worker is killed (default 300; "
                         "GENIE_OP_DEADLINE)")

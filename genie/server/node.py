@@ -41,7 +41,7 @@ from genie._version import __version__
 from genie.config import ClusterConfig
 from genie.errors import ConfigError, ConnectionClosedError
 from genie.security import REFUSALS, ServerSecurity, check_bind
-from genie.server import mps
+from genie.server import mps, profiles
 from genie.server.content import ContentCache
 from genie.server.host import describe_devices, node_devices
 from genie.server.isolation.supervisor import Supervisor, WorkerSession
@@ -109,6 +109,9 @@ class DataPlaneServer:
         self.devices = node_devices(devices)
         mps.enable(config.cuda_mps, self.devices, source=config.sources.get("cuda_mps", "argument cuda_mps"))  # opt-in
         self.config = config
+        # --profile-sessions: checked (and created) here, so a node that cannot write profiles never starts
+        profiles.check_directory(config.profile_sessions, config.isolation,
+                                 config.sources.get("profile_sessions", "argument profile_sessions"))
         self.node_id = config.node_id or f"{socket.gethostname()}-{os.getpid()}"
         self.hello_timeout = config.handshake_timeout if hello_timeout is None else hello_timeout
         self.max_sessions = config.max_sessions if max_sessions is None else max_sessions

@@ -13,10 +13,10 @@ from genie.server.__main__ import add_arguments
 
 FLAGS = ["--devices", "cpu,cpu", "--node-id", "n7", "--insecure", "--cache-bytes", "4096", "--share-cache",
          "--isolation", "none", "--op-deadline", "12.5", "--cuda-mps",
-         "--compile-replays", "inductor"]
+         "--compile-replays", "inductor", "--profile-sessions", "/var/tmp/genie-profiles"]
 EXPECTED = {"devices": "cpu,cpu", "node_id": "n7", "insecure": True, "cache_bytes": 4096, "share_cache": True,
             "isolation": "none", "op_deadline": 12.5, "cuda_mps": True,
-            "compile_replays": "inductor"}
+            "compile_replays": "inductor", "profile_sessions": "/var/tmp/genie-profiles"}
 
 
 def bare_server_parser() -> argparse.ArgumentParser:

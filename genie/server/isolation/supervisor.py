@@ -16,7 +16,8 @@ its :class:`~genie.server.isolation.clock.OpClock`. It kills the worker (SIGKILL
 
 - an op runs past ``op_deadline`` (``... deadline of 30 s exceeded by aten::sum``);
 - the client has gone (hang-up on the socket) while an op runs, or the worker has not
-  ended by itself :data:`GONE_GRACE` seconds later: its queued work is cancelled. A session
+  ended by itself :data:`GONE_GRACE` seconds later (:data:`PROFILE_GRACE` where it writes a profile
+  then: ``--profile-sessions``): its queued work is cancelled. A session
   that can be resumed (``reconnect_window`` > 0, a plain stream) is *detached* instead: its
   worker keeps its storages and waits, and it is killed only when no authenticated resume came
   within the window (:meth:`Supervisor.resume` routes one to it; :mod:`genie.wire.resume`);
@@ -70,6 +71,8 @@ log = logging.getLogger("genie.server.isolation")
 
 #: Seconds a worker may outlive its client's hang-up when no op runs (it normally sees EOF at once).
 GONE_GRACE = 2.0
+#: The same when sessions are profiled (--profile-sessions): a worker writes its profile after its client left.
+PROFILE_GRACE = 60.0
 #: Seconds a worker asked to end (a deadline) has to tell its client why before SIGKILL.
 POLITE_KILL = 1.0
 #: How long :meth:`Supervisor.refresh` waits for workers' snapshots.
@@ -305,6 +308,7 @@ class WorkerSession:
         sock_fd = self._watch_fd
         poller.register(sock_fd, _POLLRDHUP)
         gone_at: float | None = None
+        grace = PROFILE_GRACE if self.supervisor.config.profile_sessions else GONE_GRACE
         while True:
             with self._resume_lock:
                 fresh, self._rewatch = self._rewatch, None
@@ -342,7 +346,7 @@ class WorkerSession:
             elif running is not None and running[1] > deadline:
                 self.kill(f"session worker killed: deadline of {deadline:g} s exceeded by {running[0]}",
                           polite=POLITE_KILL)
-            elif gone_at is not None and (running is not None or time.monotonic() - gone_at > GONE_GRACE):
+            elif gone_at is not None and (running is not None or time.monotonic() - gone_at > grace):
                 self.closing = True  # nobody to tell
                 self.kill("the client went away" + (f" while {running[0]} ran" if running else ""))
         proc.join()

@@ -40,11 +40,12 @@ import socket
 import threading
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from genie.server import collectives, inductor_replays, preflight
+from genie.server import collectives, inductor_replays, preflight, profiles
 from genie.server.executor import Executor
 from genie.server.isolation.cache import WorkerCache
 from genie.server.isolation.clock import OpClock
@@ -275,7 +276,10 @@ def serve_session(spec: WorkerSpec, sock: socket.socket, conn: Connection, clock
         session.wait_resume = wait_resume
     collectives.node_link = collectives.NodeLink(control.send, spec.config.bind_addr)  # torch.distributed
     threading.Thread(target=control.serve, name="genie-worker-control", daemon=True).start()
-    session.run()
+    profile_dir = Path(spec.config.profile_sessions) if spec.config.profile_sessions else None  # the node checked it
+    with profiles.profiled(profile_dir, f"session-{spec.session_id}", spec.devices,  # --profile-sessions
+                           session_id=spec.session_id):
+        session.run()
     try:
         control.send(["end", 0, snapshot(session, metrics)])
     except OSError:
