@@ -11,6 +11,8 @@ the node's output rule stores them), and the gradient either dense or the stride
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,7 +40,7 @@ def test_registered_kernels_equal_torchs_own_attention_on_the_gpu(dtype: torch.d
     torch's own choice on CUDA for the same tensors (the same kernels: they should agree to the last bits or so)."""
     (q, k, v), g = _inputs(dtype, grad)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    want = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+    want = F.scaled_dot_product_attention(leaves[0], leaves[1], leaves[2], is_causal=causal)
     want.backward(g)
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = sdpa._forward(q, k, v, None, 0.0, causal)
     # as a node holds them: each output in the layout the client described (contiguous)
@@ -46,8 +48,8 @@ def test_registered_kernels_equal_torchs_own_attention_on_the_gpu(dtype: torch.d
     grads = sdpa._backward(g, q, k, v, None, [True, True, True, False], out_stored, lse_stored, cum_q, cum_k,
                            max_q, max_k, 0.0, causal, seed, offset)
     tol = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 1e-4}[dtype]
-    got = [out, *grads[:3]]
-    expected = [want.detach(), *(t.grad for t in leaves)]
+    got: list[Any] = [out, *grads[:3]]
+    expected: list[Any] = [want.detach(), *(t.grad for t in leaves)]
     names = ["output", "query.grad", "key.grad", "value.grad"]
     bad = [f"{name}: largest difference {(a.float() - b.float()).abs().max().item():.4g} (largest value "
            f"{b.float().abs().max().item():.4g}; strides {tuple(a.stride())})"
