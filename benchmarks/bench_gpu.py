@@ -406,8 +406,7 @@ def run_client(a: argparse.Namespace) -> int:
     for name in a.workloads.split(","):
         try:
             # --profile: natively, the workload under torch.profiler here (genie's: the node's session profile)
-            local = Path(a.profile_dir) if a.profile_dir and a.mode == "native" else None
-            with profiles.profiled(local, f"native-{name}", [dev]):
+            with profiles.profiled(a.profile_dir if a.mode == "native" else None, f"native-{name}", [dev]):
                 result = WORKLOADS[name](dev, a)
             result.pop("samples", None)
             c.emit({"name": name, "ok": True, **result})

@@ -47,7 +47,7 @@ def check_directory(path: str, isolation: str, source: str) -> Path | None:
         raise ConfigError("profile_sessions", path, source,
                           "a directory with isolation = process (one profiler runs per process, so sessions in "
                           "threads of the node cannot be profiled apart); drop --isolation none or the profile")
-    directory = Path(path).expanduser()
+    directory = _resolve(path)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -58,19 +58,25 @@ def check_directory(path: str, isolation: str, source: str) -> Path | None:
     return directory
 
 
-def summary(profiler: Any, wall_s: float, **about: Any) -> dict[str, Any]:
-    """What a finished ``torch.profiler.profile`` measured, as plain data: ``wall_s`` (given: the profiled span),
-    ``cpu_op_s`` (the self CPU time of every CPU event), ``device_s`` (the self time of every device event:
-    kernels, copies, fills), ``host_to_device_s`` (the part of it that copied host memory in: uploads), ``kernels`` (how many device events ran) and the ``rows`` with the most time,
-    device time first, each ``{name, count, self_cpu_us, self_device_us, device}``."""
+def _resolve(path: str | Path) -> Path:
+    """The directory a configured path names (``~`` expanded): the node checks it, its workers write there."""
+    return Path(path).expanduser()
+
+
+def summary(averages: Any, wall_s: float, **about: Any) -> dict[str, Any]:
+    """What a finished ``torch.profiler.profile`` measured (``averages``: its ``key_averages()``), as plain data:
+    ``wall_s`` (given: the profiled span), ``cpu_op_s`` (the self CPU time of every CPU event), ``device_s`` (the
+    self time of every device event: kernels, copies, fills), ``host_to_device_s`` (the part of it that copied host
+    memory in: uploads), ``kernels`` (how many device events ran) and the ``rows`` with the most time, device time
+    first, each ``{name, count, self_cpu_us, self_device_us, device}``."""
     cpu = device = uploads = 0.0
     kernels = 0
     rows = []
-    for event in profiler.key_averages():
-        on_device = _device_type(event) != "CPU"
+    for event in averages:
+        kind = _device_type(event)
         self_cpu = float(event.self_cpu_time_total)
         self_device = float(_self_device_time(event))
-        if on_device:
+        if kind != "CPU":
             device += self_device
             kernels += int(event.count)
             if event.key.startswith("Memcpy HtoD"):
@@ -78,7 +84,7 @@ def summary(profiler: Any, wall_s: float, **about: Any) -> dict[str, Any]:
         else:
             cpu += self_cpu
         rows.append({"name": event.key, "count": int(event.count), "self_cpu_us": round(self_cpu, 1),
-                     "self_device_us": round(self_device, 1), "device": _device_type(event).lower()})
+                     "self_device_us": round(self_device, 1), "device": kind.lower()})
     rows.sort(key=lambda r: (r["self_device_us"], r["self_cpu_us"]), reverse=True)
     return {**about, "wall_s": wall_s, "cpu_op_s": cpu / 1e6, "device_s": device / 1e6,
             "host_to_device_s": uploads / 1e6, "kernels": kernels, "rows": rows[:TOP_ROWS]}
@@ -93,11 +99,11 @@ def _self_device_time(event: Any) -> float:
     return getattr(event, "self_device_time_total", 0.0) or 0.0
 
 
-def write(directory: Path, name: str, profiler: Any, data: dict[str, Any]) -> Path:
-    """``name``.json (``data``) and ``name``.txt (torch's table) in ``directory``, each written whole before it
-    appears (a reader polling for the JSON never sees half of it); returns the JSON's path."""
+def write(directory: Path, name: str, averages: Any, data: dict[str, Any]) -> Path:
+    """``name``.json (``data``) and ``name``.txt (torch's table of ``averages``) in ``directory``, each written whole
+    before it appears (a reader polling for the JSON never sees half of it); returns the JSON's path."""
     sort = "self_device_time_total" if data.get("device_s") else "self_cpu_time_total"
-    table = profiler.key_averages().table(sort_by=sort, row_limit=TOP_ROWS)
+    table = averages.table(sort_by=sort, row_limit=TOP_ROWS)
     _replace(directory / f"{name}.txt", table)
     return _replace(directory / f"{name}.json", json.dumps(data, indent=1))
 
@@ -110,11 +116,12 @@ def _replace(path: Path, text: str) -> Path:
 
 
 @contextlib.contextmanager
-def profiled(directory: Path | None, name: str, devices: Sequence[Any], **about: Any) -> Iterator[None]:
+def profiled(directory: str | Path | None, name: str, devices: Sequence[Any], **about: Any) -> Iterator[None]:
     """Run the body (a session worker's session; in bench_gpu, a local run to compare with) under
-    ``torch.profiler`` and write its profile into ``directory`` as ``name``.json and .txt, the JSON with
-    ``about``; nothing when ``directory`` is None."""
-    if directory is None:
+    ``torch.profiler`` and write its profile into ``directory`` (a node's ``profile_sessions``, as
+    :func:`check_directory` made it) as ``name``.json and .txt, the JSON with ``about``; nothing when
+    ``directory`` is empty or None."""
+    if not directory:
         yield
         return
     import torch
@@ -133,5 +140,6 @@ def profiled(directory: Path | None, name: str, devices: Sequence[Any], **about:
                 torch.cuda.synchronize()
         wall = time.perf_counter() - started
         profiler.stop()
-        data = summary(profiler, wall, **about, pid=os.getpid(), devices=[str(d) for d in devices])
-        write(directory, name, profiler, data)
+        averages = profiler.key_averages()  # once: over a long session's events it takes a while
+        data = summary(averages, wall, **about, pid=os.getpid(), devices=[str(d) for d in devices])
+        write(_resolve(directory), name, averages, data)

@@ -38,8 +38,8 @@ def test_each_session_writes_its_ops_profile_when_it_ends(tmp_path: Path) -> Non
             done = subprocess.run([sys.executable, "-c", _CLIENT, str(node.control_port)], capture_output=True,
                                   text=True, timeout=120, check=False)
             assert done.returncode == 0, done.stderr[-3000:] + node.log()[-2000:]
-        written = wait_until(lambda: sorted(profiles.glob("session-*.json")) if len(list(
-            profiles.glob("session-*.json"))) == 2 else None, 60, what="two sessions' profiles")
+        written = wait_until(lambda: found if len(found := sorted(profiles.glob("session-*.json"))) == 2 else None,
+                             60, what="two sessions' profiles")
     assert not list(profiles.glob("*.partial")), "a profile is written whole, then renamed"
     for path in written:
         data = json.loads(path.read_text())
@@ -52,6 +52,19 @@ def test_each_session_writes_its_ops_profile_when_it_ends(tmp_path: Path) -> Non
         assert rows["aten::tanh"]["count"] in (7, 8)
         assert "aten::mm" in path.with_suffix(".txt").read_text()
     assert {json.loads(p.read_text())["session_id"] for p in written} == {1, 2}
+
+
+def test_a_profile_directory_under_home_is_where_the_node_made_it(tmp_path: Path) -> None:
+    """``~/profiles``: the node creates it under $HOME, and its session workers write there (not into a ``~``
+    directory of their working directory)."""
+    with NodeProcess("serve", "--port", "0", "--devices", "cpu", "--profile-sessions", "~/profiles",
+                     env={"HOME": str(tmp_path)}) as node:
+        done = subprocess.run([sys.executable, "-c", _CLIENT, str(node.control_port)], capture_output=True,
+                              text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr[-3000:] + node.log()[-2000:]
+        written = wait_until(lambda: sorted((tmp_path / "profiles").glob("session-*.json")), 60,
+                             what="the session's profile under $HOME")
+    assert [p.name for p in written] == ["session-1.json"]
 
 
 def test_a_node_refuses_to_profile_sessions_in_its_own_threads(tmp_path: Path) -> None:

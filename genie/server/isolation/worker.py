@@ -40,7 +40,6 @@ import socket
 import threading
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -276,9 +275,8 @@ def serve_session(spec: WorkerSpec, sock: socket.socket, conn: Connection, clock
         session.wait_resume = wait_resume
     collectives.node_link = collectives.NodeLink(control.send, spec.config.bind_addr)  # torch.distributed
     threading.Thread(target=control.serve, name="genie-worker-control", daemon=True).start()
-    profile_dir = Path(spec.config.profile_sessions) if spec.config.profile_sessions else None  # the node checked it
-    with profiles.profiled(profile_dir, f"session-{spec.session_id}", spec.devices,  # --profile-sessions
-                           session_id=spec.session_id):
+    with profiles.profiled(spec.config.profile_sessions, f"session-{spec.session_id}", spec.devices,  # the node
+                           session_id=spec.session_id):  # checked and made the directory (--profile-sessions)
         session.run()
     try:
         control.send(["end", 0, snapshot(session, metrics)])
