@@ -9,6 +9,7 @@ from pathlib import Path
 
 from transport_fakes import FakeTransportPlugin, fake_transport
 
+from genie.testing import wait_until
 from genie.transport.base import ProbeTarget
 from genie.transport.cache import CapabilityCache
 from genie.transport.discovery import discover_sync
@@ -136,6 +137,9 @@ def test_timeouts_and_errors_are_never_cached(genie_pm, register_plugin):
     discover_sync(genie_pm, ProbeTarget(timeout=0.2))
     found = discover_sync(genie_pm, ProbeTarget(timeout=0.2))
     assert found.cached == frozenset()
+    # Each round's probe runs on a thread of its own, abandoned at the timeout: on a loaded machine its event loop
+    # may start (and record the call) only after the round gave up on it, so wait for both rounds' records.
+    wait_until(lambda: calls.count("probe:fake_hang") >= 2, 10, what="both rounds' probes of fake_hang started")
     assert calls.count("probe:fake_hang") == 2 and calls.count("probe:fake_boom") == 2
 
 
